@@ -1,0 +1,77 @@
+"""The tensor pipe contract.
+
+A pipe connects exactly two processes and carries a FIFO stream of tensors (or ``None``) in each
+direction. Upper layers (the lookup buffer, the connector) only rely on what this module states.
+"""
+
+from __future__ import annotations
+
+import abc
+from types import TracebackType
+
+import torch
+
+
+class KVPipeBase(abc.ABC):
+    """A bidirectional, FIFO, point-to-point tensor pipe.
+
+    Ordering: tensors sent by one side arrive at the other in the order ``send_tensor`` was called
+    (calls made from several threads are ordered by the pipe's internal lock). The two directions
+    are independent and may be used at the same time.
+
+    Errors: every error is a :class:`kv_pipe.KVTransferError`. A dead or silent peer surfaces as
+    :class:`kv_pipe.KVPeerLostError` within the configured ``kv_timeout``; an orderly close by the
+    peer as :class:`kv_pipe.KVPipeClosedError` once everything it sent has been received.
+    """
+
+    @abc.abstractmethod
+    def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
+        """Queue ``tensor`` (or ``None``) for sending and return; the transfer runs in the background.
+
+        Ownership: the pipe keeps a reference to ``tensor`` (a contiguous tensor is not copied)
+        until it has been sent; the caller must not modify it in place before :meth:`flush`
+        returns. Blocks only while the bytes in flight (queued, on the wire, or received but not
+        yet taken by the peer) would exceed ``kv_buffer_size``, at most ``timeout`` seconds
+        (``None``: as long as the peer is alive). Thread-safe.
+
+        Raises:
+            KVTransferError: the tensor alone exceeds ``kv_buffer_size``, its dtype cannot be
+                transferred, the pipe is closed or broken, or an earlier background send failed.
+            KVTimeoutError: the byte budget stayed full for ``timeout`` seconds.
+        """
+
+    @abc.abstractmethod
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
+        """Return the next tensor (or ``None``) the peer sent, on this pipe's device.
+
+        Blocks until one has arrived, at most ``timeout`` seconds (``None``: as long as the peer is
+        alive; an idle, live peer is not an error). The returned tensor belongs to the caller.
+        Thread-safe; each item goes to exactly one caller.
+
+        Raises:
+            KVTimeoutError: nothing arrived within ``timeout``; the pipe remains usable.
+            KVPeerLostError / KVPipeClosedError / KVProtocolError: the stream ended; items that
+                arrived before the failure are still returned first.
+        """
+
+    @abc.abstractmethod
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every queued tensor has been handed to the wire; re-raise a send error."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Send everything queued, tell the peer, release the connection. Idempotent.
+
+        Bounded by ``kv_timeout``; raises the first background error that was not yet reported.
+        """
+
+    def __enter__(self) -> KVPipeBase:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,194 @@
+"""Configuration shared by every kvbridge layer.
+
+Field names follow vLLM's ``KVTransferConfig`` so that vLLM users recognise them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from kv_pipe.errors import KVConfigError
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_BUFFER_DEVICES = ("cpu", "cuda")
+
+#: Environment variables read by :meth:`KVTransferConfig.from_env` (``KVBRIDGE_*`` beat torchrun's).
+ENV_PREFIX = "KVBRIDGE_"
+
+
+@dataclasses.dataclass
+class KVTransferConfig:
+    """How one side of a kvbridge connection is set up.
+
+    Attributes:
+        kv_role: ``kv_producer`` (prefill side, inserts KV), ``kv_consumer`` (decode side, selects
+            KV) or ``kv_both``.
+        kv_rank: 0 or 1, this side's rank inside the 2-member transfer group. Rank 0 hosts the
+            rendezvous (TCPStore) and, in a lookup buffer, the producer's control server.
+        kv_parallel_size: members of the transfer group; kvbridge pipes are point-to-point, so 2.
+        kv_ip: address of rank 0, where the rendezvous and control channel listen.
+        kv_port: first port used (see README, "Ports").
+        kv_buffer_size: byte budget: bytes a pipe keeps in flight, and bytes a lookup buffer holds.
+        kv_buffer_device: ``cpu`` (gloo) or ``cuda`` (NCCL; tensors received on the current device).
+        kv_timeout: seconds after which a silent peer is declared lost; also the default bound of
+            blocking waits such as a full lookup buffer. Must exceed the time one 64 MiB chunk takes
+            on the wire.
+        kv_connect_timeout: seconds to wait for the peer to appear when the pipe is created.
+        kv_secret: optional shared secret; when set, both sides must hold the same one.
+    """
+
+    kv_role: str = "kv_both"
+    kv_rank: int = 0
+    kv_parallel_size: int = 2
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_buffer_size: int = 1 << 30
+    kv_buffer_device: str = "cpu"
+    kv_timeout: float = 30.0
+    kv_connect_timeout: float = 300.0
+    kv_secret: str | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`KVConfigError` naming the first invalid field."""
+        if self.kv_role not in KV_ROLES:
+            raise KVConfigError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_parallel_size != 2:
+            raise KVConfigError(
+                f"kv_parallel_size must be 2 (kvbridge pipes are point-to-point), "
+                f"got {self.kv_parallel_size!r}"
+            )
+        if not _is_int(self.kv_rank) or self.kv_rank not in (0, 1):
+            raise KVConfigError(f"kv_rank must be 0 or 1, got {self.kv_rank!r}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise KVConfigError(f"kv_ip must be a host name or IP address, got {self.kv_ip!r}")
+        if not _is_int(self.kv_port) or not 1 <= self.kv_port <= 65535 - 8:
+            raise KVConfigError(f"kv_port must be an integer in [1, 65527], got {self.kv_port!r}")
+        if not _is_int(self.kv_buffer_size) or self.kv_buffer_size < 1 << 16:
+            raise KVConfigError(
+                f"kv_buffer_size must be an integer number of bytes >= 65536, "
+                f"got {self.kv_buffer_size!r}"
+            )
+        if self.kv_buffer_device not in KV_BUFFER_DEVICES:
+            raise KVConfigError(
+                f"kv_buffer_device must be one of {KV_BUFFER_DEVICES}, got {self.kv_buffer_device!r}"
+            )
+        for name in ("kv_timeout", "kv_connect_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise KVConfigError(f"{name} must be a number of seconds, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise KVConfigError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+        if self.kv_secret is not None and (not isinstance(self.kv_secret, str) or not self.kv_secret):
+            raise KVConfigError("kv_secret must be a non-empty string or None")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def replace(self, **changes: Any) -> KVTransferConfig:
+        """A validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> KVTransferConfig:
+        """Build from a mapping (e.g. vLLM's ``kv_connector_extra_config``); unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise KVConfigError(f"unknown kvbridge config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> KVTransferConfig:
+        """Build from torchrun's variables plus ``KVBRIDGE_*`` overrides.
+
+        Mapping (a ``KVBRIDGE_<FIELD>`` variable always wins):
+
+        ========================  =====================================================
+        field                     default taken from
+        ========================  =====================================================
+        ``kv_rank``               ``RANK`` (0 = prefill/producer, 1 = decode/consumer)
+        ``kv_role``               ``kv_producer`` for rank 0, ``kv_consumer`` for rank 1
+        ``kv_ip``                 ``MASTER_ADDR``
+        ``kv_port``               ``MASTER_PORT`` + 1 (torchrun's store keeps MASTER_PORT)
+        ``kv_parallel_size``      2 (``WORLD_SIZE`` must be 2 when torchrun launches both)
+        ========================  =====================================================
+
+        Every other field (``kv_buffer_size``, ``kv_buffer_device``, ``kv_timeout``,
+        ``kv_connect_timeout``, ``kv_secret``) is read from ``KVBRIDGE_<FIELD>`` or keeps its
+        default. Keyword ``overrides`` beat the environment.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        if "RANK" in env:
+            values["kv_rank"] = _parse_int("RANK", env["RANK"])
+        if "MASTER_ADDR" in env:
+            values["kv_ip"] = env["MASTER_ADDR"]
+        if "MASTER_PORT" in env:
+            values["kv_port"] = _parse_int("MASTER_PORT", env["MASTER_PORT"]) + 1
+        for field in dataclasses.fields(cls):
+            key = ENV_PREFIX + field.name.upper()
+            if key in env:
+                values[field.name] = _parse_field(field, key, env[key])
+        if "kv_role" not in values:
+            values["kv_role"] = "kv_producer" if values.get("kv_rank", 0) == 0 else "kv_consumer"
+        values.update(overrides)
+        return cls(**values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_int(key: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise KVConfigError(f"environment variable {key} must be an integer, got {text!r}") from None
+
+
+def _parse_field(field: dataclasses.Field, key: str, text: str) -> Any:
+    if field.name in ("kv_rank", "kv_parallel_size", "kv_port", "kv_buffer_size"):
+        return _parse_int(key, text)
+    if field.name in ("kv_timeout", "kv_connect_timeout"):
+        try:
+            return float(text)
+        except ValueError:
+            raise KVConfigError(f"environment variable {key} must be a number, got {text!r}") from None
+    return text
+
+
+def local_address_towards(remote_ip: str) -> str:
+    """The local address the kernel would use to reach ``remote_ip``.
+
+    gloo listens on the address the host name resolves to unless told otherwise, which is often
+    127.0.0.1: a peer on another host then gets "connection refused". Asking the routing table
+    (a UDP connect sends no packet) gives the interface that really faces the peer.
+    """
+    family = socket.AF_INET6 if _is_ipv6(remote_ip) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((remote_ip, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1" if family == socket.AF_INET else "::1"
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False

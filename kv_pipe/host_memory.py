@@ -1,0 +1,66 @@
+"""Reusable host memory for received tensors.
+
+Touching fresh pages costs more than the wire here (~2 GB/s against gloo's ~4.7 GB/s, see
+shared/notes/transport-facts.md), so large receive buffers are recycled. A buffer goes back to
+the pool only when the *storage* of every tensor made from it has died: numpy arrays own the memory
+and ``torch.from_numpy`` keeps the array alive exactly as long as the storage, which a weakref
+finalizer on the array observes. Views the caller takes keep the storage, and so the buffer, alive.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+#: Below this size malloc's own caching is as good as ours.
+POOL_MIN_BYTES = 1 << 20
+
+
+def _size_class(nbytes: int) -> int:
+    # Four classes per power of two: at most 25% slack, few distinct buffers.
+    step = 1 << max(nbytes.bit_length() - 3, 0)
+    return (nbytes + step - 1) // step * step
+
+
+class HostMemoryPool:
+    """Hands out 1-D uint8 CPU tensors; recycles their memory when the caller drops them.
+
+    Thread-safe. ``max_idle_bytes`` bounds the memory kept while nobody uses it.
+    """
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        self._max_idle_bytes = max_idle_bytes
+        self._idle: dict[int, list[np.ndarray]] = {}
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        if nbytes < POOL_MIN_BYTES:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        size = _size_class(nbytes)
+        with self._lock:
+            free = self._idle.get(size)
+            if free:
+                backing = free.pop()
+                self._idle_bytes -= size
+            else:
+                backing = None
+        if backing is None:
+            backing = np.empty(size, dtype=np.uint8)
+        view = backing[:nbytes]
+        weakref.finalize(view, self._release, backing)
+        return torch.from_numpy(view)
+
+    def _release(self, backing: np.ndarray) -> None:
+        with self._lock:
+            if self._idle_bytes + backing.nbytes <= self._max_idle_bytes:
+                self._idle.setdefault(backing.nbytes, []).append(backing)
+                self._idle_bytes += backing.nbytes
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self._idle_bytes

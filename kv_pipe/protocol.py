@@ -1,0 +1,203 @@
+"""The pipe's wire format: fixed-size frames, validated before anything is received.
+
+Every message starts with one frame of ``FRAME_BYTES`` bytes: a header of ``HEADER_WORDS``
+little-endian int64 words, then an inline area. A tensor that fits the inline area travels inside
+its frame (one message, no second round trip); a larger one follows as a payload, cut into chunks
+of at most ``CHUNK_BYTES`` so that no single gloo operation outlives ``kv_timeout``.
+
+Frames have one size on both sides, fixed by the protocol version: gloo aborts the whole process
+when a message is larger than the posted receive buffer, so sizes are never taken on trust.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import struct
+
+import torch
+
+from kv_pipe.errors import KVProtocolError, KVTransferError
+
+MAGIC = 0x4B5642524447  # "KVBRDG"
+PROTOCOL_VERSION = 1
+HEADER_WORDS = 64
+HEADER_BYTES = HEADER_WORDS * 8
+FRAME_BYTES = 8192
+INLINE_CAPACITY = FRAME_BYTES - HEADER_BYTES
+CHUNK_BYTES = 64 << 20
+MAX_NDIM = 48
+#: Bytes charged against the in-flight budget per message on top of its payload, so that floods of
+#: tiny tensors or Nones are bounded too.
+MESSAGE_OVERHEAD = 256
+
+
+class FrameKind(enum.IntEnum):
+    TENSOR = 1
+    NONE = 2
+    KEEPALIVE = 3  # carries credit and proves liveness; nothing for the user
+    CLOSE = 4  # the sender will send nothing more
+    CLOSE_ACK = 5  # answer to CLOSE: the sender will send nothing more either
+
+
+# Stable wire codes: append only, never renumber. Quantized dtypes are absent on purpose (their
+# scale and zero point are not part of the storage).
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+    "float64", "complex32", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "uint16", "uint32", "uint64", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+)  # fmt: skip
+DTYPE_TO_CODE: dict[torch.dtype, int] = {}
+CODE_TO_DTYPE: dict[int, torch.dtype] = {}
+for _code, _name in enumerate(_DTYPE_NAMES, start=1):
+    _dtype = getattr(torch, _name, None)
+    if isinstance(_dtype, torch.dtype):  # older torch builds lack some
+        DTYPE_TO_CODE[_dtype] = _code
+        CODE_TO_DTYPE[_code] = _dtype
+
+# Header word positions.
+_W_MAGIC, _W_VERSION, _W_KIND, _W_SEQ, _W_CONSUMED, _W_WANT_CREDIT = 0, 1, 2, 3, 4, 5
+_W_DTYPE, _W_NDIM, _W_NBYTES, _W_INLINE, _W_SHAPE = 6, 7, 8, 9, 10
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameHeader:
+    kind: FrameKind
+    seq: int
+    consumed: int
+    want_credit: bool
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
+
+    @property
+    def inline(self) -> bool:
+        return self.kind is FrameKind.TENSOR and self.nbytes <= INLINE_CAPACITY
+
+
+def message_cost(nbytes: int) -> int:
+    return nbytes + MESSAGE_OVERHEAD
+
+
+def encode_header(words: torch.Tensor, header: FrameHeader) -> None:
+    """Write ``header`` into ``words`` (a CPU int64 tensor of HEADER_WORDS)."""
+    values = [0] * HEADER_WORDS
+    values[_W_MAGIC] = MAGIC
+    values[_W_VERSION] = PROTOCOL_VERSION
+    values[_W_KIND] = int(header.kind)
+    values[_W_SEQ] = header.seq
+    values[_W_CONSUMED] = header.consumed
+    values[_W_WANT_CREDIT] = int(header.want_credit)
+    if header.kind is FrameKind.TENSOR:
+        values[_W_DTYPE] = DTYPE_TO_CODE[header.dtype]
+        values[_W_NDIM] = len(header.shape)
+        values[_W_NBYTES] = header.nbytes
+        values[_W_INLINE] = int(header.inline)
+        values[_W_SHAPE : _W_SHAPE + len(header.shape)] = header.shape
+    words.copy_(torch.tensor(values, dtype=torch.int64))
+
+
+def decode_header(words: list[int], max_nbytes: int) -> FrameHeader:
+    """Parse and validate a received header; raise KVProtocolError on anything off.
+
+    ``max_nbytes`` is the largest payload this side agreed to accept: a header claiming more is
+    refused before any memory is allocated or any receive is posted.
+    """
+    if words[_W_MAGIC] != MAGIC:
+        raise KVProtocolError(f"peer sent a frame with bad magic {words[_W_MAGIC]:#x}: not a kvbridge pipe")
+    if words[_W_VERSION] != PROTOCOL_VERSION:
+        raise KVProtocolError(
+            f"peer speaks kvbridge pipe protocol version {words[_W_VERSION]}, this side speaks "
+            f"{PROTOCOL_VERSION}: install the same kvbridge version on both sides"
+        )
+    try:
+        kind = FrameKind(words[_W_KIND])
+    except ValueError:
+        raise KVProtocolError(f"peer sent an unknown frame kind {words[_W_KIND]}") from None
+    if words[_W_CONSUMED] < 0 or words[_W_WANT_CREDIT] not in (0, 1) or words[_W_SEQ] < 0:
+        raise KVProtocolError(f"peer sent a malformed {kind.name} header: {words[:_W_SHAPE]}")
+    common = dict(seq=words[_W_SEQ], consumed=words[_W_CONSUMED], want_credit=bool(words[_W_WANT_CREDIT]))
+    if kind is not FrameKind.TENSOR:
+        if any(words[_W_DTYPE:]):
+            raise KVProtocolError(f"peer sent a {kind.name} frame with tensor fields set")
+        return FrameHeader(kind=kind, **common)
+    dtype = CODE_TO_DTYPE.get(words[_W_DTYPE])
+    if dtype is None:
+        raise KVProtocolError(f"peer sent unknown dtype code {words[_W_DTYPE]}")
+    ndim = words[_W_NDIM]
+    if not 0 <= ndim <= MAX_NDIM:
+        raise KVProtocolError(f"peer sent a tensor header with ndim={ndim} (limit {MAX_NDIM})")
+    shape = tuple(words[_W_SHAPE : _W_SHAPE + ndim])
+    if any(d < 0 for d in shape) or any(words[_W_SHAPE + ndim :]):
+        raise KVProtocolError(f"peer sent a malformed shape {words[_W_SHAPE:]}")
+    nbytes = words[_W_NBYTES]
+    if nbytes > max_nbytes:
+        raise KVProtocolError(
+            f"peer announced a {nbytes}-byte tensor, more than the agreed limit of {max_nbytes} "
+            f"bytes (kv_buffer_size); refused before allocating"
+        )
+    if nbytes != math.prod(shape) * dtype.itemsize:
+        raise KVProtocolError(
+            f"peer announced {nbytes} bytes for a {dtype} tensor of shape {shape}: inconsistent header"
+        )
+    header = FrameHeader(kind=kind, dtype=dtype, shape=shape, nbytes=nbytes, **common)
+    if words[_W_INLINE] != int(header.inline):
+        raise KVProtocolError(f"peer's inline flag {words[_W_INLINE]} disagrees with size {nbytes}")
+    return header
+
+
+def check_sendable(tensor: torch.Tensor) -> None:
+    """Raise KVTransferError if ``tensor`` cannot travel through a pipe."""
+    if not isinstance(tensor, torch.Tensor):
+        raise KVTransferError(f"send_tensor takes a torch.Tensor or None, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided:
+        raise KVTransferError(f"only strided (dense) tensors can be sent, got layout {tensor.layout}")
+    if tensor.is_quantized:
+        raise KVTransferError("quantized tensors carry a scale and zero point: dequantize before sending")
+    if tensor.dtype not in DTYPE_TO_CODE:
+        raise KVTransferError(f"dtype {tensor.dtype} cannot be sent through a kvbridge pipe")
+    if tensor.dim() > MAX_NDIM:
+        raise KVTransferError(f"tensor has {tensor.dim()} dimensions; the pipe carries at most {MAX_NDIM}")
+
+
+def chunk_bounds(nbytes: int) -> list[tuple[int, int]]:
+    """The [start, end) byte ranges a payload of ``nbytes`` is sent in; both sides agree on them."""
+    return [(start, min(start + CHUNK_BYTES, nbytes)) for start in range(0, nbytes, CHUNK_BYTES)]
+
+
+# The rendezvous greeting, exchanged through the TCPStore before the process group exists, so that
+# incompatible peers are told why instead of failing inside gloo.
+_HELLO = struct.Struct("<qqqqq")
+DEVICE_CODES = {"cpu": 0, "cuda": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    frame_bytes: int
+    max_in_flight: int
+    device: str
+
+    def pack(self) -> bytes:
+        return _HELLO.pack(MAGIC, PROTOCOL_VERSION, self.frame_bytes, self.max_in_flight,
+                           DEVICE_CODES[self.device])
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Hello:
+        if len(data) != _HELLO.size:
+            raise KVProtocolError(f"peer's rendezvous greeting has {len(data)} bytes, expected {_HELLO.size}")
+        magic, version, frame_bytes, max_in_flight, device_code = _HELLO.unpack(data)
+        if magic != MAGIC:
+            raise KVProtocolError("the process at the rendezvous address is not a kvbridge pipe")
+        if version != PROTOCOL_VERSION:
+            raise KVProtocolError(
+                f"peer speaks kvbridge pipe protocol version {version}, this side speaks "
+                f"{PROTOCOL_VERSION}: install the same kvbridge version on both sides"
+            )
+        devices = {code: name for name, code in DEVICE_CODES.items()}
+        if device_code not in devices or frame_bytes <= HEADER_BYTES or max_in_flight <= 0:
+            raise KVProtocolError(f"peer's rendezvous greeting is malformed: {_HELLO.unpack(data)}")
+        return cls(frame_bytes=frame_bytes, max_in_flight=max_in_flight, device=devices[device_code])

@@ -1,0 +1,432 @@
+"""A tensor pipe over torch.distributed point-to-point on a dedicated process group.
+
+Design (the measured facts behind it are in shared/notes/transport-facts.md):
+
+* The pipe builds its own 2-member group from a TCPStore at ``kv_ip:kv_port + port_offset``:
+  ``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA, driven by the same ``send``/``recv``
+  calls. The default process group is never created, needed or touched.
+* Any gloo timeout destroys the connection, so the group's timeout is used only as the liveness
+  bound (``kv_timeout``): each side's sender thread sends a keepalive frame whenever it has been
+  quiet for a quarter of that bound, so a posted receive on a healthy connection always completes
+  in time, an idle pipe stays healthy forever, and a dead or unreachable peer makes the receive
+  fail within ``kv_timeout``. Caller-facing timeouts (``recv_tensor(timeout=...)``) wait on queues
+  above gloo and leave the pipe usable.
+* A receiver thread always has a receive posted and never stalls, so a sender is never stuck in
+  gloo waiting for it. Memory is bounded by credit instead: every frame carries how many bytes its
+  sender's user has consumed, and ``send_tensor`` blocks while the bytes in flight (queued, on the
+  wire, or received but not yet taken) would exceed the budget both sides agreed on.
+* Headers are validated before any payload receive is posted: gloo aborts the process if a
+  message is larger than the receive buffer.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from kv_pipe.base import KVPipeBase
+from kv_pipe.config import KVTransferConfig, local_address_towards
+from kv_pipe.errors import (
+    KVPeerLostError,
+    KVPipeClosedError,
+    KVProtocolError,
+    KVTimeoutError,
+    KVTransferError,
+)
+from kv_pipe.host_memory import HostMemoryPool
+from kv_pipe.protocol import (
+    FRAME_BYTES,
+    HEADER_BYTES,
+    HEADER_WORDS,
+    FrameHeader,
+    FrameKind,
+    Hello,
+    check_sendable,
+    chunk_bounds,
+    decode_header,
+    encode_header,
+    message_cost,
+)
+
+logger = logging.getLogger(__name__)
+
+_TAG_FRAME = 0
+_TAG_PAYLOAD = 1
+
+
+class _Outgoing:
+    """One queued message: a frame kind and, for tensors, the bytes to send."""
+
+    __slots__ = ("kind", "data", "header_dtype", "shape", "cost")
+
+    def __init__(self, kind: FrameKind, data: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None, shape: tuple[int, ...] = (), cost: int = 0) -> None:
+        self.kind = kind
+        self.data = data  # contiguous uint8 view of the tensor, on the pipe's device
+        self.header_dtype = dtype
+        self.shape = shape
+        self.cost = cost
+
+
+class TorchDistributedPipe(KVPipeBase):
+    """FIFO tensor pipe between ``kv_rank`` 0 and 1 (see :class:`kv_pipe.KVPipeBase`).
+
+    Construction blocks until the peer has connected (at most ``kv_connect_timeout``) and raises
+    :class:`KVTransferError` subclasses naming the cause (no peer, incompatible peer).
+
+    Args:
+        config: this side's configuration; ``kv_rank`` must differ between the two sides, ``kv_ip``
+            and ``kv_port`` must be equal.
+        port_offset: added to ``kv_port``, so one process can hold several pipes. A pipe uses port
+            ``kv_port + port_offset`` and reserves the next one for a lookup buffer's control
+            channel: give pipes offsets that differ by at least 2.
+    """
+
+    def __init__(self, config: KVTransferConfig, port_offset: int = 0) -> None:
+        config.validate()
+        self.config = config
+        self.port_offset = port_offset
+        self.rank = config.kv_rank
+        self.peer_rank = 1 - config.kv_rank
+        self.port = config.kv_port + port_offset
+        self.device = self._select_device(config.kv_buffer_device)
+        self._keepalive_interval = config.kv_timeout / 4
+
+        self._cond = threading.Condition()
+        self._error: KVTransferError | None = None  # first fatal error; the pipe is dead after it
+        self._error_raised = False
+        self._closing = False  # close() was called
+        self._final_frame_queued = False  # CLOSE or CLOSE_ACK queued: nothing may follow it
+        self._peer_finished = False  # peer sent CLOSE or CLOSE_ACK
+
+        # Sending side.
+        self._send_queue: collections.deque[_Outgoing] = collections.deque()
+        self._queued_cost = 0  # cumulative cost of every message ever queued
+        self._queued_messages = 0
+        self._sent_messages = 0
+        self._peer_consumed = 0  # cumulative cost the peer's user has taken
+        self._want_credit = False  # ask the peer for credit in the next frame
+        self._credit_asked_at = -1  # _peer_consumed when we last asked: ask once per stall
+        self._next_send_seq = 0
+
+        # Receiving side.
+        self._recv_queue: collections.deque[tuple[torch.Tensor | None, int]] = collections.deque()
+        self._consumed = 0  # cumulative cost our user has taken
+        self._reported_consumed = 0  # the last value announced to the peer
+        self._peer_wants_credit = False
+        self._next_recv_seq = 0
+
+        self._store, peer_hello = self._rendezvous()
+        self._max_in_flight = min(config.kv_buffer_size, peer_hello.max_in_flight)
+        self._group = self._create_group()
+        self._host_memory = HostMemoryPool(max_idle_bytes=config.kv_buffer_size)
+        self._send_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
+        self._recv_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
+        name = f"kvbridge-pipe-{self.port}-r{self.rank}"
+        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
+        self._receiver = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
+        self._sender.start()
+        self._receiver.start()
+        logger.info("pipe rank %d <-> %d up on %s:%d (%s, in-flight budget %d bytes)", self.rank,
+                    self.peer_rank, config.kv_ip, self.port, self.device, self._max_in_flight)
+
+    # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _select_device(kind: str) -> torch.device:
+        if kind == "cuda":
+            if not torch.cuda.is_available():
+                raise KVTransferError("kv_buffer_device='cuda' but torch sees no CUDA device")
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _rendezvous(self) -> tuple[dist.TCPStore, Hello]:
+        config = self.config
+        connect_timeout = datetime.timedelta(seconds=config.kv_connect_timeout)
+        try:
+            store = dist.TCPStore(config.kv_ip, self.port, world_size=2, is_master=self.rank == 0,
+                                  timeout=connect_timeout, wait_for_workers=True)
+        except Exception as exc:  # torch raises several types (DistStoreError, RuntimeError, OSError)
+            raise KVPeerLostError(
+                f"kvbridge pipe rank {self.rank}: no peer at {config.kv_ip}:{self.port} within "
+                f"{config.kv_connect_timeout:g} s (kv_connect_timeout): {exc}"
+            ) from exc
+        hello = Hello(frame_bytes=FRAME_BYTES, max_in_flight=config.kv_buffer_size,
+                      device=config.kv_buffer_device)
+        try:
+            store.set(f"kvbridge/hello/{self.rank}", hello.pack())
+            peer_hello = Hello.unpack(store.get(f"kvbridge/hello/{self.peer_rank}"))
+        except KVProtocolError:
+            raise
+        except Exception as exc:
+            raise KVPeerLostError(f"kvbridge pipe rank {self.rank}: rendezvous with the peer failed: {exc}") from exc
+        if peer_hello.frame_bytes != FRAME_BYTES or peer_hello.device != config.kv_buffer_device:
+            raise KVProtocolError(
+                f"incompatible peer: it uses {peer_hello.device} with {peer_hello.frame_bytes}-byte frames, "
+                f"this side {config.kv_buffer_device} with {FRAME_BYTES}-byte frames"
+            )
+        store.set_timeout(datetime.timedelta(seconds=config.kv_timeout))
+        return store, peer_hello
+
+    def _create_group(self) -> dist.ProcessGroup:
+        group_store = dist.PrefixStore("kvbridge/group", self._store)
+        timeout = datetime.timedelta(seconds=self.config.kv_timeout)
+        try:
+            if self.device.type == "cuda":
+                # Unverified on GPU (no GPU in this project's CI): same calls, NCCL backend.
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                return dist.ProcessGroupNCCL(group_store, self.rank, 2, options)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            # Listen on the interface that faces the peer, not on whatever the host name resolves to.
+            address = local_address_towards(self.config.kv_ip)
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+            return dist.ProcessGroupGloo(group_store, self.rank, 2, options)
+        except Exception as exc:
+            raise KVPeerLostError(f"kvbridge pipe rank {self.rank}: could not connect the process group: {exc}") from exc
+
+    # ------------------------------------------------------------------ public API
+
+    def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
+        if tensor is None:
+            message = _Outgoing(FrameKind.NONE, cost=message_cost(0))
+        else:
+            check_sendable(tensor)
+            data = self._as_bytes(tensor)
+            message = _Outgoing(FrameKind.TENSOR, data, tensor.dtype, tuple(tensor.shape),
+                                message_cost(data.numel()))
+            if message.cost > self._max_in_flight:
+                raise KVTransferError(
+                    f"a {data.numel()}-byte tensor exceeds the pipe's in-flight budget of "
+                    f"{self._max_in_flight} bytes (the smaller kv_buffer_size of the two sides)"
+                )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_if_unusable_for_send()
+                if self._queued_cost + message.cost - self._peer_consumed <= self._max_in_flight:
+                    break
+                if self._credit_asked_at != self._peer_consumed:
+                    self._credit_asked_at = self._peer_consumed
+                    self._want_credit = True
+                    self._cond.notify_all()  # the sender thread tells the peer we are waiting
+                if not self._wait(deadline):
+                    raise KVTimeoutError(
+                        f"send_tensor: the in-flight budget of {self._max_in_flight} bytes stayed full "
+                        f"for {timeout:g} s (the peer is not taking what was sent)"
+                    )
+            self._queued_cost += message.cost
+            self._queued_messages += 1
+            self._send_queue.append(message)
+            self._cond.notify_all()
+
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._recv_queue:
+                if self._error is not None:
+                    self._error_raised = True
+                    raise self._error
+                if self._peer_finished:
+                    raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
+                if self._closing:
+                    raise KVPipeClosedError("recv_tensor on a closed pipe")
+                if not self._wait(deadline):
+                    raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
+            tensor, cost = self._recv_queue.popleft()
+            self._consumed += cost
+            if self._credit_due():
+                self._cond.notify_all()
+            return tensor
+
+    def flush(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._sent_messages < self._queued_messages:
+                if self._error is not None:
+                    self._error_raised = True
+                    raise self._error
+                if not self._wait(deadline):
+                    raise KVTimeoutError(f"flush: queued tensors were not sent within {timeout:g} s")
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            if self._error is None and not self._final_frame_queued:
+                self._queue_final_frame(FrameKind.CLOSE)
+            self._cond.notify_all()
+        # Both threads end once the peer has answered CLOSE; a dead peer ends them with an error
+        # within kv_timeout (the keepalive bound), so these joins are bounded.
+        bound = self.config.kv_timeout * 2
+        self._sender.join(bound)
+        self._receiver.join(bound)
+        if self._sender.is_alive() or self._receiver.is_alive():
+            # A thread blocked inside gloo cannot be interrupted; it is a daemon and holds no lock.
+            # The group stays referenced: destroying it under a pending operation is not safe.
+            logger.warning("pipe rank %d: transfer threads did not stop within %.1f s", self.rank, bound)
+        else:
+            self._group = None
+            self._store = None
+        with self._cond:
+            unsent = self._queued_messages - self._sent_messages
+            if self._error is not None and not self._error_raised and unsent > 0:
+                self._error_raised = True
+                raise KVTransferError(f"close: {unsent} queued message(s) were never sent") from self._error
+
+    # ------------------------------------------------------------------ state helpers (hold _cond)
+
+    def _wait(self, deadline: float | None) -> bool:
+        """Wait for a state change; False once ``deadline`` has passed."""
+        if deadline is None:
+            self._cond.wait()
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        self._cond.wait(remaining)
+        return True
+
+    def _raise_if_unusable_for_send(self) -> None:
+        if self._error is not None:
+            self._error_raised = True
+            raise self._error
+        if self._closing:
+            raise KVPipeClosedError("send_tensor on a closed pipe")
+        if self._final_frame_queued or self._peer_finished:
+            raise KVPipeClosedError("the peer closed the pipe; nothing more can be sent")
+
+    def _credit_due(self) -> bool:
+        unreported = self._consumed - self._reported_consumed
+        return unreported >= self._max_in_flight // 4 or (self._peer_wants_credit and unreported > 0)
+
+    def _queue_final_frame(self, kind: FrameKind) -> None:
+        self._final_frame_queued = True
+        self._queued_messages += 1
+        self._send_queue.append(_Outgoing(kind))
+
+    def _fail(self, error: KVTransferError) -> None:
+        with self._cond:
+            if self._error is None and not (self._closing and self._peer_finished):
+                self._error = error
+                logger.error("pipe rank %d: %s", self.rank, error)
+            self._cond.notify_all()
+
+    def _as_bytes(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach().to(self.device).resolve_conj().resolve_neg().contiguous()
+        return tensor.reshape(-1).view(torch.uint8)
+
+    # ------------------------------------------------------------------ sender thread
+
+    def _send_loop(self) -> None:
+        last_sent = time.monotonic()
+        while True:
+            with self._cond:
+                while True:
+                    if self._error is not None:
+                        return
+                    if self._send_queue:
+                        message = self._send_queue.popleft()
+                        break
+                    idle_for = time.monotonic() - last_sent
+                    if self._credit_due() or self._want_credit or idle_for >= self._keepalive_interval:
+                        message = _Outgoing(FrameKind.KEEPALIVE)
+                        break
+                    self._cond.wait(self._keepalive_interval - idle_for)
+                header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=self._consumed,
+                                     want_credit=self._want_credit, dtype=message.header_dtype,
+                                     shape=message.shape, nbytes=0 if message.data is None else message.data.numel())
+                if message.kind in (FrameKind.TENSOR, FrameKind.NONE):
+                    self._next_send_seq += 1
+                self._reported_consumed = self._consumed
+                self._peer_wants_credit = False
+                self._want_credit = False
+            try:
+                self._transmit(header, message.data)
+            except Exception as exc:
+                self._fail(KVPeerLostError(f"pipe rank {self.rank}: sending to rank {self.peer_rank} failed: {exc}"))
+                return
+            last_sent = time.monotonic()
+            with self._cond:
+                if message.kind is not FrameKind.KEEPALIVE:
+                    self._sent_messages += 1
+                message.data = None  # release the caller's tensor as soon as it is on the wire
+                self._cond.notify_all()
+            if message.kind in (FrameKind.CLOSE, FrameKind.CLOSE_ACK):
+                return
+
+    def _transmit(self, header: FrameHeader, data: torch.Tensor | None) -> None:
+        frame = self._send_frame
+        words = torch.empty(HEADER_WORDS, dtype=torch.int64)
+        encode_header(words, header)
+        frame[:HEADER_BYTES].copy_(words.view(torch.uint8))
+        if header.inline and header.nbytes:
+            frame[HEADER_BYTES : HEADER_BYTES + header.nbytes].copy_(data)
+        self._group.send([frame], self.peer_rank, _TAG_FRAME).wait()
+        if header.kind is FrameKind.TENSOR and not header.inline:
+            for start, end in chunk_bounds(header.nbytes):
+                self._group.send([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
+
+    # ------------------------------------------------------------------ receiver thread
+
+    def _recv_loop(self) -> None:
+        while True:
+            try:
+                self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
+                header = decode_header(self._recv_frame[:HEADER_BYTES].view(torch.int64).tolist(),
+                                       max_nbytes=self._max_in_flight)
+                item = self._receive_item(header)
+            except KVProtocolError as exc:
+                self._fail(exc)
+                return
+            except Exception as exc:
+                self._fail(KVPeerLostError(
+                    f"pipe rank {self.rank}: connection to rank {self.peer_rank} lost (peer exited, was "
+                    f"killed, or was silent for kv_timeout={self.config.kv_timeout:g} s): {exc}"))
+                return
+            with self._cond:
+                if header.consumed < self._peer_consumed:
+                    self._error = self._error or KVProtocolError("peer's consumed-bytes counter went backwards")
+                self._peer_consumed = max(self._peer_consumed, header.consumed)
+                self._peer_wants_credit = self._peer_wants_credit or header.want_credit
+                if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
+                    self._recv_queue.append((item, message_cost(header.nbytes)))
+                elif header.kind is FrameKind.CLOSE:
+                    self._peer_finished = True
+                    if not self._final_frame_queued and self._error is None:
+                        self._queue_final_frame(FrameKind.CLOSE_ACK)
+                elif header.kind is FrameKind.CLOSE_ACK:
+                    self._peer_finished = True
+                self._cond.notify_all()
+                if self._peer_finished:
+                    return
+
+    def _receive_item(self, header: FrameHeader) -> torch.Tensor | None:
+        if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
+            if header.seq != self._next_recv_seq:
+                raise KVProtocolError(f"peer's message {header.seq} arrived where {self._next_recv_seq} was due")
+            self._next_recv_seq += 1
+        if header.kind is not FrameKind.TENSOR:
+            return None
+        if header.nbytes == 0:
+            return torch.empty(header.shape, dtype=header.dtype, device=self.device)
+        if header.inline:
+            data = self._recv_frame[HEADER_BYTES : HEADER_BYTES + header.nbytes].clone()
+        else:
+            data = self._allocate(header.nbytes)
+            for start, end in chunk_bounds(header.nbytes):
+                self._group.recv([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
+        return data.view(header.dtype).reshape(header.shape)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self._host_memory.allocate(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

@@ -190,7 +190,7 @@ class TorchDistributedPipe(KVPipeBase):
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
             return dist.ProcessGroupGloo(group_store, self.rank, 2, options)
         except Exception as exc:
-            raise KVPeerLostError(f"kvbridge pipe rank {self.rank}: could not connect the process group: {exc}") from exc
+            raise KVPeerLostError(f"kvbridge pipe rank {self.rank}: could not connect the group: {exc}") from exc
 
     # ------------------------------------------------------------------ public API
 
@@ -383,6 +383,8 @@ class TorchDistributedPipe(KVPipeBase):
                 self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
                 header = decode_header(self._recv_frame[:HEADER_BYTES].view(torch.int64).tolist(),
                                        max_nbytes=self._max_in_flight)
+                if header.consumed < self._peer_consumed:  # only this thread writes it
+                    raise KVProtocolError("peer's consumed-bytes counter went backwards")
                 item = self._receive_item(header)
             except KVProtocolError as exc:
                 self._fail(exc)
@@ -393,9 +395,7 @@ class TorchDistributedPipe(KVPipeBase):
                     f"killed, or was silent for kv_timeout={self.config.kv_timeout:g} s): {exc}"))
                 return
             with self._cond:
-                if header.consumed < self._peer_consumed:
-                    self._error = self._error or KVProtocolError("peer's consumed-bytes counter went backwards")
-                self._peer_consumed = max(self._peer_consumed, header.consumed)
+                self._peer_consumed = header.consumed
                 self._peer_wants_credit = self._peer_wants_credit or header.want_credit
                 if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
                     self._recv_queue.append((item, message_cost(header.nbytes)))

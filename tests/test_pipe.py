@@ -1,0 +1,489 @@
+"""The tensor pipe, exercised by two real processes over gloo."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe.errors import (
+    KVConfigError,
+    KVPeerLostError,
+    KVPipeClosedError,
+    KVProtocolError,
+    KVTimeoutError,
+    KVTransferError,
+)
+from kv_pipe.protocol import DTYPE_TO_CODE, INLINE_CAPACITY
+from tests import procs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OLD_VLLM_NONE_SENTINEL = -150886311
+
+
+def config(rank: int, port: int, **changes) -> KVTransferConfig:
+    values = dict(kv_rank=rank, kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_port=port,
+                  kv_timeout=5.0, kv_connect_timeout=30.0)
+    values.update(changes)
+    return KVTransferConfig(**values)
+
+
+def random_tensor(generator: torch.Generator, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Random bits of any dtype (not just valid numbers: NaN payloads must survive too)."""
+    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def dtype_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    shapes = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (1, 1, 1, 1, 1, 1, 1, 1, 3), (INLINE_CAPACITY + 1,), (33, 17, 129)]
+    return [(dtype, shape) for dtype in DTYPE_TO_CODE for shape in shapes]
+
+
+def tensor_stream(seed: int) -> list[torch.Tensor | None]:
+    """Every dtype in odd shapes, None, the old vLLM None sentinel, and non-contiguous views."""
+    generator = torch.Generator().manual_seed(seed)
+    items: list[torch.Tensor | None] = [random_tensor(generator, d, s) for d, s in dtype_cases()]
+    items += [None, torch.tensor(OLD_VLLM_NONE_SENTINEL), torch.full((4,), float(OLD_VLLM_NONE_SENTINEL)), None]
+    base = random_tensor(generator, torch.float32, (20, 30))
+    items += [base.t(), base[::3, 1::2], base[5], torch.randn(4, 4, dtype=torch.complex64, generator=generator).conj()]
+    return items
+
+
+# ---------------------------------------------------------------- bodies run in the child processes
+
+
+def body_every_dtype(rank: int, port: int) -> int:
+    """Both sides send the same stream at the same time and check what they receive."""
+    expected = tensor_stream(seed=1234)
+    with TorchDistributedPipe(config(rank, port)) as pipe:
+        for item in expected:
+            pipe.send_tensor(item)
+        for index, want in enumerate(expected):
+            got = pipe.recv_tensor(timeout=30)
+            if want is not None:
+                want = want.resolve_conj()
+            assert same_bits(got, want), f"item {index}: sent {want!r}, received {got!r}"
+    return len(expected)
+
+
+def body_random_stress(rank: int, port: int, count: int) -> int:
+    """Hundreds of random tensors both ways at once, from two threads per side, with Nones."""
+
+    def stream(seed: int) -> list[torch.Tensor | None]:
+        rng = random.Random(seed)
+        generator = torch.Generator().manual_seed(seed)
+        dtypes = list(DTYPE_TO_CODE)
+        out: list[torch.Tensor | None] = []
+        for _ in range(count):
+            if rng.random() < 0.15:
+                out.append(None)
+                continue
+            ndim = rng.randint(0, 4)
+            dtype = rng.choice(dtypes)
+            shape = tuple(rng.choice([0, 1, 2, 3, 17, 64, 301]) for _ in range(ndim))
+            while torch.Size(shape).numel() * dtype.itemsize > 1 << 22:
+                shape = shape[1:]
+            if rng.random() < 0.05:
+                shape = (rng.randint(1 << 18, 1 << 20),)  # up to 16 MiB (complex128)
+            out.append(random_tensor(generator, dtype, shape))
+        return out
+
+    cfg = config(rank, port, kv_buffer_size=40 << 20)  # a few large items fill it: credit flow is exercised
+    with TorchDistributedPipe(cfg) as pipe:
+        mine, theirs = stream(seed=rank), stream(seed=1 - rank)
+        errors: list[BaseException] = []
+
+        def send_all() -> None:
+            try:
+                for item in mine:
+                    pipe.send_tensor(item, timeout=30)
+                pipe.flush(timeout=30)
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        sender = threading.Thread(target=send_all)
+        sender.start()
+        for index, want in enumerate(theirs):
+            got = pipe.recv_tensor(timeout=30)
+            assert same_bits(got, want), f"item {index} differs"
+        sender.join(60)
+        assert not sender.is_alive() and not errors, errors
+    return count
+
+
+def body_concurrent_senders(rank: int, port: int, threads: int, per_thread: int) -> int:
+    with TorchDistributedPipe(config(rank, port)) as pipe:
+        if rank == 0:
+            def send(thread_id: int) -> None:
+                for seq in range(per_thread):
+                    pipe.send_tensor(torch.tensor([thread_id, seq, thread_id * 1000 + seq]))
+
+            workers = [threading.Thread(target=send, args=(t,)) for t in range(threads)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(60)
+            pipe.flush(timeout=30)
+            assert pipe.recv_tensor(timeout=30).item() == 1  # wait for the peer's verdict before closing
+            return 0
+        next_seq = [0] * threads
+        for _ in range(threads * per_thread):
+            thread_id, seq, check = pipe.recv_tensor(timeout=30).tolist()
+            assert seq == next_seq[thread_id], "per-thread FIFO order broken"
+            assert check == thread_id * 1000 + seq
+            next_seq[thread_id] += 1
+        pipe.send_tensor(torch.tensor(1))
+        return sum(next_seq)
+
+
+def body_large(rank: int, port: int, nbytes: int) -> str:
+    generator = torch.Generator().manual_seed(99)
+    tensor = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, generator=generator)
+    with TorchDistributedPipe(config(rank, port, kv_buffer_size=nbytes + (1 << 20), kv_timeout=20)) as pipe:
+        if rank == 0:
+            pipe.send_tensor(tensor)
+            pipe.flush(timeout=60)
+            assert pipe.recv_tensor(timeout=60).item() == 1
+            return "sent"
+        got = pipe.recv_tensor(timeout=60)
+        assert torch.equal(got, tensor)
+        pipe.send_tensor(torch.tensor(1))
+        return "received"
+
+
+def body_timeouts_and_idle(rank: int, port: int) -> str:
+    """recv timeouts leave the pipe usable; an idle pipe outlives kv_timeout many times over."""
+    kv_timeout = 1.0
+    with TorchDistributedPipe(config(rank, port, kv_timeout=kv_timeout)) as pipe:
+        if rank == 1:
+            start = time.monotonic()
+            with pytest.raises(KVTimeoutError):
+                pipe.recv_tensor(timeout=0.3)
+            assert 0.25 < time.monotonic() - start < 5
+            pipe.send_tensor(torch.tensor(7))  # tell rank 0 the timeout happened
+            assert pipe.recv_tensor(timeout=30).item() == 8  # arrives after > 4 x kv_timeout of idling
+            pipe.send_tensor(torch.tensor(9))
+            return "ok"
+        assert pipe.recv_tensor(timeout=30).item() == 7
+        time.sleep(4 * kv_timeout + 0.5)
+        pipe.send_tensor(torch.tensor(8))
+        assert pipe.recv_tensor(timeout=30).item() == 9
+        return "ok"
+
+
+def body_backpressure(rank: int, port: int) -> int:
+    """A slow reader bounds the writer: send_tensor blocks, times out cleanly, and nothing is lost."""
+    budget = 1 << 20
+    with TorchDistributedPipe(config(rank, port, kv_buffer_size=budget)) as pipe:
+        item = torch.arange(64 << 10, dtype=torch.int32)  # 256 KiB: four fit in the budget
+        if rank == 0:
+            with pytest.raises(KVTransferError, match="in-flight budget"):
+                pipe.send_tensor(torch.empty(budget, dtype=torch.uint8))  # alone larger than the budget
+            for _ in range(3):
+                pipe.send_tensor(item)
+            with pytest.raises(KVTimeoutError):  # the reader takes nothing yet
+                pipe.send_tensor(item, timeout=0.5)
+                pipe.send_tensor(item, timeout=0.5)
+            pipe.send_tensor(torch.tensor(-1))  # "go": small enough to fit
+            sent = 0
+            for _ in range(40):
+                pipe.send_tensor(item + sent, timeout=30)
+                sent += 1
+            pipe.flush(timeout=30)
+            assert pipe.recv_tensor(timeout=30).item() == sent
+            return sent
+        time.sleep(1.5)
+        received = []
+        while True:
+            got = pipe.recv_tensor(timeout=30)
+            if got.numel() == 1:
+                break
+            received.append(got)
+        assert len(received) in (3, 4)  # the timed-out send may or may not have been queued
+        for offset in range(40):
+            assert torch.equal(pipe.recv_tensor(timeout=30), item + offset)
+        pipe.send_tensor(torch.tensor(40))
+        return 40
+
+
+def body_close_orderly(rank: int, port: int) -> str:
+    pipe = TorchDistributedPipe(config(rank, port))
+    if rank == 0:
+        for value in range(5):
+            pipe.send_tensor(torch.tensor(value))
+        pipe.close()
+        with pytest.raises(KVPipeClosedError):
+            pipe.send_tensor(torch.tensor(0))
+        return "closed"
+    assert [pipe.recv_tensor(timeout=30).item() for _ in range(5)] == list(range(5))
+    with pytest.raises(KVPipeClosedError, match="peer closed"):
+        pipe.recv_tensor(timeout=30)
+    with pytest.raises(KVPipeClosedError):
+        pipe.send_tensor(torch.tensor(0))
+    pipe.close()
+    return "saw close"
+
+
+def body_victim(rank: int, port: int, results) -> None:
+    """Rank 0 gets killed by the test; rank 1 reports how its calls failed and how fast."""
+    pipe = TorchDistributedPipe(config(rank, port, kv_timeout=2.0))
+    if rank == 0:
+        results.put(("ready", os.getpid()))
+        while True:  # keep a large transfer going until killed
+            pipe.send_tensor(torch.randn(4 << 20))
+    outcome = {}
+    start = time.monotonic()
+    try:
+        while True:
+            pipe.recv_tensor(timeout=60)
+    except KVTransferError as exc:
+        outcome["recv_error"] = (type(exc).__name__, str(exc), time.monotonic() - start)
+    try:
+        pipe.send_tensor(torch.ones(3))
+        pipe.flush(timeout=30)
+    except KVTransferError as exc:
+        outcome["send_error"] = type(exc).__name__
+    pipe.close()
+    results.put(("outcome", outcome))
+
+
+def body_with_default_group(rank: int, port: int) -> str:
+    """The pipe beside an initialised default group, both carrying traffic at once."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 2}", rank=rank, world_size=2)
+    try:
+        with TorchDistributedPipe(config(rank, port)) as pipe:
+            for step in range(20):
+                pipe.send_tensor(torch.full((1000,), float(rank * 100 + step)))
+                total = torch.tensor([float(rank + 1)])
+                dist.all_reduce(total)
+                assert total.item() == 3.0
+                got = pipe.recv_tensor(timeout=30)
+                assert torch.equal(got, torch.full((1000,), float((1 - rank) * 100 + step)))
+            assert dist.get_world_size() == 2  # the default group is untouched
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return "ok"
+
+
+def body_version_mismatch(rank: int, port: int) -> str:
+    import kv_pipe.protocol
+
+    if rank == 1:
+        kv_pipe.protocol.PROTOCOL_VERSION = 999  # pretend to be a future kvbridge
+    with pytest.raises(KVProtocolError, match="version"):
+        TorchDistributedPipe(config(rank, port))
+    return "refused"
+
+
+def body_hostile_header(rank: int, port: int) -> str:
+    """Rank 1 hand-crafts a frame announcing a 1 TiB tensor; rank 0 must refuse it, not allocate."""
+    from kv_pipe import protocol
+
+    pipe = TorchDistributedPipe(config(rank, port))
+    if rank == 1:
+        words = torch.zeros(protocol.HEADER_WORDS, dtype=torch.int64)
+        protocol.encode_header(words, protocol.FrameHeader(
+            kind=protocol.FrameKind.TENSOR, seq=0, consumed=0, want_credit=False,
+            dtype=torch.uint8, shape=(1 << 40,), nbytes=1 << 40))
+        frame = torch.zeros(protocol.FRAME_BYTES, dtype=torch.uint8)
+        frame[: protocol.HEADER_BYTES] = words.view(torch.uint8)
+        with pipe._cond:  # keep our own sender thread quiet while we write on its behalf
+            pipe._group.send([frame], 0, 0).wait()
+            time.sleep(3)
+        return "sent"
+    with pytest.raises(KVProtocolError, match="refused before allocating"):
+        pipe.recv_tensor(timeout=30)
+    return "refused"
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.timeout(120)
+def test_every_dtype_and_odd_shapes_bit_exact_both_directions():
+    port = procs.free_port()
+    counts = procs.run_pair(body_every_dtype, (0, port), (1, port), timeout=100)
+    assert counts[0] == counts[1] == len(tensor_stream(1234)) > len(DTYPE_TO_CODE) * 9
+
+
+@pytest.mark.timeout(180)
+def test_random_stress_both_directions_with_none():
+    port = procs.free_port()
+    assert procs.run_pair(body_random_stress, (0, port, 400), (1, port, 400), timeout=160) == (400, 400)
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_senders_keep_per_thread_order():
+    port = procs.free_port()
+    assert procs.run_pair(body_concurrent_senders, (0, port, 4, 100), (1, port, 4, 100), timeout=100)[1] == 400
+
+
+@pytest.mark.timeout(240)
+def test_large_tensor_256_mib():
+    port = procs.free_port()
+    assert procs.run_pair(body_large, (0, port, 256 << 20), (1, port, 256 << 20), timeout=220) == ("sent", "received")
+
+
+@pytest.mark.timeout(120)
+def test_recv_timeout_then_continue_and_long_idle():
+    port = procs.free_port()
+    assert procs.run_pair(body_timeouts_and_idle, (0, port), (1, port), timeout=100) == ("ok", "ok")
+
+
+@pytest.mark.timeout(120)
+def test_backpressure_blocks_sender_without_loss():
+    port = procs.free_port()
+    assert procs.run_pair(body_backpressure, (0, port), (1, port), timeout=100) == (40, 40)
+
+
+@pytest.mark.timeout(120)
+def test_orderly_close_drains_then_reports_closed():
+    port = procs.free_port()
+    assert procs.run_pair(body_close_orderly, (0, port), (1, port), timeout=100) == ("closed", "saw close")
+
+
+@pytest.mark.timeout(120)
+def test_peer_killed_mid_transfer_gives_peer_lost_within_bound():
+    port = procs.free_port()
+    results = procs.new_queue()
+    victim = procs.start(body_victim, (0, port, results), results, 0)
+    survivor = procs.start(body_victim, (1, port, results), results, 1)
+    try:
+        kind, victim_pid = results.get(timeout=60)
+        assert kind == "ready"
+        time.sleep(1.0)  # let large transfers flow
+        os.kill(victim_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        kind, outcome = results.get(timeout=60)
+        assert kind == "outcome"
+        detected_after = time.monotonic() - killed_at
+    finally:
+        procs.reap([victim, survivor])
+    name, message, _ = outcome["recv_error"]
+    assert name == "KVPeerLostError", outcome
+    assert "lost" in message
+    assert outcome["send_error"] in ("KVPeerLostError",), outcome
+    assert detected_after < 2.0 * 2 + 10  # kv_timeout=2: the bound, plus process-start slack on a busy box
+
+
+@pytest.mark.timeout(120)
+def test_pipe_beside_existing_default_group():
+    port = procs.free_port(span=4)
+    assert procs.run_pair(body_with_default_group, (0, port), (1, port), timeout=100) == ("ok", "ok")
+
+
+@pytest.mark.timeout(120)
+def test_protocol_version_mismatch_is_refused_clearly():
+    port = procs.free_port()
+    assert procs.run_pair(body_version_mismatch, (0, port), (1, port), timeout=100) == ("refused", "refused")
+
+
+@pytest.mark.timeout(120)
+def test_header_claiming_huge_tensor_is_refused_before_allocation():
+    port = procs.free_port()
+    assert procs.run_pair(body_hostile_header, (0, port), (1, port), timeout=100) == ("refused", "sent")
+
+
+@pytest.mark.timeout(60)
+def test_no_peer_gives_clear_error_within_connect_timeout():
+    port = procs.free_port()
+    start = time.monotonic()
+    with pytest.raises(KVPeerLostError, match="no peer"):
+        TorchDistributedPipe(config(1, port, kv_connect_timeout=2.0))
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(180)
+def test_launch_under_torchrun(tmp_path):
+    script = tmp_path / "torchrun_body.py"
+    script.write_text(
+        "import torch\n"
+        "from kv_pipe import KVTransferConfig, TorchDistributedPipe\n"
+        "cfg = KVTransferConfig.from_env(kv_timeout=10.0, kv_connect_timeout=60.0)\n"
+        "assert cfg.kv_role == ('kv_producer' if cfg.kv_rank == 0 else 'kv_consumer')\n"
+        "with TorchDistributedPipe(cfg) as pipe:\n"
+        "    pipe.send_tensor(torch.full((3, 3), float(cfg.kv_rank)))\n"
+        "    got = pipe.recv_tensor(timeout=60)\n"
+        "    assert torch.equal(got, torch.full((3, 3), float(1 - cfg.kv_rank))), got\n"
+        "print('rank', cfg.kv_rank, 'ok', flush=True)\n"
+    )
+    port = procs.free_port()
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+               f"--master-port={port}", str(script)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(kv_role="prefill"), "kv_role"),
+        (dict(kv_rank=2), "kv_rank"),
+        (dict(kv_rank=True), "kv_rank"),
+        (dict(kv_parallel_size=3), "kv_parallel_size"),
+        (dict(kv_port=0), "kv_port"),
+        (dict(kv_port=70000), "kv_port"),
+        (dict(kv_port="8000"), "kv_port"),
+        (dict(kv_buffer_size=100), "kv_buffer_size"),
+        (dict(kv_buffer_size=1.5e9), "kv_buffer_size"),
+        (dict(kv_buffer_device="tpu"), "kv_buffer_device"),
+        (dict(kv_timeout=0), "kv_timeout"),
+        (dict(kv_timeout=float("inf")), "kv_timeout"),
+        (dict(kv_connect_timeout=-1), "kv_connect_timeout"),
+        (dict(kv_ip=""), "kv_ip"),
+        (dict(kv_secret=""), "kv_secret"),
+    ],
+)
+def test_bad_config_values_name_the_field(changes, field):
+    with pytest.raises(KVConfigError, match=field):
+        KVTransferConfig(**changes)
+
+
+def test_config_from_env_maps_torchrun_variables():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500",
+           "KVBRIDGE_KV_BUFFER_SIZE": "123456", "KVBRIDGE_KV_TIMEOUT": "7.5"}
+    cfg = KVTransferConfig.from_env(env)
+    assert (cfg.kv_rank, cfg.kv_role, cfg.kv_ip, cfg.kv_port) == (1, "kv_consumer", "10.1.2.3", 29501)
+    assert (cfg.kv_buffer_size, cfg.kv_timeout) == (123456, 7.5)
+    assert KVTransferConfig.from_env({"RANK": "0"}).kv_role == "kv_producer"
+    overridden = KVTransferConfig.from_env({**env, "KVBRIDGE_KV_ROLE": "kv_both", "KVBRIDGE_KV_PORT": "4000"})
+    assert (overridden.kv_role, overridden.kv_port) == ("kv_both", 4000)
+    with pytest.raises(KVConfigError, match="KVBRIDGE_KV_TIMEOUT"):
+        KVTransferConfig.from_env({"KVBRIDGE_KV_TIMEOUT": "soon"})
+    with pytest.raises(KVConfigError, match="unknown"):
+        KVTransferConfig.from_dict({"kv_rank": 0, "kv_bufer_size": 1})
+
+
+def test_unsendable_tensors_are_refused_before_queueing():
+    from kv_pipe.protocol import check_sendable
+
+    with pytest.raises(KVTransferError, match="quantized"):
+        check_sendable(torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8))
+    with pytest.raises(KVTransferError, match="strided"):
+        check_sendable(torch.randn(4, 4).to_sparse())
+    with pytest.raises(KVTransferError, match="torch.Tensor"):
+        check_sendable([1, 2, 3])

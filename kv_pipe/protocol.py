@@ -83,8 +83,8 @@ def message_cost(nbytes: int) -> int:
     return nbytes + MESSAGE_OVERHEAD
 
 
-def encode_header(words: torch.Tensor, header: FrameHeader) -> None:
-    """Write ``header`` into ``words`` (a CPU int64 tensor of HEADER_WORDS)."""
+def encode_header(header: FrameHeader) -> list[int]:
+    """The HEADER_WORDS int64 words of ``header``."""
     values = [0] * HEADER_WORDS
     values[_W_MAGIC] = MAGIC
     values[_W_VERSION] = PROTOCOL_VERSION
@@ -98,7 +98,7 @@ def encode_header(words: torch.Tensor, header: FrameHeader) -> None:
         values[_W_NBYTES] = header.nbytes
         values[_W_INLINE] = int(header.inline)
         values[_W_SHAPE : _W_SHAPE + len(header.shape)] = header.shape
-    words.copy_(torch.tensor(values, dtype=torch.int64))
+    return values
 
 
 def decode_header(words: list[int], max_nbytes: int) -> FrameHeader:

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -43,7 +44,7 @@ from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import (
     FRAME_BYTES,
     HEADER_BYTES,
-    HEADER_WORDS,
+    INLINE_CAPACITY,
     FrameHeader,
     FrameKind,
     Hello,
@@ -121,6 +122,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._reported_consumed = 0  # the last value announced to the peer
         self._peer_wants_credit = False
         self._next_recv_seq = 0
+        self._wire_busy = False  # a thread is transmitting: frames must not interleave
 
         self._store, peer_hello = self._rendezvous()
         self._max_in_flight = min(config.kv_buffer_size, peer_hello.max_in_flight)
@@ -128,7 +130,12 @@ class TorchDistributedPipe(KVPipeBase):
         self._host_memory = HostMemoryPool(max_idle_bytes=config.kv_buffer_size)
         self._send_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
         self._recv_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
+        # Headers are written and read through numpy views of host memory: far cheaper per message
+        # than building tensors. On CUDA the header is staged in host memory and copied.
+        self._send_header = self._host_view(self._send_frame)
+        self._recv_header = self._host_view(self._recv_frame)
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
+        self._last_sent = time.monotonic()
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
         self._sender.start()
@@ -224,16 +231,24 @@ class TorchDistributedPipe(KVPipeBase):
                     )
             self._queued_cost += message.cost
             self._queued_messages += 1
-            self._send_queue.append(message)
-            self._cond.notify_all()
+            # Small messages go out from the caller's thread when the wire is free: a hand-off to
+            # the sender thread costs more than the send itself (the receiver always has a
+            # receive posted, so this does not wait for the peer's user).
+            direct = not self._send_queue and not self._wire_busy and message.cost <= message_cost(INLINE_CAPACITY)
+            if not direct:
+                self._send_queue.append(message)
+                self._cond.notify_all()
+                return
+            header = self._claim_wire(message)
+        self._transmit_claimed(header, message)
+        with self._cond:
+            self._raise_if_failed()
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not self._recv_queue:
-                if self._error is not None:
-                    self._error_raised = True
-                    raise self._error
+                self._raise_if_failed()
                 if self._peer_finished:
                     raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
                 if self._closing:
@@ -250,9 +265,7 @@ class TorchDistributedPipe(KVPipeBase):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._sent_messages < self._queued_messages:
-                if self._error is not None:
-                    self._error_raised = True
-                    raise self._error
+                self._raise_if_failed()
                 if not self._wait(deadline):
                     raise KVTimeoutError(f"flush: queued tensors were not sent within {timeout:g} s")
 
@@ -295,10 +308,13 @@ class TorchDistributedPipe(KVPipeBase):
         self._cond.wait(remaining)
         return True
 
-    def _raise_if_unusable_for_send(self) -> None:
+    def _raise_if_failed(self) -> None:
         if self._error is not None:
             self._error_raised = True
             raise self._error
+
+    def _raise_if_unusable_for_send(self) -> None:
+        self._raise_if_failed()
         if self._closing:
             raise KVPipeClosedError("send_tensor on a closed pipe")
         if self._final_frame_queued or self._peer_finished:
@@ -317,7 +333,7 @@ class TorchDistributedPipe(KVPipeBase):
         with self._cond:
             if self._error is None and not (self._closing and self._peer_finished):
                 self._error = error
-                logger.error("pipe rank %d: %s", self.rank, error)
+                logger.error("%s", error)
             self._cond.notify_all()
 
     def _as_bytes(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -327,47 +343,63 @@ class TorchDistributedPipe(KVPipeBase):
     # ------------------------------------------------------------------ sender thread
 
     def _send_loop(self) -> None:
-        last_sent = time.monotonic()
         while True:
             with self._cond:
                 while True:
                     if self._error is not None:
                         return
-                    if self._send_queue:
-                        message = self._send_queue.popleft()
-                        break
-                    idle_for = time.monotonic() - last_sent
-                    if self._credit_due() or self._want_credit or idle_for >= self._keepalive_interval:
-                        message = _Outgoing(FrameKind.KEEPALIVE)
-                        break
-                    self._cond.wait(self._keepalive_interval - idle_for)
-                header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=self._consumed,
-                                     want_credit=self._want_credit, dtype=message.header_dtype,
-                                     shape=message.shape, nbytes=0 if message.data is None else message.data.numel())
-                if message.kind in (FrameKind.TENSOR, FrameKind.NONE):
-                    self._next_send_seq += 1
-                self._reported_consumed = self._consumed
-                self._peer_wants_credit = False
-                self._want_credit = False
-            try:
-                self._transmit(header, message.data)
-            except Exception as exc:
-                self._fail(KVPeerLostError(f"pipe rank {self.rank}: sending to rank {self.peer_rank} failed: {exc}"))
+                    if not self._wire_busy:
+                        if self._send_queue:
+                            message = self._send_queue.popleft()
+                            break
+                        idle_for = time.monotonic() - self._last_sent
+                        if self._credit_due() or self._want_credit or idle_for >= self._keepalive_interval:
+                            message = _Outgoing(FrameKind.KEEPALIVE)
+                            break
+                        self._cond.wait(self._keepalive_interval - idle_for)
+                    else:
+                        self._cond.wait()
+                header = self._claim_wire(message)
+            if not self._transmit_claimed(header, message):
                 return
-            last_sent = time.monotonic()
+            if message.kind in (FrameKind.CLOSE, FrameKind.CLOSE_ACK):
+                return
+
+    def _claim_wire(self, message: _Outgoing) -> FrameHeader:
+        """Reserve the wire for ``message`` and build its header (hold ``_cond``)."""
+        self._wire_busy = True
+        header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=self._consumed,
+                             want_credit=self._want_credit, dtype=message.header_dtype, shape=message.shape,
+                             nbytes=0 if message.data is None else message.data.numel())
+        if message.kind in (FrameKind.TENSOR, FrameKind.NONE):
+            self._next_send_seq += 1
+        self._reported_consumed = self._consumed
+        self._peer_wants_credit = False
+        self._want_credit = False
+        return header
+
+    def _transmit_claimed(self, header: FrameHeader, message: _Outgoing) -> bool:
+        """Send a message whose wire was claimed; release the wire. False if the send failed."""
+        try:
+            self._transmit(header, message.data)
+        except Exception as exc:
+            self._fail(KVPeerLostError(f"pipe rank {self.rank}: sending to rank {self.peer_rank} failed: {exc}"))
+            return False
+        finally:
             with self._cond:
+                self._wire_busy = False
+                self._last_sent = time.monotonic()
                 if message.kind is not FrameKind.KEEPALIVE:
                     self._sent_messages += 1
                 message.data = None  # release the caller's tensor as soon as it is on the wire
                 self._cond.notify_all()
-            if message.kind in (FrameKind.CLOSE, FrameKind.CLOSE_ACK):
-                return
+        return True
 
     def _transmit(self, header: FrameHeader, data: torch.Tensor | None) -> None:
         frame = self._send_frame
-        words = torch.empty(HEADER_WORDS, dtype=torch.int64)
-        encode_header(words, header)
-        frame[:HEADER_BYTES].copy_(words.view(torch.uint8))
+        self._send_header[:] = encode_header(header)
+        if frame.device.type != "cpu":
+            frame[:HEADER_BYTES].copy_(torch.from_numpy(self._send_header).view(torch.uint8))
         if header.inline and header.nbytes:
             frame[HEADER_BYTES : HEADER_BYTES + header.nbytes].copy_(data)
         self._group.send([frame], self.peer_rank, _TAG_FRAME).wait()
@@ -375,14 +407,24 @@ class TorchDistributedPipe(KVPipeBase):
             for start, end in chunk_bounds(header.nbytes):
                 self._group.send([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
 
+    @staticmethod
+    def _host_view(frame: torch.Tensor) -> np.ndarray:
+        """An int64 numpy view of the frame's header (a host copy for device frames)."""
+        host = frame[:HEADER_BYTES] if frame.device.type == "cpu" else torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        return host.numpy().view(np.int64)
+
+    def _received_header_words(self) -> list[int]:
+        if self._recv_frame.device.type != "cpu":
+            self._recv_header[:] = self._recv_frame[:HEADER_BYTES].cpu().numpy().view(np.int64)
+        return self._recv_header.tolist()
+
     # ------------------------------------------------------------------ receiver thread
 
     def _recv_loop(self) -> None:
         while True:
             try:
                 self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
-                header = decode_header(self._recv_frame[:HEADER_BYTES].view(torch.int64).tolist(),
-                                       max_nbytes=self._max_in_flight)
+                header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight)
                 if header.consumed < self._peer_consumed:  # only this thread writes it
                     raise KVProtocolError("peer's consumed-bytes counter went backwards")
                 item = self._receive_item(header)

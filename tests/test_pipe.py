@@ -54,7 +54,8 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def dtype_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    shapes = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (1, 1, 1, 1, 1, 1, 1, 1, 3), (INLINE_CAPACITY + 1,), (33, 17, 129)]
+    shapes = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (1, 1, 1, 1, 1, 1, 1, 1, 3), (INLINE_CAPACITY + 1,),
+              (33, 17, 129)]
     return [(dtype, shape) for dtype in DTYPE_TO_CODE for shape in shapes]
 
 
@@ -303,10 +304,9 @@ def body_hostile_header(rank: int, port: int) -> str:
 
     pipe = TorchDistributedPipe(config(rank, port))
     if rank == 1:
-        words = torch.zeros(protocol.HEADER_WORDS, dtype=torch.int64)
-        protocol.encode_header(words, protocol.FrameHeader(
+        words = torch.tensor(protocol.encode_header(protocol.FrameHeader(
             kind=protocol.FrameKind.TENSOR, seq=0, consumed=0, want_credit=False,
-            dtype=torch.uint8, shape=(1 << 40,), nbytes=1 << 40))
+            dtype=torch.uint8, shape=(1 << 40,), nbytes=1 << 40)), dtype=torch.int64)
         frame = torch.zeros(protocol.FRAME_BYTES, dtype=torch.uint8)
         frame[: protocol.HEADER_BYTES] = words.view(torch.uint8)
         with pipe._cond:  # keep our own sender thread quiet while we write on its behalf

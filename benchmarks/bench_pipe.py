@@ -1,0 +1,140 @@
+"""Pipe throughput and latency against raw ProcessGroupGloo send/recv, measured in the same run.
+
+Two processes ping-pong a random tensor of each size; one-way time = round trip / 2 (median over
+iterations, after warm-up). The raw baseline receives into a pre-allocated, reused buffer on its
+own ProcessGroupGloo, which is the best gloo can do; the pipe adds framing, credit, background
+threads and hands the caller a tensor it owns.
+
+    python benchmarks/bench_pipe.py [--iters 7] [--sizes 4K,64K,1M,16M,128M,512M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
+from kv_pipe.config import local_address_towards  # noqa: E402
+from tests.procs import free_port  # noqa: E402
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    return int(text[:-1]) * UNITS[text[-1].upper()] if text[-1].upper() in UNITS else int(text)
+
+
+def label(nbytes: int) -> str:
+    for suffix, unit in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= unit:
+            return f"{nbytes // unit} {suffix}"
+    return f"{nbytes} B"
+
+
+def raw_group(rank: int, port: int) -> tuple[torch.distributed.ProcessGroup, torch.distributed.TCPStore]:
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    options = torch.distributed.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=120)
+    options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=local_address_towards("127.0.0.1"))]
+    return torch.distributed.ProcessGroupGloo(store, rank, 2, options), store
+
+
+def one_way_times(rank: int, iters: int, warmup: int, round_trip) -> list[float]:
+    times = []
+    for index in range(warmup + iters):
+        start = time.perf_counter()
+        round_trip()
+        if index >= warmup:
+            times.append((time.perf_counter() - start) / 2)
+    return times
+
+
+def worker(rank: int, port: int, sizes: list[int], iters: int, results) -> None:
+    torch.set_num_threads(1)
+    group, _store = raw_group(rank, port)  # the store must outlive the group
+    config = KVTransferConfig(
+        kv_rank=rank,
+        kv_port=port + 2,
+        kv_buffer_size=max(sizes) * 2 + (1 << 20),
+        kv_timeout=60.0,
+        kv_connect_timeout=60.0,
+    )
+    pipe = TorchDistributedPipe(config)
+    peer = 1 - rank
+    rows = []
+    progress = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(sizes), desc="sizes", file=sys.stderr)
+    for nbytes in sizes:
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        reused = torch.empty_like(data)
+        warmup = 2 if nbytes <= 64 << 20 else 1
+        count = iters if nbytes <= 128 << 20 else max(3, iters // 2)
+
+        def raw_round_trip(data: torch.Tensor = data, reused: torch.Tensor = reused) -> None:
+            if rank == 0:
+                group.send([data], peer, 0).wait()
+                group.recv([reused], peer, 0).wait()
+            else:
+                group.recv([reused], peer, 0).wait()
+                group.send([reused], peer, 0).wait()
+
+        def pipe_round_trip(data: torch.Tensor = data) -> None:
+            if rank == 0:
+                pipe.send_tensor(data)
+                pipe.recv_tensor(timeout=120)
+            else:
+                pipe.send_tensor(pipe.recv_tensor(timeout=120))
+
+        raw = statistics.median(one_way_times(rank, count, warmup, raw_round_trip))
+        piped = statistics.median(one_way_times(rank, count, warmup, pipe_round_trip))
+        rows.append((nbytes, raw, piped))
+        if progress is not None:
+            progress.update()
+    pipe.close()
+    if rank == 0:
+        results.put(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4K,64K,1M,16M,128M,512M")
+    parser.add_argument("--iters", type=int, default=7)
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port(span=4)
+    processes = [ctx.Process(target=worker, args=(rank, port, sizes, args.iters, results)) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    try:
+        rows = results.get(timeout=1800)
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    print(f"torch {torch.__version__}, gloo over loopback, ping-pong one-way time (median of {args.iters})")
+    print(f"{'size':>9} | {'raw GB/s':>8} | {'pipe GB/s':>9} | {'pipe/raw':>8} | {'raw us':>9} | {'pipe us':>9}")
+    print("-" * 68)
+    for nbytes, raw, piped in rows:
+        print(
+            f"{label(nbytes):>9} | {nbytes / raw / 1e9:8.2f} | {nbytes / piped / 1e9:9.2f} | "
+            f"{raw / piped:7.2f}x | {raw * 1e6:9.1f} | {piped * 1e6:9.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

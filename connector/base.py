@@ -1,0 +1,125 @@
+"""The connector contract: moving a batch of requests' KV caches through a lookup buffer.
+
+The connector is framework-neutral. A caller describes each request as a :class:`KVRequest`: its
+prompt tokens, where its KV lives (a :class:`KVStorage`) and optionally its last hidden state.
+
+Producer (prefill side), :func:`connector.send_kv_caches_and_hidden_states`::
+
+    send_kv_caches_and_hidden_states(buffer, requests, timeout=None) -> list[KVSendResult]
+
+packs each request's KV out of the caller's caches (a copy: the caches may be reused at once) and
+inserts it into the lookup buffer under the request's tokens, with ``requests[i].hidden`` as the
+hidden state. The buffer keeps ``input_tokens`` and ``hidden`` by reference until the entry is
+selected: do not modify them in place. Blocking: each insert waits at most ``timeout`` seconds for
+room in the buffer (``None``: the buffer's ``kv_timeout``). Errors: :class:`kv_pipe.KVTransferError`
+subclasses from the buffer propagate (e.g. :class:`kv_pipe.KVBufferFullError`).
+
+Consumer (decode side), :func:`connector.recv_kv_caches_and_hidden_states`::
+
+    recv_kv_caches_and_hidden_states(buffer, requests, timeout=None) -> list[KVRecvResult]
+
+asks the buffer for each request's tokens (each ask waits at most ``timeout`` seconds for the entry
+to appear; ``None``: not at all) and, on a hit, writes the KV into the caller's caches and the hidden state into
+``requests[i].hidden``. It returns one result per request, in order: a hit means the caller may skip
+the prefill of that request; a miss (with a reason, also logged) means it must compute it, and that
+nothing of the caller's memory was written. A hit is only reported after the received tokens, region
+of interest (a partial entry is a miss), layer count, block count, shapes and dtypes were all
+checked against what the caller expects. An entry that was received but failed a check is consumed
+(the buffer drops what it selects).
+
+Errors versus misses: a request that is absent or inconsistent with the caller's setup is a miss; a
+caller whose own arguments are wrong (tokens not a 1-D integer tensor, block ids out of range or
+too few for the tokens, layers of different shapes) gets :class:`kv_pipe.KVConfigError` when it
+builds the request; a broken transport propagates as :class:`kv_pipe.KVTransferError`.
+
+Neither function is thread-safe with respect to the caller's caches: the caller must not touch the
+caches of the requests being moved until the call returns.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+from kv_pipe.errors import KVConfigError
+
+
+class KVStorage(abc.ABC):
+    """Where one request's KV lives in the caller's memory, for every layer.
+
+    On the producer the storage is read (:meth:`pack`); on the consumer it is the destination
+    (:meth:`mismatch`, then :meth:`load`).
+    """
+
+    @abc.abstractmethod
+    def check_tokens(self, num_tokens: int) -> None:
+        """Raise :class:`KVConfigError` if this storage cannot hold the KV of ``num_tokens`` tokens."""
+
+    @abc.abstractmethod
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The request's KV as the (key, value) pair stored in the lookup buffer; new tensors."""
+
+    @abc.abstractmethod
+    def mismatch(self, key: torch.Tensor | None, value: torch.Tensor | None) -> str | None:
+        """Why a received (key, value) pair cannot be loaded here, or ``None`` when it can."""
+
+    @abc.abstractmethod
+    def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
+        """Write a received pair, for which :meth:`mismatch` returned ``None``, into the caller's memory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRequest:
+    """One request of a batch.
+
+    Attributes:
+        input_tokens: the prompt, a 1-D integer tensor; it is the lookup key (all positions).
+        kv: where the request's KV is read from (producer) or written to (consumer).
+        hidden: producer: the hidden state to send along (any tensor, or ``None``). Consumer: a
+            destination tensor that a hit fills (shape and dtype must match what was sent), or
+            ``None`` when the caller does not need a hidden state.
+    """
+
+    input_tokens: torch.Tensor
+    kv: KVStorage
+    hidden: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        tokens = self.input_tokens
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() == 0:
+            raise KVConfigError(f"input_tokens must be a non-empty 1-D tensor, got {tokens!r}")
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise KVConfigError(f"input_tokens must have an integer dtype, got {tokens.dtype}")
+        self.kv.check_tokens(tokens.numel())
+
+    @property
+    def roi(self) -> torch.Tensor:
+        """The region of interest sent to the buffer: every token of the prompt."""
+        return torch.ones(self.input_tokens.numel(), dtype=torch.bool, device=self.input_tokens.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSendResult:
+    """What inserting one request cost: bytes handed to the buffer and seconds spent."""
+
+    num_bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRecvResult:
+    """The outcome for one request on the consumer.
+
+    Attributes:
+        hit: the KV (and the hidden state, if asked for) was written into the caller's memory.
+        reason: why it is a miss; ``None`` on a hit.
+        num_bytes: bytes received for the request (0 when nothing arrived).
+        seconds: time spent waiting for and receiving the entry.
+    """
+
+    hit: bool
+    reason: str | None
+    num_bytes: int
+    seconds: float

@@ -1,0 +1,72 @@
+"""Contiguous KV: one key tensor and one value tensor per layer, owned by a single request."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from connector.base import KVStorage
+from kv_pipe.errors import KVConfigError
+
+
+def _check_layers(name: str, tensors: Sequence[torch.Tensor]) -> None:
+    first = tensors[0]
+    for layer, tensor in enumerate(tensors):
+        if tensor.shape != first.shape or tensor.dtype != first.dtype:
+            raise KVConfigError(
+                f"{name} of layer {layer} is {tuple(tensor.shape)} {tensor.dtype}, "
+                f"layer 0 is {tuple(first.shape)} {first.dtype}"
+            )
+
+
+def _mismatch(name: str, received: torch.Tensor | None, expected: Sequence[torch.Tensor]) -> str | None:
+    if received is None:
+        return f"no {name} tensor was received"
+    if received.dim() == 0 or received.shape[0] != len(expected):
+        return f"layer count {received.shape[0] if received.dim() else 0} received, {len(expected)} expected"
+    if received.shape[1:] != expected[0].shape:
+        return f"{name} shape {tuple(received.shape[1:])} received, {tuple(expected[0].shape)} expected"
+    if received.dtype != expected[0].dtype:
+        return f"{name} dtype {received.dtype} received, {expected[0].dtype} expected"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ContiguousKV(KVStorage):
+    """A request's own per-layer ``keys`` and ``values`` (any shape, the same for every layer).
+
+    Producer: the tensors are read. Consumer: they are destinations that a hit overwrites, so their
+    shapes (which include the number of tokens) must be those the producer sent. They travel as
+    ``[num_layers, *shape]`` stacks in the buffer's key and value slots.
+    """
+
+    keys: Sequence[torch.Tensor]
+    values: Sequence[torch.Tensor]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) == 0 or len(self.keys) != len(self.values):
+            raise KVConfigError(
+                f"contiguous KV needs one key and one value tensor per layer, got {len(self.keys)} keys "
+                f"and {len(self.values)} values"
+            )
+        _check_layers("key", self.keys)
+        _check_layers("value", self.values)
+
+    def check_tokens(self, num_tokens: int) -> None:
+        # The token dimension of an arbitrary per-layer shape is unknown here; the consumer's
+        # shape check covers it.
+        return None
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.stack(list(self.keys)), torch.stack(list(self.values))
+
+    def mismatch(self, key: torch.Tensor | None, value: torch.Tensor | None) -> str | None:
+        return _mismatch("key", key, self.keys) or _mismatch("value", value, self.values)
+
+    def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
+        assert value is not None  # mismatch() rejected a missing value
+        for layer, (key_dest, value_dest) in enumerate(zip(self.keys, self.values, strict=True)):
+            key_dest.copy_(key[layer])
+            value_dest.copy_(value[layer])

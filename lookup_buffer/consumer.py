@@ -1,0 +1,289 @@
+"""The consumer side of the lookup buffer: selects over ZeroMQ, entries routed off the data pipe.
+
+Each calling thread has its own DEALER socket (zmq sockets are not thread-safe). One reader thread
+takes everything from the data pipe: a hit header naming a request id, then that hit's tensors,
+which it hands to the waiting call of that id; so concurrent selects never get each other's tensors.
+Request ids are random 63-bit numbers: a stray or hostile select cannot guess a live one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import threading
+import time
+
+import torch
+import zmq
+
+from kv_pipe.base import KVPipeBase
+from kv_pipe.config import KVTransferConfig
+from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
+from lookup_buffer.base import BufferStats, SelectResult
+from lookup_buffer.control import HIGH_WATER_MARK, Doorbell, open_socket
+from lookup_buffer.errors import fresh_error
+from lookup_buffer.matching import MatchKey, token_arrays
+from lookup_buffer.protocol import (
+    ITEM_NAMES,
+    MAX_REPLY_BYTES,
+    Reply,
+    decode_reply,
+    encode_request,
+    parse_header,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _Call:
+    """One drop_select in flight: the reader thread fills ``items`` and sets ``arrived``."""
+
+    __slots__ = ("request_id", "arrived", "items", "match_key")
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+        self.arrived = threading.Event()
+        self.items: tuple[torch.Tensor | None, ...] | None = None
+        self.match_key: MatchKey | None = None
+
+
+class BufferConsumer:
+    """Serves a :class:`lookup_buffer.SimpleBuffer` with ``kv_role='kv_consumer'``."""
+
+    def __init__(self, pipe: KVPipeBase, config: KVTransferConfig, address: str) -> None:
+        self._pipe = pipe
+        self._config = config
+        self._address = address
+        self._context = zmq.Context(io_threads=1)
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket] = []
+        self._lock = threading.Lock()  # guards everything below
+        self._idle = threading.Condition(self._lock)
+        self._calls: dict[int, _Call] = {}
+        self._closed = False
+        self._failure: KVTransferError | None = None
+        self._failure_reported = False
+        self._received_tensors = 0  # the reader's progress
+        self._hits = self._misses = self._waits = self._received_bytes = 0
+        # Rung once and never cleared: wakes every waiting call, now and later.
+        self._stopped = Doorbell()
+        self._reader = threading.Thread(target=self._read, name="kvbuf-consumer-reader", daemon=True)
+        self._reader.start()
+        logger.info("lookup buffer consumer selecting from %s", address)
+
+    # ------------------------------------------------------------------ caller API
+
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, wait: float) -> SelectResult:
+        tokens, roi_array = token_arrays(input_tokens, roi)
+        query = MatchKey(tokens, roi_array)
+        wait_ms = math.ceil(wait * 1000)
+        call = self._open_call()
+        try:
+            sock, poller = self._thread_socket()
+            try:
+                sock.send(encode_request(call.request_id, tokens, roi_array, wait_ms), zmq.NOBLOCK)
+            except zmq.Again:
+                raise KVPeerLostError(
+                    f"lookup buffer: {HIGH_WATER_MARK} selects queued unsent to {self._address}; "
+                    f"the producer is unreachable"
+                ) from None
+            reply = self._await_reply(sock, poller, call.request_id, wait_ms / 1000 + self._config.kv_timeout)
+            if reply.status == "miss":
+                with self._lock:
+                    self._misses += 1
+                    self._waits += reply.waited
+                return [None] * len(ITEM_NAMES)
+            if reply.status == "closed":
+                raise KVPipeClosedError(f"lookup buffer: {reply.message}")
+            if reply.status == "error":
+                raise KVProtocolError(f"lookup buffer: the producer refused the select: {reply.message}")
+            items = self._await_items(call)
+            if call.match_key != query:  # routing must never hand out another request's KV
+                raise KVProtocolError("lookup buffer: the producer sent an entry that does not match the query")
+            with self._lock:
+                self._hits += 1
+                self._waits += reply.waited
+                self._received_bytes += sum(item.nbytes for item in items if item is not None)
+            return list(items)
+        finally:
+            self._close_call(call)
+
+    def stats(self) -> BufferStats:
+        with self._lock:
+            return BufferStats(
+                role="kv_consumer",
+                capacity_bytes=self._config.kv_buffer_size,
+                hits=self._hits,
+                misses=self._misses,
+                waits=self._waits,
+                pending=len(self._calls),
+                transferred_bytes=self._received_bytes,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            calls = list(self._calls.values())
+        self._stopped.ring()
+        for call in calls:
+            call.arrived.set()
+        bound = self._config.kv_timeout
+        with self._idle:
+            self._idle.wait_for(lambda: not self._calls, timeout=bound)
+        pipe_error = None
+        try:
+            self._pipe.close()  # ends the reader's recv_tensor
+        except KVTransferError as exc:
+            pipe_error = exc
+        self._reader.join(bound)
+        with self._lock:
+            busy = len(self._calls)
+            failure = None if self._failure_reported else self._failure
+            self._failure_reported = True
+        if busy:
+            logger.error(
+                "lookup buffer: %d drop_select calls did not return within %.1f s; sockets stay open", busy, bound
+            )
+        else:
+            for sock in self._sockets:
+                sock.close(linger=0)
+            self._context.term()
+            self._stopped.close()
+        if pipe_error is not None:
+            raise pipe_error
+        if failure is not None and not isinstance(failure, KVPipeClosedError):
+            raise fresh_error(failure)
+
+    # ------------------------------------------------------------------ calls
+
+    def _open_call(self) -> _Call:
+        with self._lock:
+            self._raise_if_stopped()
+            request_id = secrets.randbits(63)
+            while request_id in self._calls:
+                request_id = secrets.randbits(63)
+            call = self._calls[request_id] = _Call(request_id)
+            return call
+
+    def _close_call(self, call: _Call) -> None:
+        with self._lock:
+            del self._calls[call.request_id]
+            if not self._calls:
+                self._idle.notify_all()
+
+    def _raise_if_stopped(self) -> None:
+        """Raise the failure or the closed state (hold ``_lock``)."""
+        if self._failure is not None:
+            self._failure_reported = True
+            raise fresh_error(self._failure)
+        if self._closed:
+            raise KVPipeClosedError("lookup buffer closed (drop_select woken or called after close)")
+
+    def _thread_socket(self) -> tuple[zmq.Socket, zmq.Poller]:
+        state = getattr(self._local, "socket", None)
+        if state is None:
+            sock = open_socket(self._context, zmq.DEALER, self._address, MAX_REPLY_BYTES, bind=False)
+            with self._lock:
+                self._sockets.append(sock)  # close() closes it once no call is active
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(self._stopped.fileno(), zmq.POLLIN)
+            state = self._local.socket = (sock, poller)
+        return state
+
+    def _await_reply(self, sock: zmq.Socket, poller: zmq.Poller, request_id: int, bound: float) -> Reply:
+        deadline = time.monotonic() + bound
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise KVPeerLostError(
+                    f"lookup buffer: the producer at {self._address} did not answer a select within "
+                    f"{bound:g} s (its wait + kv_timeout)"
+                )
+            events = dict(poller.poll(math.ceil(remaining * 1000)))
+            if self._stopped.fileno() in events:
+                with self._lock:
+                    self._raise_if_stopped()
+            if sock in events:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if len(frames) != 1:
+                    raise KVProtocolError(f"lookup buffer: the producer sent a reply of {len(frames)} frames")
+                reply = decode_reply(frames[0])
+                if reply.request_id == request_id:
+                    return reply
+                # The answer to an earlier call of this thread that gave up waiting.
+                logger.debug("lookup buffer: discarding a late reply for request %d", reply.request_id)
+
+    def _await_items(self, call: _Call) -> tuple[torch.Tensor | None, ...]:
+        """The items of a hit; the producer sent them before its reply, so they are on their way."""
+        stall = 2 * self._config.kv_timeout
+        with self._lock:
+            seen = self._received_tensors
+        while not call.arrived.wait(stall):
+            with self._lock:
+                progress = self._received_tensors
+            if progress == seen:
+                raise KVPeerLostError(
+                    f"lookup buffer: the producer announced a hit but nothing arrived on the data pipe for {stall:g} s"
+                )
+            seen = progress
+        if call.items is None:  # woken by close() or a pipe failure
+            with self._lock:
+                self._raise_if_stopped()
+        return call.items
+
+    # ------------------------------------------------------------------ reader thread
+
+    def _read(self) -> None:
+        # Each recv_tensor is bounded by the pipe's liveness check and ended by close().
+        try:
+            while True:
+                self._route_one_hit()
+        except KVTransferError as exc:
+            self._fail(exc)
+        except Exception as exc:  # a bug; fail loudly rather than leave callers waiting
+            logger.exception("lookup buffer reader thread failed")
+            self._fail(KVTransferError(f"lookup buffer reader thread failed: {exc!r}"))
+
+    def _route_one_hit(self) -> None:
+        # A function of its own so that no reference to the tensors outlives the hit: the pipe
+        # recycles a receive buffer only once its tensor is gone.
+        header = parse_header(self._next_tensor())
+        key = self._next_tensor()
+        value = self._next_tensor() if header.has_value else None
+        hidden = self._next_tensor() if header.has_hidden else None
+        with self._lock:
+            call = self._calls.get(header.request_id)
+        if call is None:
+            logger.warning(
+                "lookup buffer: dropped the entry sent for request %d: its drop_select gave up", header.request_id
+            )
+            return
+        call.items = (header.input_tokens, header.roi, key, value, hidden)
+        call.match_key = header.match_key
+        call.arrived.set()
+
+    def _next_tensor(self) -> torch.Tensor:
+        item = self._pipe.recv_tensor()
+        with self._lock:
+            self._received_tensors += 1
+        if item is None:
+            raise KVProtocolError("lookup buffer: the producer sent None on the data pipe; hits carry only tensors")
+        return item
+
+    def _fail(self, error: KVTransferError) -> None:
+        with self._lock:
+            if self._closed or self._failure is not None:
+                return  # a closing pipe ends the reader: not a failure
+            self._failure = error
+            calls = list(self._calls.values())
+        if isinstance(error, KVPipeClosedError):
+            logger.info("lookup buffer: the producer closed its side (%s)", error)
+        else:
+            logger.error("lookup buffer consumer stops: %s", error)
+        self._stopped.ring()
+        for call in calls:
+            call.arrived.set()

@@ -1,0 +1,102 @@
+"""ZeroMQ plumbing of the control channel: its address, hardened sockets, and a pollable doorbell.
+
+Port: the producer binds ``tcp://{kv_ip}:{kv_port + port_offset + 1}`` (the pipe of the same
+``port_offset`` uses ``kv_port + port_offset``), on that address only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import threading
+
+import zmq
+
+from kv_pipe.config import KVTransferConfig
+from kv_pipe.errors import KVConfigError
+
+#: Messages ZeroMQ queues per peer before dropping (ROUTER) or refusing (DEALER): bounds the memory
+#: a flood can take together with ZMQ_MAXMSGSIZE.
+HIGH_WATER_MARK = 256
+
+
+def control_address(config: KVTransferConfig, port_offset: int) -> str:
+    port = config.kv_port + port_offset + 1
+    if not 1 <= port <= 65535:
+        raise KVConfigError(f"control port kv_port + port_offset + 1 = {port} is not a valid port")
+    host = config.kv_ip
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass  # a host name
+    return f"tcp://{host}:{port}"
+
+
+def open_socket(context: zmq.Context, kind: int, address: str, max_message_bytes: int, bind: bool) -> zmq.Socket:
+    """A socket bound (producer) or connected (consumer) to ``address``, with memory bounds set.
+
+    Raises:
+        KVConfigError: the address cannot be bound (not local, or in use).
+    """
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+    sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+    sock.setsockopt(zmq.IPV6, int(address.startswith("tcp://[")))
+    try:
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        verb = "bind" if bind else "connect"
+        raise KVConfigError(
+            f"lookup buffer: cannot {verb} the control channel at {address} ({exc}); kv_ip must be an "
+            f"address of the producer's host and kv_port + port_offset + 1 must be free"
+        ) from exc
+    return sock
+
+
+class Doorbell:
+    """A file descriptor that zmq.Poller can watch, rung from any thread.
+
+    ``ring`` makes it readable; ``clear`` makes it unreadable again. Never clearing it makes a
+    level-triggered "this happened" flag that wakes every poller, now and later. Ringing a closed
+    doorbell does nothing (its descriptor number may already belong to someone else).
+    """
+
+    def __init__(self) -> None:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._read_fd
+
+    def ring(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full, so it is readable already
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._read_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._read_fd)
+                os.close(self._write_fd)

@@ -1,0 +1,372 @@
+"""The producer side of the lookup buffer: the entry store and the control server that serves selects.
+
+One server thread owns the ROUTER socket and every parked select; it sleeps in a zmq poll that
+wakes on a control message, on an insert (a doorbell), or at the next select's deadline, so a
+select is answered as soon as its entry is inserted, without polling on a timer. A second thread
+blocks in ``recv_tensor`` on the data pipe: the consumer never sends anything there, so that call
+only returns when the consumer died or closed, which then surfaces in ``insert`` and ``close``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import logging
+import math
+import threading
+import time
+
+import torch
+import zmq
+
+from kv_pipe.base import KVPipeBase
+from kv_pipe.config import KVTransferConfig
+from kv_pipe.errors import KVPipeClosedError, KVProtocolError, KVTransferError
+from kv_pipe.protocol import MESSAGE_OVERHEAD
+from lookup_buffer.base import BufferStats
+from lookup_buffer.control import Doorbell, open_socket
+from lookup_buffer.errors import KVInvalidRequestError, fresh_error
+from lookup_buffer.matching import MatchKey, token_arrays
+from lookup_buffer.protocol import (
+    MAX_REQUEST_BYTES,
+    MessageError,
+    Status,
+    decode_request,
+    encode_reply,
+    make_header,
+    stamp_header,
+)
+from lookup_buffer.store import Entry, EntryStore
+
+logger = logging.getLogger(__name__)
+
+#: Most selects parked at once, and most bytes of match keys they hold; more are refused, so that
+#: hostile requests cannot take unbounded memory.
+MAX_WAITING_SELECTS = 10_000
+MAX_WAITING_KEY_BYTES = 256 << 20
+_MESSAGES_PER_ROUND = 256  # then expire and match before reading more: a flood cannot starve them
+_MAX_POLL_MS = 1000
+_LOGGED_REFUSALS = 20
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiter:
+    """A select parked until its entry is inserted or its deadline passes."""
+
+    identity: bytes
+    request_id: int
+    key: MatchKey
+    deadline: float
+    waited: bool = False
+    done: bool = False
+
+
+class BufferProducer:
+    """Serves a :class:`lookup_buffer.SimpleBuffer` with ``kv_role='kv_producer'``."""
+
+    def __init__(self, pipe: KVPipeBase, config: KVTransferConfig, address: str) -> None:
+        self._pipe = pipe
+        self._config = config
+        self._address = address
+        # The pipe carries no single tensor longer than its budget minus its per-message overhead.
+        self._store = EntryStore(config.kv_buffer_size, config.kv_buffer_size - MESSAGE_OVERHEAD)
+        self._lock = threading.Lock()  # guards the counters and the failure state below
+        self._hits = self._misses = self._waits = self._bad_messages = self._sent_bytes = 0
+        self._failure: KVTransferError | None = None
+        self._failure_reported = False
+        self._closed = False
+
+        # Owned by the server thread.
+        self._waiters: dict[MatchKey, collections.deque[_Waiter]] = {}
+        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._waiting = 0
+        self._waiting_key_bytes = 0
+        self._sequence = itertools.count()
+
+        self._inserted: collections.deque[MatchKey] = collections.deque()  # insert() -> server thread
+        self._doorbell = Doorbell()
+        self._stopping = threading.Event()
+        self._context = zmq.Context(io_threads=1)
+        try:
+            self._router = open_socket(self._context, zmq.ROUTER, address, MAX_REQUEST_BYTES, bind=True)
+        except BaseException:
+            self._context.term()
+            self._doorbell.close()
+            raise
+        self._server = threading.Thread(target=self._serve, name="kvbuf-producer-server", daemon=True)
+        self._watcher = threading.Thread(target=self._watch_consumer, name="kvbuf-producer-watch", daemon=True)
+        self._server.start()
+        self._watcher.start()
+        logger.info("lookup buffer producer serving selects on %s (%d bytes)", address, config.kv_buffer_size)
+
+    # ------------------------------------------------------------------ caller API
+
+    def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        timeout: float,
+    ) -> None:
+        tokens, roi_array = token_arrays(input_tokens, roi)
+        if not isinstance(key, torch.Tensor):
+            raise KVInvalidRequestError(f"key must be a tensor, got {type(key).__name__}")
+        for name, item in (("value", value), ("hidden", hidden)):
+            if item is not None and not isinstance(item, torch.Tensor):
+                raise KVInvalidRequestError(f"{name} must be a tensor or None, got {type(item).__name__}")
+        self._raise_if_unusable()
+        header = make_header(tokens, roi_array, input_tokens.dtype, value is not None, hidden is not None)
+        given = (input_tokens, roi, key, value, hidden)
+        entry = Entry(
+            (torch.from_numpy(header), *(item for item in (key, value, hidden) if item is not None)),
+            nbytes=sum(item.nbytes for item in given if item is not None),
+        )
+        match_key = MatchKey(tokens, roi_array)
+        self._store.put(match_key, entry, timeout)
+        self._inserted.append(match_key)
+        self._doorbell.ring()
+
+    def stats(self) -> BufferStats:
+        store = self._store.counters()
+        with self._lock:
+            return BufferStats(
+                role="kv_producer",
+                entries=store.entries,
+                bytes=store.bytes,
+                peak_bytes=store.peak_bytes,
+                capacity_bytes=store.capacity_bytes,
+                inserts=store.inserts,
+                insert_waits=store.insert_waits,
+                inserts_blocked=store.inserts_blocked,
+                rejected=store.rejected,
+                hits=self._hits,
+                misses=self._misses,
+                waits=self._waits,
+                pending=self._waiting,
+                transferred_bytes=self._sent_bytes,
+                bad_messages=self._bad_messages,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stopping.set()
+        entries, nbytes = self._store.stop(KVPipeClosedError("insert on a closed lookup buffer"))
+        if entries:
+            logger.warning("lookup buffer closed with %d unselected entries (%d bytes): dropped", entries, nbytes)
+        self._doorbell.ring()
+        bound = self._config.kv_timeout
+        self._server.join(bound)
+        pipe_error = None
+        try:
+            self._pipe.close()  # also wakes a server blocked in send_tensor, and the watcher
+        except KVTransferError as exc:
+            pipe_error = exc
+        self._server.join(bound)
+        self._watcher.join(bound)
+        if self._server.is_alive():
+            logger.error("lookup buffer server thread did not stop within %.1f s; its socket stays open", 2 * bound)
+        else:
+            self._router.close(linger=0)
+            self._context.term()
+            self._doorbell.close()
+        if pipe_error is not None:
+            raise pipe_error
+        with self._lock:
+            failure = None if self._failure_reported else self._failure
+            self._failure_reported = True
+        if failure is not None and not isinstance(failure, KVPipeClosedError):
+            raise fresh_error(failure)
+
+    # ------------------------------------------------------------------ failure state
+
+    def _raise_if_unusable(self) -> None:
+        with self._lock:
+            if self._failure is not None:
+                self._failure_reported = True
+                raise fresh_error(self._failure)
+            if self._closed:
+                raise KVPipeClosedError("insert on a closed lookup buffer")
+
+    def _fail(self, error: KVTransferError) -> None:
+        """The data pipe is unusable: refuse inserts and selects from now on."""
+        with self._lock:
+            if self._failure is not None or self._closed:
+                return
+            self._failure = error
+        entries, nbytes = self._store.stop(error)
+        # The consumer closing its side is orderly; anything else is a failure.
+        level = logging.INFO if isinstance(error, KVPipeClosedError) and not entries else logging.ERROR
+        logger.log(
+            level, "lookup buffer producer stops (%s); %d unselected entries (%d bytes) dropped", error, entries, nbytes
+        )
+        self._doorbell.ring()
+
+    def _watch_consumer(self) -> None:
+        # Bounded by the pipe's liveness check (a dead consumer fails it within kv_timeout) and by close().
+        try:
+            item = self._pipe.recv_tensor()
+        except KVTransferError as exc:
+            if not self._stopping.is_set():
+                self._fail(exc)
+            return
+        got = "None" if item is None else f"{item.dtype} tensor of shape {tuple(item.shape)}"
+        self._fail(KVProtocolError(f"the consumer sent a {got} on the data pipe; a lookup-buffer consumer never sends"))
+
+    # ------------------------------------------------------------------ server thread
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._doorbell.fileno(), zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                poller.poll(self._poll_timeout_ms())
+                self._doorbell.clear()  # before reading what rang it: a later ring wakes the next poll
+                self._receive_requests()
+                self._match_inserted()
+                self._expire(time.monotonic())
+                if self._failure is not None:
+                    self._answer_all("error", f"the producer's data pipe failed: {self._failure}")
+        except Exception as exc:  # a bug; answer everyone rather than leave them waiting
+            logger.exception("lookup buffer server thread failed")
+            self._fail(KVTransferError(f"lookup buffer server thread failed: {exc!r}"))
+            self._answer_all("error", f"the producer's server failed: {exc!r}")
+        else:
+            self._answer_all("closed", "the producer closed the lookup buffer")
+
+    def _poll_timeout_ms(self) -> int:
+        if not self._deadlines:
+            return _MAX_POLL_MS
+        remaining = self._deadlines[0][0] - time.monotonic()
+        return min(_MAX_POLL_MS, max(0, math.ceil(remaining * 1000)))
+
+    def _receive_requests(self) -> None:
+        for _ in range(_MESSAGES_PER_ROUND):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = frames[0]
+            try:
+                if len(frames) != 2:
+                    raise MessageError(f"expected one message frame after the identity, got {len(frames) - 1}")
+                request, tokens, roi = decode_request(frames[1])
+            except MessageError as exc:
+                with self._lock:
+                    self._bad_messages += 1
+                    refused = self._bad_messages
+                if refused <= _LOGGED_REFUSALS or refused % 1000 == 0:  # a flood must not flood the log
+                    logger.warning(
+                        "lookup buffer: refused a control message from %s (%d so far): %s",
+                        identity[:16].hex(),
+                        refused,
+                        exc,
+                    )
+                self._reply(identity, exc.request_id, "error", message=str(exc))
+                continue
+            self._on_select(identity, request.request_id, MatchKey(tokens, roi), request.wait_ms)
+
+    def _on_select(self, identity: bytes, request_id: int, key: MatchKey, wait_ms: int) -> None:
+        if self._failure is not None:
+            self._reply(identity, request_id, "error", message=f"the producer's data pipe failed: {self._failure}")
+            return
+        if self._waiting >= MAX_WAITING_SELECTS or self._waiting_key_bytes + len(key.canonical) > MAX_WAITING_KEY_BYTES:
+            self._reply(identity, request_id, "error", message=f"too many selects waiting ({self._waiting})")
+            return
+        waiter = _Waiter(identity, request_id, key, time.monotonic() + wait_ms / 1000)
+        self._waiters.setdefault(key, collections.deque()).append(waiter)  # behind earlier waiters: FIFO
+        self._waiting += 1
+        self._waiting_key_bytes += len(key.canonical)
+        self._match(key)
+        if not waiter.done:  # a wait of 0 expires in this round: an immediate miss
+            heapq.heappush(self._deadlines, (waiter.deadline, next(self._sequence), waiter))
+            if wait_ms > 0:
+                waiter.waited = True
+                with self._lock:
+                    self._waits += 1
+
+    def _match_inserted(self) -> None:
+        while self._inserted:
+            key = self._inserted.popleft()
+            if key in self._waiters:
+                self._match(key)
+
+    def _match(self, key: MatchKey) -> None:
+        """Serve the waiters of ``key`` in order while entries for it are stored."""
+        queue = self._waiters[key]
+        while queue and self._failure is None:
+            entry = self._store.pop(key)
+            if entry is None:
+                break
+            waiter = queue.popleft()
+            self._unpark(waiter)
+            self._send_hit(waiter, entry)
+        if not queue:
+            del self._waiters[key]
+
+    def _send_hit(self, waiter: _Waiter, entry: Entry) -> None:
+        try:
+            # timeout None: wait for pipe credit as long as the consumer is alive; a partial hit
+            # would leave the stream out of step.
+            stamp_header(entry.items[0].numpy(), waiter.request_id)  # the entry is ours alone once popped
+            for item in entry.items:
+                self._pipe.send_tensor(item)
+        except KVTransferError as exc:
+            self._fail(exc)
+            self._reply(
+                waiter.identity,
+                waiter.request_id,
+                "error",
+                message=f"the producer could not send the entry on the data pipe: {exc}",
+            )
+            return
+        with self._lock:
+            self._hits += 1
+            self._sent_bytes += entry.nbytes
+        self._reply(waiter.identity, waiter.request_id, "hit", waited=waiter.waited)
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            waiter = heapq.heappop(self._deadlines)[2]
+            if waiter.done:
+                continue
+            queue = self._waiters[waiter.key]
+            queue.remove(waiter)
+            if not queue:
+                del self._waiters[waiter.key]
+            self._unpark(waiter)
+            with self._lock:
+                self._misses += 1
+            self._reply(waiter.identity, waiter.request_id, "miss", waited=waiter.waited)
+        if len(self._deadlines) > 2 * self._waiting + 1024:  # served waiters linger in the heap
+            self._deadlines = [item for item in self._deadlines if not item[2].done]
+            heapq.heapify(self._deadlines)
+
+    def _answer_all(self, status: Status, message: str) -> None:
+        for queue in self._waiters.values():
+            for waiter in queue:
+                waiter.done = True
+                self._reply(waiter.identity, waiter.request_id, status, message=message)
+        self._waiters.clear()
+        self._deadlines.clear()
+        self._waiting = self._waiting_key_bytes = 0
+
+    def _unpark(self, waiter: _Waiter) -> None:
+        """Account for a waiter taken out of ``_waiters``."""
+        waiter.done = True
+        self._waiting -= 1
+        self._waiting_key_bytes -= len(waiter.key.canonical)
+
+    def _reply(self, identity: bytes, request_id: int, status: Status, waited: bool = False, message: str = "") -> None:
+        try:
+            # A ROUTER drops (never blocks on) messages to unknown or saturated peers.
+            self._router.send_multipart([identity, encode_reply(request_id, status, waited, message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("lookup buffer: reply to %s dropped: %s", identity.hex(), exc)

@@ -1,0 +1,254 @@
+"""The lookup buffer's wire formats: control messages over ZeroMQ and the hit header on the data pipe.
+
+Control messages are msgspec msgpack Structs, tagged by a ``type`` field and carrying a protocol
+version ``v``. Every received message is validated in full here (types, bounds, cross-field
+consistency); nothing is unpickled or evaluated. All encoding and decoding goes through this
+module, so that a keyed MAC (``kv_secret``) can later be added in one place.
+
+Exchange: the consumer sends a :class:`SelectRequest` from a DEALER socket; the producer's ROUTER
+answers with one :class:`Reply`. On a hit, before the reply, the producer sends on the data pipe a
+header tensor (:func:`make_header`: request id, the entry's tokens and roi) followed by the key
+and, if present, the value and the hidden states; the consumer routes them by request id, so
+concurrent requests never swap data.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, NamedTuple
+
+import msgspec
+import numpy as np
+import torch
+
+from kv_pipe.errors import KVProtocolError
+from lookup_buffer.matching import MAX_TOKENS, TOKEN_DTYPES, TOKEN_WIRE_DTYPE, MatchKey
+
+PROTOCOL_VERSION = 1
+#: Longest a producer holds a select waiting for an insert.
+MAX_WAIT_MS = 3_600_000
+MAX_MESSAGE_CHARS = 1000
+#: Bounds for ZMQ_MAXMSGSIZE: a peer sending more is disconnected by ZeroMQ before we see it.
+MAX_REQUEST_BYTES = MAX_TOKENS * (TOKEN_WIRE_DTYPE.itemsize + 1) + 1024
+MAX_REPLY_BYTES = 4 * MAX_MESSAGE_CHARS + 1024
+#: What drop_select returns, in this order.
+ITEM_NAMES = ("input_tokens", "roi", "key", "value", "hidden")
+TAG_MAGIC = 0x4B564C4F4F4B  # "KVLOOK"
+_HEADER_FIXED = 6
+_W_REQUEST_ID = 2
+_FLAG_VALUE, _FLAG_HIDDEN = 1, 2
+_NUMPY_TOKEN_DTYPES = tuple(torch.empty(0, dtype=dtype).numpy().dtype for dtype in TOKEN_DTYPES)
+
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Status = Literal["hit", "miss", "error", "closed"]
+
+
+class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True):
+    """Consumer -> producer: take the entry matching ``tokens``/``roi``, waiting up to ``wait_ms``.
+
+    ``tokens``: int64 little-endian; ``roi``: one byte (0 or 1) per token.
+    """
+
+    v: int
+    request_id: RequestId
+    tokens: Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS * TOKEN_WIRE_DTYPE.itemsize)]
+    roi: Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS)]
+    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
+
+
+class Reply(msgspec.Struct, tag="reply", tag_field="type", frozen=True):
+    """Producer -> consumer: the outcome of one select.
+
+    ``hit``: the entry's tensors are on the data pipe under this request id. ``miss``: nothing
+    matched within the wait. ``error``: the request was refused or the producer is broken
+    (``message`` says why). ``closed``: the producer is shutting down.
+    """
+
+    v: int
+    request_id: RequestId
+    status: Status
+    waited: bool = False
+    message: Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE_CHARS)] = ""
+
+
+class _Envelope(msgspec.Struct):
+    """The fields read before the schema, so that another version's message gets a clear answer."""
+
+    v: int
+    request_id: Any = 0
+
+
+class MessageError(KVProtocolError):
+    """A control message was refused; ``request_id`` is the sender's id if it could be read, else 0."""
+
+    def __init__(self, message: str, request_id: int = 0) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+#: Every control message. Decoding the union (not one Struct) makes the ``type`` tag mandatory.
+Message = SelectRequest | Reply
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def _decode(frame: bytes, expected: type, what: str) -> Any:
+    """Decode the envelope, check the version, then decode and validate the full message."""
+    try:
+        envelope = _envelope_decoder.decode(frame)
+    except msgspec.MsgspecError as exc:
+        raise MessageError(f"malformed {what} ({len(frame)} bytes): {exc}") from None
+    request_id = envelope.request_id
+    if not (isinstance(request_id, int) and not isinstance(request_id, bool) and 0 <= request_id < 1 << 63):
+        request_id = 0
+    if envelope.v != PROTOCOL_VERSION:
+        raise MessageError(
+            f"{what} uses lookup-buffer protocol version {envelope.v}, this side speaks version "
+            f"{PROTOCOL_VERSION}: install the same kvbridge version on both sides",
+            request_id,
+        )
+    try:
+        message = _decoder.decode(frame)
+    except msgspec.MsgspecError as exc:
+        raise MessageError(f"invalid {what}: {exc}", request_id) from None
+    if not isinstance(message, expected):
+        raise MessageError(f"expected a {what}, got a {type(message).__name__}", request_id)
+    return message
+
+
+def encode_request(request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int) -> bytes:
+    """``tokens``/``roi`` as returned by :func:`lookup_buffer.matching.token_arrays`."""
+    return _encoder.encode(
+        SelectRequest(
+            v=PROTOCOL_VERSION,
+            request_id=request_id,
+            tokens=tokens.astype(TOKEN_WIRE_DTYPE, copy=False).tobytes(),
+            roi=roi.astype(np.uint8).tobytes(),
+            wait_ms=wait_ms,
+        )
+    )
+
+
+def decode_request(frame: bytes) -> tuple[SelectRequest, np.ndarray, np.ndarray]:
+    """Return the request and its tokens (int64) and roi (bool) as read-only arrays.
+
+    Raises:
+        MessageError: anything malformed, inconsistent or of another version.
+    """
+    request = _decode(frame, SelectRequest, "select request")
+    count, remainder = divmod(len(request.tokens), TOKEN_WIRE_DTYPE.itemsize)
+    if remainder or count != len(request.roi) or count == 0:
+        raise MessageError(
+            f"select request with {len(request.tokens)} token bytes and {len(request.roi)} roi bytes: "
+            f"expected 8 bytes per token, one roi byte per token, at least one token",
+            request.request_id,
+        )
+    roi = np.frombuffer(request.roi, dtype=np.uint8)
+    if roi.max() > 1 or not roi.any():
+        raise MessageError("select request roi must be 0/1 bytes selecting at least one token", request.request_id)
+    return request, np.frombuffer(request.tokens, dtype=TOKEN_WIRE_DTYPE), roi.view(np.bool_)
+
+
+def encode_reply(request_id: int, status: Status, waited: bool = False, message: str = "") -> bytes:
+    return _encoder.encode(
+        Reply(
+            v=PROTOCOL_VERSION,
+            request_id=request_id,
+            status=status,
+            waited=waited,
+            message=message[:MAX_MESSAGE_CHARS],
+        )
+    )
+
+
+def decode_reply(frame: bytes) -> Reply:
+    """Raises MessageError for anything malformed or of another version."""
+    return _decode(frame, Reply, "reply")
+
+
+class HitHeader(NamedTuple):
+    """What the header of a hit carries besides the KV tensors that follow it."""
+
+    request_id: int
+    input_tokens: torch.Tensor
+    roi: torch.Tensor
+    has_value: bool
+    has_hidden: bool
+    #: The match key of the entry, to check it against the query.
+    match_key: MatchKey
+
+
+def _roi_words(count: int) -> int:
+    return (count + 7) // 8
+
+
+def make_header(
+    tokens: np.ndarray, roi: np.ndarray, token_dtype: torch.dtype, has_value: bool, has_hidden: bool
+) -> np.ndarray:
+    """The header of an entry's hit, built once at insert; :func:`stamp_header` adds the request id.
+
+    Layout (int64 words, in the pipe's native byte order like every tensor on it): magic, version,
+    request id, token count n, token dtype code, flags (1: a value follows, 2: a hidden follows),
+    the n tokens, then the roi as n bytes (0/1) padded to whole words. Packing tokens and roi here
+    saves two pipe messages per hit: small messages cost a rendezvous each on gloo.
+    ``tokens``/``roi`` are what ``matching.token_arrays`` returned for a token tensor of ``token_dtype``.
+    """
+    count = tokens.shape[0]
+    header = np.zeros(_HEADER_FIXED + count + _roi_words(count), dtype=np.int64)
+    flags = (_FLAG_VALUE if has_value else 0) | (_FLAG_HIDDEN if has_hidden else 0)
+    header[:_HEADER_FIXED] = (TAG_MAGIC, PROTOCOL_VERSION, 0, count, TOKEN_DTYPES.index(token_dtype), flags)
+    header[_HEADER_FIXED : _HEADER_FIXED + count] = tokens
+    header[_HEADER_FIXED + count :].view(np.uint8)[:count] = roi
+    return header
+
+
+def stamp_header(header: np.ndarray, request_id: int) -> None:
+    header[_W_REQUEST_ID] = request_id
+
+
+def parse_header(header: torch.Tensor | None) -> HitHeader:
+    """Validate a header received on the data pipe and unpack it (tokens and roi on its device).
+
+    Raises:
+        KVProtocolError: not a header of this protocol version, or inconsistent; the data stream is
+            out of step.
+    """
+    if header is None or header.dtype != torch.int64 or header.dim() != 1 or header.shape[0] < _HEADER_FIXED:
+        described = "None" if header is None else f"a {header.dtype} tensor of shape {tuple(header.shape)}"
+        raise KVProtocolError(f"expected a lookup-buffer hit header on the data pipe, got {described}")
+    words = (header if header.device.type == "cpu" else header.cpu()).numpy()
+    magic, version, request_id, count, dtype_code, flags = (int(word) for word in words[:_HEADER_FIXED])
+    if magic != TAG_MAGIC or version != PROTOCOL_VERSION:
+        raise KVProtocolError(
+            f"bad lookup-buffer hit header: magic {magic:#x}, version {version} (expected {TAG_MAGIC:#x}, "
+            f"version {PROTOCOL_VERSION})"
+        )
+    if (
+        request_id < 0
+        or not 1 <= count <= MAX_TOKENS
+        or not 0 <= dtype_code < len(TOKEN_DTYPES)
+        or not 0 <= flags <= _FLAG_VALUE | _FLAG_HIDDEN
+        or words.shape[0] != _HEADER_FIXED + count + _roi_words(count)
+    ):
+        raise KVProtocolError(
+            f"inconsistent lookup-buffer hit header {[request_id, count, dtype_code, flags]} of {words.shape[0]} words"
+        )
+    wide = words[_HEADER_FIXED : _HEADER_FIXED + count]
+    tokens = wide.astype(_NUMPY_TOKEN_DTYPES[dtype_code])
+    roi_bytes = words[_HEADER_FIXED + count :].view(np.uint8)[:count]
+    if not np.array_equal(tokens, wide) or roi_bytes.max() > 1:
+        raise KVProtocolError("lookup-buffer hit header: tokens out of their dtype's range or roi bytes not 0/1")
+    roi = roi_bytes.astype(np.bool_)
+    return HitHeader(
+        request_id,
+        _to_device(torch.from_numpy(tokens), header.device),
+        _to_device(torch.from_numpy(roi), header.device),
+        bool(flags & _FLAG_VALUE),
+        bool(flags & _FLAG_HIDDEN),
+        MatchKey(wide, roi),
+    )
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if device.type == "cpu" else tensor.to(device)

@@ -1,0 +1,590 @@
+"""Bodies of the lookup buffer's two-process tests (imported by spawned children, so module level).
+
+Each test runs :func:`run_side` in two processes: rank 0 is the producer, rank 1 the consumer.
+Both sides build the same requests from a seed (:func:`make_request`), so the consumer checks
+every selected entry bit for bit against what the producer inserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe.errors import KVBufferFullError, KVPipeClosedError, KVTransferError
+from lookup_buffer import SimpleBuffer
+from lookup_buffer.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, decode_reply, encode_request
+
+#: Events shared by the two sides of one test (multiprocessing events, see new_sync in the test file).
+SYNC_EVENTS = ("inserted", "stage", "consumer_done")
+BOUND = 30.0  # seconds any single wait in a body may take before the body fails
+
+
+def config(rank: int, port: int, **changes: Any) -> KVTransferConfig:
+    values: dict[str, Any] = dict(
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_rank=rank,
+        kv_port=port,
+        kv_timeout=5,
+        kv_connect_timeout=30,
+    )
+    values.update(changes)
+    return KVTransferConfig(**values)
+
+
+def run_side(rank: int, port: int, body: Callable[..., Any], changes: dict, sync: dict, *args: Any) -> dict:
+    """Build this side's pipe and buffer, run ``body(buffer, sync, *args)``, report and close.
+
+    The producer stays up until the consumer's body has finished (its ``consumer_done`` event).
+    """
+    cfg = config(rank, port, **changes)
+    buffer = SimpleBuffer(TorchDistributedPipe(cfg), cfg)
+    close_error = None
+    try:
+        result = body(buffer, sync, *args)
+        if rank == 1:
+            sync["consumer_done"].set()
+        else:
+            assert sync["consumer_done"].wait(BOUND), "the consumer did not finish"
+        stats = dataclasses.asdict(buffer.stats())
+    finally:
+        try:
+            buffer.close()
+        except KVTransferError as exc:
+            close_error = repr(exc)
+    return {"result": result, "stats": stats, "close_error": close_error}
+
+
+# ---------------------------------------------------------------- data
+
+
+def random_tensor(generator: torch.Generator, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Random bits of any dtype (NaN payloads included: comparisons are on the bytes)."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64, torch.uint8, torch.int32)
+
+
+def make_request(seed: int, index: int, small: bool = False) -> list[torch.Tensor | None]:
+    """Request ``index`` of a test: unique selected tokens, random roi, KV of varied dtype and shape.
+
+    ``small`` keeps every tensor tiny (for tests that move thousands of entries).
+    """
+    rng = random.Random(seed * 1_000_003 + index)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    length = rng.randint(1, 12 if small else 70)
+    tokens = torch.randint(1, 1 << 40, (length,), generator=generator)
+    roi = torch.rand(length, generator=generator) < rng.choice((0.5, 0.9, 1.0))
+    first = rng.randrange(length)
+    roi[first] = True
+    tokens[first] = index  # the selected tokens differ between the requests of one test
+    if rng.random() < 0.3:
+        tokens = tokens.to(torch.int32) & 0x7FFFFFFF
+    selected = int(roi.sum())
+    dtype = _DTYPES[index % len(_DTYPES)]
+    width = rng.choice((1, 3, 8) if small else (1, 5, 64, 130))
+    key = random_tensor(generator, dtype, (2, selected, width))
+    value = None if index % 5 == 1 else random_tensor(generator, dtype, (2, selected, width))
+    hidden = None if index % 3 == 1 else random_tensor(generator, torch.float32, (selected, rng.randint(1, 9)))
+    return [tokens, roi, key, value, hidden]
+
+
+def check_entry(got: list, want: list, what: str) -> None:
+    names = ("input_tokens", "roi", "key", "value", "hidden")
+    for name, a, b in zip(names, got, want, strict=True):
+        assert same_bits(a, b), f"{what}: {name} differs (got {a!r}, want {b!r})"
+
+
+def insert(buffer: SimpleBuffer, request: list, timeout: float | None = BOUND) -> None:
+    buffer.insert(*request, timeout=timeout)
+
+
+def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + BOUND
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+def wait_event(sync: dict, name: str) -> None:
+    assert sync[name].wait(BOUND), f"event {name!r} was not set within {BOUND} s"
+
+
+# ---------------------------------------------------------------- basic
+
+
+def producer_basic(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> int:
+    for index in range(count):
+        insert(buffer, make_request(seed, index))
+    return count
+
+
+def consumer_basic(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> dict:
+    order = list(range(count))[::-1]  # the newest first: not the insertion order
+    for index in order:
+        want = make_request(seed, index)
+        query = want[0].to(torch.int64) if index % 2 else want[0]  # the token dtype plays no part
+        got = buffer.drop_select(query, want[1], timeout=BOUND)
+        check_entry(got, want, f"request {index}")
+    first = make_request(seed, 0)
+    again = buffer.drop_select(first[0], first[1])
+    refused = {}
+    for name, call in (
+        ("insert on the consumer", lambda: buffer.insert(*first)),
+        ("negative timeout", lambda: buffer.drop_select(first[0], first[1], timeout=-1)),
+        ("float tokens", lambda: buffer.drop_select(first[0].float(), first[1])),
+        ("roi selects nothing", lambda: buffer.drop_select(first[0], torch.zeros_like(first[1]))),
+    ):
+        try:
+            call()
+            refused[name] = "accepted"
+        except KVTransferError as exc:
+            refused[name] = type(exc).__name__
+    return {"selected": len(order), "second_select": again, "refused": refused}
+
+
+# ---------------------------------------------------------------- backpressure
+
+
+def producer_shuffled(buffer: SimpleBuffer, sync: dict, seed: int, count: int, small: bool) -> int:
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    for index in order:
+        insert(buffer, make_request(seed, index, small))
+    return count
+
+
+def consumer_threads(
+    buffer: SimpleBuffer, sync: dict, seed: int, count: int, small: bool, threads: int, wait: float
+) -> dict:
+    """``threads`` threads select every request in another random order; a miss goes back in the queue."""
+    order = list(range(count))
+    random.Random(seed + 1).shuffle(order)
+    work: queue.Queue[int] = queue.Queue()
+    for index in order:
+        work.put(index)
+    done: list[int] = []
+    misses: list[int] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        try:
+            while True:
+                with lock:
+                    if len(done) == count:
+                        return
+                try:
+                    index = work.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                want = make_request(seed, index, small)
+                got = buffer.drop_select(want[0], want[1], timeout=wait)
+                if got[0] is None:
+                    assert got == [None] * 5
+                    with lock:
+                        misses.append(index)
+                    work.put(index)
+                    continue
+                check_entry(got, want, f"request {index}")
+                with lock:
+                    done.append(index)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(repr(exc))
+            with lock:
+                done.extend([-1] * count)  # stop the other workers
+
+    workers = [threading.Thread(target=worker) for _ in range(threads)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(4 * BOUND)
+    assert not any(thread.is_alive() for thread in workers), "a consumer thread hung"
+    assert not errors, errors
+    return {"selected": sorted(done), "misses": len(misses)}
+
+
+# ---------------------------------------------------------------- matching rules
+
+
+def _tokens(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _ones(length: int) -> torch.Tensor:
+    return torch.ones(length, dtype=torch.bool)
+
+
+def _marker(value: float) -> torch.Tensor:
+    return torch.full((3, 5), value, dtype=torch.float32)
+
+
+LONG = (11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22)
+DUPLICATE = (7, 7, 7, 8)
+MASKED = (31, 32, 33, 34, 35, 36, 37, 38, 39, 40)
+MASK = (True, True, True, True, True, True, False, False, False, False)
+
+
+def producer_matching(buffer: SimpleBuffer, sync: dict) -> int:
+    buffer.insert(_tokens(*LONG), _ones(12), _marker(1.0), None, None)  # the long entry
+    buffer.insert(_tokens(*LONG[:6]), _ones(6), _marker(2.0), None, None)  # a prefix of it
+    for copy in range(3):
+        buffer.insert(_tokens(*DUPLICATE), _ones(4), _marker(10.0 + copy), _marker(20.0 + copy), None)
+    for copy in range(2):  # KV for positions 0..5 only
+        buffer.insert(_tokens(*MASKED), torch.tensor(MASK), _marker(30.0 + copy), None, _marker(40.0 + copy))
+    sync["inserted"].set()
+    return 7
+
+
+def consumer_matching(buffer: SimpleBuffer, sync: dict) -> dict:
+    wait_event(sync, "inserted")
+    outcome: dict[str, Any] = {}
+
+    def key_of(tokens: torch.Tensor, roi: torch.Tensor) -> float | None:
+        got = buffer.drop_select(tokens, roi)
+        return None if got[2] is None else float(got[2][0, 0])
+
+    outcome["shorter_prefix"] = key_of(_tokens(*LONG[:4]), _ones(4))  # prefix of both entries
+    outcome["longer"] = key_of(_tokens(*LONG, 23), _ones(13))  # extends the long entry
+    outcome["prefix"] = key_of(_tokens(*LONG[:6]), _ones(6))
+    outcome["prefix_again"] = key_of(_tokens(*LONG[:6]), _ones(6))  # must not take the long one
+    outcome["long"] = key_of(_tokens(*LONG), _ones(12))
+    outcome["duplicates"] = [key_of(_tokens(*DUPLICATE), _ones(4)) for _ in range(4)]
+    other_mask = torch.tensor(MASK)
+    other_mask[5] = False
+    outcome["other_roi"] = key_of(_tokens(*MASKED), other_mask)
+    outside = _tokens(*MASKED[:6], 99, 98, 97, 96)  # differs only where the roi is False
+    got = buffer.drop_select(outside, torch.tensor(MASK))
+    check_entry(got, [_tokens(*MASKED), torch.tensor(MASK), _marker(30.0), None, _marker(40.0)], "masked entry")
+    outcome["outside_roi_differs"] = float(got[2][0, 0])
+    outcome["same_positions_shorter_query"] = key_of(_tokens(*MASKED[:6]), _ones(6))
+    return outcome
+
+
+# ---------------------------------------------------------------- miss, then hit
+
+
+KEY_TOKENS = (5, 4, 3, 2, 1)
+
+
+def producer_late(buffer: SimpleBuffer, sync: dict) -> dict:
+    wait_event(sync, "stage")  # the consumer has missed twice and now waits
+    wait_until(lambda: buffer.stats().pending == 1, "the consumer's select is parked")
+    buffer.insert(_tokens(*KEY_TOKENS), _ones(5), _marker(3.5), _marker(4.5), None)
+    wait_until(lambda: buffer.stats().hits == 1, "the parked select is served")
+    return buffer.stats().pending
+
+
+def consumer_late(buffer: SimpleBuffer, sync: dict) -> dict:
+    query = (_tokens(*KEY_TOKENS), _ones(5))
+    timed_out = buffer.drop_select(*query, timeout=0.2)
+    immediate = buffer.drop_select(*query)
+    sync["stage"].set()
+    got = buffer.drop_select(*query, timeout=BOUND)
+    check_entry(got, [query[0], query[1], _marker(3.5), _marker(4.5), None], "late entry")
+    return {"timed_out": timed_out, "immediate": immediate}
+
+
+# ---------------------------------------------------------------- oversize and full
+
+SMALL_BUDGET = 256 << 10
+CHUNK = 60 << 10
+
+
+def _chunk_request(index: int) -> list:
+    generator = torch.Generator().manual_seed(index)
+    return [_tokens(index + 1, 2, 3), _ones(3), random_tensor(generator, torch.uint8, (CHUNK,)), None, None]
+
+
+def producer_full(buffer: SimpleBuffer, sync: dict) -> dict:
+    outcome: dict[str, Any] = {}
+    generator = torch.Generator().manual_seed(0)
+    huge = random_tensor(generator, torch.uint8, (SMALL_BUDGET + 1,))
+    try:  # at once, although the wait allowed is long
+        buffer.insert(_tokens(1000), _ones(1), huge, None, None, timeout=3000)
+    except KVBufferFullError as exc:
+        outcome["oversize"] = str(exc)
+    for index in range(4):
+        buffer.insert(*_chunk_request(index), timeout=1)
+    try:
+        buffer.insert(*_chunk_request(4), timeout=0.3)
+    except KVBufferFullError as exc:
+        outcome["full"] = str(exc)
+    outcome["stats"] = dataclasses.asdict(buffer.stats())
+    sync["inserted"].set()
+    return outcome
+
+
+def consumer_full(buffer: SimpleBuffer, sync: dict) -> dict:
+    wait_event(sync, "inserted")
+    hits = []
+    for index in range(4):
+        want = _chunk_request(index)
+        got = buffer.drop_select(want[0], want[1])
+        check_entry(got, want, f"chunk {index}")
+        hits.append(index)
+    rejected = _chunk_request(4)
+    return {
+        "hits": hits,
+        "rejected": buffer.drop_select(rejected[0], rejected[1]),
+        "oversize": buffer.drop_select(_tokens(1000), _ones(1)),
+    }
+
+
+# ---------------------------------------------------------------- hostile control traffic
+
+
+def producer_trickle(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> int:
+    for index in range(count):
+        insert(buffer, make_request(seed, index))
+        time.sleep(0.002)  # spread the real traffic over the attack
+    return count
+
+
+def _junk_frames(rng: random.Random) -> list[tuple[str, list[bytes]]]:
+    tokens = _tokens(1, 2, 3).numpy()
+    roi = _ones(3).numpy()
+    valid = encode_request(77, tokens, roi, 0)
+    good = dict(type="select", v=PROTOCOL_VERSION, request_id=5, tokens=tokens.tobytes(), roi=roi.tobytes(), wait_ms=0)
+
+    def variant(**changes: Any) -> bytes:
+        fields = dict(good, **changes)
+        return msgspec.msgpack.encode({k: v for k, v in fields.items() if v is not _DROP})
+
+    return [
+        ("empty", [b""]),
+        *[(f"random {n}", [rng.randbytes(n)]) for n in (1, 7, 64, 1000)],
+        *[(f"truncated {n}", [valid[:n]]) for n in (1, len(valid) // 2, len(valid) - 1)],
+        ("msgpack nil", [msgspec.msgpack.encode(None)]),
+        ("msgpack array", [msgspec.msgpack.encode([1, 2, 3])]),
+        ("huge int", [msgspec.msgpack.encode({"v": 2**64 - 1})]),
+        ("unknown version", [variant(v=PROTOCOL_VERSION + 98)]),
+        ("string version", [variant(v="1")]),
+        ("no version", [variant(v=_DROP)]),
+        ("string request id", [variant(request_id="x")]),
+        ("negative request id", [variant(request_id=-1)]),
+        ("tokens as list", [variant(tokens=[1, 2, 3])]),
+        ("7 token bytes", [variant(tokens=b"\x01" * 7, roi=b"\x01")]),
+        ("roi too short", [variant(roi=b"\x01\x01")]),
+        ("roi byte 2", [variant(roi=b"\x01\x02\x01")]),
+        ("roi selects nothing", [variant(roi=b"\x00\x00\x00")]),
+        ("no tokens", [variant(tokens=b"", roi=b"")]),
+        ("negative wait", [variant(wait_ms=-5)]),
+        ("huge wait", [variant(wait_ms=10**12)]),
+        ("reply type", [variant(type="reply")]),
+        ("unknown type", [variant(type="drop_everything")]),
+        ("no type", [variant(type=_DROP)]),
+        ("multipart", [b"junk", valid, b"more"]),
+        ("two valid frames", [valid, valid]),
+    ]
+
+
+_DROP = object()
+
+
+def _attack(address: str, rounds: int, stop: threading.Event) -> dict:
+    """Send every kind of junk to the producer's control port; collect the answers."""
+    rng = random.Random(3)
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)), timeout=BOUND)  # a half-open peer, kept
+    sent = sent_during_traffic = 0
+    replies = []
+    version_reply = None
+    try:
+        for round_ in range(rounds):
+            for name, frames in _junk_frames(rng):
+                dealer.send_multipart(frames)
+                sent += 1
+                sent_during_traffic += not stop.is_set()
+                assert dealer.poll(int(BOUND * 1000)), f"no answer to {name!r}"
+                reply = decode_reply(dealer.recv())
+                replies.append(reply.status)
+                if name == "unknown version":
+                    version_reply = (reply.request_id, reply.message)
+            # Junk below the message layer: no answer expected, the producer must shrug it off.
+            req = context.socket(zmq.REQ)
+            req.setsockopt(zmq.LINGER, 0)
+            req.connect(address)
+            req.send(b"req junk")
+            sent += 1
+            req.close()
+            with socket.create_connection((host, int(port)), timeout=BOUND) as raw:
+                raw.sendall(rng.randbytes(4096))  # not even ZMTP
+            if round_ == 0:
+                oversize = context.socket(zmq.DEALER)
+                oversize.setsockopt(zmq.LINGER, 0)
+                oversize.connect(address)
+                oversize.send(b"\0" * (MAX_REQUEST_BYTES + 1))  # ZeroMQ drops the connection
+                oversize.close()
+            if stop.is_set() and round_ > 0:
+                break
+    finally:
+        silent.close()
+        dealer.close()
+        context.term()
+    return {"sent_during_traffic": sent_during_traffic, "answered": replies, "version_reply": version_reply}
+
+
+def consumer_under_attack(buffer: SimpleBuffer, sync: dict, seed: int, count: int, address: str) -> dict:
+    stop = threading.Event()
+    attack: dict[str, Any] = {}
+
+    def attacker() -> None:
+        try:
+            attack.update(_attack(address, rounds=50, stop=stop))
+        except BaseException as exc:  # reported below
+            attack["error"] = repr(exc)
+
+    thread = threading.Thread(target=attacker)
+    thread.start()
+    try:
+        for index in random.Random(seed).sample(range(count), count):
+            want = make_request(seed, index)
+            got = buffer.drop_select(want[0], want[1], timeout=BOUND)
+            check_entry(got, want, f"request {index}")
+    finally:
+        stop.set()
+        thread.join(4 * BOUND)
+    assert not thread.is_alive(), "the attacker hung"
+    assert "error" not in attack, attack.get("error")
+    return attack
+
+
+# ---------------------------------------------------------------- failures
+
+
+def _announce_parked(buffer: SimpleBuffer, sync: dict) -> None:
+    wait_until(lambda: buffer.stats().pending == 1, "the consumer's select is parked")
+    sync["stage"].set()
+
+
+def producer_parks_then_sleeps(buffer: SimpleBuffer, sync: dict) -> str:
+    """Announce the consumer's parked select, then sleep until the test kills this process.
+
+    It must not be killed inside a multiprocessing wait: the consumer's Event.set() would then
+    wait forever for the dead waiter to wake.
+    """
+    _announce_parked(buffer, sync)
+    time.sleep(4 * BOUND)
+    return "not killed"
+
+
+def consumer_waits_for_death(buffer: SimpleBuffer, sync: dict) -> dict:
+    outcome: dict[str, Any] = {}
+    start = time.monotonic()
+    try:
+        got = buffer.drop_select(_tokens(1, 2), _ones(2), timeout=3 * BOUND)
+        outcome["first"] = f"returned {got!r}"
+    except KVTransferError as exc:
+        outcome["first"] = type(exc).__name__
+        outcome["first_message"] = str(exc)
+    outcome["seconds"] = time.monotonic() - start
+    try:
+        got = buffer.drop_select(_tokens(1, 2), _ones(2))
+        outcome["second"] = f"returned {got!r}"
+    except KVTransferError as exc:
+        outcome["second"] = type(exc).__name__
+    try:
+        buffer.close()
+        outcome["close"] = "ok"
+    except KVTransferError as exc:
+        outcome["close"] = type(exc).__name__
+    return outcome
+
+
+def consumer_closes_while_waiting(buffer: SimpleBuffer, sync: dict) -> dict:
+    outcome: dict[str, Any] = {}
+
+    def waiter() -> None:
+        try:
+            got = buffer.drop_select(_tokens(9, 9), _ones(2), timeout=3 * BOUND)
+            outcome["waiter"] = f"returned {got!r}"
+        except KVTransferError as exc:
+            outcome["waiter"] = type(exc).__name__
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_event(sync, "stage")  # the producer has the select parked
+    buffer.close()
+    thread.join(BOUND)
+    outcome["waiter_hung"] = thread.is_alive()
+    try:
+        buffer.drop_select(_tokens(9, 9), _ones(2))
+        outcome["after_close"] = "returned"
+    except KVPipeClosedError:
+        outcome["after_close"] = "KVPipeClosedError"
+    sync["inserted"].set()  # tell the producer this side is closed
+    return outcome
+
+
+def producer_sees_consumer_close(buffer: SimpleBuffer, sync: dict) -> dict:
+    _announce_parked(buffer, sync)
+    wait_event(sync, "inserted")
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline:
+        try:
+            buffer.insert(_tokens(1), _ones(1), _marker(1.0), None, None)
+        except KVTransferError as exc:
+            return {"insert": type(exc).__name__, "message": str(exc)}
+        time.sleep(0.01)
+    return {"insert": "never failed"}
+
+
+def producer_closes_under_waiters(buffer: SimpleBuffer, sync: dict) -> dict:
+    """Close while an insert is blocked on a full buffer and a consumer's select is parked."""
+    generator = torch.Generator().manual_seed(1)
+    buffer.insert(_tokens(1), _ones(1), random_tensor(generator, torch.uint8, (SMALL_BUDGET - 1024,)), None, None)
+    wait_until(lambda: buffer.stats().pending == 1, "the consumer's select is parked")
+    outcome: dict[str, Any] = {}
+
+    def blocked_insert() -> None:
+        try:
+            buffer.insert(
+                _tokens(2), _ones(1), random_tensor(generator, torch.uint8, (4096,)), None, None, timeout=3 * BOUND
+            )
+            outcome["insert"] = "stored"
+        except KVTransferError as exc:
+            outcome["insert"] = type(exc).__name__
+
+    thread = threading.Thread(target=blocked_insert)
+    thread.start()
+    wait_until(lambda: buffer.stats().inserts_blocked == 1, "the insert blocks on the full buffer")
+    buffer.close()
+    thread.join(BOUND)
+    outcome["insert_hung"] = thread.is_alive()
+    return outcome
+
+
+def consumer_sees_producer_close(buffer: SimpleBuffer, sync: dict) -> dict:
+    try:
+        got = buffer.drop_select(_tokens(3, 3), _ones(2), timeout=3 * BOUND)
+        return {"select": f"returned {got!r}"}
+    except KVTransferError as exc:
+        return {"select": type(exc).__name__, "message": str(exc)}

@@ -1,0 +1,462 @@
+"""The lookup buffer: unit tests of its parts, then two real processes over gloo."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import select
+import signal
+import threading
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from kv_pipe import KVTransferConfig
+from kv_pipe.errors import KVBufferFullError, KVConfigError, KVPipeClosedError, KVProtocolError
+from lookup_buffer import KVInvalidRequestError, SimpleBuffer, matching
+from lookup_buffer.control import Doorbell, control_address
+from lookup_buffer.matching import TOKEN_DTYPES, MatchKey, token_arrays
+from lookup_buffer.protocol import (
+    PROTOCOL_VERSION,
+    MessageError,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+    make_header,
+    parse_header,
+    stamp_header,
+)
+from lookup_buffer.store import Entry, EntryStore
+from tests import _buffer_procs as bodies
+from tests import procs
+
+
+def key_of(tokens: list[int], roi: list[bool]) -> MatchKey:
+    return MatchKey(*token_arrays(torch.tensor(tokens), torch.tensor(roi)))
+
+
+# ---------------------------------------------------------------- matching
+
+
+def test_match_rule() -> None:
+    long = key_of([1, 2, 3, 4], [True] * 4)
+    assert key_of([1, 2, 3], [True] * 3) != long  # a prefix query does not match
+    assert key_of([1, 2, 3, 4, 5], [True] * 5) != long  # nor an extension
+    assert key_of([1, 2, 3, 4], [True, True, True, False]) != long  # nor another roi
+    assert key_of([1, 2, 3, 5], [True] * 4) != long
+    assert key_of([1, 2, 3, 4], [True] * 4) == long
+    assert (
+        MatchKey(*token_arrays(torch.tensor([1, 2, 3, 4], dtype=torch.int32), torch.ones(4, dtype=torch.bool))) == long
+    )
+    masked = key_of([1, 2, 9, 9], [True, True, False, False])
+    assert masked == key_of([1, 2, 7, 7], [True, True, False, False])  # tokens outside the roi play no part
+    assert masked == key_of([1, 2], [True, True])  # same positions, same tokens
+    assert key_of([9, 1, 2], [False, True, True]) != masked  # same tokens at other positions
+    assert hash(masked) == hash(key_of([1, 2], [True, True]))
+
+
+def test_match_never_trusts_the_hash(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Colliding:
+        @staticmethod
+        def blake2b(data: bytes, digest_size: int) -> Any:
+            return types.SimpleNamespace(digest=lambda: b"\0" * digest_size)
+
+    monkeypatch.setattr(matching, "hashlib", Colliding)
+    a, b = key_of([1, 2], [True, True]), key_of([3, 4], [True, True])
+    assert a.digest == b.digest and hash(a) == hash(b) and a != b
+    store = EntryStore(1 << 20, 1 << 20)
+    entry_a, entry_b = Entry((torch.tensor([1.0]),), 4), Entry((torch.tensor([2.0]),), 4)
+    store.put(a, entry_a, timeout=1)
+    store.put(b, entry_b, timeout=1)
+    assert store.pop(b) is entry_b and store.pop(a) is entry_a and store.pop(a) is None
+
+
+@pytest.mark.parametrize(
+    "tokens, roi",
+    [
+        ([[1, 2]], [[True, True]]),  # 2-D
+        (torch.tensor([1.0, 2.0]), [True, True]),  # float tokens
+        ([1, 2], torch.tensor([1, 1])),  # roi not bool
+        ([1, 2, 3], [True, True]),  # lengths differ
+        ([1, 2], [False, False]),  # selects nothing
+        ([], []),
+    ],
+)
+def test_invalid_queries(tokens: Any, roi: Any) -> None:
+    tokens = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.int64)
+    roi = roi if isinstance(roi, torch.Tensor) else torch.tensor(roi, dtype=torch.bool)
+    with pytest.raises(KVInvalidRequestError):
+        token_arrays(tokens, roi)
+
+
+def test_non_tensor_query_is_refused() -> None:
+    with pytest.raises(KVInvalidRequestError, match="must be tensors"):
+        token_arrays([1, 2], torch.tensor([True, True]))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- protocol
+
+
+def test_request_round_trip() -> None:
+    tokens, roi = token_arrays(torch.tensor([5, -3, 1 << 40]), torch.tensor([True, False, True]))
+    request, got_tokens, got_roi = decode_request(encode_request(123, tokens, roi, 4500))
+    assert (request.request_id, request.wait_ms, request.v) == (123, 4500, PROTOCOL_VERSION)
+    assert got_tokens.tolist() == [5, -3, 1 << 40] and got_roi.tolist() == [True, False, True]
+    assert MatchKey(got_tokens, got_roi) == MatchKey(tokens, roi)
+    reply = decode_reply(encode_reply(99, "hit", waited=True, message="x" * 5000))
+    assert (reply.request_id, reply.status, reply.waited, len(reply.message)) == (99, "hit", True, 1000)
+
+
+def test_every_junk_message_is_refused() -> None:
+    rng = random.Random(0)
+    for name, frames in bodies._junk_frames(rng):
+        if len(frames) != 1:
+            continue  # refused by the server for its frame count
+        with pytest.raises(MessageError):
+            decode_request(frames[0])
+            pytest.fail(f"{name} was accepted")
+        with pytest.raises(MessageError):
+            decode_reply(frames[0])
+
+
+def test_unknown_version_names_both_versions() -> None:
+    frame = dict(bodies._junk_frames(random.Random(0)))["unknown version"][0]
+    with pytest.raises(MessageError) as caught:
+        decode_request(frame)
+    assert caught.value.request_id == 5  # echoed, so the sender learns which request failed
+    assert f"version {PROTOCOL_VERSION + 98}" in str(caught.value)
+    assert f"speaks version {PROTOCOL_VERSION}" in str(caught.value)
+
+
+@pytest.mark.parametrize("dtype", TOKEN_DTYPES)
+def test_hit_header_round_trip(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(5)
+    info = torch.iinfo(dtype)
+    for length, has_value, has_hidden in ((1, False, False), (13, True, False), (64, False, True), (1000, True, True)):
+        tokens = torch.randint(info.min, info.max, (length,), dtype=dtype, generator=generator)
+        roi = torch.rand(length, generator=generator) < 0.6
+        roi[length // 2] = True
+        header = make_header(*token_arrays(tokens, roi), tokens.dtype, has_value, has_hidden)
+        stamp_header(header, 2**62 + length)
+        got = parse_header(torch.from_numpy(header))
+        assert got.request_id == 2**62 + length and (got.has_value, got.has_hidden) == (has_value, has_hidden)
+        assert bodies.same_bits(got.input_tokens, tokens) and bodies.same_bits(got.roi, roi)
+        assert got.match_key == MatchKey(*token_arrays(tokens, roi))
+
+
+def test_bad_hit_headers_are_refused() -> None:
+    def header(tokens: list[int], roi: list[bool]) -> torch.Tensor:
+        arrays = token_arrays(torch.tensor(tokens), torch.tensor(roi))
+        return torch.from_numpy(make_header(*arrays, torch.int64, True, False))
+
+    good = header([3, 4, 5], [True, False, True])
+    parse_header(good)
+    narrow = header([1 << 40], [True])
+    narrow[4] = TOKEN_DTYPES.index(torch.int32)  # a token that does not fit the dtype it claims
+
+    def changed(index: int, value: int) -> torch.Tensor:
+        bad = good.clone()
+        bad[index] = value
+        return bad
+
+    roi_bytes = good.clone()
+    roi_bytes[-1] = 2  # a roi byte that is not 0/1
+    for bad in [
+        None,
+        good.to(torch.int32),
+        good[:5],
+        good[:-1],
+        torch.cat([good, good[-1:]]),
+        good.reshape(1, -1),
+        changed(0, 12345),  # magic
+        changed(1, PROTOCOL_VERSION + 1),
+        changed(2, -1),  # request id
+        changed(3, 4),  # token count disagrees with the length
+        changed(3, 0),
+        changed(4, len(TOKEN_DTYPES)),  # dtype code
+        changed(5, 4),  # flags
+        roi_bytes,
+        narrow,
+    ]:
+        with pytest.raises(KVProtocolError):
+            parse_header(bad)
+
+
+# ---------------------------------------------------------------- store
+
+
+def test_store_fifo_budget_and_stop() -> None:
+    store = EntryStore(capacity_bytes=1000, max_item_bytes=800)
+    key = key_of([1], [True])
+
+    def entry(nbytes: int, fill: int) -> Entry:
+        return Entry((torch.full((nbytes,), fill, dtype=torch.uint8),), nbytes)
+
+    with pytest.raises(KVBufferFullError, match="does not fit"):
+        store.put(key, entry(1001, 0), timeout=1000)  # refused at once, whatever the timeout
+    with pytest.raises(KVBufferFullError, match="does not fit"):
+        store.put(key, entry(801, 0), timeout=1000)  # one tensor too large for the pipe
+    first, second = entry(400, 1), entry(400, 2)
+    store.put(key, first, timeout=0)
+    store.put(key, second, timeout=0)
+    with pytest.raises(KVBufferFullError, match="full"):
+        store.put(key, entry(300, 3), timeout=0.05)
+    counters = store.counters()
+    assert (counters.entries, counters.bytes, counters.rejected, counters.inserts) == (2, 800, 3, 2)
+
+    outcome: list[Any] = []
+    third = entry(300, 3)
+    blocked = threading.Thread(target=lambda: outcome.append(store.put(key, third, timeout=30)))
+    blocked.start()
+    bodies.wait_until(lambda: store.counters().inserts_blocked == 1, "the put blocks")
+    assert store.pop(key) is first  # frees room: the blocked put goes through
+    blocked.join(30)
+    assert outcome == [None] and store.counters().insert_waits == 1
+    assert store.pop(key) is second and store.pop(key) is third and store.pop(key) is None
+
+    store.put(key, Entry((entry(450, 4).items[0], entry(450, 4).items[0]), 900), timeout=0)
+    errors: list[BaseException] = []
+
+    def put_blocked() -> None:
+        try:
+            store.put(key, entry(500, 5), timeout=30)
+        except KVPipeClosedError as exc:
+            errors.append(exc)
+
+    blocked = threading.Thread(target=put_blocked)
+    blocked.start()
+    bodies.wait_until(lambda: store.counters().inserts_blocked == 1, "the put blocks")
+    assert store.stop(KVPipeClosedError("closed")) == (1, 900)
+    blocked.join(30)
+    assert len(errors) == 1 and store.counters().entries == 0
+    with pytest.raises(KVPipeClosedError):
+        store.put(key, entry(1, 6), timeout=0)
+
+
+# ---------------------------------------------------------------- control plumbing
+
+
+def test_control_address_and_doorbell() -> None:
+    config = KVTransferConfig(kv_role="kv_producer", kv_ip="10.1.2.3", kv_port=4000)
+    assert control_address(config, port_offset=2) == "tcp://10.1.2.3:4003"
+    assert control_address(config.replace(kv_ip="::1"), port_offset=0) == "tcp://[::1]:4001"
+    bell = Doorbell()
+    assert select.select([bell], [], [], 0)[0] == []
+    bell.ring()
+    bell.ring()
+    assert select.select([bell], [], [], 0)[0] == [bell]
+    bell.clear()
+    assert select.select([bell], [], [], 0)[0] == []
+    bell.close()
+    bell.ring()  # harmless after close
+
+
+def test_simple_buffer_refuses_kv_both() -> None:
+    pipe = types.SimpleNamespace(port_offset=0)
+    with pytest.raises(KVConfigError, match="kv_producer"):
+        SimpleBuffer(pipe, KVTransferConfig(kv_role="kv_both"))  # type: ignore[arg-type]
+    with pytest.raises(KVConfigError, match="port_offset"):
+        SimpleBuffer(types.SimpleNamespace(), KVTransferConfig(kv_role="kv_consumer"))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- two processes
+
+_CTX = mp.get_context("spawn")
+
+
+def new_sync() -> dict:
+    return {name: _CTX.Event() for name in bodies.SYNC_EVENTS}
+
+
+def run_buffer_pair(
+    producer: Any,
+    consumer: Any,
+    producer_args: tuple = (),
+    consumer_args: tuple = (),
+    changes: dict | None = None,
+    port: int | None = None,
+    timeout: float = 100,
+) -> tuple[dict, dict]:
+    port = procs.free_port() if port is None else port
+    sync = new_sync()
+    results = procs.new_queue()
+    processes = [
+        procs.start(bodies.run_side, (0, port, producer, changes or {}, sync, *producer_args), results, 0),
+        procs.start(bodies.run_side, (1, port, consumer, changes or {}, sync, *consumer_args), results, 1),
+    ]
+    outcomes = procs.collect(processes, results, timeout)
+    return outcomes[0], outcomes[1]
+
+
+def assert_clean(*sides: dict) -> None:
+    for side in sides:
+        assert side["close_error"] is None, side["close_error"]
+
+
+def entry_bytes(seed: int, count: int, small: bool = False) -> list[int]:
+    return [sum(t.nbytes for t in bodies.make_request(seed, i, small) if t is not None) for i in range(count)]
+
+
+@pytest.mark.timeout(120)
+def test_insert_then_select_bit_exact() -> None:
+    seed, count = 11, 30
+    producer, consumer = run_buffer_pair(bodies.producer_basic, bodies.consumer_basic, (seed, count), (seed, count))
+    assert consumer["result"]["selected"] == count
+    assert consumer["result"]["second_select"] == [None] * 5  # the entry was dropped by the first select
+    assert consumer["result"]["refused"] == {
+        "insert on the consumer": "KVConfigError",
+        "negative timeout": "KVInvalidRequestError",
+        "float tokens": "KVInvalidRequestError",
+        "roi selects nothing": "KVInvalidRequestError",
+    }
+    p, c = producer["stats"], consumer["stats"]
+    assert (p["inserts"], p["hits"], p["misses"], p["entries"], p["bytes"]) == (count, count, 1, 0, 0)
+    assert (c["hits"], c["misses"], c["waits"]) == (count, 1, p["waits"])
+    assert p["transferred_bytes"] == c["transferred_bytes"] == sum(entry_bytes(seed, count))
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(150)
+def test_backpressure_shuffled_orders_half_sized_buffer() -> None:
+    seed, count = 21, 200
+    sizes = entry_bytes(seed, count)
+    budget = sum(sizes) // 2
+    assert budget >= 1 << 16 and max(sizes) < budget // 2  # every entry fits, all of them do not
+    producer, consumer = run_buffer_pair(
+        bodies.producer_shuffled,
+        bodies.consumer_threads,
+        (seed, count, False),
+        (seed, count, False, 4, 0.1),
+        changes={"kv_buffer_size": budget},
+    )
+    assert consumer["result"]["selected"] == list(range(count))
+    p, c = producer["stats"], consumer["stats"]
+    assert p["insert_waits"] > 0  # the producer really was held back
+    assert p["peak_bytes"] <= budget and p["rejected"] == 0
+    assert (p["hits"], p["entries"], p["bytes"]) == (count, 0, 0)
+    assert (c["hits"], c["misses"]) == (count, consumer["result"]["misses"]) == (p["hits"], p["misses"])
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(150)
+def test_thousand_requests_four_threads_random_order() -> None:
+    seed, count = 31, 1200
+    producer, consumer = run_buffer_pair(
+        bodies.producer_shuffled, bodies.consumer_threads, (seed, count, True), (seed, count, True, 4, 30.0)
+    )
+    assert consumer["result"]["selected"] == list(range(count))  # each checked bit for bit
+    assert consumer["result"]["misses"] == 0
+    p, c = producer["stats"], consumer["stats"]
+    assert (p["hits"], p["misses"], p["entries"], c["hits"]) == (count, 0, 0, count)
+    assert p["transferred_bytes"] == c["transferred_bytes"] == sum(entry_bytes(seed, count, small=True))
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(120)
+def test_matching_rules_prefixes_duplicates_masks() -> None:
+    producer, consumer = run_buffer_pair(bodies.producer_matching, bodies.consumer_matching)
+    assert consumer["result"] == {
+        "shorter_prefix": None,
+        "longer": None,
+        "prefix": 2.0,
+        "prefix_again": None,  # the long entry is not stolen by a prefix query
+        "long": 1.0,
+        "duplicates": [10.0, 11.0, 12.0, None],  # first in, first out
+        "other_roi": None,
+        "outside_roi_differs": 30.0,
+        "same_positions_shorter_query": 31.0,
+    }
+    assert producer["stats"]["entries"] == 0 and producer["stats"]["hits"] == 7
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(120)
+def test_miss_after_timeout_then_parked_select_hits() -> None:
+    producer, consumer = run_buffer_pair(bodies.producer_late, bodies.consumer_late)
+    assert consumer["result"] == {"timed_out": [None] * 5, "immediate": [None] * 5}
+    p, c = producer["stats"], consumer["stats"]
+    assert (p["hits"], p["misses"], p["waits"]) == (1, 2, 2)  # the 0.2 s miss and the hit waited
+    assert (c["hits"], c["misses"], c["waits"]) == (1, 2, 2)
+    assert producer["result"] == 0  # nothing parked once the entry was handed over
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(120)
+def test_oversize_and_full_inserts_are_refused() -> None:
+    producer, consumer = run_buffer_pair(
+        bodies.producer_full, bodies.consumer_full, changes={"kv_buffer_size": bodies.SMALL_BUDGET}
+    )
+    result = producer["result"]
+    assert "larger" in result["oversize"] or "does not fit" in result["oversize"]
+    assert "full" in result["full"]
+    assert (result["stats"]["rejected"], result["stats"]["inserts"], result["stats"]["entries"]) == (2, 4, 4)
+    assert consumer["result"] == {"hits": [0, 1, 2, 3], "rejected": [None] * 5, "oversize": [None] * 5}
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(150)
+def test_garbage_on_the_control_port_while_real_traffic_runs() -> None:
+    seed, count = 41, 60
+    port = procs.free_port()
+    producer, consumer = run_buffer_pair(
+        bodies.producer_trickle,
+        bodies.consumer_under_attack,
+        (seed, count),
+        (seed, count, f"tcp://127.0.0.1:{port + 1}"),
+        port=port,
+    )
+    attack = consumer["result"]
+    assert attack["answered"] and set(attack["answered"]) == {"error"}
+    request_id, message = attack["version_reply"]
+    assert request_id == 5 and str(PROTOCOL_VERSION + 98) in message and str(PROTOCOL_VERSION) in message
+    assert attack["sent_during_traffic"] > 0
+    # Every DEALER message was refused and counted (raw TCP junk can parse as legacy ZMTP messages too).
+    assert producer["stats"]["bad_messages"] >= len(attack["answered"])
+    assert producer["stats"]["hits"] == consumer["stats"]["hits"] == count
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(120)
+def test_producer_killed_while_consumer_waits() -> None:
+    port = procs.free_port()
+    sync = new_sync()
+    results = procs.new_queue()
+    producer = procs.start(bodies.run_side, (0, port, bodies.producer_parks_then_sleeps, {}, sync), results, 0)
+    consumer = procs.start(bodies.run_side, (1, port, bodies.consumer_waits_for_death, {}, sync), results, 1)
+    try:
+        assert sync["stage"].wait(60), "the consumer's select was never parked"
+        os.kill(producer.pid, signal.SIGKILL)
+        outcome = procs.collect([consumer], results, timeout=60, expect=1)[1]["result"]
+    finally:
+        procs.reap([producer, consumer])
+    assert outcome["first"] == "KVPeerLostError", outcome  # an error, not a miss
+    assert outcome["second"] == "KVPeerLostError"
+    assert outcome["close"] == "ok"  # the failure was reported already
+
+
+@pytest.mark.timeout(120)
+def test_consumer_close_wakes_its_waiting_select_and_the_producer_notices() -> None:
+    producer, consumer = run_buffer_pair(bodies.producer_sees_consumer_close, bodies.consumer_closes_while_waiting)
+    assert consumer["result"] == {
+        "waiter": "KVPipeClosedError",
+        "waiter_hung": False,
+        "after_close": "KVPipeClosedError",
+    }
+    assert producer["result"]["insert"] == "KVPipeClosedError", producer["result"]
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(120)
+def test_producer_close_wakes_blocked_insert_and_parked_select() -> None:
+    producer, consumer = run_buffer_pair(
+        bodies.producer_closes_under_waiters,
+        bodies.consumer_sees_producer_close,
+        changes={"kv_buffer_size": bodies.SMALL_BUDGET},
+    )
+    assert producer["result"] == {"insert": "KVPipeClosedError", "insert_hung": False}
+    assert consumer["result"]["select"] == "KVPipeClosedError", consumer["result"]
+    assert_clean(producer, consumer)

@@ -27,6 +27,7 @@ from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
     ITEM_NAMES,
     MAX_REPLY_BYTES,
+    ControlSigner,
     Reply,
     decode_reply,
     encode_request,
@@ -57,6 +58,7 @@ class BufferConsumer:
         self._address = address
         self._context = zmq.Context(io_threads=1)
         self._local = threading.local()
+        self._signer = ControlSigner(config.kv_secret)
         self._sockets: list[zmq.Socket] = []
         self._lock = threading.Lock()  # guards everything below
         self._idle = threading.Condition(self._lock)
@@ -82,7 +84,7 @@ class BufferConsumer:
         try:
             sock, poller = self._thread_socket()
             try:
-                sock.send(encode_request(call.request_id, tokens, roi_array, wait_ms), zmq.NOBLOCK)
+                sock.send(encode_request(self._signer, call.request_id, tokens, roi_array, wait_ms), zmq.NOBLOCK)
             except zmq.Again:
                 raise KVPeerLostError(
                     f"lookup buffer: {HIGH_WATER_MARK} selects queued unsent to {self._address}; "
@@ -211,7 +213,7 @@ class BufferConsumer:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) != 1:
                     raise KVProtocolError(f"lookup buffer: the producer sent a reply of {len(frames)} frames")
-                reply = decode_reply(frames[0])
+                reply = decode_reply(self._signer, frames[0])
                 if reply.request_id == request_id:
                     return reply
                 # The answer to an earlier call of this thread that gave up waiting.

@@ -31,6 +31,7 @@ from lookup_buffer.errors import KVInvalidRequestError, fresh_error
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
     MAX_REQUEST_BYTES,
+    ControlSigner,
     MessageError,
     Status,
     decode_request,
@@ -49,6 +50,7 @@ MAX_WAITING_KEY_BYTES = 256 << 20
 _MESSAGES_PER_ROUND = 256  # then expire and match before reading more: a flood cannot starve them
 _MAX_POLL_MS = 1000
 _LOGGED_REFUSALS = 20
+_REMEMBERED_REQUEST_IDS = 1 << 16
 
 
 @dataclasses.dataclass(eq=False)
@@ -85,6 +87,9 @@ class BufferProducer:
         self._waiting_key_bytes = 0
         self._sequence = itertools.count()
 
+        self._signer = ControlSigner(config.kv_secret)
+        # Signed request ids seen lately: a captured signed select cannot be replayed to steal an entry.
+        self._recent_request_ids: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._inserted: collections.deque[MatchKey] = collections.deque()  # insert() -> server thread
         self._doorbell = Doorbell()
         self._stopping = threading.Event()
@@ -257,7 +262,9 @@ class BufferProducer:
             try:
                 if len(frames) != 2:
                     raise MessageError(f"expected one message frame after the identity, got {len(frames) - 1}")
-                request, tokens, roi = decode_request(frames[1])
+                request, tokens, roi = decode_request(self._signer, frames[1])
+                if self._signer.enabled:
+                    self._refuse_replay(request.request_id)
             except MessageError as exc:
                 with self._lock:
                     self._bad_messages += 1
@@ -272,6 +279,13 @@ class BufferProducer:
                 self._reply(identity, exc.request_id, "error", message=str(exc))
                 continue
             self._on_select(identity, request.request_id, MatchKey(tokens, roi), request.wait_ms)
+
+    def _refuse_replay(self, request_id: int) -> None:
+        if request_id in self._recent_request_ids:
+            raise MessageError(f"select request id {request_id} was already used: replay refused", request_id)
+        self._recent_request_ids[request_id] = None
+        if len(self._recent_request_ids) > _REMEMBERED_REQUEST_IDS:
+            self._recent_request_ids.popitem(last=False)
 
     def _on_select(self, identity: bytes, request_id: int, key: MatchKey, wait_ms: int) -> None:
         if self._failure is not None:
@@ -367,6 +381,7 @@ class BufferProducer:
     def _reply(self, identity: bytes, request_id: int, status: Status, waited: bool = False, message: str = "") -> None:
         try:
             # A ROUTER drops (never blocks on) messages to unknown or saturated peers.
-            self._router.send_multipart([identity, encode_reply(request_id, status, waited, message)], zmq.NOBLOCK)
+            frame = encode_reply(self._signer, request_id, status, waited, message)
+            self._router.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.debug("lookup buffer: reply to %s dropped: %s", identity.hex(), exc)

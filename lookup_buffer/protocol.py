@@ -2,8 +2,9 @@
 
 Control messages are msgspec msgpack Structs, tagged by a ``type`` field and carrying a protocol
 version ``v``. Every received message is validated in full here (types, bounds, cross-field
-consistency); nothing is unpickled or evaluated. All encoding and decoding goes through this
-module, so that a keyed MAC (``kv_secret``) can later be added in one place.
+consistency); nothing is unpickled or evaluated. With ``kv_secret`` set, every control frame
+carries an HMAC-SHA256 tag (:class:`ControlSigner`; one key per direction), checked before the
+frame is decoded: a peer without the secret can neither select nor learn anything.
 
 Exchange: the consumer sends a :class:`SelectRequest` from a DEALER socket; the producer's ROUTER
 answers with one :class:`Reply`. On a hit, before the reply, the producer sends on the data pipe a
@@ -20,6 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
+from kv_pipe import auth
 from kv_pipe.errors import KVProtocolError
 from lookup_buffer.matching import MAX_TOKENS, TOKEN_DTYPES, TOKEN_WIRE_DTYPE, MatchKey
 
@@ -28,8 +30,8 @@ PROTOCOL_VERSION = 1
 MAX_WAIT_MS = 3_600_000
 MAX_MESSAGE_CHARS = 1000
 #: Bounds for ZMQ_MAXMSGSIZE: a peer sending more is disconnected by ZeroMQ before we see it.
-MAX_REQUEST_BYTES = MAX_TOKENS * (TOKEN_WIRE_DTYPE.itemsize + 1) + 1024
-MAX_REPLY_BYTES = 4 * MAX_MESSAGE_CHARS + 1024
+MAX_REQUEST_BYTES = MAX_TOKENS * (TOKEN_WIRE_DTYPE.itemsize + 1) + 1024 + auth.TAG_BYTES
+MAX_REPLY_BYTES = 4 * MAX_MESSAGE_CHARS + 1024 + auth.TAG_BYTES
 #: What drop_select returns, in this order.
 ITEM_NAMES = ("input_tokens", "roi", "key", "value", "hidden")
 TAG_MAGIC = 0x4B564C4F4F4B  # "KVLOOK"
@@ -85,6 +87,35 @@ class MessageError(KVProtocolError):
         self.request_id = request_id
 
 
+class ControlSigner:
+    """Seals and opens control frames: ``body + HMAC tag`` with a secret, the bare body without.
+
+    Requests and replies use different keys, so a captured reply can never pass as a request.
+    """
+
+    def __init__(self, secret: str | None) -> None:
+        self.enabled = secret is not None
+        self._keys = {
+            what: auth.derive_key(secret, f"lookup-buffer/{what}") if secret else b""
+            for what in ("select request", "reply")
+        }
+
+    def seal(self, body: bytes, what: str) -> bytes:
+        return body + auth.sign(self._keys[what], body) if self.enabled else body
+
+    def open(self, frame: bytes, what: str) -> bytes:
+        """The authenticated body of ``frame``; MessageError if its tag is missing or wrong."""
+        if not self.enabled:
+            return frame
+        body, tag = frame[: -auth.TAG_BYTES], frame[-auth.TAG_BYTES :]
+        if len(frame) <= auth.TAG_BYTES or not auth.verify(self._keys[what], tag, body):
+            raise MessageError(
+                f"authentication failed: a {what} without a valid kv_secret signature was refused "
+                f"(the sender has another kv_secret, none, or is a stranger)"
+            )
+        return body
+
+
 #: Every control message. Decoding the union (not one Struct) makes the ``type`` tag mandatory.
 Message = SelectRequest | Reply
 
@@ -98,7 +129,9 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
     try:
         envelope = _envelope_decoder.decode(frame)
     except msgspec.MsgspecError as exc:
-        raise MessageError(f"malformed {what} ({len(frame)} bytes): {exc}") from None
+        raise MessageError(
+            f"malformed {what} ({len(frame)} bytes): {exc} (if the other side sets kv_secret, so must this one)"
+        ) from None
     request_id = envelope.request_id
     if not (isinstance(request_id, int) and not isinstance(request_id, bool) and 0 <= request_id < 1 << 63):
         request_id = 0
@@ -117,9 +150,9 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
     return message
 
 
-def encode_request(request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int) -> bytes:
+def encode_request(signer: ControlSigner, request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int) -> bytes:
     """``tokens``/``roi`` as returned by :func:`lookup_buffer.matching.token_arrays`."""
-    return _encoder.encode(
+    body = _encoder.encode(
         SelectRequest(
             v=PROTOCOL_VERSION,
             request_id=request_id,
@@ -128,15 +161,16 @@ def encode_request(request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms
             wait_ms=wait_ms,
         )
     )
+    return signer.seal(body, "select request")
 
 
-def decode_request(frame: bytes) -> tuple[SelectRequest, np.ndarray, np.ndarray]:
+def decode_request(signer: ControlSigner, frame: bytes) -> tuple[SelectRequest, np.ndarray, np.ndarray]:
     """Return the request and its tokens (int64) and roi (bool) as read-only arrays.
 
     Raises:
-        MessageError: anything malformed, inconsistent or of another version.
+        MessageError: anything unauthenticated, malformed, inconsistent or of another version.
     """
-    request = _decode(frame, SelectRequest, "select request")
+    request = _decode(signer.open(frame, "select request"), SelectRequest, "select request")
     count, remainder = divmod(len(request.tokens), TOKEN_WIRE_DTYPE.itemsize)
     if remainder or count != len(request.roi) or count == 0:
         raise MessageError(
@@ -150,8 +184,10 @@ def decode_request(frame: bytes) -> tuple[SelectRequest, np.ndarray, np.ndarray]
     return request, np.frombuffer(request.tokens, dtype=TOKEN_WIRE_DTYPE), roi.view(np.bool_)
 
 
-def encode_reply(request_id: int, status: Status, waited: bool = False, message: str = "") -> bytes:
-    return _encoder.encode(
+def encode_reply(
+    signer: ControlSigner, request_id: int, status: Status, waited: bool = False, message: str = ""
+) -> bytes:
+    body = _encoder.encode(
         Reply(
             v=PROTOCOL_VERSION,
             request_id=request_id,
@@ -160,11 +196,12 @@ def encode_reply(request_id: int, status: Status, waited: bool = False, message:
             message=message[:MAX_MESSAGE_CHARS],
         )
     )
+    return signer.seal(body, "reply")
 
 
-def decode_reply(frame: bytes) -> Reply:
-    """Raises MessageError for anything malformed or of another version."""
-    return _decode(frame, Reply, "reply")
+def decode_reply(signer: ControlSigner, frame: bytes) -> Reply:
+    """Raises MessageError for anything unauthenticated, malformed or of another version."""
+    return _decode(signer.open(frame, "reply"), Reply, "reply")
 
 
 class HitHeader(NamedTuple):

@@ -23,7 +23,7 @@ import zmq
 from kv_pipe import KVTransferConfig, TorchDistributedPipe
 from kv_pipe.errors import KVBufferFullError, KVPipeClosedError, KVTransferError
 from lookup_buffer import SimpleBuffer
-from lookup_buffer.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, decode_reply, encode_request
+from lookup_buffer.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, ControlSigner, decode_reply, encode_request
 
 #: Events shared by the two sides of one test (multiprocessing events, see new_sync in the test file).
 SYNC_EVENTS = ("inserted", "stage", "consumer_done")
@@ -164,6 +164,42 @@ def consumer_basic(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> d
         except KVTransferError as exc:
             refused[name] = type(exc).__name__
     return {"selected": len(order), "second_select": again, "refused": refused}
+
+
+def consumer_with_stranger(buffer: SimpleBuffer, sync: dict, seed: int, count: int, address: str) -> dict:
+    """A stranger (raw DEALER) tries to select; then the friend (this buffer) selects everything."""
+    from kv_pipe import auth
+    from lookup_buffer.matching import token_arrays
+
+    secret = buffer.config.kv_secret
+    tokens, roi = token_arrays(*make_request(seed, 0)[:2])
+    absent_tokens, absent_roi = token_arrays(torch.tensor([-1, -2, -3]), torch.tensor([True, True, True]))
+    attempts = {
+        "unsigned": encode_request(ControlSigner(None), 1, tokens, roi, 2000),
+        "wrong secret": encode_request(ControlSigner("guess"), 2, tokens, roi, 2000),
+        "first use": encode_request(ControlSigner(secret), 3, absent_tokens, absent_roi, 0),
+        "replayed": encode_request(ControlSigner(secret), 3, absent_tokens, absent_roi, 0),
+    }
+    verdicts = {}
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, int(BOUND * 1000))
+    dealer.connect(address)
+    try:
+        for what, frame in attempts.items():
+            dealer.send(frame)
+            body = dealer.recv()[: -auth.TAG_BYTES]  # the producer signs even its refusals
+            reply = decode_reply(ControlSigner(None), body)
+            gist = next((g for g in ("authentication failed", "replay refused") if g in reply.message), reply.message)
+            verdicts[what] = (reply.status, gist)
+    finally:
+        dealer.close(linger=0)
+        context.term()
+    for index in range(count):
+        want = make_request(seed, index)
+        check_entry(buffer.drop_select(want[0], want[1], timeout=BOUND), want, f"request {index}")
+    return {"stranger": verdicts, "selected": count}
 
 
 # ---------------------------------------------------------------- backpressure
@@ -367,7 +403,7 @@ def producer_trickle(buffer: SimpleBuffer, sync: dict, seed: int, count: int) ->
 def _junk_frames(rng: random.Random) -> list[tuple[str, list[bytes]]]:
     tokens = _tokens(1, 2, 3).numpy()
     roi = _ones(3).numpy()
-    valid = encode_request(77, tokens, roi, 0)
+    valid = encode_request(ControlSigner(None), 77, tokens, roi, 0)
     good = dict(type="select", v=PROTOCOL_VERSION, request_id=5, tokens=tokens.tobytes(), roi=roi.tobytes(), wait_ms=0)
 
     def variant(**changes: Any) -> bytes:
@@ -424,7 +460,7 @@ def _attack(address: str, rounds: int, stop: threading.Event) -> dict:
                 sent += 1
                 sent_during_traffic += not stop.is_set()
                 assert dealer.poll(int(BOUND * 1000)), f"no answer to {name!r}"
-                reply = decode_reply(dealer.recv())
+                reply = decode_reply(ControlSigner(None), dealer.recv())
                 replies.append(reply.status)
                 if name == "unknown version":
                     version_reply = (reply.request_id, reply.message)

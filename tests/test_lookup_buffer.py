@@ -21,6 +21,7 @@ from lookup_buffer.control import Doorbell, control_address
 from lookup_buffer.matching import TOKEN_DTYPES, MatchKey, token_arrays
 from lookup_buffer.protocol import (
     PROTOCOL_VERSION,
+    ControlSigner,
     MessageError,
     decode_reply,
     decode_request,
@@ -103,12 +104,35 @@ def test_non_tensor_query_is_refused() -> None:
 
 def test_request_round_trip() -> None:
     tokens, roi = token_arrays(torch.tensor([5, -3, 1 << 40]), torch.tensor([True, False, True]))
-    request, got_tokens, got_roi = decode_request(encode_request(123, tokens, roi, 4500))
+    request, got_tokens, got_roi = decode_request(UNSIGNED, encode_request(UNSIGNED, 123, tokens, roi, 4500))
     assert (request.request_id, request.wait_ms, request.v) == (123, 4500, PROTOCOL_VERSION)
     assert got_tokens.tolist() == [5, -3, 1 << 40] and got_roi.tolist() == [True, False, True]
     assert MatchKey(got_tokens, got_roi) == MatchKey(tokens, roi)
-    reply = decode_reply(encode_reply(99, "hit", waited=True, message="x" * 5000))
+    reply = decode_reply(UNSIGNED, encode_reply(UNSIGNED, 99, "hit", waited=True, message="x" * 5000))
     assert (reply.request_id, reply.status, reply.waited, len(reply.message)) == (99, "hit", True, 1000)
+
+
+def test_signed_frames_accept_only_the_same_secret_and_direction() -> None:
+    tokens, roi = token_arrays(torch.tensor([7, 8, 9]), torch.tensor([True, True, False]))
+    friend, stranger = ControlSigner("s3cret"), ControlSigner("guess")
+    frame = encode_request(friend, 5, tokens, roi, 0)
+    assert decode_request(friend, frame)[0].request_id == 5
+    tampered = bytearray(frame)
+    tampered[len(tampered) // 2] ^= 1
+    refusals = {
+        "wrong secret": (stranger, frame),
+        "unsigned": (friend, encode_request(UNSIGNED, 5, tokens, roi, 0)),
+        "tampered": (friend, bytes(tampered)),
+        "truncated": (friend, frame[:20]),
+    }
+    for what, (signer, candidate) in refusals.items():
+        with pytest.raises(MessageError, match="authentication failed"):
+            decode_request(signer, candidate)
+            pytest.fail(f"{what} was accepted")
+    reply = encode_reply(friend, 5, "hit")
+    assert decode_reply(friend, reply).status == "hit"
+    with pytest.raises(MessageError, match="authentication failed"):  # a reply never passes as a request
+        decode_request(friend, reply)
 
 
 def test_every_junk_message_is_refused() -> None:
@@ -117,16 +141,16 @@ def test_every_junk_message_is_refused() -> None:
         if len(frames) != 1:
             continue  # refused by the server for its frame count
         with pytest.raises(MessageError):
-            decode_request(frames[0])
+            decode_request(UNSIGNED, frames[0])
             pytest.fail(f"{name} was accepted")
         with pytest.raises(MessageError):
-            decode_reply(frames[0])
+            decode_reply(UNSIGNED, frames[0])
 
 
 def test_unknown_version_names_both_versions() -> None:
     frame = dict(bodies._junk_frames(random.Random(0)))["unknown version"][0]
     with pytest.raises(MessageError) as caught:
-        decode_request(frame)
+        decode_request(UNSIGNED, frame)
     assert caught.value.request_id == 5  # echoed, so the sender learns which request failed
     assert f"version {PROTOCOL_VERSION + 98}" in str(caught.value)
     assert f"speaks version {PROTOCOL_VERSION}" in str(caught.value)
@@ -264,6 +288,8 @@ def test_simple_buffer_refuses_kv_both() -> None:
 
 
 # ---------------------------------------------------------------- two processes
+
+UNSIGNED = ControlSigner(None)
 
 _CTX = mp.get_context("spawn")
 
@@ -459,4 +485,26 @@ def test_producer_close_wakes_blocked_insert_and_parked_select() -> None:
     )
     assert producer["result"] == {"insert": "KVPipeClosedError", "insert_hung": False}
     assert consumer["result"]["select"] == "KVPipeClosedError", consumer["result"]
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(150)
+def test_shared_secret_refuses_a_stranger_and_serves_the_friend() -> None:
+    seed, count = 51, 10
+    port = procs.free_port()
+    producer, consumer = run_buffer_pair(
+        bodies.producer_basic,
+        bodies.consumer_with_stranger,
+        (seed, count),
+        (seed, count, f"tcp://127.0.0.1:{port + 1}"),
+        changes={"kv_secret": "correct horse battery staple"},
+        port=port,
+    )
+    stranger = consumer["result"]["stranger"]
+    assert stranger["unsigned"] == ("error", "authentication failed")
+    assert stranger["wrong secret"] == ("error", "authentication failed")
+    assert stranger["first use"] == ("miss", "")
+    assert stranger["replayed"] == ("error", "replay refused")
+    assert consumer["result"]["selected"] == count  # the stranger took nothing
+    assert producer["stats"]["hits"] == count
     assert_clean(producer, consumer)

@@ -11,6 +11,8 @@ from types import TracebackType
 
 import torch
 
+from kv_pipe.config import KVTransferConfig
+
 
 class KVPipeBase(abc.ABC):
     """A bidirectional, FIFO, point-to-point tensor pipe.
@@ -22,7 +24,19 @@ class KVPipeBase(abc.ABC):
     Errors: every error is a :class:`kv_pipe.KVTransferError`. A dead or silent peer surfaces as
     :class:`kv_pipe.KVPeerLostError` within the configured ``kv_timeout``; an orderly close by the
     peer as :class:`kv_pipe.KVPipeClosedError` once everything it sent has been received.
+
+    Attributes every pipe has: ``config`` (its :class:`kv_pipe.KVTransferConfig`) and
+    ``port_offset`` (added to ``kv_port``; layers above derive their own ports from it).
     """
+
+    config: KVTransferConfig
+    port_offset: int
+
+    @property
+    @abc.abstractmethod
+    def max_tensor_bytes(self) -> int:
+        """The largest tensor (in bytes) :meth:`send_tensor` accepts, agreed with the peer at connect
+        time (the smaller ``kv_buffer_size`` of the two sides, less per-message bookkeeping)."""
 
     @abc.abstractmethod
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:

@@ -237,6 +237,10 @@ class TorchDistributedPipe(KVPipeBase):
 
     # ------------------------------------------------------------------ public API
 
+    @property
+    def max_tensor_bytes(self) -> int:
+        return self._max_in_flight - message_cost(0)
+
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
         if tensor is None:
             message = _Outgoing(FrameKind.NONE, cost=message_cost(0))
@@ -245,10 +249,10 @@ class TorchDistributedPipe(KVPipeBase):
             data = self._as_bytes(tensor)
             message = _Outgoing(FrameKind.TENSOR, data, tensor.dtype, tuple(tensor.shape),
                                 message_cost(data.numel()))
-            if message.cost > self._max_in_flight:
+            if data.numel() > self.max_tensor_bytes:
                 raise KVTransferError(
-                    f"a {data.numel()}-byte tensor exceeds the pipe's in-flight budget of "
-                    f"{self._max_in_flight} bytes (the smaller kv_buffer_size of the two sides)"
+                    f"a {data.numel()}-byte tensor exceeds the pipe's limit of {self.max_tensor_bytes} bytes "
+                    f"(max_tensor_bytes: the smaller kv_buffer_size of the two sides, less bookkeeping)"
                 )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:

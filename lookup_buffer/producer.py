@@ -24,7 +24,6 @@ import zmq
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPipeClosedError, KVProtocolError, KVTransferError
-from kv_pipe.protocol import MESSAGE_OVERHEAD
 from lookup_buffer.base import BufferStats
 from lookup_buffer.control import Doorbell, open_socket
 from lookup_buffer.errors import KVInvalidRequestError, fresh_error
@@ -72,8 +71,8 @@ class BufferProducer:
         self._pipe = pipe
         self._config = config
         self._address = address
-        # The pipe carries no single tensor longer than its budget minus its per-message overhead.
-        self._store = EntryStore(config.kv_buffer_size, config.kv_buffer_size - MESSAGE_OVERHEAD)
+        # An entry whose tensors the pipe would refuse is refused at insert, not halfway through a hit.
+        self._store = EntryStore(config.kv_buffer_size, pipe.max_tensor_bytes)
         self._lock = threading.Lock()  # guards the counters and the failure state below
         self._hits = self._misses = self._waits = self._bad_messages = self._sent_bytes = 0
         self._failure: KVTransferError | None = None

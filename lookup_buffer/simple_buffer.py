@@ -26,9 +26,9 @@ class SimpleBuffer(KVLookupBufferBase):
     """A lookup buffer between one producer and one consumer process.
 
     Args:
-        data_pipe: this side's pipe to the peer, exposing ``port_offset`` (TorchDistributedPipe
-            does). Once constructed, the buffer owns it: :meth:`close` closes it, and nothing else
-            may send or receive on it.
+        data_pipe: this side's pipe to the peer (its ``port_offset`` places the control channel,
+            see :class:`kv_pipe.KVPipeBase`). Once constructed, the buffer owns it: :meth:`close`
+            closes it, and nothing else may send or receive on it.
         config: ``kv_role`` is ``kv_producer`` or ``kv_consumer`` (``kv_both`` is refused: one
             pipe carries entries one way); ``kv_buffer_size`` bounds the bytes the producer holds;
             ``kv_timeout`` bounds waits on a silent peer and is the default insert timeout.
@@ -39,10 +39,7 @@ class SimpleBuffer(KVLookupBufferBase):
 
     def __init__(self, data_pipe: KVPipeBase, config: KVTransferConfig) -> None:
         config.validate()
-        port_offset = getattr(data_pipe, "port_offset", None)
-        if not isinstance(port_offset, int):
-            raise KVConfigError(f"data_pipe must expose an integer port_offset, got {port_offset!r}")
-        address = control_address(config, port_offset)
+        address = control_address(config, data_pipe.port_offset)
         self.config = config
         self._side: BufferProducer | BufferConsumer
         if config.kv_role == "kv_producer":

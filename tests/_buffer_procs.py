@@ -449,7 +449,7 @@ def _attack(address: str, rounds: int, stop: threading.Event) -> dict:
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(address)
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    silent = socket.create_connection((host, int(port)), timeout=BOUND)  # a half-open peer, kept
+    silent = None  # a half-open peer, kept open; made once the producer has answered (so it listens)
     sent = sent_during_traffic = 0
     replies = []
     version_reply = None
@@ -464,6 +464,8 @@ def _attack(address: str, rounds: int, stop: threading.Event) -> dict:
                 replies.append(reply.status)
                 if name == "unknown version":
                     version_reply = (reply.request_id, reply.message)
+                if silent is None:
+                    silent = socket.create_connection((host, int(port)), timeout=BOUND)
             # Junk below the message layer: no answer expected, the producer must shrug it off.
             req = context.socket(zmq.REQ)
             req.setsockopt(zmq.LINGER, 0)
@@ -482,7 +484,8 @@ def _attack(address: str, rounds: int, stop: threading.Event) -> dict:
             if stop.is_set() and round_ > 0:
                 break
     finally:
-        silent.close()
+        if silent is not None:
+            silent.close()
         dealer.close()
         context.term()
     return {"sent_during_traffic": sent_during_traffic, "answered": replies, "version_reply": version_reply}

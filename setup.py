@@ -23,5 +23,8 @@ setup(
     },
     entry_points={
         "console_scripts": ["kvbridge=launch.cli:main"],
+        # vLLM calls these in each of its processes: registers KVBridgeConnector by name, so users
+        # need no kv_connector_module_path.
+        "vllm.general_plugins": ["kvbridge = connector.vllm_plugin:register"],
     },
 )

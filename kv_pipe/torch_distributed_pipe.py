@@ -376,6 +376,12 @@ class TorchDistributedPipe(KVPipeBase):
                 logger.error("%s", error)
             self._cond.notify_all()
 
+    def _peer_lost(self, action: str, cause: Exception) -> KVPeerLostError:
+        return KVPeerLostError(
+            f"pipe rank {self.rank}: connection to rank {self.peer_rank} lost while {action} (the peer exited, "
+            f"was killed, or was silent for kv_timeout={self.config.kv_timeout:g} s): {cause}"
+        )
+
     def _as_bytes(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to(self.device).resolve_conj().resolve_neg().contiguous()
         return tensor.reshape(-1).view(torch.uint8)
@@ -423,7 +429,7 @@ class TorchDistributedPipe(KVPipeBase):
         try:
             self._transmit(header, message.data)
         except Exception as exc:
-            self._fail(KVPeerLostError(f"pipe rank {self.rank}: sending to rank {self.peer_rank} failed: {exc}"))
+            self._fail(self._peer_lost("sending", exc))
             return False
         finally:
             with self._cond:
@@ -472,9 +478,7 @@ class TorchDistributedPipe(KVPipeBase):
                 self._fail(exc)
                 return
             except Exception as exc:
-                self._fail(KVPeerLostError(
-                    f"pipe rank {self.rank}: connection to rank {self.peer_rank} lost (peer exited, was "
-                    f"killed, or was silent for kv_timeout={self.config.kv_timeout:g} s): {exc}"))
+                self._fail(self._peer_lost("receiving", exc))
                 return
             with self._cond:
                 self._peer_consumed = header.consumed

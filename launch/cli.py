@@ -1,4 +1,5 @@
-"""The ``kvbridge`` command. ``kvbridge pair`` is ``torchrun --nproc-per-node=2 -m launch.pair``.
+"""The ``kvbridge`` command. ``kvbridge pair`` is ``torchrun --nproc-per-node=2 -m launch.pair``;
+``kvbridge serve ...`` is ``python -m launch.serve ...`` (prefill + decode vLLM servers and the proxy).
 
 Workload options set the matching ``KVBRIDGE_*`` variables (see :mod:`launch.pair`); every other
 option goes to torchrun unchanged, e.g. ``kvbridge pair --nnodes=2 --node-rank=0 --master-addr=HOST
@@ -36,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     for name, (_, kind, text) in _PAIR_OPTIONS.items():
         pair.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
+    commands.add_parser(
+        "serve", add_help=False,
+        help="serve a model disaggregated: prefill + decode vLLM servers and an OpenAI-compatible proxy "
+        "(kvbridge serve --help)",
+    )
     return parser
 
 
@@ -50,6 +56,11 @@ def torchrun_args(forwarded: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from launch import serve  # its options are its own
+
+        return serve.main(argv[1:])
     args, forwarded = _parser().parse_known_args(argv)
     for name, (variable, _, _) in _PAIR_OPTIONS.items():
         if getattr(args, name) is not None:

@@ -24,6 +24,7 @@ from kv_pipe import KVTransferConfig, TorchDistributedPipe
 from kv_pipe.errors import KVBufferFullError, KVPipeClosedError, KVTransferError
 from lookup_buffer import SimpleBuffer
 from lookup_buffer.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, ControlSigner, decode_reply, encode_request
+from tests.tensors import random_tensor, same_bits
 
 #: Events shared by the two sides of one test (multiprocessing events, see new_sync in the test file).
 SYNC_EVENTS = ("inserted", "stage", "consumer_done")
@@ -68,21 +69,8 @@ def run_side(rank: int, port: int, body: Callable[..., Any], changes: dict, sync
 # ---------------------------------------------------------------- data
 
 
-def random_tensor(generator: torch.Generator, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """Random bits of any dtype (NaN payloads included: comparisons are on the bytes)."""
-    nbytes = torch.Size(shape).numel() * dtype.itemsize
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
-    if dtype == torch.bool:
-        raw = raw % 2
-    return raw.view(dtype).reshape(shape)
 
 
-def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64, torch.uint8, torch.int32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import socket
 import traceback
 from collections.abc import Callable
@@ -11,19 +12,29 @@ from typing import Any
 _CTX = mp.get_context("spawn")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            low, high = (int(word) for word in ranges.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(span: int = 4) -> int:
-    """A port p such that p .. p+span-1 were all free a moment ago."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + span > 65000:
-            continue
+    """A port p such that p .. p+span-1 were all free a moment ago.
+
+    Chosen below the kernel's ephemeral range: gloo's listeners and every outgoing connection take
+    ephemeral ports, which would otherwise collide with a port picked earlier and bound later.
+    """
+    low, _ = _ephemeral_range()
+    chooser = random.SystemRandom()  # concurrent test processes must not walk the same sequence
+    for _ in range(500):
+        base = chooser.randrange(10000, low - span)
         try:
             for offset in range(span):
-                with socket.socket() as other:
-                    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    other.bind(("127.0.0.1", base + offset))
+                with socket.socket() as probe:
+                    probe.bind(("0.0.0.0", base + offset))
         except OSError:
             continue
         return base

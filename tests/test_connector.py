@@ -23,6 +23,7 @@ from connector import (
 from kv_pipe import KVConfigError, KVTransferConfig, TorchDistributedPipe
 from lookup_buffer import BufferStats, KVLookupBufferBase, SimpleBuffer
 from tests import procs
+from tests.tensors import same_bits
 
 ALL_LAYOUTS = pytest.mark.parametrize("layout", [VLLM_CPU_LAYOUT, FLASH_ATTN_LAYOUT], ids=lambda x: x.name)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -45,14 +46,6 @@ def random_caches(layout: PagedKVLayout, num_blocks: int, dtype: torch.dtype, se
                   block_size: int = BLOCK_SIZE, num_layers: int = NUM_LAYERS) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [random_tensor(cache_shape(layout, num_blocks, block_size), dtype, generator) for _ in range(num_layers)]
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(torch.uint8)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def block(cache: torch.Tensor, layout: PagedKVLayout, block_id: int) -> torch.Tensor:

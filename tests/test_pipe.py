@@ -24,6 +24,7 @@ from kv_pipe.errors import (
 )
 from kv_pipe.protocol import DTYPE_TO_CODE, INLINE_CAPACITY
 from tests import procs
+from tests.tensors import random_tensor, same_bits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_VLLM_NONE_SENTINEL = -150886311
@@ -36,21 +37,8 @@ def config(rank: int, port: int, **changes) -> KVTransferConfig:
     return KVTransferConfig(**values)
 
 
-def random_tensor(generator: torch.Generator, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """Random bits of any dtype (not just valid numbers: NaN payloads must survive too)."""
-    nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
-    if dtype == torch.bool:
-        raw = raw % 2
-    return raw.view(dtype).reshape(shape)
 
 
-def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def dtype_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:

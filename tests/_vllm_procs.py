@@ -1,0 +1,440 @@
+"""Helpers of the vLLM tests: a tiny model made on the spot, engine settings, and engine processes.
+
+Engine bodies run in spawned processes (vLLM keeps global state per process, e.g. its KV
+connector, so every engine gets its own process). Everything here is bounded by timeouts, and
+:class:`Engines` kills whatever it started when the test ends.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import random
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 32
+VOCAB = 1024
+MAX_TOKENS = 8
+#: Prompt lengths: shorter than a block, around one and two blocks (k * 32 + 1 included), longer.
+PROMPT_LENGTHS = (7, 31, 32, 33, 64, 65, 100, 200)
+#: Index of the prompt that appears twice in :func:`test_prompts`.
+DUPLICATED = 6
+#: Small enough that the 200-token prompt is prefilled in chunks on both engines.
+MAX_NUM_BATCHED_TOKENS = 96
+
+_CTX = mp.get_context("spawn")
+
+
+# ---------------------------------------------------------------------- model and prompts
+
+
+def make_tiny_llama(path: Path, with_tokenizer: bool = False) -> str:
+    """Save a random 2-layer Llama (1.7 M parameters) into ``path``; optionally a word-level tokenizer
+    (:func:`word`) with a chat template, for the OpenAI chat endpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    if with_tokenizer:
+        _save_word_tokenizer(path)
+    return str(path)
+
+
+#: Token ids 0-2 are the special tokens; 3 and 4 frame a chat message.
+SPECIALS = ("<s>", "</s>", "<unk>")
+
+
+def word(token_id: int) -> str:
+    """The text of token ``token_id`` (>= 3) in the tiny tokenizer: one word per token."""
+    return f"w{token_id}"
+
+
+def _save_word_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {**{token: i for i, token in enumerate(SPECIALS)}, **{word(i): i for i in range(len(SPECIALS), VOCAB)}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}w3 {{ m['content'] }} {% endfor %}w4"
+    tokenizer.save_pretrained(path)
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    """One random prompt per length of :data:`PROMPT_LENGTHS`, then a duplicate of one of them."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(5, VOCAB) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return prompts + [list(prompts[DUPLICATED])]
+
+
+def transfer_prefix(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+# ---------------------------------------------------------------------- engine settings
+
+
+def kv_transfer_config(role: str, port: int, module_path: bool = True, **extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "kv_connector": "KVBridgeConnector",
+        "kv_role": role,
+        "kv_port": port,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kv_ip": "127.0.0.1", "kv_timeout": 5.0, "kv_connect_timeout": 120.0,
+                                      "kv_buffer_size": 64 << 20, "kv_load_timeout": 5.0, **extra},
+    }
+    if module_path:
+        config["kv_connector_module_path"] = "connector.vllm_v1"
+    return config
+
+
+def engine_kwargs(model: str, transfer: dict[str, Any] | None = None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+                                  max_model_len=512, block_size=BLOCK_SIZE, kv_cache_memory_bytes=64 << 20,
+                                  seed=0, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = transfer
+    return kwargs
+
+
+def engine_env(core: int, multiprocess: bool = False) -> dict[str, str]:
+    """Environment of one engine process, pinned to ``core`` (two engines on two cores)."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+# ---------------------------------------------------------------------- engine bodies (child processes)
+
+
+def _llm(kwargs: dict[str, Any]):
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [_summary(o) for o in outputs]
+
+
+def _generate_with_aborts(llm, prompts: list[list[int]], max_tokens: int, abort: list[int],
+                          abort_after_steps: int, timeout: float = 120) -> list[dict[str, Any] | None]:
+    """Step the engine by hand and abort the requests ``abort`` after ``abort_after_steps`` steps;
+    returns the outputs in prompt order, None for aborted requests."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    ids = [f"stepped-{index}" for index in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+    finished: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    steps = 0
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests not finished within {timeout} s")
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps += 1
+        if steps == abort_after_steps:
+            engine.abort_request([ids[index] for index in abort])
+    return [None if index in abort else _summary(finished[request_id]) for index, request_id in enumerate(ids)]
+
+
+def _summary(output: Any) -> dict[str, Any]:
+    return {"tokens": list(output.outputs[0].token_ids), "cached": output.num_cached_tokens,
+            "finish": output.outputs[0].finish_reason, "params": output.kv_transfer_params}
+
+
+def _run_batch(llm, batch: list[list[int]] | dict[str, Any], max_tokens: int) -> list[dict[str, Any] | None]:
+    """A batch is a list of prompts, or ``{"prompts", "abort", "abort_after_steps"}``."""
+    if isinstance(batch, dict):
+        return _generate_with_aborts(llm, batch["prompts"], max_tokens, batch["abort"], batch["abort_after_steps"])
+    return _generate(llm, batch, max_tokens)
+
+
+def _connector_totals() -> dict[str, float] | None:
+    """The worker-side connector's counters, or None when the worker runs in another process."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return dict(get_kv_transfer_group().total_stats().data) if has_kv_transfer_group() else None
+
+
+def _entries_left() -> int | None:
+    """Entries still held by this process's lookup buffer (producer, single-process engine)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group().buffer_stats().entries if has_kv_transfer_group() else None
+
+
+def _shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def reference_body(model: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """A plain engine without connector: the expected tokens."""
+    llm = _llm(engine_kwargs(model))
+    try:
+        return _generate(llm, prompts, MAX_TOKENS)
+    finally:
+        _shutdown(llm)
+
+
+def failing_engine_body(model: str, transfer: dict[str, Any], block_size: int) -> str:
+    """Start an engine that must fail; return its error message (raise if it starts)."""
+    kwargs = {**engine_kwargs(model, transfer), "block_size": block_size}
+    try:
+        llm = _llm(kwargs)
+    except Exception as exc:  # vLLM may wrap the connector's error: keep the whole chain
+        messages = []
+        while exc is not None:
+            messages.append(f"{type(exc).__name__}: {exc}")
+            exc = exc.__cause__ or exc.__context__
+        return " <- ".join(messages)
+    _shutdown(llm)
+    raise AssertionError("the engine started although its peer is incompatible")
+
+
+def producer_body(model: str, transfer: dict[str, Any], batches: list[Any], prefilled: Flag,
+                  consumer_done: Flag, timeout: float) -> dict[str, Any]:
+    """Prefill each batch (max_tokens=1), set ``prefilled``, stay up until the consumer is done."""
+    llm = _llm(engine_kwargs(model, transfer))
+    try:
+        outputs = [_run_batch(llm, batch, 1) for batch in batches]
+        prefilled.set()
+        if not consumer_done.wait(timeout):
+            raise TimeoutError(f"the consumer did not finish within {timeout} s")
+        return {"outputs": outputs, "stats": _connector_totals(), "entries_left": _entries_left()}
+    finally:
+        _shutdown(llm)
+
+
+def consumer_body(model: str, transfer: dict[str, Any], batches: list[Any], prefilled: Flag,
+                  consumer_done: Flag, timeout: float, kill_pid: int | None = None) -> dict[str, Any]:
+    """Wait for the producer's prefill, then decode each batch. With ``kill_pid``, SIGKILL that
+    process (the producer) after the first batch, mid-run."""
+    llm = _llm(engine_kwargs(model, transfer))
+    try:
+        if not prefilled.wait(timeout):
+            raise TimeoutError(f"the producer did not prefill within {timeout} s")
+        outputs = []
+        for index, batch in enumerate(batches):
+            if index == 1 and kill_pid is not None:
+                os.kill(kill_pid, 9)
+            outputs.append(_run_batch(llm, batch, MAX_TOKENS))
+        return {"outputs": outputs, "stats": _connector_totals()}
+    finally:
+        consumer_done.set()
+        _shutdown(llm)
+
+
+# ---------------------------------------------------------------------- process management
+
+
+def _run(body: Callable[..., Any], name: str, env: dict[str, str], results: Any, kwargs: dict[str, Any]) -> None:
+    os.environ.update(env)  # before vLLM is imported: it reads its environment at import
+    try:
+        results.put((name, "ok", body(**kwargs)))
+    except BaseException:  # report everything, including SystemExit, to the test
+        results.put((name, "error", traceback.format_exc()))
+
+
+class Flag:
+    """A one-way "it happened" flag shared with spawned processes, polled, without locks.
+
+    multiprocessing.Event is unusable here: its ``set`` waits for every sleeping waiter to wake,
+    so a waiter that was SIGKILLed (as the producer in the kill test) would hang the setter forever.
+    """
+
+    def __init__(self) -> None:
+        self._value = _CTX.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_set():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+
+class Engines:
+    """Engine processes of one test: started with :meth:`start`, results read with :meth:`wait`,
+    all killed on exit. A process that dies without a result fails the wait at once."""
+
+    def __init__(self) -> None:
+        self._results = _CTX.Queue()
+        self._processes: dict[str, mp.Process] = {}
+        self._outcomes: dict[str, Any] = {}
+
+    def event(self) -> Flag:
+        return Flag()
+
+    def start(self, name: str, body: Callable[..., Any], env: dict[str, str], **kwargs: Any) -> mp.Process:
+        process = _CTX.Process(target=_run, args=(body, name, env, self._results, kwargs), name=name, daemon=False)
+        process.start()
+        self._processes[name] = process
+        return process
+
+    def wait(self, names: list[str], timeout: float) -> dict[str, Any]:
+        """Results of ``names``; raises AssertionError with the child's traceback, or on timeout."""
+        deadline = time.monotonic() + timeout
+        while any(name not in self._outcomes for name in names):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [n for n in names if n not in self._outcomes]
+                raise AssertionError(f"engine processes {missing} did not finish within {timeout} s")
+            try:
+                name, status, value = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [n for n in names if n not in self._outcomes and not self._processes[n].is_alive()]
+                if dead and self._results.empty():
+                    codes = {n: self._processes[n].exitcode for n in dead}
+                    raise AssertionError(f"engine processes died without a result: {codes}") from None
+                continue
+            if status == "error":
+                raise AssertionError(f"engine process {name} failed:\n{value}")
+            self._outcomes[name] = value
+        return {name: self._outcomes[name] for name in names}
+
+    def __enter__(self) -> Engines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for process in self._processes.values():
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+        self._results.close()
+
+
+
+# ---------------------------------------------------------------------- worker-side bodies (no engine)
+
+#: Fake paged caches in vLLM's CPU layout ``[blocks, heads, block_size, 2 * head_size]``, odd sizes.
+FAKE_BLOCKS, FAKE_HEADS, FAKE_BLOCK_SIZE, FAKE_HEAD_SIZE, FAKE_LAYERS = 9, 3, 4, 5, 3
+
+
+def fake_caches(seed: int, block_size: int = FAKE_BLOCK_SIZE) -> list[Any]:
+    """Random per-layer caches (never zeros), the same for the same seed in every process."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (FAKE_BLOCKS, FAKE_HEADS, block_size, 2 * FAKE_HEAD_SIZE)
+    return [torch.randn(shape, generator=generator) * 3 + 0.5 for _ in range(FAKE_LAYERS)]
+
+
+def _fake_worker(role: str, port: int, block_size: int, caches: list[Any], options: dict[str, Any]):
+    from connector import compat
+    from connector.vllm_settings import ConnectorSettings
+    from connector.vllm_worker import WorkerSide, find_layout
+
+    extra = {"kv_ip": "127.0.0.1", "kv_timeout": 3.0, "kv_connect_timeout": 60.0, "kv_buffer_size": 1 << 20,
+             **options}
+    settings = ConnectorSettings.from_vllm(role, port, "cpu", extra)
+    identity = compat.KVLayoutInfo(version=compat.VERSION, role=role, model="fake", dtype="", block_size=block_size,
+                                   num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
+    worker = WorkerSide(settings, identity, port_offset=0)
+    worker.connect(caches, find_layout(caches[0], FAKE_BLOCKS, block_size, "CPU_ATTN/fake"))
+    return worker
+
+
+def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, timeout: float) -> dict[str, Any]:
+    """Save ``saves`` from :func:`fake_caches` (seed 1) under inference mode, as vLLM does; set
+    ``saved``; serve until ``done``."""
+    import torch
+
+    worker = _fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, fake_caches(1), {})
+    try:
+        with torch.inference_mode():  # as in vLLM's model runner
+            worker.save(saves)
+        saved.set()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the consumer did not finish within {timeout} s")
+        return {"stats": worker.total_stats().data, "entries_left": worker.buffer_stats().entries}
+    finally:
+        worker.close()
+
+
+def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, done: Any,
+                         timeout: float) -> dict[str, Any]:
+    """Run ``steps`` on caches :func:`fake_caches` (seed 2): ``("load", [LoadSpec...])`` records the
+    failed blocks; ``("corrupt", bool)`` switches the negative-control option. Returns the caches."""
+    import dataclasses
+
+    worker = _fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 0.5})
+    try:
+        if not saved.wait(timeout):
+            raise TimeoutError(f"the producer did not save within {timeout} s")
+        failed = []
+        for kind, arg in steps:
+            if kind == "load":
+                worker.load(arg)
+                failed.append(sorted(worker.take_failed_blocks()))
+            else:
+                worker.settings = dataclasses.replace(worker.settings, corrupt_loads=arg)
+        return {"failed": failed, "stats": worker.total_stats().data, "caches": [c.numpy() for c in worker.caches]}
+    finally:
+        done.set()
+        worker.close()
+
+
+def worker_mismatch_body(role: str, port: int, block_size: int) -> str:
+    """Connect with ``block_size``; return the error (the peer uses another block size)."""
+    from kv_pipe.errors import KVConfigError
+
+    try:
+        worker = _fake_worker(role, port, block_size, fake_caches(1, block_size), {})
+    except KVConfigError as exc:
+        return str(exc)
+    worker.close()
+    return "connected"
+
+
+def worker_killed_producer_body(port: int, connected: Any, kill: Any, timeout: float) -> None:
+    """Connect, then SIGKILL this process when told: a producer dying without a goodbye."""
+    _fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, fake_caches(1), {})
+    connected.set()
+    if kill.wait(timeout):
+        os.kill(os.getpid(), 9)
+    raise TimeoutError(f"not told to die within {timeout} s")
+
+
+def worker_orphan_consumer_body(port: int, specs: list[Any], connected: Any, kill: Any,
+                                timeout: float) -> dict[str, Any]:
+    """Connect, have the producer killed, then load ``specs`` one by one; report what failed."""
+    worker = _fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 10.0})
+    try:
+        if not connected.wait(timeout):
+            raise TimeoutError(f"the producer did not connect within {timeout} s")
+        kill.set()
+        failed = []
+        for spec in specs:
+            worker.load([spec])
+            failed.append(sorted(worker.take_failed_blocks()))
+        return {"failed": failed, "stats": worker.total_stats().data, "caches": [c.numpy() for c in worker.caches]}
+    finally:
+        worker.close()

@@ -1,0 +1,492 @@
+"""The vLLM V1 connector: its parts on their own, then two real vLLM engines moving KV.
+
+Engine tests run a producer and a consumer vLLM engine in two live processes, on a tiny random
+Llama made here (no downloads), and compare the consumer's greedy tokens with a plain engine's.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import Request
+
+from connector import compat
+from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
+from connector.transfer_stats import COUNTERS
+from connector.vllm_scheduler import KVBridgeMetadata, SchedulerSide
+from connector.vllm_settings import ConnectorSettings, pipe_port_offset
+from connector.vllm_stats import KVBridgeStats
+from connector.vllm_worker import find_layout
+from kv_pipe.errors import KVConfigError, KVProtocolError
+from tests import _vllm_procs as vp
+from tests.procs import free_port
+
+B = vp.BLOCK_SIZE
+
+
+# ====================================================================== settings
+
+
+def test_settings_defaults_and_overrides() -> None:
+    producer = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_ip": "10.1.2.3"})
+    consumer = ConnectorSettings.from_vllm("kv_consumer", 20000, "cpu",
+                                           {"kv_port": 21000, "kv_load_timeout": 2, "kv_timeout": 7})
+    assert (producer.bridge.kv_rank, producer.bridge.kv_role, producer.bridge.kv_port) == (0, "kv_producer", 20000)
+    assert producer.bridge.kv_ip == "10.1.2.3"
+    assert (consumer.bridge.kv_rank, consumer.bridge.kv_port, consumer.bridge.kv_timeout) == (1, 21000, 7)
+    assert (consumer.load_timeout, consumer.save_timeout, consumer.corrupt_loads) == (2.0, 1.0, False)
+    assert [pipe_port_offset(r) for r in range(3)] == [0, 2, 4]
+
+
+@pytest.mark.parametrize(("role", "extra", "named"), [
+    ("kv_consumer", {"kv_nonsense": 1}, "kv_nonsense"),
+    ("kv_both", {}, "kv_both"),
+    ("kv_consumer", {"kv_role": "kv_producer"}, "kv_role"),
+    ("kv_consumer", {"kv_load_timeout": -1}, "kv_load_timeout"),
+    ("kv_consumer", {"kv_save_timeout": True}, "kv_save_timeout"),
+    ("kv_consumer", {"kv_debug_corrupt_loads": "yes"}, "kv_debug_corrupt_loads"),
+    ("kv_consumer", {"kv_timeout": 0}, "kv_timeout"),
+])
+def test_settings_errors_name_the_key(role: str, extra: dict, named: str) -> None:
+    with pytest.raises(KVConfigError, match=named):
+        ConnectorSettings.from_vllm(role, 20000, "cpu", extra)
+
+
+# ====================================================================== scheduler side
+
+
+def make_request(req_id: str, tokens: list[int], params: dict | None = None) -> Request:
+    sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(req_id, tokens, sampling, None)
+
+
+def new_req_data(request: Request, block_ids: list[int], num_computed: int) -> NewRequestData:
+    request.num_computed_tokens = num_computed
+    return NewRequestData.from_request(request, (block_ids,))
+
+
+def scheduler_output(new: list[NewRequestData], scheduled: dict[str, int],
+                     cached: CachedRequestData | None = None) -> SchedulerOutput:
+    output = SchedulerOutput.make_empty()
+    output.scheduled_new_reqs = new
+    output.num_scheduled_tokens = scheduled
+    output.total_num_scheduled_tokens = sum(scheduled.values())
+    if cached is not None:
+        output.scheduled_cached_reqs = cached
+    return output
+
+
+def cached_data(req_ids: list[str], num_computed: list[int]) -> CachedRequestData:
+    data = CachedRequestData.make_empty()
+    data.req_ids = req_ids
+    data.num_computed_tokens = num_computed
+    data.new_block_ids = [None] * len(req_ids)
+    data.num_output_tokens = [0] * len(req_ids)
+    return data
+
+
+@pytest.mark.parametrize(("n", "prefix"), [(0, 0), (1, 0), (7, 0), (31, 0), (32, 0), (33, 32), (64, 32),
+                                           (65, 64), (96, 64), (97, 96), (100, 96), (200, 192)])
+def test_transfer_prefix_leaves_the_last_token_to_vllm(n: int, prefix: int) -> None:
+    assert transfer_prefix_len(n, B) == prefix
+
+
+def test_consumer_claims_the_block_aligned_prefix_and_plans_its_load() -> None:
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    tokens = list(range(100, 200))  # 100 tokens: prefix 96 = 3 blocks
+    request = make_request("r1", tokens)
+    assert side.num_new_matched_tokens(request, 0) == 96
+    assert side.num_new_matched_tokens(request, 0) == 96  # asking again changes nothing
+    assert side.num_new_matched_tokens(request, 32) == 64  # vLLM's prefix cache holds the first block
+    side.after_alloc(request, [7, 3, 9, 11], 64)
+    meta = side.build_meta(scheduler_output([new_req_data(request, [7, 3, 9, 11], 32)], {"r1": 4}), _no_blocks)
+    assert meta.loads == [LoadSpec(req_id="r1", token_ids=tokens[:96], block_ids=[7, 3, 9], skip_blocks=1)]
+    assert meta.saves == []
+    # Loaded once: never claimed again (e.g. after a preemption or a failed load).
+    assert side.num_new_matched_tokens(request, 0) == 0
+    assert side.build_meta(scheduler_output([], {"r1": 1}), _no_blocks).loads == []
+
+
+@pytest.mark.parametrize("n", [1, 7, 31, 32])
+def test_consumer_claims_nothing_for_prompts_within_one_block(n: int) -> None:
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    assert side.num_new_matched_tokens(make_request("r", list(range(n))), 0) == 0
+
+
+def test_consumer_waits_only_for_announced_entries() -> None:
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    tokens = list(range(65))
+    plain, announced = make_request("plain", tokens), make_request("ann", tokens, {PARAMS_KEY: {"prefix_tokens": 64}})
+    for request in (plain, announced):
+        assert side.num_new_matched_tokens(request, 0) == 64
+        side.after_alloc(request, [1, 2, 3], 64)
+    meta = side.build_meta(scheduler_output([], {"plain": 1, "ann": 1}), _no_blocks)
+    assert {spec.req_id: spec.wait for spec in meta.loads} == {"plain": False, "ann": True}
+
+
+def test_consumer_skips_preempted_requests_and_announced_mismatches() -> None:
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    tokens = list(range(65))
+    preempted = make_request("p", tokens)
+    preempted.num_preemptions = 1
+    assert side.num_new_matched_tokens(preempted, 0) == 0
+    announced_none = make_request("a", tokens, {PARAMS_KEY: {"prefix_tokens": 0}})
+    assert side.num_new_matched_tokens(announced_none, 0) == 0
+    announced_ok = make_request("b", tokens, {PARAMS_KEY: {"prefix_tokens": 64}})
+    assert side.num_new_matched_tokens(announced_ok, 0) == 64
+    malformed = make_request("c", tokens, {PARAMS_KEY: {"prefix_tokens": "64"}})
+    assert side.num_new_matched_tokens(malformed, 0) == 64  # ignored: defaults apply
+
+
+def test_consumer_drains_entries_its_prefix_cache_already_holds() -> None:
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    tokens = list(range(500, 565))  # prefix 64
+    request = make_request("dup", tokens)
+    assert side.num_new_matched_tokens(request, 64) == 0
+    meta = side.build_meta(scheduler_output([new_req_data(request, [4, 5, 6], 64)], {"dup": 1}), _no_blocks)
+    (spec,) = meta.loads
+    assert spec.drain and spec.token_ids == tokens[:64] and spec.block_ids == [4, 5]
+    assert side.build_meta(scheduler_output([], {"dup": 1}), _no_blocks).loads == []
+
+
+def test_consumer_forgets_aborted_requests() -> None:
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    request = make_request("gone", list(range(70)))
+    side.num_new_matched_tokens(request, 0)
+    side.after_alloc(request, [1, 2, 3], 64)
+    assert side.request_finished(request) is None
+    assert side.build_meta(scheduler_output([], {}), _no_blocks).loads == []
+
+
+def test_producer_saves_once_the_prefix_is_computed_with_chunked_prefill() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    tokens = list(range(1000, 1200))  # 200 tokens: prefix 192 = 6 blocks
+    request = make_request("r", tokens)
+    blocks = [40, 41, 42, 43, 44, 45, 46]
+    block_ids_of = {"r": blocks}.__getitem__
+    step1 = side.build_meta(scheduler_output([new_req_data(request, blocks[:3], 0)], {"r": 96}), block_ids_of)
+    assert step1.saves == []  # 96 of 192 computed
+    step2 = side.build_meta(scheduler_output([], {"r": 64}, cached_data(["r"], [96])), block_ids_of)
+    assert step2.saves == []  # 160 of 192
+    step3 = side.build_meta(scheduler_output([], {"r": 40}, cached_data(["r"], [160])), block_ids_of)
+    assert step3.saves == [SaveSpec(req_id="r", token_ids=tokens[:192], block_ids=blocks[:6])]
+    step4 = side.build_meta(scheduler_output([], {"r": 1}, cached_data(["r"], [200])), block_ids_of)
+    assert step4.saves == []  # saved once
+    request.num_computed_tokens = 201
+    assert side.request_finished(request) == {PARAMS_KEY: {"prefix_tokens": 192}}
+
+
+def test_producer_saves_a_prefix_served_by_its_own_prefix_cache() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    tokens = list(range(3000, 3065))  # prefix 64
+    request = make_request("r", tokens)
+    meta = side.build_meta(scheduler_output([new_req_data(request, [8, 9, 10], 64)], {"r": 1}),
+                           {"r": [8, 9, 10]}.__getitem__)
+    assert meta.saves == [SaveSpec(req_id="r", token_ids=tokens[:64], block_ids=[8, 9])]
+
+
+def test_producer_announces_nothing_for_requests_aborted_before_their_save() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    request = make_request("r", list(range(200)))
+    side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 96}), _no_blocks)
+    assert side.request_finished(request) == {PARAMS_KEY: {"prefix_tokens": 0}}
+    later = side.build_meta(scheduler_output([], {"r": 96}, cached_data(["r"], [96])), _no_blocks)
+    assert later.saves == []  # forgotten
+
+
+def test_metadata_survives_pickling_between_vllm_processes() -> None:
+    meta = KVBridgeMetadata(loads=[LoadSpec("a", [1, 2], [3], 0)], saves=[SaveSpec("b", [4], [5])])
+    assert pickle.loads(pickle.dumps(meta)) == meta
+
+
+def _no_blocks(req_id: str) -> list[int]:
+    raise AssertionError(f"no block lookup expected, got one for {req_id}")
+
+
+# ====================================================================== compatibility handshake
+
+
+def layout_info(**changes: object) -> compat.KVLayoutInfo:
+    values = dict(version=compat.VERSION, role="kv_producer", model="m", dtype="torch.float32", block_size=32,
+                  num_layers=2, block_shape=(1, 2, 32, 128), layout="CPU_ATTN/vec", tp_size=1, tp_rank=0)
+    values.update(changes)
+    return compat.KVLayoutInfo(**values)
+
+
+def test_handshake_roundtrip_and_compatible_pair() -> None:
+    info = layout_info()
+    assert compat.decode(compat.encode(info)) == info
+    compat.check_compatible(info, layout_info(role="kv_consumer"))
+
+
+def test_handshake_names_every_difference() -> None:
+    with pytest.raises(KVConfigError) as error:
+        compat.check_compatible(layout_info(), layout_info(role="kv_consumer", block_size=64, dtype="torch.bfloat16",
+                                                           block_shape=(1, 2, 64, 128)))
+    message = str(error.value)
+    assert "block_size: this side 32, peer 64" in message
+    assert "dtype" in message and "block_shape" in message and "model" not in message
+    with pytest.raises(KVConfigError, match="kv_producer"):
+        compat.check_compatible(layout_info(), layout_info())  # two producers
+
+
+@pytest.mark.parametrize("payload", [
+    torch.tensor([1.0, 2.0]),
+    torch.zeros((2, 2), dtype=torch.uint8),
+    torch.frombuffer(bytearray(b"\xc1garbage"), dtype=torch.uint8),
+    torch.zeros(compat.MAX_MESSAGE_BYTES + 1, dtype=torch.uint8),
+    None,
+])
+def test_handshake_rejects_malformed_messages(payload: torch.Tensor | None) -> None:
+    with pytest.raises(KVProtocolError):
+        compat.decode(payload)
+
+
+def test_handshake_rejects_another_version() -> None:
+    with pytest.raises(KVProtocolError, match="version 99"):
+        compat.decode(compat.encode(layout_info(version=99)))
+
+
+# ====================================================================== stats and layout
+
+
+def test_stats_aggregate_reduce_and_reset() -> None:
+    a, b = KVBridgeStats(), KVBridgeStats.from_data({"load_hits": 2, "loaded_bytes": 10})
+    assert a.is_empty() and not b.is_empty()
+    a.add(load_hits=1, load_seconds=0.25)
+    total = a.aggregate(b).reduce()
+    assert set(total) == set(COUNTERS)
+    assert (total["load_hits"], total["loaded_bytes"], total["load_seconds"]) == (3, 10, 0.25)
+    with pytest.raises(KeyError):
+        a.add(nonsense=1)
+    a.reset()
+    assert a.is_empty()
+
+
+def test_find_layout_cpu_and_flash_shapes() -> None:
+    cpu = find_layout(torch.empty(10, 2, 32, 128), 10, 32, "cpu")
+    flash = find_layout(torch.empty(2, 10, 32, 4, 64), 10, 32, "flash")
+    assert (cpu.block_dim, cpu.block_size_dim, flash.block_dim, flash.block_size_dim) == (0, 2, 1, 2)
+    with pytest.raises(KVConfigError, match="block dimension"):
+        find_layout(torch.empty(40, 2, 8, 128), 10, 32, "split kernel blocks")
+
+
+# ====================================================================== worker side over a real pipe
+
+FAKE_TOKENS = {name: list(range(start, start + n)) for name, start, n in
+               (("a", 10, 8), ("b", 30, 12), ("c", 50, 4), ("d", 60, 4), ("x", 90, 4))}
+
+
+@pytest.mark.timeout(120)
+def test_worker_moves_whole_blocks_bit_exact_and_reports_misses() -> None:
+    saves = [SaveSpec("a", FAKE_TOKENS["a"], [3, 6]), SaveSpec("b", FAKE_TOKENS["b"], [1, 4, 7]),
+             SaveSpec("c", FAKE_TOKENS["c"], [2]), SaveSpec("d", FAKE_TOKENS["d"], [8])]
+    steps = [
+        ("load", [LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0)]),
+        ("load", [LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 1)]),  # block 2 is held locally: not written
+        ("load", [LoadSpec("x", FAKE_TOKENS["x"], [3], 0)]),  # never saved: a miss
+        ("load", [LoadSpec("c", FAKE_TOKENS["c"], [4], 1)]),  # fully held locally: drained
+        ("corrupt", True),
+        ("load", [LoadSpec("d", FAKE_TOKENS["d"], [7], 0)]),
+    ]
+    port = free_port()
+    with vp.Engines() as engines:
+        saved, done = engines.event(), engines.event()
+        engines.start("producer", vp.worker_producer_body, {}, port=port, saves=saves, saved=saved, done=done,
+                      timeout=60)
+        engines.start("consumer", vp.worker_consumer_body, {}, port=port, steps=steps, saved=saved, done=done,
+                      timeout=60)
+        results = engines.wait(["producer", "consumer"], timeout=100)
+    producer, consumer = results["producer"], results["consumer"]
+    src = [c.numpy() for c in vp.fake_caches(1)]
+    expected = [c.numpy() for c in vp.fake_caches(2)]
+    for layer in range(vp.FAKE_LAYERS):
+        for dst, source in ((5, 3), (0, 6), (1, 4), (6, 7)):
+            expected[layer][dst] = src[layer][source]
+    got = consumer["caches"]
+    for layer in range(vp.FAKE_LAYERS):
+        untouched_or_loaded = [b for b in range(vp.FAKE_BLOCKS) if b != 7]
+        assert np.array_equal(got[layer][untouched_or_loaded].view(np.uint32),
+                              expected[layer][untouched_or_loaded].view(np.uint32)), f"layer {layer}"
+        # The negative control wrote noise: neither the producer's block nor what was there before.
+        assert not np.array_equal(got[layer][7], src[layer][8])
+        assert not np.array_equal(got[layer][7], expected[layer][7])
+        assert np.isfinite(got[layer][7]).all() and np.abs(got[layer][7]).sum() > 0
+    assert consumer["failed"] == [[], [], [3], [], []]
+    stats = consumer["stats"]
+    assert (stats["load_hits"], stats["load_misses"], stats["load_errors"], stats["drained"]) == (3, 1, 0, 1)
+    assert stats["loaded_blocks"] == 5 and stats["loaded_bytes"] > 0
+    assert producer["stats"]["saved_requests"] == 4 and producer["stats"]["saved_blocks"] == 7
+    assert producer["entries_left"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_worker_refuses_an_incompatible_peer_naming_the_difference() -> None:
+    port = free_port()
+    with vp.Engines() as engines:
+        engines.start("producer", vp.worker_mismatch_body, {}, role="kv_producer", port=port, block_size=4)
+        engines.start("consumer", vp.worker_mismatch_body, {}, role="kv_consumer", port=port, block_size=8)
+        results = engines.wait(["producer", "consumer"], timeout=100)
+    for side in ("producer", "consumer"):
+        assert "incompatible" in results[side] and "block_size" in results[side], results[side]
+        assert "block_shape" in results[side]
+
+
+@pytest.mark.timeout(120)
+def test_worker_fails_loads_fast_after_the_producer_died() -> None:
+    # Announced entries (wait=True): the first select is waiting on the producer when it dies.
+    specs = [LoadSpec(name, FAKE_TOKENS[name], list(range(len(FAKE_TOKENS[name]) // vp.FAKE_BLOCK_SIZE)), 0,
+                      wait=True) for name in "abcd"]
+    port = free_port()
+    with vp.Engines() as engines:
+        connected, kill = engines.event(), engines.event()
+        engines.start("producer", vp.worker_killed_producer_body, {}, port=port, connected=connected, kill=kill,
+                      timeout=60)
+        engines.start("consumer", vp.worker_orphan_consumer_body, {}, port=port, specs=specs, connected=connected,
+                      kill=kill, timeout=60)
+        consumer = engines.wait(["consumer"], timeout=100)["consumer"]
+    assert consumer["failed"] == [s.block_ids for s in specs]  # every load failed, each reported
+    stats = consumer["stats"]
+    assert stats["load_hits"] == 0 and stats["load_errors"] >= 1
+    assert stats["load_errors"] + stats["load_misses"] == len(specs)
+    original = [c.numpy() for c in vp.fake_caches(2)]
+    for got, before in zip(consumer["caches"], original, strict=True):
+        assert np.array_equal(got.view(np.uint32), before.view(np.uint32))  # nothing was written
+
+
+# ====================================================================== two real vLLM engines
+
+KILL_BATCHES = [vp.make_prompts(seed=1)[:8], vp.make_prompts(seed=2)[:8]]  # unseen by the producer
+ABORT_PROMPTS = vp.make_prompts(seed=5)[3:7]  # 33, 64, 65 and 100 tokens
+ABORTED = [1, 3]
+#: The producer aborts a 200-token prompt in the middle of its chunked prefill: nothing is saved.
+PRODUCER_ABORT = {"prompts": [vp.make_prompts(seed=6)[7]], "abort": [0], "abort_after_steps": 1}
+#: The consumer aborts two requests after their first step (in which all four were loaded).
+CONSUMER_ABORT = {"prompts": ABORT_PROMPTS, "abort": ABORTED, "abort_after_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return vp.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: str) -> dict[tuple[int, ...], list[int]]:
+    """Greedy tokens of a plain engine for every prompt used below."""
+    prompts = vp.make_prompts() + [p for batch in KILL_BATCHES for p in batch] + ABORT_PROMPTS
+    with vp.Engines() as engines:
+        engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts)
+        outputs = engines.wait(["reference"], timeout=240)["reference"]
+    return {tuple(p): o["tokens"] for p, o in zip(prompts, outputs, strict=True)}
+
+
+def run_pair(model: str, producer_batches: list, consumer_batches: list, multiprocess: bool = False,
+             kill_producer: bool = False, timeout: float = 240, **consumer_extra: object) -> dict:
+    port = free_port()
+    with vp.Engines() as engines:
+        prefilled, done = engines.event(), engines.event()
+        producer = engines.start("producer", vp.producer_body, vp.engine_env(0, multiprocess), model=model,
+                                 transfer=vp.kv_transfer_config("kv_producer", port, module_path=not multiprocess),
+                                 batches=producer_batches, prefilled=prefilled, consumer_done=done, timeout=timeout)
+        engines.start("consumer", vp.consumer_body, vp.engine_env(1, multiprocess), model=model,
+                      transfer=vp.kv_transfer_config("kv_consumer", port, module_path=not multiprocess,
+                                                     **consumer_extra),
+                      batches=consumer_batches, prefilled=prefilled, consumer_done=done, timeout=timeout,
+                      kill_pid=producer.pid if kill_producer else None)
+        names = ["consumer"] if kill_producer else ["producer", "consumer"]
+        return engines.wait(names, timeout=timeout)
+
+
+def assert_loaded(prompts: list[list[int]], outputs: list[dict]) -> None:
+    """vLLM reports the transferred prefix as cached tokens: the KV was loaded, not recomputed."""
+    assert [o["cached"] for o in outputs] == [vp.transfer_prefix(p) for p in prompts]
+
+
+@pytest.mark.timeout(300)
+def test_offline_pair_equals_a_single_engine(tiny_model: str, reference: dict) -> None:
+    """Prompts of 7 to 200 tokens (chunked prefill on both sides), a duplicate, and aborts on both sides."""
+    prompts = vp.make_prompts()
+    results = run_pair(tiny_model, [prompts, PRODUCER_ABORT, ABORT_PROMPTS], [prompts, CONSUMER_ABORT])
+    outputs, stepped = results["consumer"]["outputs"]
+    assert [o["tokens"] for o in outputs] == [reference[tuple(p)] for p in prompts]
+    assert_loaded(prompts, outputs)
+    kept = [index for index in range(len(ABORT_PROMPTS)) if index not in ABORTED]
+    assert [stepped[i]["tokens"] for i in kept] == [reference[tuple(ABORT_PROMPTS[i])] for i in kept]
+    assert_loaded([ABORT_PROMPTS[i] for i in kept], [stepped[i] for i in kept])
+    producer_outputs = results["producer"]["outputs"]
+    announced = [o["params"][PARAMS_KEY]["prefix_tokens"] for o in producer_outputs[0] + producer_outputs[2]]
+    assert announced == [vp.transfer_prefix(p) for p in prompts + ABORT_PROMPTS]
+    moved = [p for p in prompts + ABORT_PROMPTS if vp.transfer_prefix(p)]
+    consumer, producer = results["consumer"]["stats"], results["producer"]["stats"]
+    assert producer["saved_requests"] == len(moved) and producer["save_failures"] == 0  # not the aborted one
+    # The duplicate was either loaded or found in vLLM's own prefix cache and its entry drained.
+    assert consumer["load_hits"] + consumer["drained"] == len(moved)
+    assert consumer["load_misses"] == consumer["load_errors"] == 0
+    assert consumer["loaded_bytes"] > 0 and consumer["loaded_bytes"] <= producer["saved_bytes"]
+    # Every entry was taken: the aborted consumer requests had loaded theirs in their first step.
+    assert results["producer"]["entries_left"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_corrupted_kv_changes_exactly_the_outputs_served_from_it(tiny_model: str, reference: dict) -> None:
+    prompts = vp.make_prompts()
+    results = run_pair(tiny_model, [prompts], [prompts], kv_debug_corrupt_loads=True)
+    (outputs,) = results["consumer"]["outputs"]
+    assert_loaded(prompts, outputs)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        same = output["tokens"] == reference[tuple(prompt)]
+        assert same == (vp.transfer_prefix(prompt) == 0), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.timeout(300)
+def test_consumer_recomputes_and_keeps_serving_after_the_producer_is_killed(tiny_model: str,
+                                                                           reference: dict) -> None:
+    prompts = vp.make_prompts()
+    results = run_pair(tiny_model, [prompts], [prompts, *KILL_BATCHES], kill_producer=True)
+    first, *after_kill = results["consumer"]["outputs"]
+    assert [o["tokens"] for o in first] == [reference[tuple(p)] for p in prompts]
+    assert_loaded(prompts, first)
+    for batch, outputs in zip(KILL_BATCHES, after_kill, strict=True):
+        assert [o["tokens"] for o in outputs] == [reference[tuple(p)] for p in batch]
+        assert all(o["finish"] == "length" for o in outputs)
+    stats = results["consumer"]["stats"]
+    claimed = sum(1 for batch in KILL_BATCHES for p in batch if vp.transfer_prefix(p))
+    assert stats["load_errors"] >= 1
+    assert stats["load_errors"] + stats["load_misses"] == claimed
+
+
+@pytest.mark.timeout(420)
+def test_multiprocess_engines_pinned_one_core_each(tiny_model: str, reference: dict) -> None:
+    """vLLM's default mode: scheduler and worker in separate processes, connector found by its plugin."""
+    prompts = vp.make_prompts()
+    results = run_pair(tiny_model, [prompts], [prompts], multiprocess=True, timeout=360)
+    (outputs,) = results["consumer"]["outputs"]
+    assert [o["tokens"] for o in outputs] == [reference[tuple(p)] for p in prompts]
+    assert_loaded(prompts, outputs)
+
+
+@pytest.mark.timeout(300)
+def test_engines_with_different_block_sizes_refuse_to_start(tiny_model: str) -> None:
+    port = free_port()
+    with vp.Engines() as engines:
+        for name, role, block_size, core in (("producer", "kv_producer", 32, 0), ("consumer", "kv_consumer", 64, 1)):
+            engines.start(name, vp.failing_engine_body, vp.engine_env(core), model=tiny_model,
+                          transfer=vp.kv_transfer_config(role, port), block_size=block_size)
+        errors = engines.wait(["producer", "consumer"], timeout=240)
+    for name, error in errors.items():
+        assert "KVConfigError" in error and "block_size: this side" in error, f"{name}: {error}"
+
+
+def test_plugin_entry_point_is_installed() -> None:
+    points = importlib.metadata.entry_points(group="vllm.general_plugins")
+    (point,) = [p for p in points if p.value == "connector.vllm_plugin:register"]
+    point.load()()
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert KVConnectorFactory.get_connector_class_by_name("KVBridgeConnector").__name__ == "KVBridgeConnector"

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -249,6 +250,7 @@ def consumer_body(model: str, transfer: dict[str, Any], batches: list[Any], pref
 
 def _run(body: Callable[..., Any], name: str, env: dict[str, str], results: Any, kwargs: dict[str, Any]) -> None:
     os.environ.update(env)  # before vLLM is imported: it reads its environment at import
+    os.setpgid(0, 0)  # its own process group, so the test can reap vLLM's EngineCore/Worker with it
     try:
         results.put((name, "ok", body(**kwargs)))
     except BaseException:  # report everything, including SystemExit, to the test
@@ -325,9 +327,13 @@ class Engines:
     def __exit__(self, *exc: object) -> None:
         for process in self._processes.values():
             process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+            # Whatever is left of the engine's process group (an EngineCore or Worker the engine
+            # did not stop, or the engine itself) is killed: nothing outlives the test.
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.join(timeout=10)
         self._results.close()
 
 

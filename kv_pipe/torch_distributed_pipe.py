@@ -168,6 +168,13 @@ class TorchDistributedPipe(KVPipeBase):
                 f"kvbridge pipe rank {self.rank}: no peer at {config.kv_ip}:{self.port} within "
                 f"{config.kv_connect_timeout:g} s (kv_connect_timeout): {exc}"
             ) from exc
+        if store.add("kvbridge/arrivals", 1) > 2:
+            # A rank 0 that kept its broken pipe open still serves the old rendezvous: joining it
+            # would pair with a dead peer's leftovers.
+            raise KVPeerLostError(
+                f"kvbridge pipe rank {self.rank}: the rendezvous at {config.kv_ip}:{self.port} already served a "
+                f"pair; the other side must close its old pipe and create a new one before this side reconnects"
+            )
         hello = Hello(frame_bytes=FRAME_BYTES, max_in_flight=config.kv_buffer_size,
                       device=config.kv_buffer_device)
         try:
@@ -478,8 +485,11 @@ class TorchDistributedPipe(KVPipeBase):
             try:
                 self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
                 header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight)
-                if header.consumed < self._peer_consumed:  # only this thread writes it
-                    raise KVProtocolError("peer's consumed-bytes counter went backwards")
+                if not self._peer_consumed <= header.consumed <= self._queued_cost:  # only this thread writes it
+                    raise KVProtocolError(
+                        f"peer claims to have consumed {header.consumed} bytes; it had consumed {self._peer_consumed} "
+                        f"and was sent at most {self._queued_cost}"
+                    )
                 item = self._receive_item(header)
             except KVProtocolError as exc:
                 self._fail(exc)

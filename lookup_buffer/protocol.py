@@ -128,7 +128,7 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
     """Decode the envelope, check the version, then decode and validate the full message."""
     try:
         envelope = _envelope_decoder.decode(frame)
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:  # msgspec lets bad UTF-8 through as is
         raise MessageError(
             f"malformed {what} ({len(frame)} bytes): {exc} (if the other side sets kv_secret, so must this one)"
         ) from None
@@ -143,7 +143,7 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
         )
     try:
         message = _decoder.decode(frame)
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:  # msgspec lets bad UTF-8 through as is
         raise MessageError(f"invalid {what}: {exc}", request_id) from None
     if not isinstance(message, expected):
         raise MessageError(f"expected a {what}, got a {type(message).__name__}", request_id)

@@ -467,7 +467,9 @@ def test_launch_under_torchrun(tmp_path):
         "    pipe.send_tensor(torch.full((3, 3), float(cfg.kv_rank)))\n"
         "    got = pipe.recv_tensor(timeout=60)\n"
         "    assert torch.equal(got, torch.full((3, 3), float(1 - cfg.kv_rank))), got\n"
-        "print('rank', cfg.kv_rank, 'ok', flush=True)\n"
+        "import sys\n"
+        "sys.stdout.write(f'rank {cfg.kv_rank} ok\\n')  # one write: the two ranks share stdout\n"
+        "sys.stdout.flush()\n"
     )
     port = procs.free_port()
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")

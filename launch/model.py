@@ -40,7 +40,7 @@ def build_model(model_dir: str | None, seed: int) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     else:
         model = LlamaForCausalLM(LlamaConfig(**BUILTIN_LLAMA)).to(torch.float32)
-    return model.train(False)  # inference mode for dropout and the like (what .eval() does)
+    return model.train(False)  # inference mode: dropout off
 
 
 def weights_digest(model: PreTrainedModel) -> torch.Tensor:

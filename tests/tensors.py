@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import torch
 
 
@@ -21,3 +24,29 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def exchange_both_ways(pipe: Any, mine: list[torch.Tensor | None], theirs: list[torch.Tensor | None],
+                       timeout: float) -> int:
+    """Send ``mine`` from a thread while receiving and checking ``theirs`` bit for bit; both
+    directions run at once. Returns the bytes received; raises whatever the sender raised."""
+    errors: list[BaseException] = []
+
+    def send_all() -> None:
+        try:
+            for item in mine:
+                pipe.send_tensor(item, timeout=timeout)
+            pipe.flush(timeout=timeout)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    sender = threading.Thread(target=send_all)
+    sender.start()
+    received = 0
+    for index, want in enumerate(theirs):
+        got = pipe.recv_tensor(timeout=timeout)
+        assert same_bits(got, want), f"item {index} differs"
+        received += 0 if got is None else got.nbytes
+    sender.join(2 * timeout)
+    assert not sender.is_alive() and not errors, errors
+    return received

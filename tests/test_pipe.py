@@ -24,7 +24,7 @@ from kv_pipe.errors import (
 )
 from kv_pipe.protocol import DTYPE_TO_CODE, INLINE_CAPACITY
 from tests import procs
-from tests.tensors import random_tensor, same_bits
+from tests.tensors import exchange_both_ways, random_tensor, same_bits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_VLLM_NONE_SENTINEL = -150886311
@@ -98,24 +98,7 @@ def body_random_stress(rank: int, port: int, count: int) -> int:
 
     cfg = config(rank, port, kv_buffer_size=40 << 20)  # a few large items fill it: credit flow is exercised
     with TorchDistributedPipe(cfg) as pipe:
-        mine, theirs = stream(seed=rank), stream(seed=1 - rank)
-        errors: list[BaseException] = []
-
-        def send_all() -> None:
-            try:
-                for item in mine:
-                    pipe.send_tensor(item, timeout=30)
-                pipe.flush(timeout=30)
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
-
-        sender = threading.Thread(target=send_all)
-        sender.start()
-        for index, want in enumerate(theirs):
-            got = pipe.recv_tensor(timeout=30)
-            assert same_bits(got, want), f"item {index} differs"
-        sender.join(60)
-        assert not sender.is_alive() and not errors, errors
+        exchange_both_ways(pipe, stream(seed=rank), stream(seed=1 - rank), timeout=30)
     return count
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import re
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from lookup_buffer import SimpleBuffer
 from tests import _buffer_procs as buffer_bodies
 from tests import netns
 from tests.netns import progress
+from tests.tensors import exchange_both_ways
 from tests.test_pair import NUM_PROMPTS, SMALL_RUN, table_rows
 
 # A fresh namespace has every port free, so fixed ports are safe here.
@@ -88,26 +88,8 @@ def pipe_stream(seed: int) -> list[torch.Tensor | None]:
 def body_pipe(rank: int, ip: str) -> dict:
     """Both sides send their stream at once and check the other's, bit for bit."""
     with TorchDistributedPipe(config(rank, ip, kv_buffer_size=96 << 20)) as pipe:
-        mine, theirs = pipe_stream(rank), pipe_stream(1 - rank)
-        errors: list[BaseException] = []
-
-        def send_all() -> None:
-            try:
-                for item in mine:
-                    pipe.send_tensor(item, timeout=60)
-                pipe.flush(timeout=60)
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
-
-        sender = threading.Thread(target=send_all)
-        sender.start()
-        received = 0
-        for index, want in enumerate(theirs):
-            got = pipe.recv_tensor(timeout=60)
-            assert buffer_bodies.same_bits(got, want), f"item {index} differs"
-            received += 0 if got is None else got.nbytes
-        sender.join(60)
-        assert not sender.is_alive() and not errors, errors
+        theirs = pipe_stream(1 - rank)
+        received = exchange_both_ways(pipe, pipe_stream(rank), theirs, timeout=60)
         pipe.send_tensor(None)  # both sides finished checking before either closes
         assert pipe.recv_tensor(timeout=60) is None
     return {"items": len(theirs), "bytes": received}

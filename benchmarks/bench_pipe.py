@@ -3,9 +3,10 @@
 Two processes ping-pong a random tensor of each size; one-way time = round trip / 2 (median over
 iterations, after warm-up). The raw baseline receives into a pre-allocated, reused buffer on its
 own ProcessGroupGloo, which is the best gloo can do; the pipe adds framing, credit, background
-threads and hands the caller a tensor it owns.
+threads and hands the caller a tensor it owns. Raw and pipe alternate in rounds, so that a noisy
+neighbour slows both alike and the ratio stays meaningful on a shared machine.
 
-    python benchmarks/bench_pipe.py [--iters 7] [--sizes 4K,64K,1M,16M,128M,512M]
+    python benchmarks/bench_pipe.py [--iters 7] [--rounds 5] [--sizes 4K,64K,1M,16M,128M,512M]
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def one_way_times(rank: int, iters: int, warmup: int, round_trip) -> list[float]
     return times
 
 
-def worker(rank: int, port: int, sizes: list[int], iters: int, results) -> None:
+def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, results) -> None:
     torch.set_num_threads(1)
     group, _store = raw_group(rank, port)  # the store must outlive the group
     config = KVTransferConfig(
@@ -97,9 +98,11 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, results) -> None:
             else:
                 pipe.send_tensor(pipe.recv_tensor(timeout=120))
 
-        raw = statistics.median(one_way_times(rank, count, warmup, raw_round_trip))
-        piped = statistics.median(one_way_times(rank, count, warmup, pipe_round_trip))
-        rows.append((nbytes, raw, piped))
+        raw_times, pipe_times = [], []
+        for _ in range(rounds if nbytes <= 128 << 20 else 1):
+            raw_times += one_way_times(rank, count, warmup, raw_round_trip)
+            pipe_times += one_way_times(rank, count, warmup, pipe_round_trip)
+        rows.append((nbytes, statistics.median(raw_times), statistics.median(pipe_times)))
         if progress is not None:
             progress.update()
     pipe.close()
@@ -110,13 +113,15 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, results) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4K,64K,1M,16M,128M,512M")
-    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=7, help="timed round trips per round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternations of raw and pipe (1 above 128 MiB)")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port(span=4)
-    processes = [ctx.Process(target=worker, args=(rank, port, sizes, args.iters, results)) for rank in (0, 1)]
+    processes = [ctx.Process(target=worker, args=(rank, port, sizes, args.iters, args.rounds, results))
+                 for rank in (0, 1)]
     for process in processes:
         process.start()
     try:
@@ -126,7 +131,8 @@ def main() -> None:
             process.join(timeout=60)
             if process.is_alive():
                 process.kill()
-    print(f"torch {torch.__version__}, gloo over loopback, ping-pong one-way time (median of {args.iters})")
+    print(f"torch {torch.__version__}, gloo over loopback, ping-pong one-way time "
+          f"(median of {args.rounds} alternating rounds x {args.iters})")
     print(f"{'size':>9} | {'raw GB/s':>8} | {'pipe GB/s':>9} | {'pipe/raw':>8} | {'raw us':>9} | {'pipe us':>9}")
     print("-" * 68)
     for nbytes, raw, piped in rows:

@@ -162,6 +162,86 @@ def body_timeouts_and_idle(rank: int, port: int) -> str:
         return "ok"
 
 
+def body_mixed_receivers(rank: int, port: int, count: int) -> str:
+    """A caller receiving in its own thread (no timeout) beside callers with short timeouts: the
+    short ones still time out on time, every item reaches exactly one caller, and closing the pipe
+    ends the long wait with KVPipeClosedError."""
+    kv_timeout = 2.0
+    generator = torch.Generator().manual_seed(7)
+    items = [random_tensor(generator, torch.float32, (1 + index % 5, 300 + index)) for index in range(count)]
+    with TorchDistributedPipe(config(rank, port, kv_timeout=kv_timeout)) as pipe:
+        if rank == 0:
+            for index, item in enumerate(items):
+                pipe.send_tensor(item)
+                time.sleep(0.05 if index % 10 == 0 else 0.0)  # gaps: both kinds of caller get their turn
+            pipe.flush(timeout=30)
+            assert pipe.recv_tensor(timeout=60).item() == count  # the peer's count before closing
+            return "sent"
+        got: list[tuple[str, torch.Tensor]] = []
+        overruns: list[float] = []
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def long_waiter() -> None:
+            try:
+                while True:
+                    tensor = pipe.recv_tensor()  # no timeout: receives in this thread
+                    with lock:
+                        got.append(("long", tensor))
+            except KVPipeClosedError:
+                pass
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        def short_waiter() -> None:
+            while True:
+                with lock:
+                    if len(got) >= count:
+                        return
+                start = time.monotonic()
+                try:
+                    tensor = pipe.recv_tensor(timeout=0.2)
+                except KVTimeoutError:
+                    overruns.append(time.monotonic() - start - 0.2)
+                    continue
+                with lock:
+                    got.append(("short", tensor))
+
+        threads = [threading.Thread(target=long_waiter)] + [threading.Thread(target=short_waiter) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads[1:]:
+            thread.join(60)
+        pipe.send_tensor(torch.tensor(len(got)))
+        pipe.flush(timeout=30)
+        assert not errors, errors
+        assert len(got) == count
+        remaining = {tuple(item.shape): item for item in items}
+        for _, tensor in got:
+            assert same_bits(tensor, remaining.pop(tuple(tensor.shape)))
+        assert overruns and max(overruns) < 1.0, overruns  # a short timeout is never held up by the long waiter
+    # close() (ours, answered by the peer) ended the long waiter's blocking recv.
+    threads[0].join(3 * kv_timeout)
+    assert not threads[0].is_alive() and not errors, errors
+    return "received"
+
+
+def body_simultaneous_direct_sends(rank: int, port: int) -> int:
+    """Both sides send caller-thread-sized payloads at once with nobody receiving for a while: the
+    background receivers must take the frames, or both senders would wait for each other."""
+    generator = torch.Generator().manual_seed(rank)
+    mine = [random_tensor(generator, torch.uint8, (size,)) for size in (9000, 1 << 20, 3 << 20, 100_000) * 5]
+    generator = torch.Generator().manual_seed(1 - rank)
+    theirs = [random_tensor(generator, torch.uint8, (size,)) for size in (9000, 1 << 20, 3 << 20, 100_000) * 5]
+    with TorchDistributedPipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
+        for item in mine:
+            pipe.send_tensor(item, timeout=30)
+        pipe.flush(timeout=30)
+        for index, want in enumerate(theirs):
+            assert same_bits(pipe.recv_tensor(timeout=30), want), f"item {index} differs"
+    return len(theirs)
+
+
 def body_backpressure(rank: int, port: int) -> int:
     """A slow reader bounds the writer: send_tensor blocks, times out cleanly, and nothing is lost."""
     budget = 1 << 20
@@ -334,6 +414,18 @@ def test_large_tensor_256_mib():
 def test_recv_timeout_then_continue_and_long_idle():
     port = procs.free_port()
     assert procs.run_pair(body_timeouts_and_idle, (0, port), (1, port), timeout=100) == ("ok", "ok")
+
+
+@pytest.mark.timeout(120)
+def test_caller_receiving_beside_short_timeouts():
+    port = procs.free_port()
+    assert procs.run_pair(body_mixed_receivers, (0, port, 120), (1, port, 120), timeout=100) == ("sent", "received")
+
+
+@pytest.mark.timeout(120)
+def test_simultaneous_direct_sends_do_not_wait_for_each_other():
+    port = procs.free_port()
+    assert procs.run_pair(body_simultaneous_direct_sends, (0, port), (1, port), timeout=100) == (20, 20)
 
 
 @pytest.mark.timeout(120)

@@ -11,17 +11,10 @@ Design (the measured facts behind it are in shared/notes/transport-facts.md):
   in time, an idle pipe stays healthy forever, and a dead or unreachable peer makes the receive
   fail within ``kv_timeout``. Caller-facing timeouts (``recv_tensor(timeout=...)``) wait on queues
   above gloo and leave the pipe usable.
-* A frame receive is always posted, so a sender is never stuck in gloo waiting for it. Whoever
-  holds the *receive role* waits on it: a caller of ``recv_tensor`` that may block for at least
-  ``kv_timeout`` takes the role and receives in its own thread (a hand-off between Python threads
-  costs more than a small message on the wire); otherwise, and whenever no caller has received for
-  ``_RECEIVE_GRACE`` seconds, a background thread holds it, so frames, payloads and credit never
-  wait for the user. Memory is bounded by credit: every frame carries how many bytes its sender's
-  user has consumed, and ``send_tensor`` blocks while the bytes in flight (queued, on the wire, or
-  received but not yet taken) would exceed the budget both sides agreed on.
-* Messages up to ``_DIRECT_SEND_MAX_BYTES`` go on the wire from the caller's thread when the wire is
-  free; larger ones, and everything behind a busy wire, are queued for the sender thread, for which
-  the hand-off is small next to the transfer.
+* A receiver thread always has a receive posted and never stalls, so a sender is never stuck in
+  gloo waiting for it. Memory is bounded by credit instead: every frame carries how many bytes its
+  sender's user has consumed, and ``send_tensor`` blocks while the bytes in flight (queued, on the
+  wire, or received but not yet taken) would exceed the budget both sides agreed on.
 * Headers are validated before any payload receive is posted: gloo aborts the process if a
   message is larger than the receive buffer.
 """
@@ -53,6 +46,7 @@ from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import (
     FRAME_BYTES,
     HEADER_BYTES,
+    INLINE_CAPACITY,
     FrameHeader,
     FrameKind,
     Hello,
@@ -67,16 +61,6 @@ logger = logging.getLogger(__name__)
 
 _TAG_FRAME = 0
 _TAG_PAYLOAD = 1
-
-#: Messages at most this large (payload + bookkeeping) are sent by the caller's thread when the wire
-#: is free; above it a hand-off to the sender thread (~50 us) is a few percent of the transfer.
-_DIRECT_SEND_MAX_BYTES = 4 << 20
-#: How long the background receiver leaves the receive role to callers after one last received: a
-#: caller that alternates sends and receives comes back well within it, and a frame nobody waits
-#: for is still taken within it (a payload's sender waits for the receive to be posted).
-_RECEIVE_GRACE = 0.002
-#: While a caller holds the receive role the background receiver checks back at most this rarely.
-_RECEIVE_WATCH_MAX = 0.05
 
 
 class _Outgoing:
@@ -117,12 +101,7 @@ class TorchDistributedPipe(KVPipeBase):
         self.device = self._select_device(config.kv_buffer_device)
         self._keepalive_interval = config.kv_timeout / 4
 
-        # One lock, three conditions, so a notification wakes only the threads it concerns.
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)  # credit, sent messages, wire released, errors
-        self._recv_cond = threading.Condition(self._lock)  # received items, the receive role
-        self._send_cond = threading.Condition(self._lock)  # work for the sender thread
-        self._background_cond = threading.Condition(self._lock)  # the background receiver is needed
+        self._cond = threading.Condition()
         self._error: KVTransferError | None = None  # first fatal error; the pipe is dead after it
         self._error_raised = False
         self._closing = False  # close() was called
@@ -146,11 +125,6 @@ class TorchDistributedPipe(KVPipeBase):
         self._peer_wants_credit = False
         self._next_recv_seq = 0
         self._wire_busy = False  # a thread is transmitting: frames must not interleave
-        self._receiving = False  # the receive role is held: one thread waits on the posted frame
-        self._caller_receiving_since: float | None = None  # a caller holds the role, since when
-        self._caller_received_at = 0.0  # when a caller last gave the role back
-        self._background_needed = 0  # callers waiting that may not receive themselves
-        self._recv_waiting = 0  # callers waiting in recv_tensor
 
         self._store, peer_hello = self._rendezvous()
         self._max_in_flight = min(config.kv_buffer_size, peer_hello.max_in_flight)
@@ -162,11 +136,10 @@ class TorchDistributedPipe(KVPipeBase):
         # than building tensors. On CUDA the header is staged in host memory and copied.
         self._send_header = self._host_view(self._send_frame)
         self._recv_header = self._host_view(self._recv_frame)
-        self._frame_work = self._post_frame_receive()
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
         self._last_sent = time.monotonic()
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
-        self._receiver = threading.Thread(target=self._background_receive_loop, name=f"{name}-recv", daemon=True)
+        self._receiver = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
         self._sender.start()
         self._receiver.start()
         logger.info("pipe rank %d <-> %d up on %s:%d (%s, in-flight budget %d bytes)", self.rank,
@@ -289,7 +262,7 @@ class TorchDistributedPipe(KVPipeBase):
                     f"(max_tensor_bytes: the smaller kv_buffer_size of the two sides, less bookkeeping)"
                 )
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        with self._cond:
             while True:
                 self._raise_if_unusable_for_send()
                 if self._queued_cost + message.cost - self._peer_consumed <= self._max_in_flight:
@@ -297,141 +270,90 @@ class TorchDistributedPipe(KVPipeBase):
                 if self._credit_asked_at != self._peer_consumed:
                     self._credit_asked_at = self._peer_consumed
                     self._want_credit = True
-                    self._send_cond.notify()  # the sender thread tells the peer we are waiting
-                if not self._wait(self._cond, deadline):
+                    self._cond.notify_all()  # the sender thread tells the peer we are waiting
+                if not self._wait(deadline):
                     raise KVTimeoutError(
                         f"send_tensor: the in-flight budget of {self._max_in_flight} bytes stayed full "
                         f"for {timeout:g} s (the peer is not taking what was sent)"
                     )
             self._queued_cost += message.cost
             self._queued_messages += 1
-            direct = not self._send_queue and not self._wire_busy and message.cost <= _DIRECT_SEND_MAX_BYTES
+            # Small messages go out from the caller's thread when the wire is free: a hand-off to
+            # the sender thread costs more than the send itself (the receiver always has a
+            # receive posted, so this does not wait for the peer's user).
+            direct = not self._send_queue and not self._wire_busy and message.cost <= message_cost(INLINE_CAPACITY)
             if not direct:
                 self._send_queue.append(message)
-                self._send_cond.notify()
+                self._cond.notify_all()
                 return
             header = self._claim_wire(message)
-        if not self._transmit_claimed(header, message):
-            with self._lock:
-                self._raise_if_failed()
+        self._transmit_claimed(header, message)
+        with self._cond:
+            self._raise_if_failed()
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while True:
-                if self._recv_queue:
-                    return self._take_received()
+        with self._cond:
+            while not self._recv_queue:
                 self._raise_if_failed()
                 if self._peer_finished:
                     raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
                 if self._closing:
                     raise KVPipeClosedError("recv_tensor on a closed pipe")
-                # Waiting on the posted frame returns within kv_timeout (a frame, or the liveness
-                # error), so only a caller prepared to wait that long may do it itself.
-                may_receive = deadline is None or deadline - time.monotonic() >= self.config.kv_timeout
-                if may_receive and not self._receiving:
-                    self._receiving = True
-                    self._caller_receiving_since = time.monotonic()
-                    try:
-                        self._lock.release()
-                        try:
-                            self._receive_frame()
-                        finally:
-                            self._lock.acquire()
-                    finally:
-                        self._release_receive_role()
-                        self._caller_receiving_since = None
-                        self._caller_received_at = time.monotonic()
-                    continue
-                if not may_receive:
-                    self._background_needed += 1
-                    self._background_cond.notify()  # the background receiver takes the role for us
-                self._recv_waiting += 1
-                try:
-                    waited = self._wait(self._recv_cond, deadline)
-                finally:
-                    self._recv_waiting -= 1
-                    if not may_receive:
-                        self._background_needed -= 1
-                if not waited:
+                if not self._wait(deadline):
                     raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
+            tensor, cost = self._recv_queue.popleft()
+            self._consumed += cost
+            if self._credit_due():
+                self._cond.notify_all()
+            return tensor
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        with self._cond:
             while self._sent_messages < self._queued_messages:
                 self._raise_if_failed()
-                if not self._wait(self._cond, deadline):
+                if not self._wait(deadline):
                     raise KVTimeoutError(f"flush: queued tensors were not sent within {timeout:g} s")
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             if self._closing:
                 return
             self._closing = True
             if self._error is None and not self._final_frame_queued:
                 self._queue_final_frame(FrameKind.CLOSE)
-            self._notify_everyone()
+            self._cond.notify_all()
         # Both threads end once the peer has answered CLOSE; a dead peer ends them with an error
         # within kv_timeout (the keepalive bound), so these joins are bounded.
         bound = self.config.kv_timeout * 2
         self._sender.join(bound)
         self._receiver.join(bound)
-        with self._lock:
-            # A caller receiving in its own thread is ended the same way (the peer's answer, or the
-            # liveness bound).
-            deadline = time.monotonic() + bound
-            self._recv_waiting += 1
-            while self._receiving and self._wait(self._recv_cond, deadline):
-                pass
-            self._recv_waiting -= 1
-            if self._sender.is_alive() or self._receiver.is_alive() or self._receiving:
-                # A thread blocked inside gloo cannot be interrupted; it holds no lock. The group
-                # stays referenced: destroying it under a pending operation is not safe.
-                logger.warning("pipe rank %d: transfer threads did not stop within %.1f s", self.rank, bound)
-            else:
-                # The posted receive references the group, which holds the store's listening
-                # socket: all three must go for a new pipe to bind the same port.
-                self._frame_work = None
-                self._group = None
-                self._store = None
+        if self._sender.is_alive() or self._receiver.is_alive():
+            # A thread blocked inside gloo cannot be interrupted; it is a daemon and holds no lock.
+            # The group stays referenced: destroying it under a pending operation is not safe.
+            logger.warning("pipe rank %d: transfer threads did not stop within %.1f s", self.rank, bound)
+        else:
+            self._group = None
+            self._store = None
+        with self._cond:
             unsent = self._queued_messages - self._sent_messages
             if self._error is not None and not self._error_raised and unsent > 0:
                 self._error_raised = True
                 raise KVTransferError(f"close: {unsent} queued message(s) were never sent") from self._error
 
-    # ------------------------------------------------------------------ state helpers (hold _lock)
+    # ------------------------------------------------------------------ state helpers (hold _cond)
 
-    @staticmethod
-    def _wait(condition: threading.Condition, deadline: float | None) -> bool:
-        """Wait on ``condition`` for a state change; False once ``deadline`` has passed."""
+    def _wait(self, deadline: float | None) -> bool:
+        """Wait for a state change; False once ``deadline`` has passed."""
         if deadline is None:
-            condition.wait()
+            self._cond.wait()
             return True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        condition.wait(remaining)
+        self._cond.wait(remaining)
         return True
-
-    def _notify_everyone(self) -> None:
-        self._cond.notify_all()
-        self._recv_cond.notify_all()
-        self._send_cond.notify_all()
-        self._background_cond.notify_all()
-
-    def _take_received(self) -> torch.Tensor | None:
-        self._caller_received_at = time.monotonic()  # the caller is active: leave it the role
-        tensor, cost = self._recv_queue.popleft()
-        self._consumed += cost
-        if self._credit_due():
-            self._send_cond.notify()
-        return tensor
-
-    def _release_receive_role(self) -> None:
-        self._receiving = False
-        if self._recv_waiting:
-            self._recv_cond.notify_all()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -453,14 +375,13 @@ class TorchDistributedPipe(KVPipeBase):
         self._final_frame_queued = True
         self._queued_messages += 1
         self._send_queue.append(_Outgoing(kind))
-        self._send_cond.notify()
 
     def _fail(self, error: KVTransferError) -> None:
-        with self._lock:
+        with self._cond:
             if self._error is None and not (self._closing and self._peer_finished):
                 self._error = error
                 logger.error("%s", error)
-            self._notify_everyone()
+            self._cond.notify_all()
 
     def _peer_lost(self, action: str, cause: Exception) -> KVPeerLostError:
         return KVPeerLostError(
@@ -476,7 +397,7 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _send_loop(self) -> None:
         while True:
-            with self._lock:
+            with self._cond:
                 while True:
                     if self._error is not None:
                         return
@@ -488,9 +409,9 @@ class TorchDistributedPipe(KVPipeBase):
                         if self._credit_due() or self._want_credit or idle_for >= self._keepalive_interval:
                             message = _Outgoing(FrameKind.KEEPALIVE)
                             break
-                        self._send_cond.wait(self._keepalive_interval - idle_for)
+                        self._cond.wait(self._keepalive_interval - idle_for)
                     else:
-                        self._send_cond.wait(self._keepalive_interval)
+                        self._cond.wait()
                 header = self._claim_wire(message)
             if not self._transmit_claimed(header, message):
                 return
@@ -498,7 +419,7 @@ class TorchDistributedPipe(KVPipeBase):
                 return
 
     def _claim_wire(self, message: _Outgoing) -> FrameHeader:
-        """Reserve the wire for ``message`` and build its header (hold ``_lock``)."""
+        """Reserve the wire for ``message`` and build its header (hold ``_cond``)."""
         self._wire_busy = True
         header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=self._consumed,
                              want_credit=self._want_credit, dtype=message.header_dtype, shape=message.shape,
@@ -518,15 +439,13 @@ class TorchDistributedPipe(KVPipeBase):
             self._fail(self._peer_lost("sending", exc))
             return False
         finally:
-            with self._lock:
+            with self._cond:
                 self._wire_busy = False
                 self._last_sent = time.monotonic()
                 if message.kind is not FrameKind.KEEPALIVE:
                     self._sent_messages += 1
                 message.data = None  # release the caller's tensor as soon as it is on the wire
-                self._cond.notify_all()  # flush, and anyone waiting for the wire
-                if self._send_queue or self._want_credit or self._credit_due():
-                    self._send_cond.notify()
+                self._cond.notify_all()
         return True
 
     def _transmit(self, header: FrameHeader, data: torch.Tensor | None) -> None:
@@ -554,89 +473,52 @@ class TorchDistributedPipe(KVPipeBase):
             self._recv_header[:] = self._recv_frame[:HEADER_BYTES].cpu().numpy().view(np.int64)
         return self._recv_header.tolist()
 
-    # ------------------------------------------------------------------ receiving (holds the role)
+    # ------------------------------------------------------------------ receiver thread
 
-    def _post_frame_receive(self) -> dist.Work:
-        return self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME)
-
-    def _background_receive_loop(self) -> None:
-        """Hold the receive role whenever no caller does, so the peer's frames never wait long."""
-        with self._lock:
-            while self._error is None and not self._peer_finished:
-                now = time.monotonic()
-                if self._receiving:
-                    # A caller holds the role; look again after a while that grows with how long it
-                    # has held it, so an idle caller costs few wake-ups and a busy one a short gap.
-                    held = now - (self._caller_receiving_since or now)
-                    self._background_cond.wait(min(max(held / 2, _RECEIVE_GRACE), _RECEIVE_WATCH_MAX))
-                    continue
-                if not self._background_needed:
-                    if self._recv_waiting:  # callers that receive for themselves
-                        self._background_cond.wait(_RECEIVE_WATCH_MAX)
-                        continue
-                    quiet = now - self._caller_received_at
-                    if quiet < _RECEIVE_GRACE:
-                        self._background_cond.wait(_RECEIVE_GRACE - quiet)
-                        continue
-                self._receiving = True
-                self._lock.release()
-                try:
-                    self._receive_frame()
-                finally:
-                    self._lock.acquire()
-                    self._release_receive_role()
-
-    def _receive_frame(self) -> None:
-        """Wait for the posted frame and process it (hold the receive role, not ``_lock``)."""
-        try:
-            self._frame_work.wait()
-            header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight)
-            if not self._peer_consumed <= header.consumed <= self._queued_cost:  # only the role holder writes it
-                raise KVProtocolError(
-                    f"peer claims to have consumed {header.consumed} bytes; it had consumed {self._peer_consumed} "
-                    f"and was sent at most {self._queued_cost}"
-                )
-            item = self._receive_item(header)
-        except KVProtocolError as exc:
-            self._fail(exc)
-            return
-        except Exception as exc:
-            self._fail(self._peer_lost("receiving", exc))
-            return
-        with self._lock:
-            if header.consumed != self._peer_consumed:
+    def _recv_loop(self) -> None:
+        while True:
+            try:
+                self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
+                header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight)
+                if not self._peer_consumed <= header.consumed <= self._queued_cost:  # only this thread writes it
+                    raise KVProtocolError(
+                        f"peer claims to have consumed {header.consumed} bytes; it had consumed {self._peer_consumed} "
+                        f"and was sent at most {self._queued_cost}"
+                    )
+                item = self._receive_item(header)
+            except KVProtocolError as exc:
+                self._fail(exc)
+                return
+            except Exception as exc:
+                self._fail(self._peer_lost("receiving", exc))
+                return
+            with self._cond:
                 self._peer_consumed = header.consumed
+                self._peer_wants_credit = self._peer_wants_credit or header.want_credit
+                if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
+                    self._recv_queue.append((item, message_cost(header.nbytes)))
+                elif header.kind is FrameKind.CLOSE:
+                    self._peer_finished = True
+                    if not self._final_frame_queued and self._error is None:
+                        self._queue_final_frame(FrameKind.CLOSE_ACK)
+                elif header.kind is FrameKind.CLOSE_ACK:
+                    self._peer_finished = True
                 self._cond.notify_all()
-            if header.want_credit:
-                self._peer_wants_credit = True
-                self._send_cond.notify()
-            if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
-                self._recv_queue.append((item, message_cost(header.nbytes)))
-            elif header.kind is FrameKind.CLOSE:
-                self._peer_finished = True
-                if not self._final_frame_queued and self._error is None:
-                    self._queue_final_frame(FrameKind.CLOSE_ACK)
-            elif header.kind is FrameKind.CLOSE_ACK:
-                self._peer_finished = True
-            if header.kind is not FrameKind.KEEPALIVE and self._recv_waiting:
-                self._recv_cond.notify_all()
-            if self._peer_finished:
-                self._notify_everyone()
+                if self._peer_finished:
+                    return
 
     def _receive_item(self, header: FrameHeader) -> torch.Tensor | None:
-        """The frame's item; reposts the frame receive as soon as the frame buffer is free again."""
         if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
             if header.seq != self._next_recv_seq:
                 raise KVProtocolError(f"peer's message {header.seq} arrived where {self._next_recv_seq} was due")
             self._next_recv_seq += 1
-        inline = header.kind is FrameKind.TENSOR and header.inline
-        data = self._recv_frame[HEADER_BYTES : HEADER_BYTES + header.nbytes].clone() if inline else None
-        if header.kind not in (FrameKind.CLOSE, FrameKind.CLOSE_ACK):  # nothing follows those
-            # Posted before the payload is received, so the peer's next frame never waits for us.
-            self._frame_work = self._post_frame_receive()
         if header.kind is not FrameKind.TENSOR:
             return None
-        if data is None:
+        if header.nbytes == 0:
+            return torch.empty(header.shape, dtype=header.dtype, device=self.device)
+        if header.inline:
+            data = self._recv_frame[HEADER_BYTES : HEADER_BYTES + header.nbytes].clone()
+        else:
             data = self._allocate(header.nbytes)
             for start, end in chunk_bounds(header.nbytes):
                 self._group.recv([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()

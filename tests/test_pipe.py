@@ -177,7 +177,7 @@ def body_mixed_receivers(rank: int, port: int, count: int) -> str:
             pipe.flush(timeout=30)
             assert pipe.recv_tensor(timeout=60).item() == count  # the peer's count before closing
             return "sent"
-        got: list[tuple[str, torch.Tensor]] = []
+        got: list[torch.Tensor] = []
         overruns: list[float] = []
         errors: list[BaseException] = []
         lock = threading.Lock()
@@ -187,7 +187,7 @@ def body_mixed_receivers(rank: int, port: int, count: int) -> str:
                 while True:
                     tensor = pipe.recv_tensor()  # no timeout: receives in this thread
                     with lock:
-                        got.append(("long", tensor))
+                        got.append(tensor)
             except KVPipeClosedError:
                 pass
             except BaseException as exc:  # surfaced below
@@ -205,7 +205,7 @@ def body_mixed_receivers(rank: int, port: int, count: int) -> str:
                     overruns.append(time.monotonic() - start - 0.2)
                     continue
                 with lock:
-                    got.append(("short", tensor))
+                    got.append(tensor)
 
         threads = [threading.Thread(target=long_waiter)] + [threading.Thread(target=short_waiter) for _ in range(2)]
         for thread in threads:
@@ -217,7 +217,7 @@ def body_mixed_receivers(rank: int, port: int, count: int) -> str:
         assert not errors, errors
         assert len(got) == count
         remaining = {tuple(item.shape): item for item in items}
-        for _, tensor in got:
+        for tensor in got:
             assert same_bits(tensor, remaining.pop(tuple(tensor.shape)))
         assert overruns and max(overruns) < 1.0, overruns  # a short timeout is never held up by the long waiter
     # close() (ours, answered by the peer) ended the long waiter's blocking recv.

@@ -42,6 +42,10 @@ class KVPipeBase(abc.ABC):
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
         """Queue ``tensor`` (or ``None``) for sending and return; the transfer runs in the background.
 
+        A tensor small enough for one message may go out from the calling thread when nothing is
+        queued before it: that wait is bounded by the wire, never by the peer's user, since the
+        peer always has a receive posted.
+
         Ownership: the pipe keeps a reference to ``tensor`` (a contiguous tensor is not copied)
         until it has been sent; the caller must not modify it in place before :meth:`flush`
         returns. Blocks only while the bytes in flight (queued, on the wire, or received but not

@@ -1,12 +1,16 @@
 """The pipe's wire format: fixed-size frames, validated before anything is received.
 
-Every message starts with one frame of ``FRAME_BYTES`` bytes: a header of ``HEADER_WORDS``
-little-endian int64 words, then an inline area. A tensor that fits the inline area travels inside
-its frame (one message, no second round trip); a larger one follows as a payload, cut into chunks
-of at most ``CHUNK_BYTES`` so that no single gloo operation outlives ``kv_timeout``.
+Every message starts with one frame: a header of ``HEADER_WORDS`` little-endian int64 words, then
+an inline area. A tensor that fits the inline area travels inside its frame (one message, no
+second round trip); a larger one follows as a payload, cut into chunks of at most ``CHUNK_BYTES``
+so that no single gloo operation outlives ``kv_timeout``.
 
-Frames have one size on both sides, fixed by the protocol version: gloo aborts the whole process
-when a message is larger than the posted receive buffer, so sizes are never taken on trust.
+The frame size depends on the device and is fixed by the protocol version; both sides check it at
+the rendezvous. Gloo accepts a message shorter than the posted receive, so a host frame is sent
+only as long as its header and inline bytes, and its inline area is large (1 MiB): tensors up to
+that size cost one message instead of a header, a rendezvous and a payload. NCCL needs receives of
+the exact size, so device frames are small and always sent whole. Gloo aborts the whole process
+when a message is *larger* than the posted receive, so sizes are never taken on trust.
 """
 
 from __future__ import annotations
@@ -21,16 +25,21 @@ import torch
 from kv_pipe.errors import KVProtocolError, KVTransferError
 
 MAGIC = 0x4B5642524447  # "KVBRDG"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER_WORDS = 64
 HEADER_BYTES = HEADER_WORDS * 8
-FRAME_BYTES = 8192
-INLINE_CAPACITY = FRAME_BYTES - HEADER_BYTES
+HOST_FRAME_BYTES = HEADER_BYTES + (1 << 20)
+DEVICE_FRAME_BYTES = 8192
 CHUNK_BYTES = 64 << 20
 MAX_NDIM = 48
 #: Bytes charged against the in-flight budget per message on top of its payload, so that floods of
 #: tiny tensors or Nones are bounded too.
 MESSAGE_OVERHEAD = 256
+
+
+def frame_bytes_for(device_type: str) -> int:
+    """The frame size of a pipe whose tensors live on ``device_type`` ("cpu" or "cuda")."""
+    return HOST_FRAME_BYTES if device_type == "cpu" else DEVICE_FRAME_BYTES
 
 
 class FrameKind(enum.IntEnum):
@@ -73,10 +82,7 @@ class FrameHeader:
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] = ()
     nbytes: int = 0
-
-    @property
-    def inline(self) -> bool:
-        return self.kind is FrameKind.TENSOR and self.nbytes <= INLINE_CAPACITY
+    inline: bool = False  # the tensor's bytes are inside the frame
 
 
 def message_cost(nbytes: int) -> int:
@@ -101,11 +107,12 @@ def encode_header(header: FrameHeader) -> list[int]:
     return values
 
 
-def decode_header(words: list[int], max_nbytes: int) -> FrameHeader:
+def decode_header(words: list[int], max_nbytes: int, inline_capacity: int) -> FrameHeader:
     """Parse and validate a received header; raise KVProtocolError on anything off.
 
     ``max_nbytes`` is the largest payload this side agreed to accept: a header claiming more is
-    refused before any memory is allocated or any receive is posted.
+    refused before any memory is allocated or any receive is posted. ``inline_capacity`` is the
+    frame's inline area: the header's inline flag must say exactly whether the tensor fits it.
     """
     if words[_W_MAGIC] != MAGIC:
         raise KVProtocolError(f"peer sent a frame with bad magic {words[_W_MAGIC]:#x}: not a kvbridge pipe")
@@ -144,10 +151,10 @@ def decode_header(words: list[int], max_nbytes: int) -> FrameHeader:
         raise KVProtocolError(
             f"peer announced {nbytes} bytes for a {dtype} tensor of shape {shape}: inconsistent header"
         )
-    header = FrameHeader(kind=kind, dtype=dtype, shape=shape, nbytes=nbytes, **common)
-    if words[_W_INLINE] != int(header.inline):
+    inline = nbytes <= inline_capacity
+    if words[_W_INLINE] != int(inline):
         raise KVProtocolError(f"peer's inline flag {words[_W_INLINE]} disagrees with size {nbytes}")
-    return header
+    return FrameHeader(kind=kind, dtype=dtype, shape=shape, nbytes=nbytes, inline=inline, **common)
 
 
 def check_sendable(tensor: torch.Tensor) -> None:

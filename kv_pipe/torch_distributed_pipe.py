@@ -17,6 +17,9 @@ Design (the measured facts behind it are in shared/notes/transport-facts.md):
   wire, or received but not yet taken) would exceed the budget both sides agreed on.
 * Headers are validated before any payload receive is posted: gloo aborts the process if a
   message is larger than the receive buffer.
+* On gloo, tensors up to 1 MiB ride inside their frame (see kv_pipe.protocol): one message, no
+  header/payload rendezvous. A large one is handed to the caller in the frame's own memory and the
+  next frame is received into another pooled buffer, so nothing is copied on the receiving side.
 """
 
 from __future__ import annotations
@@ -44,9 +47,7 @@ from kv_pipe.errors import (
 )
 from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import (
-    FRAME_BYTES,
     HEADER_BYTES,
-    INLINE_CAPACITY,
     FrameHeader,
     FrameKind,
     Hello,
@@ -54,6 +55,7 @@ from kv_pipe.protocol import (
     chunk_bounds,
     decode_header,
     encode_header,
+    frame_bytes_for,
     message_cost,
 )
 
@@ -99,6 +101,10 @@ class TorchDistributedPipe(KVPipeBase):
         self.peer_rank = 1 - config.kv_rank
         self.port = config.kv_port + port_offset
         self.device = self._select_device(config.kv_buffer_device)
+        self._frame_bytes = frame_bytes_for(self.device.type)
+        self._inline_capacity = self._frame_bytes - HEADER_BYTES
+        # Gloo accepts a message shorter than the posted receive; NCCL needs the sizes to match.
+        self._send_whole_frames = self.device.type != "cpu"
         self._keepalive_interval = config.kv_timeout / 4
 
         self._cond = threading.Condition()
@@ -130,8 +136,8 @@ class TorchDistributedPipe(KVPipeBase):
         self._max_in_flight = min(config.kv_buffer_size, peer_hello.max_in_flight)
         self._group = self._create_group()
         self._host_memory = HostMemoryPool(max_idle_bytes=config.kv_buffer_size)
-        self._send_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
-        self._recv_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8, device=self.device)
+        self._send_frame = torch.zeros(self._frame_bytes, dtype=torch.uint8, device=self.device)
+        self._recv_frame = torch.zeros(self._frame_bytes, dtype=torch.uint8, device=self.device)
         # Headers are written and read through numpy views of host memory: far cheaper per message
         # than building tensors. On CUDA the header is staged in host memory and copied.
         self._send_header = self._host_view(self._send_frame)
@@ -175,7 +181,7 @@ class TorchDistributedPipe(KVPipeBase):
                 f"kvbridge pipe rank {self.rank}: the rendezvous at {config.kv_ip}:{self.port} already served a "
                 f"pair; the other side must close its old pipe and create a new one before this side reconnects"
             )
-        hello = Hello(frame_bytes=FRAME_BYTES, max_in_flight=config.kv_buffer_size,
+        hello = Hello(frame_bytes=self._frame_bytes, max_in_flight=config.kv_buffer_size,
                       device=config.kv_buffer_device)
         try:
             store.set(f"kvbridge/hello/{self.rank}", hello.pack())
@@ -185,10 +191,10 @@ class TorchDistributedPipe(KVPipeBase):
             raise
         except Exception as exc:
             raise KVPeerLostError(f"kvbridge pipe rank {self.rank}: rendezvous with the peer failed: {exc}") from exc
-        if peer_hello.frame_bytes != FRAME_BYTES or peer_hello.device != config.kv_buffer_device:
+        if peer_hello.frame_bytes != self._frame_bytes or peer_hello.device != config.kv_buffer_device:
             raise KVProtocolError(
                 f"incompatible peer: it uses {peer_hello.device} with {peer_hello.frame_bytes}-byte frames, "
-                f"this side {config.kv_buffer_device} with {FRAME_BYTES}-byte frames"
+                f"this side {config.kv_buffer_device} with {self._frame_bytes}-byte frames"
             )
         store.set_timeout(datetime.timedelta(seconds=config.kv_timeout))
         return store, peer_hello
@@ -278,10 +284,11 @@ class TorchDistributedPipe(KVPipeBase):
                     )
             self._queued_cost += message.cost
             self._queued_messages += 1
-            # Small messages go out from the caller's thread when the wire is free: a hand-off to
-            # the sender thread costs more than the send itself (the receiver always has a
-            # receive posted, so this does not wait for the peer's user).
-            direct = not self._send_queue and not self._wire_busy and message.cost <= message_cost(INLINE_CAPACITY)
+            # Messages that fit one frame go out from the caller's thread when the wire is free: a
+            # hand-off to the sender thread costs more than the send itself (the receiver always
+            # has a frame receive posted, so this waits for the wire only, never for the peer's user).
+            direct = (not self._send_queue and not self._wire_busy
+                      and message.cost <= message_cost(self._inline_capacity))
             if not direct:
                 self._send_queue.append(message)
                 self._cond.notify_all()
@@ -421,9 +428,10 @@ class TorchDistributedPipe(KVPipeBase):
     def _claim_wire(self, message: _Outgoing) -> FrameHeader:
         """Reserve the wire for ``message`` and build its header (hold ``_cond``)."""
         self._wire_busy = True
+        nbytes = 0 if message.data is None else message.data.numel()
         header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=self._consumed,
                              want_credit=self._want_credit, dtype=message.header_dtype, shape=message.shape,
-                             nbytes=0 if message.data is None else message.data.numel())
+                             nbytes=nbytes, inline=message.kind is FrameKind.TENSOR and nbytes <= self._inline_capacity)
         if message.kind in (FrameKind.TENSOR, FrameKind.NONE):
             self._next_send_seq += 1
         self._reported_consumed = self._consumed
@@ -453,8 +461,11 @@ class TorchDistributedPipe(KVPipeBase):
         self._send_header[:] = encode_header(header)
         if frame.device.type != "cpu":
             frame[:HEADER_BYTES].copy_(torch.from_numpy(self._send_header).view(torch.uint8))
-        if header.inline and header.nbytes:
-            frame[HEADER_BYTES : HEADER_BYTES + header.nbytes].copy_(data)
+        inline_bytes = header.nbytes if header.inline else 0
+        if inline_bytes:
+            frame[HEADER_BYTES : HEADER_BYTES + inline_bytes].copy_(data)
+        if not self._send_whole_frames:
+            frame = frame[: HEADER_BYTES + inline_bytes]
         # One operation at a time: posting the payload while the frame is still pending measured
         # ~2 ms slower per message on gloo, and gloo's timeout counts from when an operation is posted.
         self._group.send([frame], self.peer_rank, _TAG_FRAME).wait()
@@ -479,7 +490,8 @@ class TorchDistributedPipe(KVPipeBase):
         while True:
             try:
                 self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
-                header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight)
+                header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight,
+                                       inline_capacity=self._inline_capacity)
                 if not self._peer_consumed <= header.consumed <= self._queued_cost:  # only this thread writes it
                     raise KVProtocolError(
                         f"peer claims to have consumed {header.consumed} bytes; it had consumed {self._peer_consumed} "
@@ -497,6 +509,8 @@ class TorchDistributedPipe(KVPipeBase):
                 self._peer_wants_credit = self._peer_wants_credit or header.want_credit
                 if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
                     self._recv_queue.append((item, message_cost(header.nbytes)))
+                    # Held here until the next frame, it would keep the caller's buffer from the pool.
+                    item = None
                 elif header.kind is FrameKind.CLOSE:
                     self._peer_finished = True
                     if not self._final_frame_queued and self._error is None:
@@ -517,7 +531,14 @@ class TorchDistributedPipe(KVPipeBase):
         if header.nbytes == 0:
             return torch.empty(header.shape, dtype=header.dtype, device=self.device)
         if header.inline:
-            data = self._recv_frame[HEADER_BYTES : HEADER_BYTES + header.nbytes].clone()
+            data = self._recv_frame[HEADER_BYTES : HEADER_BYTES + header.nbytes]
+            if self.device.type != "cpu" or header.nbytes < self._inline_capacity // 2:
+                return data.clone().view(header.dtype).reshape(header.shape)
+            # A large inline tensor is handed over in its host frame (no copy); the next frame is
+            # received into another pooled buffer. Below half a frame a copy is cheaper than the
+            # memory the caller's tensor would pin.
+            self._recv_frame = self._allocate(self._frame_bytes)
+            self._recv_header = self._host_view(self._recv_frame)
         else:
             data = self._allocate(header.nbytes)
             for start, end in chunk_bounds(header.nbytes):

@@ -551,8 +551,9 @@ def test_real_traffic_survived_the_fuzzing(live_pair: LivePair) -> None:
 # ---------------------------------------------------------------- forged pipe headers
 
 _BASE = pipe_protocol.FrameHeader(kind=pipe_protocol.FrameKind.TENSOR, seq=0, consumed=0, want_credit=False,
-                                  dtype=torch.float32, shape=(4, 4), nbytes=64)
-PIPE_BUDGET = 1 << 20
+                                  dtype=torch.float32, shape=(4, 4), nbytes=64, inline=True)
+_INLINE_CAPACITY = pipe_protocol.HOST_FRAME_BYTES - pipe_protocol.HEADER_BYTES
+PIPE_BUDGET = 4 << 20  # above the host inline capacity, so that an inline-flag lie is not also over budget
 P = pipe_protocol  # word positions: _W_MAGIC, _W_SEQ, ...
 
 
@@ -592,8 +593,8 @@ HOSTILE_HEADERS: dict[str, tuple[list[list[int]], str]] = {
     "ndim over the limit": ([_edit(_header(), ndim=pipe_protocol.MAX_NDIM + 1)], "ndim"),
     "negative ndim": ([_edit(_header(), ndim=-1)], "ndim"),
     "words after the shape": ([_edit(_header(), ndim=1, shape=16)], "malformed shape"),
-    "inline flag lie": ([_edit(_header(dtype=torch.uint8, shape=(pipe_protocol.INLINE_CAPACITY + 1,),
-                                       nbytes=pipe_protocol.INLINE_CAPACITY + 1), inline=1)], "inline flag"),
+    "inline flag lie": ([_edit(_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,),
+                                       nbytes=_INLINE_CAPACITY + 1), inline=1)], "inline flag"),
     "keepalive with tensor fields": ([_edit(_keepalive(0), dtype=8)], "tensor fields"),
     "want_credit 2": ([_edit(_header(), want_credit=2)], "malformed"),
     "negative consumed": ([_edit(_header(), consumed=-1)], "malformed"),
@@ -613,7 +614,7 @@ def body_hostile_headers(rank: int, port: int) -> dict:
                 while pipe._wire_busy:
                     pipe._cond.wait()
                 for words in frames:
-                    frame = torch.zeros(pipe_protocol.FRAME_BYTES, dtype=torch.uint8)
+                    frame = torch.zeros(pipe_protocol.HOST_FRAME_BYTES, dtype=torch.uint8)
                     frame[: pipe_protocol.HEADER_BYTES] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
                     pipe._group.send([frame], 0, 0).wait()
             with pytest.raises((KVPeerLostError, KVPipeClosedError)):  # rank 0 dropped the connection
@@ -691,7 +692,7 @@ def _stranger_handshake(port: int, mode: bytes, forge: str) -> None:
     """Play rank 1 at the rendezvous without the secret, speaking the pipe's own rendezvous protocol."""
     store = torch.distributed.TCPStore("127.0.0.1", port, world_size=2, is_master=False,
                                        timeout=datetime.timedelta(seconds=BOUND))
-    hello = pipe_protocol.Hello(frame_bytes=pipe_protocol.FRAME_BYTES, max_in_flight=1 << 30, device="cpu")
+    hello = pipe_protocol.Hello(frame_bytes=pipe_protocol.HOST_FRAME_BYTES, max_in_flight=1 << 30, device="cpu")
     store.set("kvbridge/hello/1", hello.pack())
     store.set("kvbridge/auth/1", mode)
     if mode == b"required":

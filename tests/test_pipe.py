@@ -22,12 +22,13 @@ from kv_pipe.errors import (
     KVTimeoutError,
     KVTransferError,
 )
-from kv_pipe.protocol import DTYPE_TO_CODE, INLINE_CAPACITY
+from kv_pipe.protocol import DTYPE_TO_CODE, HEADER_BYTES, HOST_FRAME_BYTES
 from tests import procs
 from tests.tensors import exchange_both_ways, random_tensor, same_bits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_VLLM_NONE_SENTINEL = -150886311
+INLINE_CAPACITY = HOST_FRAME_BYTES - HEADER_BYTES  # tensors up to this size travel inside their frame
 
 
 def config(rank: int, port: int, **changes) -> KVTransferConfig:
@@ -42,7 +43,9 @@ def config(rank: int, port: int, **changes) -> KVTransferConfig:
 
 
 def dtype_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    shapes = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (1, 1, 1, 1, 1, 1, 1, 1, 3), (INLINE_CAPACITY + 1,),
+    # INLINE_CAPACITY // 8 + 1 elements: copied out of the frame (itemsize 1, 2), handed over in
+    # it (itemsize 4) or sent as a payload after it (itemsize 8, 16).
+    shapes = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (1, 1, 1, 1, 1, 1, 1, 1, 3), (INLINE_CAPACITY // 8 + 1,),
               (33, 17, 129)]
     return [(dtype, shape) for dtype in DTYPE_TO_CODE for shape in shapes]
 
@@ -140,6 +143,33 @@ def body_large(rank: int, port: int, nbytes: int) -> str:
         assert torch.equal(got, tensor)
         pipe.send_tensor(torch.tensor(1))
         return "received"
+
+
+def body_frame_boundaries(rank: int, port: int) -> int:
+    """Sizes around the inline area's edges, both ways at once. Every received tensor is kept until
+    the end: one handed over in its frame must not be overwritten by the frames that follow it."""
+    half = INLINE_CAPACITY // 2
+    sizes = [1, half - 1, half, half + 1, INLINE_CAPACITY - 1, INLINE_CAPACITY, INLINE_CAPACITY + 1,
+             2 * INLINE_CAPACITY] * 3
+    streams = []
+    for seed in (rank, 1 - rank):
+        generator = torch.Generator().manual_seed(seed)
+        streams.append([random_tensor(generator, torch.uint8, (size,)) for size in sizes]
+                       + [random_tensor(generator, torch.float32, (INLINE_CAPACITY // 4,))])
+    mine, theirs = streams
+    with TorchDistributedPipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
+        sender = threading.Thread(target=lambda: [pipe.send_tensor(item, timeout=30) for item in mine])
+        sender.start()
+        kept = [pipe.recv_tensor(timeout=30) for _ in theirs]
+        sender.join(60)
+        pipe.flush(timeout=30)
+        for index, (got, want) in enumerate(zip(kept, theirs)):
+            assert same_bits(got, want), f"item {index} ({want.nbytes} bytes) changed after it was received"
+        large = [got for got in kept if got.nbytes >= half]
+        assert len({got.untyped_storage().data_ptr() for got in large}) == len(large), "two tensors share memory"
+        pipe.send_tensor(None)
+        assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
+    return len(kept)
 
 
 def body_timeouts_and_idle(rank: int, port: int) -> str:
@@ -371,7 +401,7 @@ def body_hostile_header(rank: int, port: int) -> str:
         words = torch.tensor(protocol.encode_header(protocol.FrameHeader(
             kind=protocol.FrameKind.TENSOR, seq=0, consumed=0, want_credit=False,
             dtype=torch.uint8, shape=(1 << 40,), nbytes=1 << 40)), dtype=torch.int64)
-        frame = torch.zeros(protocol.FRAME_BYTES, dtype=torch.uint8)
+        frame = torch.zeros(protocol.HOST_FRAME_BYTES, dtype=torch.uint8)
         frame[: protocol.HEADER_BYTES] = words.view(torch.uint8)
         with pipe._cond:  # keep our own sender thread quiet while we write on its behalf
             pipe._group.send([frame], 0, 0).wait()
@@ -402,6 +432,12 @@ def test_random_stress_both_directions_with_none():
 def test_concurrent_senders_keep_per_thread_order():
     port = procs.free_port()
     assert procs.run_pair(body_concurrent_senders, (0, port, 4, 100), (1, port, 4, 100), timeout=100)[1] == 400
+
+
+@pytest.mark.timeout(120)
+def test_tensors_around_the_inline_frame_size_stay_intact():
+    port = procs.free_port()
+    assert procs.run_pair(body_frame_boundaries, (0, port), (1, port), timeout=100) == (25, 25)
 
 
 @pytest.mark.timeout(240)

@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 _TAG_FRAME = 0
 _TAG_PAYLOAD = 1
+#: How long rank 0 keeps the rendezvous store up after refusing the peer, for the peer to refuse too.
+_REFUSAL_GRACE_SECONDS = 5.0
 
 
 class _Outgoing:
@@ -184,20 +186,40 @@ class TorchDistributedPipe(KVPipeBase):
         hello = Hello(frame_bytes=self._frame_bytes, max_in_flight=config.kv_buffer_size,
                       device=config.kv_buffer_device)
         try:
-            store.set(f"kvbridge/hello/{self.rank}", hello.pack())
-            peer_hello = Hello.unpack(store.get(f"kvbridge/hello/{self.peer_rank}"))
-            self._authenticate(store)
+            try:
+                store.set(f"kvbridge/hello/{self.rank}", hello.pack())
+                peer_hello = Hello.unpack(store.get(f"kvbridge/hello/{self.peer_rank}"))
+                self._authenticate(store)
+            except KVProtocolError:
+                raise
+            except Exception as exc:
+                raise KVPeerLostError(
+                    f"kvbridge pipe rank {self.rank}: rendezvous with the peer failed: {exc}"
+                ) from exc
+            if peer_hello.frame_bytes != self._frame_bytes or peer_hello.device != config.kv_buffer_device:
+                raise KVProtocolError(
+                    f"incompatible peer: it uses {peer_hello.device} with {peer_hello.frame_bytes}-byte frames, "
+                    f"this side {config.kv_buffer_device} with {self._frame_bytes}-byte frames"
+                )
         except KVProtocolError:
+            self._let_peer_refuse_too(store)
             raise
-        except Exception as exc:
-            raise KVPeerLostError(f"kvbridge pipe rank {self.rank}: rendezvous with the peer failed: {exc}") from exc
-        if peer_hello.frame_bytes != self._frame_bytes or peer_hello.device != config.kv_buffer_device:
-            raise KVProtocolError(
-                f"incompatible peer: it uses {peer_hello.device} with {peer_hello.frame_bytes}-byte frames, "
-                f"this side {config.kv_buffer_device} with {self._frame_bytes}-byte frames"
-            )
         store.set_timeout(datetime.timedelta(seconds=config.kv_timeout))
         return store, peer_hello
+
+    def _let_peer_refuse_too(self, store: dist.TCPStore) -> None:
+        """Before refusing, give the peer a bounded chance to read what makes it refuse too.
+
+        Rank 0 hosts the store: leaving at once would turn the peer's clear refusal (its reads of
+        this side's answers may still be on their way) into a lost connection.
+        """
+        try:
+            store.set(f"kvbridge/refused/{self.rank}", b"1")
+            if self.rank == 0:
+                bound = min(self.config.kv_connect_timeout, _REFUSAL_GRACE_SECONDS)
+                store.wait([f"kvbridge/refused/{self.peer_rank}"], datetime.timedelta(seconds=bound))
+        except Exception:  # the peer has gone or goes on; this side's refusal stands either way
+            logger.debug("pipe rank %d: the peer did not confirm its refusal", self.rank)
 
     def _listen_on_kv_ip(self) -> int:
         host = self.config.kv_ip

@@ -163,7 +163,7 @@ def body_frame_boundaries(rank: int, port: int) -> int:
         kept = [pipe.recv_tensor(timeout=30) for _ in theirs]
         sender.join(60)
         pipe.flush(timeout=30)
-        for index, (got, want) in enumerate(zip(kept, theirs)):
+        for index, (got, want) in enumerate(zip(kept, theirs, strict=True)):
             assert same_bits(got, want), f"item {index} ({want.nbytes} bytes) changed after it was received"
         large = [got for got in kept if got.nbytes >= half]
         assert len({got.untyped_storage().data_ptr() for got in large}) == len(large), "two tensors share memory"
@@ -392,6 +392,31 @@ def body_auth(rank: int, port: int, secrets: tuple) -> str:
     return "served"
 
 
+class _SlowReadingStore:
+    """A rendezvous store whose reads lag: this side reads the peer's answers late."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        time.sleep(0.5)
+        return self._store.get(key)
+
+
+def body_auth_slow_peer(rank: int, port: int) -> str:
+    """Rank 0 hosts the rendezvous store and may refuse first; a rank 1 that reads its answer late
+    must still get the authentication error, not a lost connection."""
+    if rank == 1:
+        authenticate = TorchDistributedPipe._authenticate
+        TorchDistributedPipe._authenticate = lambda self, store: authenticate(self, _SlowReadingStore(store))
+    with pytest.raises(KVProtocolError, match="authentication failed"):
+        TorchDistributedPipe(config(rank, port, kv_secret=None if rank == 0 else "s3cret"))
+    return "refused"
+
+
 def body_hostile_header(rank: int, port: int) -> str:
     """Rank 1 hand-crafts a frame announcing a 1 TiB tensor; rank 0 must refuse it, not allocate."""
     from kv_pipe import protocol
@@ -521,6 +546,12 @@ def test_protocol_version_mismatch_is_refused_clearly():
 def test_shared_secret_serves_friends_and_refuses_strangers(secrets, outcome):
     port = procs.free_port()
     assert procs.run_pair(body_auth, (0, port, secrets), (1, port, secrets), timeout=100) == (outcome, outcome)
+
+
+@pytest.mark.timeout(60)
+def test_refusal_reaches_a_peer_that_reads_late():
+    port = procs.free_port()
+    assert procs.run_pair(body_auth_slow_peer, (0, port), (1, port), timeout=50) == ("refused", "refused")
 
 
 def test_rendezvous_listens_only_on_kv_ip():

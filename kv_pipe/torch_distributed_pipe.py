@@ -63,8 +63,6 @@ logger = logging.getLogger(__name__)
 
 _TAG_FRAME = 0
 _TAG_PAYLOAD = 1
-#: How long rank 0 keeps the rendezvous store up after refusing the peer, for the peer to refuse too.
-_REFUSAL_GRACE_SECONDS = 5.0
 
 
 class _Outgoing:
@@ -186,40 +184,19 @@ class TorchDistributedPipe(KVPipeBase):
         hello = Hello(frame_bytes=self._frame_bytes, max_in_flight=config.kv_buffer_size,
                       device=config.kv_buffer_device)
         try:
-            try:
-                store.set(f"kvbridge/hello/{self.rank}", hello.pack())
-                peer_hello = Hello.unpack(store.get(f"kvbridge/hello/{self.peer_rank}"))
-                self._authenticate(store)
-            except KVProtocolError:
-                raise
-            except Exception as exc:
-                raise KVPeerLostError(
-                    f"kvbridge pipe rank {self.rank}: rendezvous with the peer failed: {exc}"
-                ) from exc
-            if peer_hello.frame_bytes != self._frame_bytes or peer_hello.device != config.kv_buffer_device:
-                raise KVProtocolError(
-                    f"incompatible peer: it uses {peer_hello.device} with {peer_hello.frame_bytes}-byte frames, "
-                    f"this side {config.kv_buffer_device} with {self._frame_bytes}-byte frames"
-                )
+            peer_hello = Hello.unpack(self._exchange(store, "hello", hello.pack()))
+            self._authenticate(store)
         except KVProtocolError:
-            self._let_peer_refuse_too(store)
             raise
+        except Exception as exc:
+            raise KVPeerLostError(f"kvbridge pipe rank {self.rank}: rendezvous with the peer failed: {exc}") from exc
+        if peer_hello.frame_bytes != self._frame_bytes or peer_hello.device != config.kv_buffer_device:
+            raise KVProtocolError(
+                f"incompatible peer: it uses {peer_hello.device} with {peer_hello.frame_bytes}-byte frames, "
+                f"this side {config.kv_buffer_device} with {self._frame_bytes}-byte frames"
+            )
         store.set_timeout(datetime.timedelta(seconds=config.kv_timeout))
         return store, peer_hello
-
-    def _let_peer_refuse_too(self, store: dist.TCPStore) -> None:
-        """Before refusing, give the peer a bounded chance to read what makes it refuse too.
-
-        Rank 0 hosts the store: leaving at once would turn the peer's clear refusal (its reads of
-        this side's answers may still be on their way) into a lost connection.
-        """
-        try:
-            store.set(f"kvbridge/refused/{self.rank}", b"1")
-            if self.rank == 0:
-                bound = min(self.config.kv_connect_timeout, _REFUSAL_GRACE_SECONDS)
-                store.wait([f"kvbridge/refused/{self.peer_rank}"], datetime.timedelta(seconds=bound))
-        except Exception:  # the peer has gone or goes on; this side's refusal stands either way
-            logger.debug("pipe rank %d: the peer did not confirm its refusal", self.rank)
 
     def _listen_on_kv_ip(self) -> int:
         host = self.config.kv_ip
@@ -230,11 +207,25 @@ class TorchDistributedPipe(KVPipeBase):
             raise KVTransferError(f"kvbridge pipe rank 0 cannot listen on {host}:{self.port}: {exc}") from exc
         return server.detach()  # the TCPStore owns the descriptor from here on
 
+    def _exchange(self, store: dist.Store, name: str, value: bytes) -> bytes:
+        """Publish this side's ``value`` under ``name`` and return the peer's.
+
+        Rank 1 reads before it writes. Rank 0 hosts the store and may refuse, and so take the store
+        down, as soon as it has read rank 1's value; by then rank 1 already holds what it needs to
+        refuse with the same clear error instead of a lost connection.
+        """
+        mine, theirs = f"kvbridge/{name}/{self.rank}", f"kvbridge/{name}/{self.peer_rank}"
+        if self.rank == 0:
+            store.set(mine, value)
+            return store.get(theirs)
+        peer_value = store.get(theirs)
+        store.set(mine, value)
+        return peer_value
+
     def _authenticate(self, store: dist.Store) -> None:
         """Challenge-response on ``kv_secret`` before any tensor moves; both sides must agree."""
         secret = self.config.kv_secret
-        store.set(f"kvbridge/auth/{self.rank}", b"required" if secret else b"none")
-        peer_mode = store.get(f"kvbridge/auth/{self.peer_rank}")
+        peer_mode = self._exchange(store, "auth", b"required" if secret else b"none")
         if not secret:
             if peer_mode != b"none":
                 raise KVProtocolError("authentication failed: the peer requires kv_secret and this side has none")
@@ -243,10 +234,8 @@ class TorchDistributedPipe(KVPipeBase):
             raise KVProtocolError("authentication failed: this side requires kv_secret and the peer has none")
         key = auth.derive_key(secret, "pipe-rendezvous")
         nonce = auth.new_nonce()
-        store.set(f"kvbridge/nonce/{self.rank}", nonce)
-        peer_nonce = store.get(f"kvbridge/nonce/{self.peer_rank}")
-        store.set(f"kvbridge/proof/{self.rank}", auth.sign(key, bytes([self.rank]), nonce, peer_nonce))
-        peer_proof = store.get(f"kvbridge/proof/{self.peer_rank}")
+        peer_nonce = self._exchange(store, "nonce", nonce)
+        peer_proof = self._exchange(store, "proof", auth.sign(key, bytes([self.rank]), nonce, peer_nonce))
         if not auth.verify(key, peer_proof, bytes([self.peer_rank]), peer_nonce, nonce):
             raise KVProtocolError(
                 "authentication failed: the peer does not hold this side's kv_secret (wrong secret or a stranger)"

@@ -44,7 +44,7 @@ class KVPipeBase(abc.ABC):
 
         A tensor small enough for one message may go out from the calling thread when nothing is
         queued before it: that wait is bounded by the wire, never by the peer's user, since the
-        peer always has a receive posted.
+        peer's pipe takes frames in whether or not its user is receiving (within a millisecond).
 
         Ownership: the pipe keeps a reference to ``tensor`` (a contiguous tensor is not copied)
         until it has been sent; the caller must not modify it in place before :meth:`flush`
@@ -64,7 +64,9 @@ class KVPipeBase(abc.ABC):
 
         Blocks until one has arrived, at most ``timeout`` seconds (``None``: as long as the peer is
         alive; an idle, live peer is not an error). The returned tensor belongs to the caller.
-        Thread-safe; each item goes to exactly one caller.
+        Thread-safe; each item goes to exactly one caller. A call that may wait longer than the
+        keepalive bound (``timeout`` None, or at least half the shorter ``kv_timeout`` of the two
+        sides) may receive in the calling thread, which saves a thread hand-off per message.
 
         Raises:
             KVTimeoutError: nothing arrived within ``timeout``; the pipe remains usable.

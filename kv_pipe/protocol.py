@@ -25,7 +25,7 @@ import torch
 from kv_pipe.errors import KVProtocolError, KVTransferError
 
 MAGIC = 0x4B5642524447  # "KVBRDG"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HEADER_WORDS = 64
 HEADER_BYTES = HEADER_WORDS * 8
 HOST_FRAME_BYTES = HEADER_BYTES + (1 << 20)
@@ -178,7 +178,8 @@ def chunk_bounds(nbytes: int) -> list[tuple[int, int]]:
 
 # The rendezvous greeting, exchanged through the TCPStore before the process group exists, so that
 # incompatible peers are told why instead of failing inside gloo.
-_HELLO = struct.Struct("<qqqqq")
+_HELLO_PREFIX = struct.Struct("<qq")  # magic, version: read first, so any version is told apart
+_HELLO = struct.Struct("<qqqqqq")
 DEVICE_CODES = {"cpu": 0, "cuda": 1}
 
 
@@ -187,16 +188,18 @@ class Hello:
     frame_bytes: int
     max_in_flight: int
     device: str
+    #: The sender's kv_timeout: both sides send keepalives often enough for the shorter one.
+    timeout_ms: int
 
     def pack(self) -> bytes:
         return _HELLO.pack(MAGIC, PROTOCOL_VERSION, self.frame_bytes, self.max_in_flight,
-                           DEVICE_CODES[self.device])
+                           DEVICE_CODES[self.device], self.timeout_ms)
 
     @classmethod
     def unpack(cls, data: bytes) -> Hello:
-        if len(data) != _HELLO.size:
+        if len(data) < _HELLO_PREFIX.size:
             raise KVProtocolError(f"peer's rendezvous greeting has {len(data)} bytes, expected {_HELLO.size}")
-        magic, version, frame_bytes, max_in_flight, device_code = _HELLO.unpack(data)
+        magic, version = _HELLO_PREFIX.unpack_from(data)
         if magic != MAGIC:
             raise KVProtocolError("the process at the rendezvous address is not a kvbridge pipe")
         if version != PROTOCOL_VERSION:
@@ -204,7 +207,11 @@ class Hello:
                 f"peer speaks kvbridge pipe protocol version {version}, this side speaks "
                 f"{PROTOCOL_VERSION}: install the same kvbridge version on both sides"
             )
+        if len(data) != _HELLO.size:
+            raise KVProtocolError(f"peer's rendezvous greeting has {len(data)} bytes, expected {_HELLO.size}")
+        _, _, frame_bytes, max_in_flight, device_code, timeout_ms = _HELLO.unpack(data)
         devices = {code: name for name, code in DEVICE_CODES.items()}
-        if device_code not in devices or frame_bytes <= HEADER_BYTES or max_in_flight <= 0:
+        if device_code not in devices or frame_bytes <= HEADER_BYTES or max_in_flight <= 0 or timeout_ms <= 0:
             raise KVProtocolError(f"peer's rendezvous greeting is malformed: {_HELLO.unpack(data)}")
-        return cls(frame_bytes=frame_bytes, max_in_flight=max_in_flight, device=devices[device_code])
+        return cls(frame_bytes=frame_bytes, max_in_flight=max_in_flight, device=devices[device_code],
+                   timeout_ms=timeout_ms)

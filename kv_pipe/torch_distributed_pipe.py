@@ -11,10 +11,16 @@ Design (the measured facts behind it are in shared/notes/transport-facts.md):
   in time, an idle pipe stays healthy forever, and a dead or unreachable peer makes the receive
   fail within ``kv_timeout``. Caller-facing timeouts (``recv_tensor(timeout=...)``) wait on queues
   above gloo and leave the pipe usable.
-* A receiver thread always has a receive posted and never stalls, so a sender is never stuck in
-  gloo waiting for it. Memory is bounded by credit instead: every frame carries how many bytes its
-  sender's user has consumed, and ``send_tensor`` blocks while the bytes in flight (queued, on the
-  wire, or received but not yet taken) would exceed the budget both sides agreed on.
+* Exactly one thread at a time receives frames: a caller blocked in ``recv_tensor`` receives
+  them itself (a hand-off from another thread costs more than a small message's whole trip), and
+  the receiver thread takes over once no caller has come back for ``_CALLER_GRACE``, so frames,
+  credit, keepalives and the peer's close keep being taken in while the user is away: a sender
+  waits in gloo for the other side's receive at most that long, never for its user. A caller
+  whose timeout is shorter than the keepalive bound leaves receiving to the receiver thread, since
+  a wait in gloo cannot be cut short. Memory is bounded by credit:
+  every frame carries how many bytes its sender's user has consumed, and ``send_tensor`` blocks
+  while the bytes in flight (queued, on the wire, or received but not yet taken) would exceed the
+  budget both sides agreed on.
 * Headers are validated before any payload receive is posted: gloo aborts the process if a
   message is larger than the receive buffer.
 * On gloo, tensors up to 1 MiB ride inside their frame (see kv_pipe.protocol): one message, no
@@ -27,6 +33,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import math
 import socket
 import threading
 import time
@@ -63,6 +70,10 @@ logger = logging.getLogger(__name__)
 
 _TAG_FRAME = 0
 _TAG_PAYLOAD = 1
+#: How long the receiver thread leaves the posted receive to a caller that has just returned from
+#: recv_tensor: long enough for a ping-pong's turn around, short enough that a producer running
+#: ahead of a busy consumer stalls only briefly.
+_CALLER_GRACE = 0.001
 
 
 class _Outgoing:
@@ -105,9 +116,12 @@ class TorchDistributedPipe(KVPipeBase):
         self._inline_capacity = self._frame_bytes - HEADER_BYTES
         # Gloo accepts a message shorter than the posted receive; NCCL needs the sizes to match.
         self._send_whole_frames = self.device.type != "cpu"
-        self._keepalive_interval = config.kv_timeout / 4
-
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # The transfer threads wait apart from the callers: a wake-up costs more than a small
+        # message's trip, so each message wakes only the thread that has work from it.
+        self._sender_wakeup = threading.Condition(lock)
+        self._receiver_wakeup = threading.Condition(lock)
         self._error: KVTransferError | None = None  # first fatal error; the pipe is dead after it
         self._error_raised = False
         self._closing = False  # close() was called
@@ -130,10 +144,18 @@ class TorchDistributedPipe(KVPipeBase):
         self._reported_consumed = 0  # the last value announced to the peer
         self._peer_wants_credit = False
         self._next_recv_seq = 0
+        self._receiving = False  # a thread (the receiver or a caller) owns the posted frame receive
+        self._caller_released_at = -math.inf  # when a caller last gave the posted receive back
+        self._callers_waiting = 0  # callers in recv_tensor waiting for another thread to receive
+        self._callers_unable = 0  # those of them whose timeout is too short to wait in gloo
+        self._receiver_parked = False  # the receiver thread waits for a caller to give the receive back
         self._wire_busy = False  # a thread is transmitting: frames must not interleave
 
         self._store, peer_hello = self._rendezvous()
         self._max_in_flight = min(config.kv_buffer_size, peer_hello.max_in_flight)
+        # A posted receive fails after the receiving side's kv_timeout: keepalives go often enough
+        # for the shorter of the two.
+        self._keepalive_interval = min(config.kv_timeout, peer_hello.timeout_ms / 1000) / 4
         self._group = self._create_group()
         self._host_memory = HostMemoryPool(max_idle_bytes=config.kv_buffer_size)
         self._send_frame = torch.zeros(self._frame_bytes, dtype=torch.uint8, device=self.device)
@@ -182,7 +204,7 @@ class TorchDistributedPipe(KVPipeBase):
                 f"pair; the other side must close its old pipe and create a new one before this side reconnects"
             )
         hello = Hello(frame_bytes=self._frame_bytes, max_in_flight=config.kv_buffer_size,
-                      device=config.kv_buffer_device)
+                      device=config.kv_buffer_device, timeout_ms=max(1, round(config.kv_timeout * 1000)))
         try:
             peer_hello = Hello.unpack(self._exchange(store, "hello", hello.pack()))
             self._authenticate(store)
@@ -287,7 +309,7 @@ class TorchDistributedPipe(KVPipeBase):
                 if self._credit_asked_at != self._peer_consumed:
                     self._credit_asked_at = self._peer_consumed
                     self._want_credit = True
-                    self._cond.notify_all()  # the sender thread tells the peer we are waiting
+                    self._sender_wakeup.notify()  # the sender thread tells the peer we are waiting
                 if not self._wait(deadline):
                     raise KVTimeoutError(
                         f"send_tensor: the in-flight budget of {self._max_in_flight} bytes stayed full "
@@ -296,13 +318,13 @@ class TorchDistributedPipe(KVPipeBase):
             self._queued_cost += message.cost
             self._queued_messages += 1
             # Messages that fit one frame go out from the caller's thread when the wire is free: a
-            # hand-off to the sender thread costs more than the send itself (the receiver always
-            # has a frame receive posted, so this waits for the wire only, never for the peer's user).
+            # hand-off to the sender thread costs more than the send itself (the peer's pipe takes
+            # frames in whether or not its user receives, so this waits for the wire, not the user).
             direct = (not self._send_queue and not self._wire_busy
                       and message.cost <= message_cost(self._inline_capacity))
             if not direct:
                 self._send_queue.append(message)
-                self._cond.notify_all()
+                self._sender_wakeup.notify()
                 return
             header = self._claim_wire(message)
         self._transmit_claimed(header, message)
@@ -311,20 +333,42 @@ class TorchDistributedPipe(KVPipeBase):
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not self._recv_queue:
-                self._raise_if_failed()
-                if self._peer_finished:
-                    raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
-                if self._closing:
-                    raise KVPipeClosedError("recv_tensor on a closed pipe")
-                if not self._wait(deadline):
-                    raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
-            tensor, cost = self._recv_queue.popleft()
-            self._consumed += cost
-            if self._credit_due():
-                self._cond.notify_all()
-            return tensor
+        while True:
+            with self._cond:
+                while not self._recv_queue:
+                    self._raise_if_failed()
+                    if self._peer_finished:
+                        raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
+                    if self._closing:
+                        raise KVPipeClosedError("recv_tensor on a closed pipe")
+                    if not self._receiving and self._may_wait_in_gloo(deadline):
+                        self._receiving = True
+                        break
+                    # A caller that cannot wait in gloo needs the receiver thread at once, no grace.
+                    unable = not self._may_wait_in_gloo(deadline)
+                    if unable and not self._receiving:
+                        self._receiver_wakeup.notify()
+                    self._callers_waiting += 1
+                    self._callers_unable += unable
+                    try:
+                        if not self._wait(deadline):
+                            raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
+                    finally:
+                        self._callers_waiting -= 1
+                        self._callers_unable -= unable
+                else:
+                    tensor, cost = self._recv_queue.popleft()
+                    self._consumed += cost
+                    if self._credit_due():
+                        self._sender_wakeup.notify()
+                    return tensor
+            # The frame goes to the queue like any other, so FIFO order holds across callers.
+            self._receive_frame(by_caller=True)
+
+    def _may_wait_in_gloo(self, deadline: float | None) -> bool:
+        """Whether a caller with ``deadline`` may block in gloo for the next frame: a live peer sends
+        one at least every keepalive interval, and a wait in gloo cannot be cut short."""
+        return deadline is None or deadline - time.monotonic() >= 2 * self._keepalive_interval
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -342,6 +386,7 @@ class TorchDistributedPipe(KVPipeBase):
             if self._error is None and not self._final_frame_queued:
                 self._queue_final_frame(FrameKind.CLOSE)
             self._cond.notify_all()
+            self._sender_wakeup.notify()
         # Both threads end once the peer has answered CLOSE; a dead peer ends them with an error
         # within kv_timeout (the keepalive bound), so these joins are bounded.
         bound = self.config.kv_timeout * 2
@@ -393,6 +438,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._final_frame_queued = True
         self._queued_messages += 1
         self._send_queue.append(_Outgoing(kind))
+        self._sender_wakeup.notify()
 
     def _fail(self, error: KVTransferError) -> None:
         with self._cond:
@@ -400,6 +446,8 @@ class TorchDistributedPipe(KVPipeBase):
                 self._error = error
                 logger.error("%s", error)
             self._cond.notify_all()
+            self._sender_wakeup.notify()
+            self._receiver_wakeup.notify()
 
     def _peer_lost(self, action: str, cause: Exception) -> KVPeerLostError:
         return KVPeerLostError(
@@ -427,9 +475,9 @@ class TorchDistributedPipe(KVPipeBase):
                         if self._credit_due() or self._want_credit or idle_for >= self._keepalive_interval:
                             message = _Outgoing(FrameKind.KEEPALIVE)
                             break
-                        self._cond.wait(self._keepalive_interval - idle_for)
+                        self._sender_wakeup.wait(self._keepalive_interval - idle_for)
                     else:
-                        self._cond.wait()
+                        self._sender_wakeup.wait()
                 header = self._claim_wire(message)
             if not self._transmit_claimed(header, message):
                 return
@@ -464,7 +512,9 @@ class TorchDistributedPipe(KVPipeBase):
                 if message.kind is not FrameKind.KEEPALIVE:
                     self._sent_messages += 1
                 message.data = None  # release the caller's tensor as soon as it is on the wire
-                self._cond.notify_all()
+                self._cond.notify_all()  # flush() waits for this
+                if self._send_queue:  # queued behind a caller's direct send
+                    self._sender_wakeup.notify()
         return True
 
     def _transmit(self, header: FrameHeader, data: torch.Tensor | None) -> None:
@@ -499,38 +549,75 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _recv_loop(self) -> None:
         while True:
-            try:
-                self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
-                header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight,
-                                       inline_capacity=self._inline_capacity)
-                if not self._peer_consumed <= header.consumed <= self._queued_cost:  # only this thread writes it
-                    raise KVProtocolError(
-                        f"peer claims to have consumed {header.consumed} bytes; it had consumed {self._peer_consumed} "
-                        f"and was sent at most {self._queued_cost}"
-                    )
-                item = self._receive_item(header)
-            except KVProtocolError as exc:
-                self._fail(exc)
-                return
-            except Exception as exc:
-                self._fail(self._peer_lost("receiving", exc))
-                return
             with self._cond:
-                self._peer_consumed = header.consumed
-                self._peer_wants_credit = self._peer_wants_credit or header.want_credit
-                if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
-                    self._recv_queue.append((item, message_cost(header.nbytes)))
-                    # Held here until the next frame, it would keep the caller's buffer from the pool.
-                    item = None
-                elif header.kind is FrameKind.CLOSE:
-                    self._peer_finished = True
-                    if not self._final_frame_queued and self._error is None:
-                        self._queue_final_frame(FrameKind.CLOSE_ACK)
-                elif header.kind is FrameKind.CLOSE_ACK:
-                    self._peer_finished = True
-                self._cond.notify_all()
-                if self._peer_finished:
-                    return
+                while True:
+                    if self._error is not None or self._peer_finished:
+                        return
+                    if self._receiving:  # a caller waits on the frame; it wakes us when it leaves
+                        self._receiver_parked = True
+                        self._receiver_wakeup.wait()
+                        self._receiver_parked = False
+                        continue
+                    grace_left = self._caller_released_at + _CALLER_GRACE - time.monotonic()
+                    if grace_left <= 0 or self._callers_unable:
+                        break
+                    self._receiver_wakeup.wait(grace_left)
+                self._receiving = True
+            if not self._receive_frame(by_caller=False):
+                return
+
+    def _receive_frame(self, by_caller: bool) -> bool:
+        """Post a frame receive, wait for the frame and queue what it carries.
+
+        Only the thread that set ``_receiving`` calls this, without holding ``_cond``; it gives the
+        receive back. False once nothing more will be received (the peer finished, or a failure).
+        Posting just before waiting, not right after the previous frame, keeps the post off a
+        caller's path from a frame to its tensor; a peer that sends before the post waits for it
+        inside gloo, a wait bounded by this side's caller coming back or by ``_CALLER_GRACE``.
+        """
+        try:
+            self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
+            header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight,
+                                   inline_capacity=self._inline_capacity)
+            if not self._peer_consumed <= header.consumed <= self._queued_cost:  # only the receiving thread writes it
+                raise KVProtocolError(
+                    f"peer claims to have consumed {header.consumed} bytes; it had consumed {self._peer_consumed} "
+                    f"and was sent at most {self._queued_cost}"
+                )
+            item = self._receive_item(header)
+            finished = header.kind in (FrameKind.CLOSE, FrameKind.CLOSE_ACK)
+        except KVProtocolError as exc:
+            self._fail(exc)
+            return False
+        except Exception as exc:
+            self._fail(self._peer_lost("receiving", exc))
+            return False
+        except BaseException as exc:  # e.g. KeyboardInterrupt in a caller: the frame is half taken
+            self._fail(KVTransferError(f"pipe rank {self.rank}: receive interrupted mid-frame: {exc!r}"))
+            raise
+        with self._cond:
+            self._receiving = False
+            self._peer_consumed = header.consumed
+            self._peer_wants_credit = self._peer_wants_credit or header.want_credit
+            if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
+                self._recv_queue.append((item, message_cost(header.nbytes)))
+                # Held here, it would keep the caller's buffer from the pool until the next frame.
+                item = None
+            elif header.kind is FrameKind.CLOSE:
+                self._peer_finished = True
+                if not self._final_frame_queued and self._error is None:
+                    self._queue_final_frame(FrameKind.CLOSE_ACK)
+            elif header.kind is FrameKind.CLOSE_ACK:
+                self._peer_finished = True
+            self._cond.notify_all()
+            if self._credit_due():  # the peer asked for credit
+                self._sender_wakeup.notify()
+            if by_caller or (self._callers_waiting and header.kind in (FrameKind.TENSOR, FrameKind.NONE)):
+                # A caller has (or is about to get) an item and will likely be back for the next.
+                self._caller_released_at = time.monotonic()
+                if self._receiver_parked:  # else it is counting down the grace already
+                    self._receiver_wakeup.notify()
+            return not finished
 
     def _receive_item(self, header: FrameHeader) -> torch.Tensor | None:
         if header.kind in (FrameKind.TENSOR, FrameKind.NONE):

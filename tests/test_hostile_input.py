@@ -692,7 +692,8 @@ def _stranger_handshake(port: int, mode: bytes, forge: str) -> None:
     """Play rank 1 at the rendezvous without the secret, speaking the pipe's own rendezvous protocol."""
     store = torch.distributed.TCPStore("127.0.0.1", port, world_size=2, is_master=False,
                                        timeout=datetime.timedelta(seconds=BOUND))
-    hello = pipe_protocol.Hello(frame_bytes=pipe_protocol.HOST_FRAME_BYTES, max_in_flight=1 << 30, device="cpu")
+    hello = pipe_protocol.Hello(frame_bytes=pipe_protocol.HOST_FRAME_BYTES, max_in_flight=1 << 30, device="cpu",
+                                timeout_ms=3000)
     store.set("kvbridge/hello/1", hello.pack())
     store.set("kvbridge/auth/1", mode)
     if mode == b"required":

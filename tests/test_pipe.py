@@ -192,6 +192,43 @@ def body_timeouts_and_idle(rank: int, port: int) -> str:
         return "ok"
 
 
+def body_mismatched_timeouts(rank: int, port: int) -> str:
+    """Sides with different kv_timeout: the idle pipe outlives the shorter one several times over
+    (keepalives follow the shorter timeout; following one's own would let the peer's receive fail)."""
+    with TorchDistributedPipe(config(rank, port, kv_timeout=12.0 if rank == 0 else 1.0)) as pipe:
+        time.sleep(4.5)
+        pipe.send_tensor(torch.tensor(rank))
+        assert pipe.recv_tensor(timeout=30).item() == 1 - rank
+        pipe.send_tensor(None)
+        assert pipe.recv_tensor(timeout=30) is None  # both sides are done before either closes
+    return "ok"
+
+
+def body_run_ahead(rank: int, port: int, count: int) -> str:
+    """While the receiving user is away (after it received in its own thread), the pipe keeps
+    taking frames in: the sender hands all of them to the wire long before the user is back."""
+    generator = torch.Generator().manual_seed(11)
+    items = [random_tensor(generator, torch.int32, (17 + index,)) for index in range(count)]
+    with TorchDistributedPipe(config(rank, port, kv_timeout=4.0)) as pipe:
+        if rank == 0:
+            pipe.send_tensor(torch.tensor(-1))
+            assert pipe.recv_tensor(timeout=30).item() == -1  # the peer received in its own thread
+            for item in items:
+                pipe.send_tensor(item, timeout=30)
+            pipe.flush(timeout=3.0)  # the peer's user sleeps 6 s: its pipe, not its user, took these
+            pipe.send_tensor(None)
+            assert pipe.recv_tensor(timeout=30) is None
+            return "sent"
+        assert pipe.recv_tensor().item() == -1  # no timeout: this thread receives the frame itself
+        pipe.send_tensor(torch.tensor(-1))
+        time.sleep(6.0)
+        for index, item in enumerate(items):
+            assert same_bits(pipe.recv_tensor(timeout=30), item), f"item {index}"
+        assert pipe.recv_tensor(timeout=30) is None
+        pipe.send_tensor(None)
+        return "received"
+
+
 def body_mixed_receivers(rank: int, port: int, count: int) -> str:
     """A caller receiving in its own thread (no timeout) beside callers with short timeouts: the
     short ones still time out on time, every item reaches exactly one caller, and closing the pipe
@@ -481,6 +518,18 @@ def test_recv_timeout_then_continue_and_long_idle():
 def test_caller_receiving_beside_short_timeouts():
     port = procs.free_port()
     assert procs.run_pair(body_mixed_receivers, (0, port, 120), (1, port, 120), timeout=100) == ("sent", "received")
+
+
+@pytest.mark.timeout(120)
+def test_sides_with_different_kv_timeouts_stay_connected_while_idle():
+    port = procs.free_port()
+    assert procs.run_pair(body_mismatched_timeouts, (0, port), (1, port), timeout=100) == ("ok", "ok")
+
+
+@pytest.mark.timeout(120)
+def test_sender_runs_ahead_while_the_receiving_user_is_away():
+    port = procs.free_port()
+    assert procs.run_pair(body_run_ahead, (0, port, 200), (1, port, 200), timeout=100) == ("sent", "received")
 
 
 @pytest.mark.timeout(120)

@@ -159,7 +159,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._group = self._create_group()
         self._host_memory = HostMemoryPool(max_idle_bytes=config.kv_buffer_size)
         self._send_frame = torch.zeros(self._frame_bytes, dtype=torch.uint8, device=self.device)
-        self._recv_frame = torch.zeros(self._frame_bytes, dtype=torch.uint8, device=self.device)
+        self._recv_frame: torch.Tensor | None = torch.zeros(self._frame_bytes, dtype=torch.uint8, device=self.device)
         # Headers are written and read through numpy views of host memory: far cheaper per message
         # than building tensors. On CUDA the header is staged in host memory and copied.
         self._send_header = self._host_view(self._send_frame)
@@ -576,6 +576,9 @@ class TorchDistributedPipe(KVPipeBase):
         inside gloo, a wait bounded by this side's caller coming back or by ``_CALLER_GRACE``.
         """
         try:
+            if self._recv_frame is None:  # the last one went to a caller
+                self._recv_frame = self._allocate(self._frame_bytes)
+                self._recv_header = self._host_view(self._recv_frame)
             self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
             header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight,
                                    inline_capacity=self._inline_capacity)
@@ -633,10 +636,10 @@ class TorchDistributedPipe(KVPipeBase):
             if self.device.type != "cpu" or header.nbytes < self._inline_capacity // 2:
                 return data.clone().view(header.dtype).reshape(header.shape)
             # A large inline tensor is handed over in its host frame (no copy); the next frame is
-            # received into another pooled buffer. Below half a frame a copy is cheaper than the
-            # memory the caller's tensor would pin.
-            self._recv_frame = self._allocate(self._frame_bytes)
-            self._recv_header = self._host_view(self._recv_frame)
+            # received into another pooled buffer, taken when that receive is posted, off the path
+            # to this tensor's caller. Below half a frame a copy is cheaper than the memory the
+            # caller's tensor would pin.
+            self._recv_frame = None
         else:
             data = self._allocate(header.nbytes)
             for start, end in chunk_bounds(header.nbytes):

@@ -17,10 +17,9 @@ Design (the measured facts behind it are in shared/notes/transport-facts.md):
   credit, keepalives and the peer's close keep being taken in while the user is away: a sender
   waits in gloo for the other side's receive at most that long, never for its user. A caller
   whose timeout is shorter than the keepalive bound leaves receiving to the receiver thread, since
-  a wait in gloo cannot be cut short. Memory is bounded by credit:
-  every frame carries how many bytes its sender's user has consumed, and ``send_tensor`` blocks
-  while the bytes in flight (queued, on the wire, or received but not yet taken) would exceed the
-  budget both sides agreed on.
+  a wait in gloo cannot be cut short. Memory is bounded by credit: every frame carries how many
+  bytes its sender's user has consumed, and ``send_tensor`` blocks while the bytes in flight
+  (queued, on the wire, or received but not yet taken) would exceed the budget both sides agreed on.
 * Headers are validated before any payload receive is posted: gloo aborts the process if a
   message is larger than the receive buffer.
 * On gloo, tensors up to 1 MiB ride inside their frame (see kv_pipe.protocol): one message, no
@@ -70,7 +69,7 @@ logger = logging.getLogger(__name__)
 
 _TAG_FRAME = 0
 _TAG_PAYLOAD = 1
-#: How long the receiver thread leaves the posted receive to a caller that has just returned from
+#: How long the receiver thread leaves receiving to a caller that has just returned from
 #: recv_tensor: long enough for a ping-pong's turn around, short enough that a producer running
 #: ahead of a busy consumer stalls only briefly.
 _CALLER_GRACE = 0.001
@@ -144,11 +143,11 @@ class TorchDistributedPipe(KVPipeBase):
         self._reported_consumed = 0  # the last value announced to the peer
         self._peer_wants_credit = False
         self._next_recv_seq = 0
-        self._receiving = False  # a thread (the receiver or a caller) owns the posted frame receive
-        self._caller_released_at = -math.inf  # when a caller last gave the posted receive back
+        self._receiving = False  # a thread (the receiver or a caller) is receiving frames
+        self._caller_released_at = -math.inf  # when a caller last stopped receiving
         self._callers_waiting = 0  # callers in recv_tensor waiting for another thread to receive
         self._callers_unable = 0  # those of them whose timeout is too short to wait in gloo
-        self._receiver_parked = False  # the receiver thread waits for a caller to give the receive back
+        self._receiver_parked = False  # the receiver thread waits for a receiving caller to stop
         self._wire_busy = False  # a thread is transmitting: frames must not interleave
 
         self._store, peer_hello = self._rendezvous()
@@ -341,13 +340,12 @@ class TorchDistributedPipe(KVPipeBase):
                         raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
                     if self._closing:
                         raise KVPipeClosedError("recv_tensor on a closed pipe")
-                    if not self._receiving and self._may_wait_in_gloo(deadline):
-                        self._receiving = True
-                        break
-                    # A caller that cannot wait in gloo needs the receiver thread at once, no grace.
                     unable = not self._may_wait_in_gloo(deadline)
-                    if unable and not self._receiving:
-                        self._receiver_wakeup.notify()
+                    if not self._receiving:
+                        if not unable:
+                            self._receiving = True
+                            break
+                        self._receiver_wakeup.notify()  # it needs the receiver thread now, not after the grace
                     self._callers_waiting += 1
                     self._callers_unable += unable
                     try:

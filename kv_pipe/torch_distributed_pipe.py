@@ -567,8 +567,8 @@ class TorchDistributedPipe(KVPipeBase):
     def _receive_frame(self, by_caller: bool) -> bool:
         """Post a frame receive, wait for the frame and queue what it carries.
 
-        Only the thread that set ``_receiving`` calls this, without holding ``_cond``; it gives the
-        receive back. False once nothing more will be received (the peer finished, or a failure).
+        Only the thread that set ``_receiving`` calls this, without holding ``_cond``; it clears
+        ``_receiving`` when done. False once nothing more will be received (the peer finished, or a failure).
         Posting just before waiting, not right after the previous frame, keeps the post off a
         caller's path from a frame to its tensor; a peer that sends before the post waits for it
         inside gloo, a wait bounded by this side's caller coming back or by ``_CALLER_GRACE``.
@@ -586,7 +586,6 @@ class TorchDistributedPipe(KVPipeBase):
                     f"and was sent at most {self._queued_cost}"
                 )
             item = self._receive_item(header)
-            finished = header.kind in (FrameKind.CLOSE, FrameKind.CLOSE_ACK)
         except KVProtocolError as exc:
             self._fail(exc)
             return False
@@ -600,10 +599,9 @@ class TorchDistributedPipe(KVPipeBase):
             self._receiving = False
             self._peer_consumed = header.consumed
             self._peer_wants_credit = self._peer_wants_credit or header.want_credit
-            if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
+            carries_item = header.kind in (FrameKind.TENSOR, FrameKind.NONE)
+            if carries_item:
                 self._recv_queue.append((item, message_cost(header.nbytes)))
-                # Held here, it would keep the caller's buffer from the pool until the next frame.
-                item = None
             elif header.kind is FrameKind.CLOSE:
                 self._peer_finished = True
                 if not self._final_frame_queued and self._error is None:
@@ -613,12 +611,12 @@ class TorchDistributedPipe(KVPipeBase):
             self._cond.notify_all()
             if self._credit_due():  # the peer asked for credit
                 self._sender_wakeup.notify()
-            if by_caller or (self._callers_waiting and header.kind in (FrameKind.TENSOR, FrameKind.NONE)):
+            if by_caller or (self._callers_waiting and carries_item):
                 # A caller has (or is about to get) an item and will likely be back for the next.
                 self._caller_released_at = time.monotonic()
                 if self._receiver_parked:  # else it is counting down the grace already
                     self._receiver_wakeup.notify()
-            return not finished
+            return not self._peer_finished
 
     def _receive_item(self, header: FrameHeader) -> torch.Tensor | None:
         if header.kind in (FrameKind.TENSOR, FrameKind.NONE):

@@ -1,8 +1,10 @@
 """The consumer side of the lookup buffer: selects over ZeroMQ, entries routed off the data pipe.
 
-Each calling thread has its own DEALER socket (zmq sockets are not thread-safe). One reader thread
-takes everything from the data pipe: a hit header naming a request id, then that hit's tensors,
-which it hands to the waiting call of that id; so concurrent selects never get each other's tensors.
+Each calling thread has its own DEALER socket (zmq sockets are not thread-safe) and its own doorbell.
+One reader thread takes everything from the data pipe: a hit header naming a request id, then that
+hit's tensors, which it hands to the waiting call of that id and rings that call's doorbell; so
+concurrent selects never get each other's tensors. A call waits in one poll for the first of: its
+hit, a reply (miss or error), or the buffer stopping.
 Request ids are random 63-bit numbers: a stray or hostile select cannot guess a live one.
 """
 
@@ -38,15 +40,34 @@ logger = logging.getLogger(__name__)
 
 
 class _Call:
-    """One drop_select in flight: the reader thread fills ``items`` and sets ``arrived``."""
+    """One drop_select in flight: the reader thread sets ``announced`` when the hit's header
+    arrives, then fills ``items``, sets ``arrived`` and rings ``doorbell``."""
 
-    __slots__ = ("request_id", "arrived", "items", "match_key")
+    __slots__ = ("request_id", "doorbell", "announced", "arrived", "items", "match_key", "waited")
 
-    def __init__(self, request_id: int) -> None:
+    def __init__(self, request_id: int, doorbell: Doorbell) -> None:
         self.request_id = request_id
+        self.doorbell = doorbell  # the calling thread's
+        self.announced = False
         self.arrived = threading.Event()
         self.items: tuple[torch.Tensor | None, ...] | None = None
         self.match_key: MatchKey | None = None
+        self.waited = False
+
+
+class _ThreadChannel:
+    """A calling thread's control socket, its doorbell, and a poller on both and on ``stopped``."""
+
+    def __init__(self, sock: zmq.Socket, stopped: Doorbell) -> None:
+        self.sock = sock
+        self.doorbell = Doorbell()
+        self.poller = zmq.Poller()
+        for watched in (sock, self.doorbell.fileno(), stopped.fileno()):
+            self.poller.register(watched, zmq.POLLIN)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.doorbell.close()
 
 
 class BufferConsumer:
@@ -59,7 +80,7 @@ class BufferConsumer:
         self._context = zmq.Context(io_threads=1)
         self._local = threading.local()
         self._signer = ControlSigner(config.kv_secret)
-        self._sockets: list[zmq.Socket] = []
+        self._channels: list[_ThreadChannel] = []
         self._lock = threading.Lock()  # guards everything below
         self._idle = threading.Condition(self._lock)
         self._calls: dict[int, _Call] = {}
@@ -80,17 +101,20 @@ class BufferConsumer:
         tokens, roi_array = token_arrays(input_tokens, roi)
         query = MatchKey(tokens, roi_array)
         wait_ms = math.ceil(wait * 1000)
-        call = self._open_call()
+        channel = self._thread_channel()
+        call = self._open_call(channel.doorbell)
         try:
-            sock, poller = self._thread_socket()
+            request = encode_request(self._signer, call.request_id, tokens, roi_array, wait_ms)
             try:
-                sock.send(encode_request(self._signer, call.request_id, tokens, roi_array, wait_ms), zmq.NOBLOCK)
+                channel.sock.send(request, zmq.NOBLOCK)
             except zmq.Again:
                 raise KVPeerLostError(
                     f"lookup buffer: {HIGH_WATER_MARK} selects queued unsent to {self._address}; "
                     f"the producer is unreachable"
                 ) from None
-            reply = self._await_reply(sock, poller, call.request_id, wait_ms / 1000 + self._config.kv_timeout)
+            reply = self._await_outcome(channel, call, wait_ms / 1000 + self._config.kv_timeout)
+            if reply is None:
+                return self._take_hit(call, query)
             if reply.status == "miss":
                 with self._lock:
                     self._misses += 1
@@ -98,18 +122,19 @@ class BufferConsumer:
                 return [None] * len(ITEM_NAMES)
             if reply.status == "closed":
                 raise KVPipeClosedError(f"lookup buffer: {reply.message}")
-            if reply.status == "error":
-                raise KVProtocolError(f"lookup buffer: the producer refused the select: {reply.message}")
-            items = self._await_items(call)
-            if call.match_key != query:  # routing must never hand out another request's KV
-                raise KVProtocolError("lookup buffer: the producer sent an entry that does not match the query")
-            with self._lock:
-                self._hits += 1
-                self._waits += reply.waited
-                self._received_bytes += sum(item.nbytes for item in items if item is not None)
-            return list(items)
+            raise KVProtocolError(f"lookup buffer: the producer refused the select: {reply.message}")
         finally:
             self._close_call(call)
+
+    def _take_hit(self, call: _Call, query: MatchKey) -> SelectResult:
+        items = self._await_items(call)
+        if call.match_key != query:  # routing must never hand out another request's KV
+            raise KVProtocolError("lookup buffer: the producer sent an entry that does not match the query")
+        with self._lock:
+            self._hits += 1
+            self._waits += call.waited
+            self._received_bytes += sum(item.nbytes for item in items if item is not None)
+        return list(items)
 
     def stats(self) -> BufferStats:
         with self._lock:
@@ -150,8 +175,8 @@ class BufferConsumer:
                 "lookup buffer: %d drop_select calls did not return within %.1f s; sockets stay open", busy, bound
             )
         else:
-            for sock in self._sockets:
-                sock.close(linger=0)
+            for channel in self._channels:
+                channel.close()
             self._context.term()
             self._stopped.close()
         if pipe_error is not None:
@@ -161,13 +186,13 @@ class BufferConsumer:
 
     # ------------------------------------------------------------------ calls
 
-    def _open_call(self) -> _Call:
+    def _open_call(self, doorbell: Doorbell) -> _Call:
         with self._lock:
             self._raise_if_stopped()
             request_id = secrets.randbits(63)
             while request_id in self._calls:
                 request_id = secrets.randbits(63)
-            call = self._calls[request_id] = _Call(request_id)
+            call = self._calls[request_id] = _Call(request_id, doorbell)
             return call
 
     def _close_call(self, call: _Call) -> None:
@@ -184,43 +209,50 @@ class BufferConsumer:
         if self._closed:
             raise KVPipeClosedError("lookup buffer closed (drop_select woken or called after close)")
 
-    def _thread_socket(self) -> tuple[zmq.Socket, zmq.Poller]:
-        state = getattr(self._local, "socket", None)
-        if state is None:
-            sock = open_socket(self._context, zmq.DEALER, self._address, MAX_REPLY_BYTES, bind=False)
+    def _thread_channel(self) -> _ThreadChannel:
+        channel = getattr(self._local, "channel", None)
+        if channel is None:
             with self._lock:
-                self._sockets.append(sock)  # close() closes it once no call is active
-            poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            poller.register(self._stopped.fileno(), zmq.POLLIN)
-            state = self._local.socket = (sock, poller)
-        return state
+                self._raise_if_stopped()  # a closed buffer's context takes no new sockets
+                sock = open_socket(self._context, zmq.DEALER, self._address, MAX_REPLY_BYTES, bind=False)
+                channel = self._local.channel = _ThreadChannel(sock, self._stopped)
+                self._channels.append(channel)  # close() closes it once no call is active
+        return channel
 
-    def _await_reply(self, sock: zmq.Socket, poller: zmq.Poller, request_id: int, bound: float) -> Reply:
+    def _await_outcome(self, channel: _ThreadChannel, call: _Call, bound: float) -> Reply | None:
+        """The producer's reply to ``call``, or None for a hit (its items are arriving or have arrived).
+
+        Raises KVPeerLostError if within ``bound`` neither a reply nor the hit's header came.
+        """
         deadline = time.monotonic() + bound
-        while True:
+        while not call.arrived.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if call.announced:  # a hit larger than the bound is still on its way
+                    return None
                 raise KVPeerLostError(
                     f"lookup buffer: the producer at {self._address} did not answer a select within "
                     f"{bound:g} s (its wait + kv_timeout)"
                 )
-            events = dict(poller.poll(math.ceil(remaining * 1000)))
+            events = dict(channel.poller.poll(math.ceil(remaining * 1000)))
             if self._stopped.fileno() in events:
                 with self._lock:
                     self._raise_if_stopped()
-            if sock in events:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+            if channel.doorbell.fileno() in events:
+                channel.doorbell.clear()  # before the loop looks at call.arrived: a later ring wakes the next poll
+            if channel.sock in events:
+                frames = channel.sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) != 1:
                     raise KVProtocolError(f"lookup buffer: the producer sent a reply of {len(frames)} frames")
                 reply = decode_reply(self._signer, frames[0])
-                if reply.request_id == request_id:
+                if reply.request_id == call.request_id:
                     return reply
                 # The answer to an earlier call of this thread that gave up waiting.
                 logger.debug("lookup buffer: discarding a late reply for request %d", reply.request_id)
+        return None
 
     def _await_items(self, call: _Call) -> tuple[torch.Tensor | None, ...]:
-        """The items of a hit; the producer sent them before its reply, so they are on their way."""
+        """The items of a hit whose header has arrived: waits while the data pipe makes progress."""
         stall = 2 * self._config.kv_timeout
         with self._lock:
             seen = self._received_tensors
@@ -254,11 +286,13 @@ class BufferConsumer:
         # A function of its own so that no reference to the tensors outlives the hit: the pipe
         # recycles a receive buffer only once its tensor is gone.
         header = parse_header(self._next_tensor())
+        with self._lock:
+            call = self._calls.get(header.request_id)
+            if call is not None:
+                call.announced = True
         key = self._next_tensor()
         value = self._next_tensor() if header.has_value else None
         hidden = self._next_tensor() if header.has_hidden else None
-        with self._lock:
-            call = self._calls.get(header.request_id)
         if call is None:
             logger.warning(
                 "lookup buffer: dropped the entry sent for request %d: its drop_select gave up", header.request_id
@@ -266,7 +300,9 @@ class BufferConsumer:
             return
         call.items = (header.input_tokens, header.roi, key, value, hidden)
         call.match_key = header.match_key
+        call.waited = header.waited
         call.arrived.set()
+        call.doorbell.ring()
 
     def _next_tensor(self) -> torch.Tensor:
         item = self._pipe.recv_tensor()

@@ -328,7 +328,7 @@ class BufferProducer:
         try:
             # timeout None: wait for pipe credit as long as the consumer is alive; a partial hit
             # would leave the stream out of step.
-            stamp_header(entry.items[0].numpy(), waiter.request_id)  # the entry is ours alone once popped
+            stamp_header(entry.items[0].numpy(), waiter.request_id, waiter.waited)  # ours alone once popped
             for item in entry.items:
                 self._pipe.send_tensor(item)
         except KVTransferError as exc:
@@ -343,7 +343,6 @@ class BufferProducer:
         with self._lock:
             self._hits += 1
             self._sent_bytes += entry.nbytes
-        self._reply(waiter.identity, waiter.request_id, "hit", waited=waiter.waited)
 
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:

@@ -6,11 +6,13 @@ consistency); nothing is unpickled or evaluated. With ``kv_secret`` set, every c
 carries an HMAC-SHA256 tag (:class:`ControlSigner`; one key per direction), checked before the
 frame is decoded: a peer without the secret can neither select nor learn anything.
 
-Exchange: the consumer sends a :class:`SelectRequest` from a DEALER socket; the producer's ROUTER
-answers with one :class:`Reply`. On a hit, before the reply, the producer sends on the data pipe a
-header tensor (:func:`make_header`: request id, the entry's tokens and roi) followed by the key
-and, if present, the value and the hidden states; the consumer routes them by request id, so
-concurrent requests never swap data.
+Exchange: the consumer sends a :class:`SelectRequest` from a DEALER socket. The producer answers
+each request exactly once: a hit on the data pipe, where its tensors go anyway: a header tensor
+(:func:`make_header`: request id, whether the select waited, the entry's tokens and roi) followed by
+the key and, if present, the value and the hidden states; the consumer routes them by request id,
+so concurrent requests never swap data. Anything else (miss, error, closed) is a :class:`Reply`
+from the ROUTER. A hit sends no reply, which would only compete with the tensors it announces for the
+CPU (see README, performance).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kv_pipe import auth
 from kv_pipe.errors import KVProtocolError
 from lookup_buffer.matching import MAX_TOKENS, TOKEN_DTYPES, TOKEN_WIRE_DTYPE, MatchKey
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: Longest a producer holds a select waiting for an insert.
 MAX_WAIT_MS = 3_600_000
 MAX_MESSAGE_CHARS = 1000
@@ -36,12 +38,13 @@ MAX_REPLY_BYTES = 4 * MAX_MESSAGE_CHARS + 1024 + auth.TAG_BYTES
 ITEM_NAMES = ("input_tokens", "roi", "key", "value", "hidden")
 TAG_MAGIC = 0x4B564C4F4F4B  # "KVLOOK"
 _HEADER_FIXED = 6
-_W_REQUEST_ID = 2
-_FLAG_VALUE, _FLAG_HIDDEN = 1, 2
+_W_REQUEST_ID, _W_FLAGS = 2, 5
+_FLAG_VALUE, _FLAG_HIDDEN, _FLAG_WAITED = 1, 2, 4
+_FLAGS_AT_INSERT = _FLAG_VALUE | _FLAG_HIDDEN
 _NUMPY_TOKEN_DTYPES = tuple(torch.empty(0, dtype=dtype).numpy().dtype for dtype in TOKEN_DTYPES)
 
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
-Status = Literal["hit", "miss", "error", "closed"]
+Status = Literal["miss", "error", "closed"]
 
 
 class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True):
@@ -58,11 +61,10 @@ class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True)
 
 
 class Reply(msgspec.Struct, tag="reply", tag_field="type", frozen=True):
-    """Producer -> consumer: the outcome of one select.
+    """Producer -> consumer: the outcome of a select that did not hit (a hit answers on the data pipe).
 
-    ``hit``: the entry's tensors are on the data pipe under this request id. ``miss``: nothing
-    matched within the wait. ``error``: the request was refused or the producer is broken
-    (``message`` says why). ``closed``: the producer is shutting down.
+    ``miss``: nothing matched within the wait. ``error``: the request was refused or the producer
+    is broken (``message`` says why). ``closed``: the producer is shutting down.
     """
 
     v: int
@@ -208,6 +210,8 @@ class HitHeader(NamedTuple):
     """What the header of a hit carries besides the KV tensors that follow it."""
 
     request_id: int
+    #: The select found nothing at first and waited for the insert.
+    waited: bool
     input_tokens: torch.Tensor
     roi: torch.Tensor
     has_value: bool
@@ -223,10 +227,11 @@ def _roi_words(count: int) -> int:
 def make_header(
     tokens: np.ndarray, roi: np.ndarray, token_dtype: torch.dtype, has_value: bool, has_hidden: bool
 ) -> np.ndarray:
-    """The header of an entry's hit, built once at insert; :func:`stamp_header` adds the request id.
+    """The header of an entry's hit, built once at insert; :func:`stamp_header` adds the select.
 
     Layout (int64 words, in the pipe's native byte order like every tensor on it): magic, version,
-    request id, token count n, token dtype code, flags (1: a value follows, 2: a hidden follows),
+    request id, token count n, token dtype code, flags (1: a value follows, 2: a hidden follows,
+    4: the select waited),
     the n tokens, then the roi as n bytes (0/1) padded to whole words. Packing tokens and roi here
     saves two pipe messages per hit: small messages cost a rendezvous each on gloo.
     ``tokens``/``roi`` are what ``matching.token_arrays`` returned for a token tensor of ``token_dtype``.
@@ -240,8 +245,9 @@ def make_header(
     return header
 
 
-def stamp_header(header: np.ndarray, request_id: int) -> None:
+def stamp_header(header: np.ndarray, request_id: int, waited: bool) -> None:
     header[_W_REQUEST_ID] = request_id
+    header[_W_FLAGS] = header[_W_FLAGS] & _FLAGS_AT_INSERT | (_FLAG_WAITED if waited else 0)
 
 
 def parse_header(header: torch.Tensor | None) -> HitHeader:
@@ -265,7 +271,7 @@ def parse_header(header: torch.Tensor | None) -> HitHeader:
         request_id < 0
         or not 1 <= count <= MAX_TOKENS
         or not 0 <= dtype_code < len(TOKEN_DTYPES)
-        or not 0 <= flags <= _FLAG_VALUE | _FLAG_HIDDEN
+        or not 0 <= flags <= _FLAGS_AT_INSERT | _FLAG_WAITED
         or words.shape[0] != _HEADER_FIXED + count + _roi_words(count)
     ):
         raise KVProtocolError(
@@ -279,6 +285,7 @@ def parse_header(header: torch.Tensor | None) -> HitHeader:
     roi = roi_bytes.astype(np.bool_)
     return HitHeader(
         request_id,
+        bool(flags & _FLAG_WAITED),
         _to_device(torch.from_numpy(tokens), header.device),
         _to_device(torch.from_numpy(roi), header.device),
         bool(flags & _FLAG_VALUE),

@@ -8,9 +8,11 @@ import random
 import select
 import signal
 import threading
+import time
 import types
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from lookup_buffer.protocol import (
     PROTOCOL_VERSION,
     ControlSigner,
     MessageError,
+    Reply,
     decode_reply,
     decode_request,
     encode_reply,
@@ -108,8 +111,11 @@ def test_request_round_trip() -> None:
     assert (request.request_id, request.wait_ms, request.v) == (123, 4500, PROTOCOL_VERSION)
     assert got_tokens.tolist() == [5, -3, 1 << 40] and got_roi.tolist() == [True, False, True]
     assert MatchKey(got_tokens, got_roi) == MatchKey(tokens, roi)
-    reply = decode_reply(UNSIGNED, encode_reply(UNSIGNED, 99, "hit", waited=True, message="x" * 5000))
-    assert (reply.request_id, reply.status, reply.waited, len(reply.message)) == (99, "hit", True, 1000)
+    reply = decode_reply(UNSIGNED, encode_reply(UNSIGNED, 99, "miss", waited=True, message="x" * 5000))
+    assert (reply.request_id, reply.status, reply.waited, len(reply.message)) == (99, "miss", True, 1000)
+    # A hit answers on the data pipe: a "hit" reply is another protocol's, refused like any bad status.
+    with pytest.raises(MessageError, match="status"):
+        decode_reply(UNSIGNED, msgspec.msgpack.encode(Reply(v=PROTOCOL_VERSION, request_id=99, status="hit")))
 
 
 def test_signed_frames_accept_only_the_same_secret_and_direction() -> None:
@@ -129,8 +135,8 @@ def test_signed_frames_accept_only_the_same_secret_and_direction() -> None:
         with pytest.raises(MessageError, match="authentication failed"):
             decode_request(signer, candidate)
             pytest.fail(f"{what} was accepted")
-    reply = encode_reply(friend, 5, "hit")
-    assert decode_reply(friend, reply).status == "hit"
+    reply = encode_reply(friend, 5, "miss")
+    assert decode_reply(friend, reply).status == "miss"
     with pytest.raises(MessageError, match="authentication failed"):  # a reply never passes as a request
         decode_request(friend, reply)
 
@@ -165,11 +171,14 @@ def test_hit_header_round_trip(dtype: torch.dtype) -> None:
         roi = torch.rand(length, generator=generator) < 0.6
         roi[length // 2] = True
         header = make_header(*token_arrays(tokens, roi), tokens.dtype, has_value, has_hidden)
-        stamp_header(header, 2**62 + length)
-        got = parse_header(torch.from_numpy(header))
-        assert got.request_id == 2**62 + length and (got.has_value, got.has_hidden) == (has_value, has_hidden)
-        assert bodies.same_bits(got.input_tokens, tokens) and bodies.same_bits(got.roi, roi)
-        assert got.match_key == MatchKey(*token_arrays(tokens, roi))
+        # Stamped again for each select: a waited flag from an earlier stamp must not stick.
+        for request_id, waited in ((2**62 + length, True), (length, False)):
+            stamp_header(header, request_id, waited)
+            got = parse_header(torch.from_numpy(header))
+            assert (got.request_id, got.waited, got.has_value, got.has_hidden) == (
+                request_id, waited, has_value, has_hidden)
+            assert bodies.same_bits(got.input_tokens, tokens) and bodies.same_bits(got.roi, roi)
+            assert got.match_key == MatchKey(*token_arrays(tokens, roi))
 
 
 def test_bad_hit_headers_are_refused() -> None:
@@ -202,7 +211,7 @@ def test_bad_hit_headers_are_refused() -> None:
         changed(3, 4),  # token count disagrees with the length
         changed(3, 0),
         changed(4, len(TOKEN_DTYPES)),  # dtype code
-        changed(5, 4),  # flags
+        changed(5, 8),  # flags
         roi_bytes,
         narrow,
     ]:
@@ -472,6 +481,61 @@ def test_consumer_close_wakes_its_waiting_select_and_the_producer_notices() -> N
     }
     assert producer["result"]["insert"] == "KVPipeClosedError", producer["result"]
     assert_clean(producer, consumer)
+
+
+class _SlowHitPipe:
+    """A consumer's data pipe that delivers one hit for whichever select is in flight: the header at
+    once, then each tensor ``pause`` seconds after the previous one."""
+
+    port_offset = 0
+
+    def __init__(self, tensors: list[torch.Tensor], pause: float) -> None:
+        self.buffer: SimpleBuffer | None = None
+        self._tensors = tensors
+        self._pause = pause
+        self._closed = threading.Event()
+
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
+        if self._tensors:
+            while (self.buffer is None or not self.buffer._side._calls) and not self._closed.wait(0.001):
+                pass
+            if not self._closed.is_set():
+                tensor = self._tensors.pop(0)
+                if tensor.dtype == torch.int64 and tensor.dim() == 1 and tensor.shape[0] > 6:  # the header
+                    stamp_header(tensor.numpy(), next(iter(self.buffer._side._calls)), waited=True)
+                else:
+                    self._closed.wait(self._pause)
+                return tensor
+        self._closed.wait()
+        raise KVPipeClosedError("closed")
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+@pytest.mark.timeout(60)
+def test_a_hit_slower_than_the_answer_bound_is_still_delivered() -> None:
+    """A hit is announced by its header on the data pipe and has no control reply: once the header
+    is in, a select waits for its tensors while they keep coming, past the bound for an answer
+    (its wait + kv_timeout), and does not declare the producer lost."""
+    kv_timeout, pause = 0.5, 0.4
+    tokens, roi = torch.tensor([11, 12, 13]), torch.tensor([True, True, False])
+    key, value = torch.randn(4, 5), torch.randint(-9, 9, (7,), dtype=torch.int16)
+    header = torch.from_numpy(make_header(*token_arrays(tokens, roi), tokens.dtype, True, False))
+    pipe = _SlowHitPipe([header, key, value], pause)
+    cfg = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_port=procs.free_port(), kv_timeout=kv_timeout)
+    buffer = pipe.buffer = SimpleBuffer(pipe, cfg)  # type: ignore[arg-type]
+    try:
+        started = time.monotonic()
+        got = buffer.drop_select(tokens, roi, timeout=0)
+        elapsed = time.monotonic() - started
+        stats = buffer.stats()
+    finally:
+        buffer.close()
+    assert elapsed > kv_timeout, "the tensors came within the bound: the test did not exercise the late path"
+    assert bodies.same_bits(got[0], tokens) and bodies.same_bits(got[1], roi)
+    assert bodies.same_bits(got[2], key) and bodies.same_bits(got[3], value) and got[4] is None
+    assert (stats.hits, stats.waits, stats.misses) == (1, 1, 0)
 
 
 @pytest.mark.timeout(120)

@@ -43,7 +43,8 @@ class BufferStats:
     """Counters of one side of a lookup buffer, taken at one moment.
 
     Producer and consumer count hits, misses and waits alike (the producer tells the consumer
-    whether a select waited), so both sides agree once every reply has arrived.
+    whether a select waited, in a miss's reply or a hit's header), so both sides agree once every
+    select has returned.
     """
 
     role: str

@@ -41,15 +41,14 @@ logger = logging.getLogger(__name__)
 
 class _Call:
     """One drop_select in flight: the reader thread sets ``announced`` when the hit's header
-    arrives, then fills ``items``, sets ``arrived`` and rings ``doorbell``."""
+    arrives, then fills ``items`` and rings ``doorbell``."""
 
-    __slots__ = ("request_id", "doorbell", "announced", "arrived", "items", "match_key", "waited")
+    __slots__ = ("request_id", "doorbell", "announced", "items", "match_key", "waited")
 
     def __init__(self, request_id: int, doorbell: Doorbell) -> None:
         self.request_id = request_id
         self.doorbell = doorbell  # the calling thread's
         self.announced = False
-        self.arrived = threading.Event()
         self.items: tuple[torch.Tensor | None, ...] | None = None
         self.match_key: MatchKey | None = None
         self.waited = False
@@ -127,7 +126,7 @@ class BufferConsumer:
             self._close_call(call)
 
     def _take_hit(self, call: _Call, query: MatchKey) -> SelectResult:
-        items = self._await_items(call)
+        items = call.items
         if call.match_key != query:  # routing must never hand out another request's KV
             raise KVProtocolError("lookup buffer: the producer sent an entry that does not match the query")
         with self._lock:
@@ -153,10 +152,7 @@ class BufferConsumer:
             if self._closed:
                 return
             self._closed = True
-            calls = list(self._calls.values())
-        self._stopped.ring()
-        for call in calls:
-            call.arrived.set()
+        self._stopped.ring()  # wakes every waiting call
         bound = self._config.kv_timeout
         with self._idle:
             self._idle.wait_for(lambda: not self._calls, timeout=bound)
@@ -220,26 +216,39 @@ class BufferConsumer:
         return channel
 
     def _await_outcome(self, channel: _ThreadChannel, call: _Call, bound: float) -> Reply | None:
-        """The producer's reply to ``call``, or None for a hit (its items are arriving or have arrived).
+        """The producer's reply to ``call``, or None once its hit has arrived in ``call.items``.
 
-        Raises KVPeerLostError if within ``bound`` neither a reply nor the hit's header came.
+        Raises KVPeerLostError if within ``bound`` neither a reply nor the hit's header came, or if
+        the tensors of an announced hit stop arriving for ``2 * kv_timeout``; the buffer's failure
+        or KVPipeClosedError if it stops.
         """
         deadline = time.monotonic() + bound
-        while not call.arrived.is_set():
+        pipe_progress = -1
+        while call.items is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if call.announced:  # a hit larger than the bound is still on its way
-                    return None
-                raise KVPeerLostError(
-                    f"lookup buffer: the producer at {self._address} did not answer a select within "
-                    f"{bound:g} s (its wait + kv_timeout)"
-                )
+                if not call.announced:
+                    raise KVPeerLostError(
+                        f"lookup buffer: the producer at {self._address} did not answer a select within "
+                        f"{bound:g} s (its wait + kv_timeout)"
+                    )
+                # A hit larger than the bound is still on its way: wait while the pipe makes progress.
+                stall = 2 * self._config.kv_timeout
+                with self._lock:
+                    if self._received_tensors == pipe_progress:
+                        raise KVPeerLostError(
+                            f"lookup buffer: the producer announced a hit but nothing arrived on the data pipe "
+                            f"for {stall:g} s"
+                        )
+                    pipe_progress = self._received_tensors
+                deadline = time.monotonic() + stall
+                continue
             events = dict(channel.poller.poll(math.ceil(remaining * 1000)))
             if self._stopped.fileno() in events:
                 with self._lock:
                     self._raise_if_stopped()
             if channel.doorbell.fileno() in events:
-                channel.doorbell.clear()  # before the loop looks at call.arrived: a later ring wakes the next poll
+                channel.doorbell.clear()  # before the loop looks at call.items: a later ring wakes the next poll
             if channel.sock in events:
                 frames = channel.sock.recv_multipart(zmq.NOBLOCK)
                 if len(frames) != 1:
@@ -250,24 +259,6 @@ class BufferConsumer:
                 # The answer to an earlier call of this thread that gave up waiting.
                 logger.debug("lookup buffer: discarding a late reply for request %d", reply.request_id)
         return None
-
-    def _await_items(self, call: _Call) -> tuple[torch.Tensor | None, ...]:
-        """The items of a hit whose header has arrived: waits while the data pipe makes progress."""
-        stall = 2 * self._config.kv_timeout
-        with self._lock:
-            seen = self._received_tensors
-        while not call.arrived.wait(stall):
-            with self._lock:
-                progress = self._received_tensors
-            if progress == seen:
-                raise KVPeerLostError(
-                    f"lookup buffer: the producer announced a hit but nothing arrived on the data pipe for {stall:g} s"
-                )
-            seen = progress
-        if call.items is None:  # woken by close() or a pipe failure
-            with self._lock:
-                self._raise_if_stopped()
-        return call.items
 
     # ------------------------------------------------------------------ reader thread
 
@@ -298,10 +289,9 @@ class BufferConsumer:
                 "lookup buffer: dropped the entry sent for request %d: its drop_select gave up", header.request_id
             )
             return
-        call.items = (header.input_tokens, header.roi, key, value, hidden)
         call.match_key = header.match_key
         call.waited = header.waited
-        call.arrived.set()
+        call.items = (header.input_tokens, header.roi, key, value, hidden)  # last: it completes the call
         call.doorbell.ring()
 
     def _next_tensor(self) -> torch.Tensor:
@@ -317,11 +307,8 @@ class BufferConsumer:
             if self._closed or self._failure is not None:
                 return  # a closing pipe ends the reader: not a failure
             self._failure = error
-            calls = list(self._calls.values())
         if isinstance(error, KVPipeClosedError):
             logger.info("lookup buffer: the producer closed its side (%s)", error)
         else:
             logger.error("lookup buffer consumer stops: %s", error)
         self._stopped.ring()
-        for call in calls:
-            call.arrived.set()

@@ -325,6 +325,11 @@ class BufferProducer:
             del self._waiters[key]
 
     def _send_hit(self, waiter: _Waiter, entry: Entry) -> None:
+        # Counted before the tensors go: the consumer may have them, and its select may have
+        # returned, before send_tensor does here; stats on both sides agree once selects return.
+        with self._lock:
+            self._hits += 1
+            self._sent_bytes += entry.nbytes
         try:
             # timeout None: wait for pipe credit as long as the consumer is alive; a partial hit
             # would leave the stream out of step.
@@ -332,6 +337,9 @@ class BufferProducer:
             for item in entry.items:
                 self._pipe.send_tensor(item)
         except KVTransferError as exc:
+            with self._lock:
+                self._hits -= 1
+                self._sent_bytes -= entry.nbytes
             self._fail(exc)
             self._reply(
                 waiter.identity,
@@ -339,10 +347,6 @@ class BufferProducer:
                 "error",
                 message=f"the producer could not send the entry on the data pipe: {exc}",
             )
-            return
-        with self._lock:
-            self._hits += 1
-            self._sent_bytes += entry.nbytes
 
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:

@@ -37,7 +37,6 @@ import socket
 import threading
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -60,9 +59,9 @@ from kv_pipe.protocol import (
     check_sendable,
     chunk_bounds,
     decode_header,
-    encode_header,
     frame_bytes_for,
     message_cost,
+    pack_header,
 )
 
 logger = logging.getLogger(__name__)
@@ -159,10 +158,10 @@ class TorchDistributedPipe(KVPipeBase):
         self._host_memory = HostMemoryPool(max_idle_bytes=config.kv_buffer_size)
         self._send_frame = torch.zeros(self._frame_bytes, dtype=torch.uint8, device=self.device)
         self._recv_frame: torch.Tensor | None = torch.zeros(self._frame_bytes, dtype=torch.uint8, device=self.device)
-        # Headers are written and read through numpy views of host memory: far cheaper per message
-        # than building tensors. On CUDA the header is staged in host memory and copied.
-        self._send_header = self._host_view(self._send_frame)
-        self._recv_header = self._host_view(self._recv_frame)
+        # Headers and small tensors are written and read through byte views of host memory: far
+        # cheaper per message than torch operations. On CUDA the header is staged in host memory.
+        self._send_bytes = self._host_bytes(self._send_frame)
+        self._recv_bytes = self._host_bytes(self._recv_frame)
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
         self._last_sent = time.monotonic()
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
@@ -454,7 +453,10 @@ class TorchDistributedPipe(KVPipeBase):
         )
 
     def _as_bytes(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.detach().to(self.device).resolve_conj().resolve_neg().contiguous()
+        # The checks cost a fraction of the operations they spare a small tensor that needs none.
+        if (tensor.device != self.device or tensor.requires_grad or not tensor.is_contiguous()
+                or tensor.is_conj() or tensor.is_neg()):
+            tensor = tensor.detach().to(self.device).resolve_conj().resolve_neg().contiguous()
         return tensor.reshape(-1).view(torch.uint8)
 
     # ------------------------------------------------------------------ sender thread
@@ -517,12 +519,14 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _transmit(self, header: FrameHeader, data: torch.Tensor | None) -> None:
         frame = self._send_frame
-        self._send_header[:] = encode_header(header)
-        if frame.device.type != "cpu":
-            frame[:HEADER_BYTES].copy_(torch.from_numpy(self._send_header).view(torch.uint8))
+        pack_header(header, self._send_bytes)
         inline_bytes = header.nbytes if header.inline else 0
-        if inline_bytes:
-            frame[HEADER_BYTES : HEADER_BYTES + inline_bytes].copy_(data)
+        if frame.device.type != "cpu":
+            frame[:HEADER_BYTES].copy_(torch.frombuffer(self._send_bytes, dtype=torch.uint8))
+            if inline_bytes:
+                frame[HEADER_BYTES : HEADER_BYTES + inline_bytes].copy_(data)
+        elif inline_bytes:
+            self._send_bytes[HEADER_BYTES : HEADER_BYTES + inline_bytes] = data.numpy()
         if not self._send_whole_frames:
             frame = frame[: HEADER_BYTES + inline_bytes]
         # One operation at a time: posting the payload while the frame is still pending measured
@@ -533,15 +537,14 @@ class TorchDistributedPipe(KVPipeBase):
                 self._group.send([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
 
     @staticmethod
-    def _host_view(frame: torch.Tensor) -> np.ndarray:
-        """An int64 numpy view of the frame's header (a host copy for device frames)."""
-        host = frame[:HEADER_BYTES] if frame.device.type == "cpu" else torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        return host.numpy().view(np.int64)
+    def _host_bytes(frame: torch.Tensor) -> memoryview:
+        """A byte view of a host frame; for a device frame, of a host buffer for its header."""
+        return memoryview(frame.numpy() if frame.device.type == "cpu" else bytearray(HEADER_BYTES))
 
-    def _received_header_words(self) -> list[int]:
+    def _received_header(self) -> memoryview:
         if self._recv_frame.device.type != "cpu":
-            self._recv_header[:] = self._recv_frame[:HEADER_BYTES].cpu().numpy().view(np.int64)
-        return self._recv_header.tolist()
+            self._recv_bytes[:] = self._recv_frame[:HEADER_BYTES].cpu().numpy()
+        return self._recv_bytes[:HEADER_BYTES]
 
     # ------------------------------------------------------------------ receiver thread
 
@@ -576,9 +579,9 @@ class TorchDistributedPipe(KVPipeBase):
         try:
             if self._recv_frame is None:  # the last one went to a caller
                 self._recv_frame = self._allocate(self._frame_bytes)
-                self._recv_header = self._host_view(self._recv_frame)
+                self._recv_bytes = self._host_bytes(self._recv_frame)
             self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
-            header = decode_header(self._received_header_words(), max_nbytes=self._max_in_flight,
+            header = decode_header(self._received_header(), max_nbytes=self._max_in_flight,
                                    inline_capacity=self._inline_capacity)
             if not self._peer_consumed <= header.consumed <= self._queued_cost:  # only the receiving thread writes it
                 raise KVProtocolError(
@@ -628,8 +631,12 @@ class TorchDistributedPipe(KVPipeBase):
         if header.nbytes == 0:
             return torch.empty(header.shape, dtype=header.dtype, device=self.device)
         if header.inline:
+            if self.device.type == "cpu" and header.nbytes < self._inline_capacity // 2:
+                # A bytearray copy and a tensor over it cost half of torch's clone of a frame slice.
+                copy = bytearray(self._recv_bytes[HEADER_BYTES : HEADER_BYTES + header.nbytes])
+                return torch.frombuffer(copy, dtype=torch.uint8).view(header.dtype).reshape(header.shape)
             data = self._recv_frame[HEADER_BYTES : HEADER_BYTES + header.nbytes]
-            if self.device.type != "cpu" or header.nbytes < self._inline_capacity // 2:
+            if self.device.type != "cpu":
                 return data.clone().view(header.dtype).reshape(header.shape)
             # A large inline tensor is handed over in its host frame (no copy); the next frame is
             # received into another pooled buffer, taken when that receive is posted, off the path

@@ -112,6 +112,7 @@ class TorchDistributedPipe(KVPipeBase):
         self.device = self._select_device(config.kv_buffer_device)
         self._frame_bytes = frame_bytes_for(self.device.type)
         self._inline_capacity = self._frame_bytes - HEADER_BYTES
+        self._max_direct_cost = message_cost(self._inline_capacity)
         # Gloo accepts a message shorter than the posted receive; NCCL needs the sizes to match.
         self._send_whole_frames = self.device.type != "cpu"
         lock = threading.RLock()
@@ -161,6 +162,7 @@ class TorchDistributedPipe(KVPipeBase):
         # Headers and small tensors are written and read through byte views of host memory: far
         # cheaper per message than torch operations. On CUDA the header is staged in host memory.
         self._send_bytes = self._host_bytes(self._send_frame)
+        self._send_prefix = self._send_frame
         self._recv_bytes = self._host_bytes(self._recv_frame)
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
         self._last_sent = time.monotonic()
@@ -318,16 +320,15 @@ class TorchDistributedPipe(KVPipeBase):
             # Messages that fit one frame go out from the caller's thread when the wire is free: a
             # hand-off to the sender thread costs more than the send itself (the peer's pipe takes
             # frames in whether or not its user receives, so this waits for the wire, not the user).
-            direct = (not self._send_queue and not self._wire_busy
-                      and message.cost <= message_cost(self._inline_capacity))
+            direct = not self._send_queue and not self._wire_busy and message.cost <= self._max_direct_cost
             if not direct:
                 self._send_queue.append(message)
                 self._sender_wakeup.notify()
                 return
             header = self._claim_wire(message)
-        self._transmit_claimed(header, message)
-        with self._cond:
-            self._raise_if_failed()
+        if not self._transmit_claimed(header, message):
+            with self._cond:
+                self._raise_if_failed()
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -528,13 +529,19 @@ class TorchDistributedPipe(KVPipeBase):
         elif inline_bytes:
             self._send_bytes[HEADER_BYTES : HEADER_BYTES + inline_bytes] = data.numpy()
         if not self._send_whole_frames:
-            frame = frame[: HEADER_BYTES + inline_bytes]
+            frame = self._send_frame_prefix(HEADER_BYTES + inline_bytes)
         # One operation at a time: posting the payload while the frame is still pending measured
         # ~2 ms slower per message on gloo, and gloo's timeout counts from when an operation is posted.
         self._group.send([frame], self.peer_rank, _TAG_FRAME).wait()
         if header.kind is FrameKind.TENSOR and not header.inline:
             for start, end in chunk_bounds(header.nbytes):
                 self._group.send([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
+
+    def _send_frame_prefix(self, nbytes: int) -> torch.Tensor:
+        # Consecutive messages tend to have one size: the view is kept rather than cut per message.
+        if self._send_prefix.numel() != nbytes:
+            self._send_prefix = self._send_frame[:nbytes]
+        return self._send_prefix
 
     @staticmethod
     def _host_bytes(frame: torch.Tensor) -> memoryview:
@@ -634,7 +641,8 @@ class TorchDistributedPipe(KVPipeBase):
             if self.device.type == "cpu" and header.nbytes < self._inline_capacity // 2:
                 # A bytearray copy and a tensor over it cost half of torch's clone of a frame slice.
                 copy = bytearray(self._recv_bytes[HEADER_BYTES : HEADER_BYTES + header.nbytes])
-                return torch.frombuffer(copy, dtype=torch.uint8).view(header.dtype).reshape(header.shape)
+                flat = torch.frombuffer(copy, dtype=header.dtype)
+                return flat if len(header.shape) == 1 else flat.reshape(header.shape)
             data = self._recv_frame[HEADER_BYTES : HEADER_BYTES + header.nbytes]
             if self.device.type != "cpu":
                 return data.clone().view(header.dtype).reshape(header.shape)

@@ -72,6 +72,11 @@ _TAG_PAYLOAD = 1
 #: recv_tensor: long enough for a ping-pong's turn around, short enough that a producer running
 #: ahead of a busy consumer stalls only briefly.
 _CALLER_GRACE = 0.001
+#: How long credit that the peer has not asked for waits for one of this side's messages to carry
+#: it: a caller that has just taken an item often answers at once, and a keepalive sent first would
+#: take the wire from that answer (at 1 MiB with a 3 MiB budget: ~90 us per message). A peer that
+#: runs out of credit asks for it and gets it at once.
+_CREDIT_DEFERRAL = 0.001
 
 
 class _Outgoing:
@@ -142,6 +147,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._consumed = 0  # cumulative cost our user has taken
         self._reported_consumed = 0  # the last value announced to the peer
         self._peer_wants_credit = False
+        self._credit_ample_at: float | None = None  # when a quarter of the budget went unreported
         self._next_recv_seq = 0
         self._receiving = False  # a thread (the receiver or a caller) is receiving frames
         self._caller_released_at = -math.inf  # when a caller last stopped receiving
@@ -357,8 +363,9 @@ class TorchDistributedPipe(KVPipeBase):
                 else:
                     tensor, cost = self._recv_queue.popleft()
                     self._consumed += cost
-                    if self._credit_due():
-                        self._sender_wakeup.notify()
+                    if self._credit_ample_at is None and self._credit_ample():
+                        self._credit_ample_at = time.monotonic()
+                        self._sender_wakeup.notify()  # to shorten its sleep, not to send now
                     return tensor
             # The frame goes to the queue like any other, so FIFO order holds across callers.
             self._receive_frame(by_caller=True)
@@ -428,9 +435,13 @@ class TorchDistributedPipe(KVPipeBase):
         if self._final_frame_queued or self._peer_finished:
             raise KVPipeClosedError("the peer closed the pipe; nothing more can be sent")
 
-    def _credit_due(self) -> bool:
-        unreported = self._consumed - self._reported_consumed
-        return unreported >= self._max_in_flight // 4 or (self._peer_wants_credit and unreported > 0)
+    def _credit_ample(self) -> bool:
+        """A quarter of the budget was consumed and not reported: worth a frame of its own soon."""
+        return self._consumed - self._reported_consumed >= self._max_in_flight // 4
+
+    def _credit_requested(self) -> bool:
+        """The peer is out of credit and some can be given: send it now."""
+        return self._peer_wants_credit and self._consumed > self._reported_consumed
 
     def _queue_final_frame(self, kind: FrameKind) -> None:
         self._final_frame_queued = True
@@ -472,11 +483,14 @@ class TorchDistributedPipe(KVPipeBase):
                         if self._send_queue:
                             message = self._send_queue.popleft()
                             break
-                        idle_for = time.monotonic() - self._last_sent
-                        if self._credit_due() or self._want_credit or idle_for >= self._keepalive_interval:
+                        now = time.monotonic()
+                        quiet_left = self._last_sent + self._keepalive_interval - now
+                        if self._credit_ample_at is not None:
+                            quiet_left = min(quiet_left, self._credit_ample_at + _CREDIT_DEFERRAL - now)
+                        if quiet_left <= 0 or self._want_credit or self._credit_requested():
                             message = _Outgoing(FrameKind.KEEPALIVE)
                             break
-                        self._sender_wakeup.wait(self._keepalive_interval - idle_for)
+                        self._sender_wakeup.wait(quiet_left)
                     else:
                         self._sender_wakeup.wait()
                 header = self._claim_wire(message)
@@ -495,6 +509,7 @@ class TorchDistributedPipe(KVPipeBase):
         if message.kind in (FrameKind.TENSOR, FrameKind.NONE):
             self._next_send_seq += 1
         self._reported_consumed = self._consumed
+        self._credit_ample_at = None
         self._peer_wants_credit = False
         self._want_credit = False
         return header
@@ -619,7 +634,7 @@ class TorchDistributedPipe(KVPipeBase):
             elif header.kind is FrameKind.CLOSE_ACK:
                 self._peer_finished = True
             self._cond.notify_all()
-            if self._credit_due():  # the peer asked for credit
+            if self._credit_requested():
                 self._sender_wakeup.notify()
             if by_caller or (self._callers_waiting and carries_item):
                 # A caller has (or is about to get) an item and will likely be back for the next.

@@ -63,7 +63,9 @@ class KVPipeBase(abc.ABC):
         """Return the next tensor (or ``None``) the peer sent, on this pipe's device.
 
         Blocks until one has arrived, at most ``timeout`` seconds (``None``: as long as the peer is
-        alive; an idle, live peer is not an error). The returned tensor belongs to the caller.
+        alive; an idle, live peer is not an error). The returned tensor belongs to the caller. On
+        the host its memory may come from the pipe rather than torch's allocator, so its storage
+        cannot be resized (``resize_``); ``clone()`` gives one that can.
         Thread-safe; each item goes to exactly one caller. A call that may wait longer than the
         keepalive bound (``timeout`` None, or at least half the shorter ``kv_timeout`` of the two
         sides) may receive in the calling thread, which saves a thread hand-off per message.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -720,3 +721,28 @@ def test_unsendable_tensors_are_refused_before_queueing():
         check_sendable(torch.randn(4, 4).to_sparse())
     with pytest.raises(KVTransferError, match="torch.Tensor"):
         check_sendable([1, 2, 3])
+
+
+def test_header_codec_round_trips_in_a_reused_frame():
+    """Every kind, dtype and rank decodes to what was packed, in one frame written over and over:
+    words an earlier, longer header left behind must not survive into a shorter one."""
+    from kv_pipe.protocol import MAX_NDIM, FrameHeader, FrameKind, decode_header, pack_header
+
+    generator = random.Random(7)
+    frame = memoryview(bytearray(HEADER_BYTES))
+    inline_capacity = HOST_FRAME_BYTES - HEADER_BYTES
+    headers = [FrameHeader(kind, seq=generator.randrange(1 << 40), consumed=generator.randrange(1 << 50),
+                           want_credit=generator.random() < 0.5)
+               for kind in FrameKind if kind is not FrameKind.TENSOR]
+    for dtype in DTYPE_TO_CODE:
+        for ndim in (MAX_NDIM, 0, 7, 1, 3):  # long before short: stale shape words would be caught
+            shape = tuple(generator.choice((1, 1, 2, 3)) for _ in range(ndim))
+            if ndim == 7:
+                shape = (0,) + shape[1:]
+            nbytes = math.prod(shape) * dtype.itemsize
+            headers.append(FrameHeader(FrameKind.TENSOR, seq=generator.randrange(1 << 40), consumed=0,
+                                       want_credit=True, dtype=dtype, shape=shape, nbytes=nbytes,
+                                       inline=nbytes <= inline_capacity))
+    for header in headers:
+        pack_header(header, frame)
+        assert decode_header(frame, max_nbytes=1 << 62, inline_capacity=inline_capacity) == header

@@ -72,8 +72,8 @@ for _code, _name in enumerate(_DTYPE_NAMES, start=1):
 _W_MAGIC, _W_VERSION, _W_KIND, _W_SEQ, _W_CONSUMED, _W_WANT_CREDIT = 0, 1, 2, 3, 4, 5
 _W_DTYPE, _W_NDIM, _W_NBYTES, _W_INLINE, _W_SHAPE = 6, 7, 8, 9, 10
 
-# Headers are packed with struct straight into the frame's memory: per message this costs a tenth
-# of building and reading lists of words, and a small tensor's whole trip is only a few of those.
+# Headers are packed with struct straight into the frame's memory: per message this costs a third
+# of building and reading lists of words, which a small tensor's whole trip would notice.
 _FIXED = struct.Struct(f"<{_W_SHAPE}q")  # the words before the shape
 _SHAPES = tuple(struct.Struct(f"<{ndim}q") for ndim in range(MAX_NDIM + 1))
 _ALL_WORDS = struct.Struct(f"<{HEADER_WORDS}q")

@@ -134,8 +134,9 @@ def consumer(port: int, max_mib: int) -> dict:
                 raw_times.append(time.perf_counter() - start)
                 assert key.nbytes + value.nbytes == size
                 del key, value
+                tokens = entry_tokens(group, index)  # built before the clock starts, like raw's request
                 start = time.perf_counter()
-                got = buffer.drop_select(entry_tokens(group, index), ROI)
+                got = buffer.drop_select(tokens, ROI)
                 buffer_times.append(time.perf_counter() - start)
                 assert got[2] is not None and got[2].nbytes + got[3].nbytes == size, "unexpected miss"
                 del got
@@ -144,8 +145,9 @@ def consumer(port: int, max_mib: int) -> dict:
             raw.recv_tensor(timeout=600)
             times = []
             for index in range(PROBES + WARMUP):
+                tokens = entry_tokens(-2 - fill, index)
                 start = time.perf_counter()
-                got = buffer.drop_select(entry_tokens(-2 - fill, index), ROI)
+                got = buffer.drop_select(tokens, ROI)
                 times.append(time.perf_counter() - start)
                 assert got[2] is not None, "unexpected miss"
             raw.send_tensor(torch.tensor(1))

@@ -49,6 +49,14 @@ def raw_group(rank: int, port: int) -> tuple[torch.distributed.ProcessGroup, tor
     return torch.distributed.ProcessGroupGloo(store, rank, 2, options), store
 
 
+def timed_round_trips(nbytes: int, iters: int) -> int:
+    """Round trips per round: small sizes get many more (up to 64 MiB moved per round, at most 1,000),
+    since a median of a few 50-us samples on a shared machine is mostly noise."""
+    if nbytes > 128 << 20:
+        return max(3, iters // 2)
+    return max(iters, min(1000, (64 << 20) // nbytes))
+
+
 def one_way_times(rank: int, iters: int, warmup: int, round_trip) -> list[float]:
     times = []
     for index in range(warmup + iters):
@@ -81,7 +89,7 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
         data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
         reused = torch.empty_like(data)
         warmup = 2 if nbytes <= 64 << 20 else 1
-        count = iters if nbytes <= 128 << 20 else max(3, iters // 2)
+        count = timed_round_trips(nbytes, iters)
 
         def raw_round_trip(data: torch.Tensor = data, reused: torch.Tensor = reused) -> None:
             if rank == 0:
@@ -113,7 +121,8 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4K,64K,1M,16M,128M,512M")
-    parser.add_argument("--iters", type=int, default=7, help="timed round trips per round")
+    parser.add_argument("--iters", type=int, default=7,
+                        help="timed round trips per round, at least (small sizes get more, see timed_round_trips)")
     parser.add_argument("--rounds", type=int, default=5, help="alternations of raw and pipe (1 above 128 MiB)")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -131,8 +140,9 @@ def main() -> None:
             process.join(timeout=60)
             if process.is_alive():
                 process.kill()
-    print(f"torch {torch.__version__}, gloo over loopback, ping-pong one-way time "
-          f"(median of {args.rounds} alternating rounds x {args.iters})")
+    counts = ", ".join(str(timed_round_trips(nbytes, args.iters)) for nbytes in sizes)
+    print(f"torch {torch.__version__}, gloo over loopback, ping-pong one-way time (median of "
+          f"{args.rounds} alternating rounds; round trips per round: {counts})")
     print(f"{'size':>9} | {'raw GB/s':>8} | {'pipe GB/s':>9} | {'pipe/raw':>8} | {'raw us':>9} | {'pipe us':>9}")
     print("-" * 68)
     for nbytes, raw, piped in rows:

@@ -168,9 +168,14 @@ def body_frame_boundaries(rank: int, port: int) -> int:
             assert same_bits(got, want), f"item {index} ({want.nbytes} bytes) changed after it was received"
         large = [got for got in kept if got.nbytes >= half]
         assert len({got.untyped_storage().data_ptr() for got in large}) == len(large), "two tensors share memory"
+        large_bytes = sum(got.nbytes for got in large)
+        received = len(kept)
+        del kept, large, got
+        # Their frames and payload buffers go back to the pool once the caller drops them.
+        assert pipe._host_memory.idle_bytes >= large_bytes, "received buffers were not recycled"
         pipe.send_tensor(None)
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
-    return len(kept)
+    return received
 
 
 def body_timeouts_and_idle(rank: int, port: int) -> str:

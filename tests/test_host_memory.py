@@ -1,0 +1,51 @@
+"""The host memory pool recycles a buffer only once no tensor uses its memory any more."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from kv_pipe.host_memory import POOL_MIN_BYTES, HostMemoryPool
+
+
+def test_buffer_comes_back_only_after_every_view_is_gone():
+    pool = HostMemoryPool(max_idle_bytes=64 << 20)
+    first = pool.allocate(POOL_MIN_BYTES + 3)
+    address = first.data_ptr()
+    first.fill_(7)
+    view = first[10:20].view(torch.int8)
+    del first
+    gc.collect()
+    assert pool.idle_bytes == 0, "recycled while a view still uses the memory"
+    other = pool.allocate(POOL_MIN_BYTES + 3)
+    assert other.data_ptr() != address
+    assert torch.equal(view, torch.full((10,), 7, dtype=torch.int8))
+    del view
+    gc.collect()
+    assert pool.idle_bytes > 0
+    assert pool.allocate(POOL_MIN_BYTES + 3).data_ptr() == address, "the freed buffer was not reused"
+
+
+def test_byte_views_keep_the_buffer_too():
+    # The pipe hands large inline tensors over through torch.frombuffer on a memoryview of a frame.
+    pool = HostMemoryPool(max_idle_bytes=64 << 20)
+    frame = pool.allocate(POOL_MIN_BYTES)
+    frame[:8] = torch.arange(8, dtype=torch.uint8)
+    tensor = torch.frombuffer(memoryview(frame.numpy())[:8], dtype=torch.uint8)
+    del frame
+    gc.collect()
+    assert pool.idle_bytes == 0, "recycled while a tensor over a byte view still uses the memory"
+    assert tensor.tolist() == list(range(8))
+    del tensor
+    gc.collect()
+    assert pool.idle_bytes == POOL_MIN_BYTES
+
+
+def test_idle_memory_is_bounded_and_small_buffers_are_not_pooled():
+    pool = HostMemoryPool(max_idle_bytes=2 * POOL_MIN_BYTES)
+    buffers = [pool.allocate(POOL_MIN_BYTES) for _ in range(4)]
+    small = pool.allocate(POOL_MIN_BYTES - 1)
+    del buffers, small
+    gc.collect()
+    assert pool.idle_bytes == 2 * POOL_MIN_BYTES

@@ -6,9 +6,10 @@ same run, interleaved per size.
 
 * Transfer: a request of S bytes is a key and a value of S/2 bytes each (float16, random) with 128
   tokens. Baseline ("raw"): the consumer sends a 1-element request tensor on the raw pipe and
-  receives key and value back. Buffer: the producer has inserted the entries; the consumer times
-  ``drop_select`` (control round trip over ZeroMQ; header, key and value on the pipe). The two are
-  interleaved request by request.
+  receives key and value back (sent with one ``send_tensors``, the pipe's best way to move them).
+  Buffer: the producer has inserted the entries; the consumer times ``drop_select`` (control
+  round trip over ZeroMQ; header, key and value on the pipe as one unit). The two are interleaved
+  request by request.
 * Lookup: drop_select latency of small entries while 10, 1,000 and 10,000 other entries are
   buffered (should be flat), and the producer-side key-build + dict lookup alone, in-process.
 
@@ -98,8 +99,7 @@ def producer(port: int, max_mib: int) -> None:
             raw.send_tensor(torch.tensor(1))  # "inserted"
             for _ in range(count):  # the consumer interleaves raw fetches with drop_selects
                 raw.recv_tensor(timeout=60)
-                raw.send_tensor(key)
-                raw.send_tensor(value)
+                raw.send_tensors([key, value])  # as one unit, like the buffer's header, key and value
         filled = 0
         small_key, small_value = payload(4 * KIB)
         for fill in FILLS:

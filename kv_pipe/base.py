@@ -7,6 +7,7 @@ direction. Upper layers (the lookup buffer, the connector) only rely on what thi
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from types import TracebackType
 
 import torch
@@ -44,7 +45,7 @@ class KVPipeBase(abc.ABC):
 
         A tensor small enough for one message may go out from the calling thread when nothing is
         queued before it: that wait is bounded by the wire, never by the peer's user, since the
-        peer's pipe takes frames in whether or not its user is receiving (within a millisecond).
+        peer's pipe takes frames in whether or not its user is receiving (within milliseconds).
 
         Ownership: the pipe keeps a reference to ``tensor`` (a contiguous tensor is not copied)
         until it has been sent; the caller must not modify it in place before :meth:`flush`
@@ -56,6 +57,20 @@ class KVPipeBase(abc.ABC):
             KVTransferError: the tensor alone exceeds ``kv_buffer_size``, its dtype cannot be
                 transferred, the pipe is closed or broken, or an earlier background send failed.
             KVTimeoutError: the byte budget stayed full for ``timeout`` seconds.
+        """
+
+    @abc.abstractmethod
+    def send_tensors(self, tensors: Sequence[torch.Tensor | None], timeout: float | None = None) -> None:
+        """Queue ``tensors`` (each a tensor or ``None``) in order, as one unit, and return.
+
+        A unit leaves back to back: no tensor sent by another thread comes between its items, and
+        small items share a frame with their neighbours, so a small header sent with the large
+        tensors it describes costs no message of its own. The receiver takes each item with its own
+        :meth:`recv_tensor`. A unit whose items together exceed ``kv_buffer_size`` cannot be in
+        flight at once; it is sent item by item, and other threads' tensors may then come between.
+
+        Ownership, blocking (``timeout`` covers the whole call), thread safety and errors are those
+        of :meth:`send_tensor`; every item is checked before any is queued.
         """
 
     @abc.abstractmethod

@@ -5,6 +5,12 @@ an inline area. A tensor that fits the inline area travels inside its frame (one
 second round trip); a larger one follows as a payload, cut into chunks of at most ``CHUNK_BYTES``
 so that no single gloo operation outlives ``kv_timeout``.
 
+A host frame may hold several records, one per item of a ``send_tensors`` batch: each record is a
+header and the item's inline bytes, the next starting at the following ``RECORD_ALIGN`` boundary,
+and a header's ``more`` word says whether another record follows. Payloads of the frame's records
+follow the frame in record order. So a small header and the large tensors it describes cost one
+frame, not one per item.
+
 The frame size depends on the device and is fixed by the protocol version; both sides check it at
 the rendezvous. Gloo accepts a message shorter than the posted receive, so a host frame is sent
 only as long as its header and inline bytes, and its inline area is large (1 MiB): tensors up to
@@ -25,13 +31,15 @@ import torch
 from kv_pipe.errors import KVProtocolError, KVTransferError
 
 MAGIC = 0x4B5642524447  # "KVBRDG"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 HEADER_WORDS = 64
 HEADER_BYTES = HEADER_WORDS * 8
 HOST_FRAME_BYTES = HEADER_BYTES + (1 << 20)
 DEVICE_FRAME_BYTES = 8192
 CHUNK_BYTES = 64 << 20
 MAX_NDIM = 48
+#: Records in a frame start at multiples of this, so every dtype's inline bytes are aligned.
+RECORD_ALIGN = 64
 #: Bytes charged against the in-flight budget per message on top of its payload, so that floods of
 #: tiny tensors or Nones are bounded too.
 MESSAGE_OVERHEAD = 256
@@ -70,7 +78,7 @@ for _code, _name in enumerate(_DTYPE_NAMES, start=1):
 
 # Header word positions.
 _W_MAGIC, _W_VERSION, _W_KIND, _W_SEQ, _W_CONSUMED, _W_WANT_CREDIT = 0, 1, 2, 3, 4, 5
-_W_DTYPE, _W_NDIM, _W_NBYTES, _W_INLINE, _W_SHAPE = 6, 7, 8, 9, 10
+_W_DTYPE, _W_NDIM, _W_NBYTES, _W_INLINE, _W_MORE, _W_SHAPE = 6, 7, 8, 9, 10, 11
 
 # Headers are packed with struct straight into the frame's memory: per message this costs a third
 # of building and reading lists of words, which a small tensor's whole trip would notice.
@@ -92,6 +100,18 @@ class FrameHeader:
     shape: tuple[int, ...] = ()
     nbytes: int = 0
     inline: bool = False  # the tensor's bytes are inside the frame
+    more: bool = False  # another record follows in this frame
+
+
+def record_inline_capacity(frame_bytes: int, offset: int) -> int:
+    """How many inline bytes a record starting at ``offset`` of a frame can carry."""
+    return frame_bytes - offset - HEADER_BYTES
+
+
+def next_record_offset(offset: int, inline_bytes: int) -> int:
+    """Where the record after one at ``offset`` with ``inline_bytes`` inside the frame starts."""
+    end = offset + HEADER_BYTES + inline_bytes
+    return (end + RECORD_ALIGN - 1) // RECORD_ALIGN * RECORD_ALIGN
 
 
 def message_cost(nbytes: int) -> int:
@@ -103,12 +123,13 @@ def pack_header(header: FrameHeader, buffer: memoryview | bytearray) -> None:
     if header.kind is FrameKind.TENSOR:
         ndim = len(header.shape)
         _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, header.kind, header.seq, header.consumed,
-                         header.want_credit, DTYPE_TO_CODE[header.dtype], ndim, header.nbytes, header.inline)
+                         header.want_credit, DTYPE_TO_CODE[header.dtype], ndim, header.nbytes, header.inline,
+                         header.more)
         _SHAPES[ndim].pack_into(buffer, _FIXED.size, *header.shape)
         end = _FIXED.size + 8 * ndim
     else:
         _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, header.kind, header.seq, header.consumed,
-                         header.want_credit, 0, 0, 0, 0)
+                         header.want_credit, 0, 0, 0, 0, header.more)
         end = _FIXED.size
     buffer[end:HEADER_BYTES] = _ZEROS[end:]  # the frame is reused: no word may stay from an earlier header
 
@@ -129,12 +150,13 @@ def _all_zero(buffer: memoryview, start: int) -> bool:
 def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int) -> FrameHeader:
     """Parse and validate a received header; raise KVProtocolError on anything off.
 
-    ``buffer`` holds the frame's first HEADER_BYTES, byte-addressed. ``max_nbytes`` is the largest
+    ``buffer`` holds the record's HEADER_BYTES, byte-addressed. ``max_nbytes`` is the largest
     payload this side agreed to accept: a header claiming more is refused before any memory is
-    allocated or any receive is posted. ``inline_capacity`` is the frame's inline area: the header's
-    inline flag must say exactly whether the tensor fits it.
+    allocated or any receive is posted. ``inline_capacity`` is what the record's inline area can
+    hold (:func:`record_inline_capacity`): the header's inline flag must say exactly whether the
+    tensor fits it. Only records of items (TENSOR, NONE) may say that another record follows.
     """
-    magic, version, kind_code, seq, consumed, want_credit, dtype_code, ndim, nbytes, inline_word = (
+    magic, version, kind_code, seq, consumed, want_credit, dtype_code, ndim, nbytes, inline_word, more = (
         _FIXED.unpack_from(buffer))
     if magic != MAGIC:
         raise KVProtocolError(f"peer sent a frame with bad magic {magic:#x}: not a kvbridge pipe")
@@ -146,12 +168,14 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int) -> 
     kind = _KINDS.get(kind_code)
     if kind is None:
         raise KVProtocolError(f"peer sent an unknown frame kind {kind_code}")
-    if consumed < 0 or want_credit not in (0, 1) or seq < 0:
+    if consumed < 0 or want_credit not in (0, 1) or seq < 0 or more not in (0, 1):
         raise KVProtocolError(f"peer sent a malformed {kind.name} header: {list(_FIXED.unpack_from(buffer))}")
+    if more and kind not in (FrameKind.TENSOR, FrameKind.NONE):
+        raise KVProtocolError(f"peer sent a {kind.name} record that claims another record follows it")
     if kind is not FrameKind.TENSOR:
         if dtype_code or ndim or nbytes or inline_word or not _all_zero(buffer, _FIXED.size):
             raise KVProtocolError(f"peer sent a {kind.name} frame with tensor fields set")
-        return FrameHeader(kind, seq, consumed, bool(want_credit))
+        return FrameHeader(kind, seq, consumed, bool(want_credit), more=bool(more))
     dtype = CODE_TO_DTYPE.get(dtype_code)
     if dtype is None:
         raise KVProtocolError(f"peer sent unknown dtype code {dtype_code}")
@@ -173,7 +197,7 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int) -> 
     inline = nbytes <= inline_capacity
     if inline_word != inline:
         raise KVProtocolError(f"peer's inline flag {inline_word} disagrees with size {nbytes}")
-    return FrameHeader(kind, seq, consumed, bool(want_credit), dtype, shape, nbytes, inline)
+    return FrameHeader(kind, seq, consumed, bool(want_credit), dtype, shape, nbytes, inline, bool(more))
 
 
 def check_sendable(tensor: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,9 @@ from kv_pipe.protocol import (
     decode_header,
     frame_bytes_for,
     message_cost,
+    next_record_offset,
     pack_header,
+    record_inline_capacity,
 )
 
 logger = logging.getLogger(__name__)
@@ -88,7 +91,8 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Outgoing:
-    """One queued message: a frame kind and, for tensors, the bytes to send."""
+    """One queued item: a frame kind and, for tensors, the bytes to send. The send queue holds
+    units, lists of items that go out back to back (one item, or a ``send_tensors`` batch)."""
 
     __slots__ = ("kind", "data", "nbytes", "cost")
 
@@ -142,7 +146,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._peer_finished = False  # peer sent CLOSE or CLOSE_ACK
 
         # Sending side.
-        self._send_queue: collections.deque[_Outgoing] = collections.deque()
+        self._send_queue: collections.deque[list[_Outgoing]] = collections.deque()
         self._queued_cost = 0  # cumulative cost of every message ever queued
         self._queued_messages = 0
         self._sent_messages = 0
@@ -304,22 +308,37 @@ class TorchDistributedPipe(KVPipeBase):
         return self._max_in_flight - message_cost(0)
 
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
+        self._send_unit([self._outgoing(tensor)], timeout)
+
+    def send_tensors(self, tensors: Sequence[torch.Tensor | None], timeout: float | None = None) -> None:
+        unit = [self._outgoing(tensor) for tensor in tensors]
+        if sum(message.cost for message in unit) <= self._max_in_flight:
+            if unit:
+                self._send_unit(unit, timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for message in unit:  # more than the budget at once: it cannot travel as one unit
+            self._send_unit([message], None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _outgoing(self, tensor: torch.Tensor | None) -> _Outgoing:
         if tensor is None:
-            message = _Outgoing(FrameKind.NONE)
-        else:
-            check_sendable(tensor)
-            data = self._as_sendable(tensor)
-            message = _Outgoing(FrameKind.TENSOR, data, data.nbytes)
-            if message.nbytes > self.max_tensor_bytes:
-                raise KVTransferError(
-                    f"a {message.nbytes}-byte tensor exceeds the pipe's limit of {self.max_tensor_bytes} bytes "
-                    f"(max_tensor_bytes: the smaller kv_buffer_size of the two sides, less bookkeeping)"
-                )
+            return _Outgoing(FrameKind.NONE)
+        check_sendable(tensor)
+        data = self._as_sendable(tensor)
+        if data.nbytes > self.max_tensor_bytes:
+            raise KVTransferError(
+                f"a {data.nbytes}-byte tensor exceeds the pipe's limit of {self.max_tensor_bytes} bytes "
+                f"(max_tensor_bytes: the smaller kv_buffer_size of the two sides, less bookkeeping)"
+            )
+        return _Outgoing(FrameKind.TENSOR, data, data.nbytes)
+
+    def _send_unit(self, unit: list[_Outgoing], timeout: float | None) -> None:
+        cost = unit[0].cost if len(unit) == 1 else sum(message.cost for message in unit)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 self._raise_if_unusable_for_send()
-                if self._queued_cost + message.cost - self._peer_consumed <= self._max_in_flight:
+                if self._queued_cost + cost - self._peer_consumed <= self._max_in_flight:
                     break
                 if self._credit_asked_at != self._peer_consumed:
                     self._credit_asked_at = self._peer_consumed
@@ -330,18 +349,18 @@ class TorchDistributedPipe(KVPipeBase):
                         f"send_tensor: the in-flight budget of {self._max_in_flight} bytes stayed full "
                         f"for {timeout:g} s (the peer is not taking what was sent)"
                     )
-            self._queued_cost += message.cost
-            self._queued_messages += 1
-            # Messages that fit one frame go out from the caller's thread when the wire is free: a
-            # hand-off to the sender thread costs more than the send itself (the peer's pipe takes
-            # frames in whether or not its user receives, so this waits for the wire, not the user).
-            direct = not self._send_queue and not self._wire_busy and message.cost <= self._max_direct_cost
+            self._queued_cost += cost
+            self._queued_messages += len(unit)
+            # Units about as small as one frame go out from the caller's thread when the wire is
+            # free: a hand-off to the sender thread costs more than the send itself (the peer's pipe
+            # takes frames in whether or not its user receives, so this waits for the wire, not the user).
+            direct = not self._send_queue and not self._wire_busy and cost <= self._max_direct_cost
             if not direct:
-                self._send_queue.append(message)
+                self._send_queue.append(unit)
                 self._sender_wakeup.notify()
                 return
-            header = self._claim_wire(message)
-        if not self._transmit_claimed(header, message):
+            headers = self._claim_wire(unit)
+        if not self._transmit_claimed(headers, unit):
             with self._cond:
                 self._raise_if_failed()
 
@@ -457,7 +476,7 @@ class TorchDistributedPipe(KVPipeBase):
     def _queue_final_frame(self, kind: FrameKind) -> None:
         self._final_frame_queued = True
         self._queued_messages += 1
-        self._send_queue.append(_Outgoing(kind))
+        self._send_queue.append([_Outgoing(kind)])
         self._sender_wakeup.notify()
 
     def _fail(self, error: KVTransferError) -> None:
@@ -494,44 +513,58 @@ class TorchDistributedPipe(KVPipeBase):
                         return
                     if not self._wire_busy:
                         if self._send_queue:
-                            message = self._send_queue.popleft()
+                            unit = self._send_queue.popleft()
                             break
                         now = time.monotonic()
                         quiet_left = self._last_sent + self._keepalive_interval - now
                         if self._credit_ample_at is not None:
                             quiet_left = min(quiet_left, self._credit_ample_at + _CREDIT_DEFERRAL - now)
                         if quiet_left <= 0 or self._want_credit or self._credit_requested():
-                            message = _Outgoing(FrameKind.KEEPALIVE)
+                            unit = [_Outgoing(FrameKind.KEEPALIVE)]
                             break
                         self._sender_wakeup.wait(quiet_left)
                     else:
                         self._sender_wakeup.wait()
-                header = self._claim_wire(message)
-            if not self._transmit_claimed(header, message):
+                headers = self._claim_wire(unit)
+            if not self._transmit_claimed(headers, unit):
                 return
-            if message.kind in (FrameKind.CLOSE, FrameKind.CLOSE_ACK):
+            if unit[0].kind in (FrameKind.CLOSE, FrameKind.CLOSE_ACK):
                 return
 
-    def _claim_wire(self, message: _Outgoing) -> FrameHeader:
-        """Reserve the wire for ``message`` and build its header (hold ``_cond``)."""
+    def _claim_wire(self, unit: list[_Outgoing]) -> list[FrameHeader]:
+        """Reserve the wire for ``unit`` and build its records' headers (hold ``_cond``).
+
+        Records share a frame while the next one's header fits after the last one's inline bytes;
+        whether a tensor is inline depends on where its record starts (see kv_pipe.protocol).
+        """
         self._wire_busy = True
-        data, nbytes = message.data, message.nbytes
-        header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=self._consumed,
-                             want_credit=self._want_credit, nbytes=nbytes)
-        if data is not None:
-            header.dtype, header.shape, header.inline = data.dtype, data.shape, nbytes <= self._inline_capacity
-        if message.kind in (FrameKind.TENSOR, FrameKind.NONE):
-            self._next_send_seq += 1
+        headers = []
+        offset = 0
+        for index, message in enumerate(unit):
+            data, nbytes = message.data, message.nbytes
+            header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=self._consumed,
+                                 want_credit=self._want_credit, nbytes=nbytes)
+            if data is not None:
+                header.dtype, header.shape = data.dtype, data.shape
+                header.inline = nbytes <= record_inline_capacity(self._frame_bytes, offset)
+            if message.kind in (FrameKind.TENSOR, FrameKind.NONE):
+                self._next_send_seq += 1
+            if index + 1 < len(unit):
+                offset = next_record_offset(offset, nbytes if header.inline else 0)
+                header.more = offset + HEADER_BYTES <= self._frame_bytes
+                if not header.more:
+                    offset = 0
+            headers.append(header)
         self._reported_consumed = self._consumed
         self._credit_ample_at = None
         self._peer_wants_credit = False
         self._want_credit = False
-        return header
+        return headers
 
-    def _transmit_claimed(self, header: FrameHeader, message: _Outgoing) -> bool:
-        """Send a message whose wire was claimed; release the wire. False if the send failed."""
+    def _transmit_claimed(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> bool:
+        """Send a unit whose wire was claimed; release the wire. False if the send failed."""
         try:
-            self._transmit(header, message.data)
+            self._transmit(headers, unit)
         except Exception as exc:
             self._fail(self._peer_lost("sending", exc))
             return False
@@ -539,34 +572,53 @@ class TorchDistributedPipe(KVPipeBase):
             with self._cond:
                 self._wire_busy = False
                 self._last_sent = time.monotonic()
-                if message.kind is not FrameKind.KEEPALIVE:
-                    self._sent_messages += 1
-                message.data = None  # release the caller's tensor as soon as it is on the wire
+                for message in unit:
+                    if message.kind is not FrameKind.KEEPALIVE:
+                        self._sent_messages += 1
+                    message.data = None  # release the caller's tensor as soon as it is on the wire
                 self._transmitted.notify_all()
                 if self._send_queue:  # queued behind a caller's direct send
                     self._sender_wakeup.notify()
         return True
 
-    def _transmit(self, header: FrameHeader, data: torch.Tensor | None) -> None:
+    def _transmit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> None:
+        offset = 0
+        payloads = []  # tensors of this frame's records that follow it
+        for header, message in zip(headers, unit, strict=True):
+            inline_bytes = header.nbytes if header.inline else 0
+            self._pack_record(header, message.data, offset, inline_bytes)
+            if header.kind is FrameKind.TENSOR and not header.inline:
+                payloads.append(message.data)
+            if header.more:
+                offset = next_record_offset(offset, inline_bytes)
+                continue
+            frame = self._send_frame
+            if not self._send_whole_frames:
+                frame = self._send_frame_prefix(offset + HEADER_BYTES + inline_bytes)
+            # One operation at a time: posting a payload while the frame is still pending measured
+            # ~2 ms slower per message on gloo, and gloo's timeout counts from when an operation is posted.
+            self._group.send([frame], self.peer_rank, _TAG_FRAME).wait()
+            for data in payloads:
+                flat = _flat_bytes(data)
+                for start, end in chunk_bounds(data.nbytes):
+                    self._group.send([flat[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
+            offset = 0
+            payloads.clear()
+
+    def _pack_record(self, header: FrameHeader, data: torch.Tensor | None, offset: int, inline_bytes: int) -> None:
+        """Write a record's header and inline bytes into the send frame at ``offset``."""
         frame = self._send_frame
-        pack_header(header, self._send_bytes)
-        inline_bytes = header.nbytes if header.inline else 0
         if frame.device.type != "cpu":
-            frame[:HEADER_BYTES].copy_(torch.frombuffer(self._send_bytes, dtype=torch.uint8))
+            pack_header(header, self._send_bytes)
+            frame[offset : offset + HEADER_BYTES].copy_(torch.frombuffer(self._send_bytes, dtype=torch.uint8))
             if inline_bytes:
-                frame[HEADER_BYTES : HEADER_BYTES + inline_bytes].copy_(_flat_bytes(data))
-        elif inline_bytes:
+                start = offset + HEADER_BYTES
+                frame[start : start + inline_bytes].copy_(_flat_bytes(data))
+            return
+        pack_header(header, self._send_bytes[offset : offset + HEADER_BYTES] if offset else self._send_bytes)
+        if inline_bytes:
             # A plain memory copy: a byte view of the tensor costs more than the copy itself at 4 KiB.
-            ctypes.memmove(self._send_address + HEADER_BYTES, data.data_ptr(), inline_bytes)
-        if not self._send_whole_frames:
-            frame = self._send_frame_prefix(HEADER_BYTES + inline_bytes)
-        # One operation at a time: posting the payload while the frame is still pending measured
-        # ~2 ms slower per message on gloo, and gloo's timeout counts from when an operation is posted.
-        self._group.send([frame], self.peer_rank, _TAG_FRAME).wait()
-        if header.kind is FrameKind.TENSOR and not header.inline:
-            payload = _flat_bytes(data)
-            for start, end in chunk_bounds(header.nbytes):
-                self._group.send([payload[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
+            ctypes.memmove(self._send_address + offset + HEADER_BYTES, data.data_ptr(), inline_bytes)
 
     def _send_frame_prefix(self, nbytes: int) -> torch.Tensor:
         # Consecutive messages tend to have one size: the view is kept rather than cut per message.
@@ -579,10 +631,11 @@ class TorchDistributedPipe(KVPipeBase):
         """A byte view of a host frame; for a device frame, of a host buffer for its header."""
         return memoryview(frame.numpy() if frame.device.type == "cpu" else bytearray(HEADER_BYTES))
 
-    def _received_header(self) -> memoryview:
-        if self._recv_frame.device.type != "cpu":
-            self._recv_bytes[:] = self._recv_frame[:HEADER_BYTES].cpu().numpy()
-        return self._recv_bytes[:HEADER_BYTES]
+    def _received_header(self, offset: int) -> memoryview:
+        if self.device.type != "cpu":  # host frames may already have gone to a caller, with a record before this one
+            self._recv_bytes[:] = self._recv_frame[offset : offset + HEADER_BYTES].cpu().numpy()
+            return self._recv_bytes
+        return self._recv_bytes[offset : offset + HEADER_BYTES]
 
     # ------------------------------------------------------------------ receiver thread
 
@@ -619,14 +672,7 @@ class TorchDistributedPipe(KVPipeBase):
                 self._recv_frame = self._allocate(self._frame_bytes)
                 self._recv_bytes = self._host_bytes(self._recv_frame)
             self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME).wait()
-            header = decode_header(self._received_header(), max_nbytes=self._max_in_flight,
-                                   inline_capacity=self._inline_capacity)
-            if not self._peer_consumed <= header.consumed <= self._queued_cost:  # only the receiving thread writes it
-                raise KVProtocolError(
-                    f"peer claims to have consumed {header.consumed} bytes; it had consumed {self._peer_consumed} "
-                    f"and was sent at most {self._queued_cost}"
-                )
-            item = self._receive_item(header)
+            header, items = self._receive_records()
         except KVProtocolError as exc:
             self._fail(exc)
             return False
@@ -640,9 +686,9 @@ class TorchDistributedPipe(KVPipeBase):
             self._receiving = False
             self._peer_consumed = header.consumed
             self._peer_wants_credit = self._peer_wants_credit or header.want_credit
-            carries_item = header.kind in (FrameKind.TENSOR, FrameKind.NONE)
+            carries_item = bool(items)
             if carries_item:
-                self._recv_queue.append((item, message_cost(header.nbytes)))
+                self._recv_queue.extend(items)
             elif header.kind is FrameKind.CLOSE:
                 self._peer_finished = True
                 if not self._final_frame_queued and self._error is None:
@@ -659,7 +705,39 @@ class TorchDistributedPipe(KVPipeBase):
                     self._receiver_wakeup.notify()
             return not self._peer_finished
 
-    def _receive_item(self, header: FrameHeader) -> torch.Tensor | None:
+    def _receive_records(self) -> tuple[FrameHeader, list[tuple[torch.Tensor | None, int]]]:
+        """Parse the received frame's records and take in their items (payloads included).
+
+        Returns the first record's header (credit, and the frame kind for control frames) and the
+        items with their costs, in order.
+        """
+        offset = 0
+        items = []
+        while True:
+            header = decode_header(self._received_header(offset), max_nbytes=self._max_in_flight,
+                                   inline_capacity=record_inline_capacity(self._frame_bytes, offset))
+            if not offset:
+                first = header
+                # Only the receiving thread writes _peer_consumed.
+                if not self._peer_consumed <= header.consumed <= self._queued_cost:
+                    raise KVProtocolError(
+                        f"peer claims to have consumed {header.consumed} bytes; it had consumed {self._peer_consumed} "
+                        f"and was sent at most {self._queued_cost}"
+                    )
+            elif header.consumed != first.consumed or header.want_credit != first.want_credit:
+                raise KVProtocolError("peer sent a frame whose records disagree on credit")
+            elif header.kind not in (FrameKind.TENSOR, FrameKind.NONE):
+                raise KVProtocolError(f"peer sent a {header.kind.name} record after another record in one frame")
+            item = self._receive_item(header, offset)
+            if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
+                items.append((item, message_cost(header.nbytes)))
+            if not header.more:
+                return first, items
+            offset = next_record_offset(offset, header.nbytes if header.inline else 0)
+            if offset + HEADER_BYTES > self._frame_bytes:
+                raise KVProtocolError(f"peer announced a record at byte {offset}, past the end of its frame")
+
+    def _receive_item(self, header: FrameHeader, offset: int) -> torch.Tensor | None:
         if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
             if header.seq != self._next_recv_seq:
                 raise KVProtocolError(f"peer's message {header.seq} arrived where {self._next_recv_seq} was due")
@@ -669,10 +747,11 @@ class TorchDistributedPipe(KVPipeBase):
         if header.nbytes == 0:
             return torch.empty(header.shape, dtype=header.dtype, device=self.device)
         if header.inline:
+            start = offset + HEADER_BYTES
             if self.device.type != "cpu":
-                data = self._recv_frame[HEADER_BYTES : HEADER_BYTES + header.nbytes]
+                data = self._recv_frame[start : start + header.nbytes]
                 return data.clone().view(header.dtype).reshape(header.shape)
-            inline = self._recv_bytes[HEADER_BYTES : HEADER_BYTES + header.nbytes]
+            inline = self._recv_bytes[start : start + header.nbytes]
             if header.nbytes < self._inline_capacity // 2:
                 # A bytearray copy and a tensor over it cost half of torch's clone of a frame slice.
                 inline = bytearray(inline)

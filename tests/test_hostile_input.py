@@ -575,8 +575,17 @@ def _keepalive(consumed: int) -> list[int]:
         kind=pipe_protocol.FrameKind.KEEPALIVE, seq=0, consumed=consumed, want_credit=False))
 
 
-#: name -> (the frames' header words, what the refusal must say)
-HOSTILE_HEADERS: dict[str, tuple[list[list[int]], str]] = {
+_SECOND_RECORD = P.next_record_offset(0, _BASE.nbytes)  # where a record after _BASE starts
+
+
+def _close(seq: int = 0) -> list[int]:
+    return pipe_protocol.encode_header(pipe_protocol.FrameHeader(
+        kind=pipe_protocol.FrameKind.CLOSE, seq=seq, consumed=0, want_credit=False))
+
+
+#: name -> (the frames: header words at offset 0, or {offset: header words} for several records;
+#: what the refusal must say)
+HOSTILE_HEADERS: dict[str, tuple[list[list[int] | dict[int, list[int]]], str]] = {
     "over the budget": ([_header(dtype=torch.uint8, shape=(PIPE_BUDGET + 1,), nbytes=PIPE_BUDGET + 1)],
                         "refused before allocating"),
     "one TiB": ([_header(dtype=torch.uint8, shape=(1 << 40,), nbytes=1 << 40)], "refused before allocating"),
@@ -601,6 +610,16 @@ HOSTILE_HEADERS: dict[str, tuple[list[list[int]], str]] = {
     "want_credit 2": ([_edit(_header(), want_credit=2)], "malformed"),
     "negative consumed": ([_edit(_header(), consumed=-1)], "malformed"),
     "consumed more than was sent": ([_keepalive(4096)], "was sent at most"),
+    "more word 2": ([_edit(_header(), more=2)], "malformed"),
+    "keepalive claiming a next record": ([_edit(_keepalive(0), more=1)], "claims another record"),
+    "next record past the frame": ([_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY,), nbytes=_INLINE_CAPACITY,
+                                            more=True)], "past the end of its frame"),
+    "records disagreeing on credit": ([{0: _header(more=True), _SECOND_RECORD: _edit(_header(seq=1), consumed=64)}],
+                                      "disagree on credit"),
+    "close after a record": ([{0: _header(more=True), _SECOND_RECORD: _close(seq=1)}], "after another record"),
+    "bad second record": ([{0: _header(more=True), _SECOND_RECORD: _edit(_header(seq=1), magic=7)}], "bad magic"),
+    "second record out of sequence": ([{0: _header(more=True), _SECOND_RECORD: _header(seq=3)}],
+                                      "arrived where 1 was due"),
 }
 
 
@@ -615,9 +634,11 @@ def body_hostile_headers(rank: int, port: int) -> dict:
             with pipe._cond:  # keep this side's own sender thread quiet while we write on its behalf
                 while pipe._wire_busy:
                     pipe._cond.wait()
-                for words in frames:
+                for records in frames:
                     frame = torch.zeros(pipe_protocol.HOST_FRAME_BYTES, dtype=torch.uint8)
-                    frame[: pipe_protocol.HEADER_BYTES] = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+                    for start, words in (records if isinstance(records, dict) else {0: records}).items():
+                        header_bytes = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+                        frame[start : start + pipe_protocol.HEADER_BYTES] = header_bytes
                     pipe._group.send([frame], 0, 0).wait()
             with pytest.raises((KVPeerLostError, KVPipeClosedError)):  # rank 0 dropped the connection
                 pipe.recv_tensor(timeout=30)

@@ -178,6 +178,90 @@ def body_frame_boundaries(rank: int, port: int) -> int:
     return received
 
 
+def batch_stream(seed: int) -> list[list[torch.Tensor | None]]:
+    """Batches for send_tensors: every dtype and odd shape, Nones, 2,000 tiny tensors (more records
+    than one frame holds), sizes around a record's inline room, and payloads behind small records."""
+    generator = torch.Generator().manual_seed(seed)
+    singles = tensor_stream(seed)
+    tiny = [random_tensor(generator, torch.int16, (index % 7,)) for index in range(2000)]
+    header = random_tensor(generator, torch.int64, (300,))
+    half = INLINE_CAPACITY // 2
+    sizes = [half - 1, half, INLINE_CAPACITY - 600, INLINE_CAPACITY - 512, INLINE_CAPACITY, INLINE_CAPACITY + 1]
+    around = [random_tensor(generator, torch.uint8, (size,)) for size in sizes]
+    return [singles[:40], [None], tiny, [header, *around], singles[40:], [header, None, around[-1], header],
+            [random_tensor(generator, torch.float64, (3, 3))]]
+
+
+def body_batches(rank: int, port: int) -> int:
+    """Both sides send batches (and single tensors between them) while receiving the peer's; every
+    received item is kept to the end: records handed over in a frame must not be overwritten."""
+    mine, theirs = batch_stream(seed=rank), batch_stream(seed=1 - rank)
+    with TorchDistributedPipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
+        def send_all() -> None:
+            for batch in mine:
+                pipe.send_tensors(batch, timeout=30)
+                pipe.send_tensor(torch.tensor(len(batch)), timeout=30)
+
+        sender = threading.Thread(target=send_all)
+        sender.start()
+        kept = []
+        for batch in theirs:
+            kept.append([pipe.recv_tensor(timeout=30) for _ in batch])
+            assert pipe.recv_tensor(timeout=30).item() == len(batch), "a batch lost or gained items"
+        sender.join(60)
+        assert not sender.is_alive()
+        pipe.flush(timeout=30)
+        for number, (got_batch, want_batch) in enumerate(zip(kept, theirs, strict=True)):
+            for index, (got, want) in enumerate(zip(got_batch, want_batch, strict=True)):
+                if want is not None:
+                    want = want.resolve_conj()
+                assert same_bits(got, want), f"batch {number} item {index}: sent {want!r}, received {got!r}"
+        pipe.send_tensor(None)
+        assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
+    return sum(len(batch) for batch in kept)
+
+
+def body_concurrent_batches(rank: int, port: int, threads: int, batches: int) -> int:
+    """Batches from several threads arrive whole: no other thread's item comes between a batch's items;
+    a batch larger than the budget is sent item by item and still arrives in order."""
+    budget = 8 << 20
+    with TorchDistributedPipe(config(rank, port, kv_buffer_size=budget)) as pipe:
+        if rank == 0:
+            def send(thread_id: int) -> None:
+                generator = torch.Generator().manual_seed(thread_id)
+                for number in range(batches):
+                    size = [1, 5, 3000, 200_000][number % 4]
+                    pipe.send_tensors([torch.tensor([thread_id, number, index, size]) if index % 2 == 0
+                                       else random_tensor(generator, torch.uint8, (size,)) for index in range(6)])
+
+            workers = [threading.Thread(target=send, args=(t,)) for t in range(threads)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join(60)
+            oversized = [torch.full((3 << 20,), index, dtype=torch.uint8) for index in range(4)]
+            pipe.send_tensors(oversized, timeout=30)
+            pipe.flush(timeout=30)
+            assert pipe.recv_tensor(timeout=30).item() == 1  # wait for the peer's verdict before closing
+            return 0
+        next_number = [0] * threads
+        for _ in range(threads * batches):
+            thread_id, number, index, size = pipe.recv_tensor(timeout=30).tolist()
+            assert (number, index) == (next_number[thread_id], 0), "batch order broken"
+            for index in range(1, 6):
+                item = pipe.recv_tensor(timeout=30)
+                if index % 2 == 0:
+                    assert item.tolist() == [thread_id, number, index, size], "another item came between"
+                else:
+                    assert item.numel() == size
+            next_number[thread_id] += 1
+        for index in range(4):
+            item = pipe.recv_tensor(timeout=30)
+            assert item.numel() == 3 << 20 and item[0] == index and item[-1] == index
+        pipe.send_tensor(torch.tensor(1))
+        return sum(next_number)
+
+
 def body_timeouts_and_idle(rank: int, port: int) -> str:
     """recv timeouts leave the pipe usable; an idle pipe outlives kv_timeout many times over."""
     kv_timeout = 1.0
@@ -500,6 +584,19 @@ def test_random_stress_both_directions_with_none():
 def test_concurrent_senders_keep_per_thread_order():
     port = procs.free_port()
     assert procs.run_pair(body_concurrent_senders, (0, port, 4, 100), (1, port, 4, 100), timeout=100)[1] == 400
+
+
+@pytest.mark.timeout(120)
+def test_batches_arrive_item_by_item_bit_exact():
+    port = procs.free_port()
+    expected = sum(len(batch) for batch in batch_stream(seed=0))
+    assert procs.run_pair(body_batches, (0, port), (1, port), timeout=100) == (expected, expected)
+
+
+@pytest.mark.timeout(120)
+def test_batches_from_several_threads_arrive_whole():
+    port = procs.free_port()
+    assert procs.run_pair(body_concurrent_batches, (0, port, 4, 40), (1, port, 4, 40), timeout=100) == (0, 160)
 
 
 @pytest.mark.timeout(120)

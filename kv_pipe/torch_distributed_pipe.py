@@ -130,6 +130,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._max_direct_cost = message_cost(self._inline_capacity)
         # Gloo accepts a message shorter than the posted receive; NCCL needs the sizes to match.
         self._send_whole_frames = self.device.type != "cpu"
+        self._on_host = self.device.type == "cpu"  # checked per message: cheaper than a tensor's .device
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
         # The transfer threads wait apart from the callers: a wake-up costs more than a small
@@ -539,21 +540,22 @@ class TorchDistributedPipe(KVPipeBase):
         """
         self._wire_busy = True
         headers = []
-        offset = 0
+        offset, capacity = 0, self._inline_capacity  # where the next record starts, and its inline room
+        last = len(unit) - 1
         for index, message in enumerate(unit):
             data, nbytes = message.data, message.nbytes
             header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=self._consumed,
                                  want_credit=self._want_credit, nbytes=nbytes)
             if data is not None:
-                header.dtype, header.shape = data.dtype, data.shape
-                header.inline = nbytes <= record_inline_capacity(self._frame_bytes, offset)
+                header.dtype, header.shape, header.inline = data.dtype, data.shape, nbytes <= capacity
             if message.kind in (FrameKind.TENSOR, FrameKind.NONE):
                 self._next_send_seq += 1
-            if index + 1 < len(unit):
+            if index < last:
                 offset = next_record_offset(offset, nbytes if header.inline else 0)
                 header.more = offset + HEADER_BYTES <= self._frame_bytes
                 if not header.more:
                     offset = 0
+                capacity = record_inline_capacity(self._frame_bytes, offset)
             headers.append(header)
         self._reported_consumed = self._consumed
         self._credit_ample_at = None
@@ -608,7 +610,7 @@ class TorchDistributedPipe(KVPipeBase):
     def _pack_record(self, header: FrameHeader, data: torch.Tensor | None, offset: int, inline_bytes: int) -> None:
         """Write a record's header and inline bytes into the send frame at ``offset``."""
         frame = self._send_frame
-        if frame.device.type != "cpu":
+        if not self._on_host:
             pack_header(header, self._send_bytes)
             frame[offset : offset + HEADER_BYTES].copy_(torch.frombuffer(self._send_bytes, dtype=torch.uint8))
             if inline_bytes:
@@ -632,7 +634,7 @@ class TorchDistributedPipe(KVPipeBase):
         return memoryview(frame.numpy() if frame.device.type == "cpu" else bytearray(HEADER_BYTES))
 
     def _received_header(self, offset: int) -> memoryview:
-        if self.device.type != "cpu":  # host frames may already have gone to a caller, with a record before this one
+        if not self._on_host:
             self._recv_bytes[:] = self._recv_frame[offset : offset + HEADER_BYTES].cpu().numpy()
             return self._recv_bytes
         return self._recv_bytes[offset : offset + HEADER_BYTES]
@@ -712,10 +714,11 @@ class TorchDistributedPipe(KVPipeBase):
         items with their costs, in order.
         """
         offset = 0
+        capacity = self._inline_capacity
         items = []
         while True:
             header = decode_header(self._received_header(offset), max_nbytes=self._max_in_flight,
-                                   inline_capacity=record_inline_capacity(self._frame_bytes, offset))
+                                   inline_capacity=capacity)
             if not offset:
                 first = header
                 # Only the receiving thread writes _peer_consumed.
@@ -736,6 +739,7 @@ class TorchDistributedPipe(KVPipeBase):
             offset = next_record_offset(offset, header.nbytes if header.inline else 0)
             if offset + HEADER_BYTES > self._frame_bytes:
                 raise KVProtocolError(f"peer announced a record at byte {offset}, past the end of its frame")
+            capacity = record_inline_capacity(self._frame_bytes, offset)
 
     def _receive_item(self, header: FrameHeader, offset: int) -> torch.Tensor | None:
         if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
@@ -748,7 +752,7 @@ class TorchDistributedPipe(KVPipeBase):
             return torch.empty(header.shape, dtype=header.dtype, device=self.device)
         if header.inline:
             start = offset + HEADER_BYTES
-            if self.device.type != "cpu":
+            if not self._on_host:
                 data = self._recv_frame[start : start + header.nbytes]
                 return data.clone().view(header.dtype).reshape(header.shape)
             inline = self._recv_bytes[start : start + header.nbytes]
@@ -771,6 +775,6 @@ class TorchDistributedPipe(KVPipeBase):
         return data.view(header.dtype).reshape(header.shape)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        if self.device.type == "cpu":
+        if self._on_host:
             return self._host_memory.allocate(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

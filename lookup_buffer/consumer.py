@@ -98,7 +98,6 @@ class BufferConsumer:
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, wait: float) -> SelectResult:
         tokens, roi_array = token_arrays(input_tokens, roi)
-        query = MatchKey(tokens, roi_array)
         wait_ms = math.ceil(wait * 1000)
         channel = self._thread_channel()
         call = self._open_call(channel.doorbell)
@@ -111,6 +110,7 @@ class BufferConsumer:
                     f"lookup buffer: {HIGH_WATER_MARK} selects queued unsent to {self._address}; "
                     f"the producer is unreachable"
                 ) from None
+            query = MatchKey(tokens, roi_array)  # needed only to check a hit: built while the request travels
             reply = self._await_outcome(channel, call, wait_ms / 1000 + self._config.kv_timeout)
             if reply is None:
                 return self._take_hit(call, query)

@@ -309,17 +309,21 @@ class TorchDistributedPipe(KVPipeBase):
         return self._max_in_flight - message_cost(0)
 
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
-        self._send_unit([self._outgoing(tensor)], timeout)
+        self._send_unit([self._outgoing(tensor)], timeout, self._deadline(timeout))
 
     def send_tensors(self, tensors: Sequence[torch.Tensor | None], timeout: float | None = None) -> None:
         unit = [self._outgoing(tensor) for tensor in tensors]
+        deadline = self._deadline(timeout)
         if sum(message.cost for message in unit) <= self._max_in_flight:
             if unit:
-                self._send_unit(unit, timeout)
+                self._send_unit(unit, timeout, deadline)
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
         for message in unit:  # more than the budget at once: it cannot travel as one unit
-            self._send_unit([message], None if deadline is None else max(0.0, deadline - time.monotonic()))
+            self._send_unit([message], timeout, deadline)
+
+    @staticmethod
+    def _deadline(timeout: float | None) -> float | None:
+        return None if timeout is None else time.monotonic() + timeout
 
     def _outgoing(self, tensor: torch.Tensor | None) -> _Outgoing:
         if tensor is None:
@@ -333,9 +337,10 @@ class TorchDistributedPipe(KVPipeBase):
             )
         return _Outgoing(FrameKind.TENSOR, data, data.nbytes)
 
-    def _send_unit(self, unit: list[_Outgoing], timeout: float | None) -> None:
+    def _send_unit(self, unit: list[_Outgoing], timeout: float | None, deadline: float | None) -> None:
+        """Queue ``unit`` once the in-flight budget has room for it, waiting until ``deadline``
+        (``timeout`` seconds after the user's call began)."""
         cost = unit[0].cost if len(unit) == 1 else sum(message.cost for message in unit)
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 self._raise_if_unusable_for_send()
@@ -366,7 +371,7 @@ class TorchDistributedPipe(KVPipeBase):
                 self._raise_if_failed()
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = self._deadline(timeout)
         while True:
             with self._cond:
                 while not self._recv_queue:
@@ -405,7 +410,7 @@ class TorchDistributedPipe(KVPipeBase):
         return deadline is None or deadline - time.monotonic() >= 2 * self._keepalive_interval
 
     def flush(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = self._deadline(timeout)
         with self._cond:
             while self._sent_messages < self._queued_messages:
                 self._raise_if_failed()

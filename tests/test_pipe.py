@@ -188,7 +188,7 @@ def batch_stream(seed: int) -> list[list[torch.Tensor | None]]:
     half = INLINE_CAPACITY // 2
     sizes = [half - 1, half, INLINE_CAPACITY - 600, INLINE_CAPACITY - 512, INLINE_CAPACITY, INLINE_CAPACITY + 1]
     around = [random_tensor(generator, torch.uint8, (size,)) for size in sizes]
-    return [singles[:40], [None], tiny, [header, *around], singles[40:], [header, None, around[-1], header],
+    return [singles[:40], [None], tiny, [], [header, *around], singles[40:], [header, None, around[-1], header],
             [random_tensor(generator, torch.float64, (3, 3))]]
 
 

@@ -293,6 +293,10 @@ class BufferConsumer:
         call.waited = header.waited
         call.items = (header.input_tokens, header.roi, key, value, hidden)  # last: it completes the call
         call.doorbell.ring()
+        # Give up the GIL to the call just woken: it would otherwise wait until this thread blocks in
+        # its next receive (4 KiB selects against a raw request/response: median 1.37x of 7 runs ->
+        # 1.21x of 9).
+        time.sleep(0)
 
     def _next_tensor(self) -> torch.Tensor:
         item = self._pipe.recv_tensor()

@@ -5,7 +5,7 @@ an inline area. A tensor that fits the inline area travels inside its frame (one
 second round trip); a larger one follows as a payload, cut into chunks of at most ``CHUNK_BYTES``
 so that no single gloo operation outlives ``kv_timeout``.
 
-A host frame may hold several records, one per item of a ``send_tensors`` batch: each record is a
+A frame may hold several records, one per item of a ``send_tensors`` batch: each record is a
 header and the item's inline bytes, the next starting at the following ``RECORD_ALIGN`` boundary,
 and a header's ``more`` word says whether another record follows. Payloads of the frame's records
 follow the frame in record order. So a small header and the large tensors it describes cost one

@@ -128,8 +128,6 @@ class TorchDistributedPipe(KVPipeBase):
         self._frame_bytes = frame_bytes_for(self.device.type)
         self._inline_capacity = self._frame_bytes - HEADER_BYTES
         self._max_direct_cost = message_cost(self._inline_capacity)
-        # Gloo accepts a message shorter than the posted receive; NCCL needs the sizes to match.
-        self._send_whole_frames = self.device.type != "cpu"
         self._on_host = self.device.type == "cpu"  # checked per message: cheaper than a tensor's .device
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
@@ -600,7 +598,7 @@ class TorchDistributedPipe(KVPipeBase):
                 offset = next_record_offset(offset, inline_bytes)
                 continue
             frame = self._send_frame
-            if not self._send_whole_frames:
+            if self._on_host:  # gloo accepts a message shorter than the posted receive; NCCL needs equal sizes
                 frame = self._send_frame_prefix(offset + HEADER_BYTES + inline_bytes)
             # One operation at a time: posting a payload while the frame is still pending measured
             # ~2 ms slower per message on gloo, and gloo's timeout counts from when an operation is posted.

@@ -85,8 +85,8 @@ _W_DTYPE, _W_NDIM, _W_NBYTES, _W_INLINE, _W_MORE, _W_SHAPE = 6, 7, 8, 9, 10, 11
 _FIXED = struct.Struct(f"<{_W_SHAPE}q")  # the words before the shape
 _SHAPES = tuple(struct.Struct(f"<{ndim}q") for ndim in range(MAX_NDIM + 1))
 _ALL_WORDS = struct.Struct(f"<{HEADER_WORDS}q")
-_ZEROS = memoryview(bytes(HEADER_BYTES))
-_ZERO_BYTES = bytes(HEADER_BYTES)
+_ZERO_BYTES = bytes(HEADER_BYTES)  # compared against as bytes (fast), assigned from as a view (no copy)
+_ZEROS = memoryview(_ZERO_BYTES)
 _KINDS = {int(kind): kind for kind in FrameKind}
 
 

@@ -43,7 +43,7 @@ class BufferStats:
     """Counters of one side of a lookup buffer, taken at one moment.
 
     Producer and consumer count hits, misses and waits alike (the producer tells the consumer
-    whether a select waited, in a miss's reply or a hit's header), so both sides agree once every
+    whether a select waited, in the header of its outcome), so both sides agree once every
     select has returned.
     """
 
@@ -132,8 +132,8 @@ class KVLookupBufferBase(abc.ABC):
             KVPeerLostError: the producer died or did not answer within ``timeout + kv_timeout``.
             KVPipeClosedError: this buffer was closed (also wakes a waiting call), or the
                 producer closed its side.
-            KVProtocolError: the producer speaks another protocol version or sent something
-                inconsistent.
+            KVProtocolError: the producer refused the select (another protocol version or
+                ``kv_secret``, or too many selects waiting there) or sent something inconsistent.
         """
 
     @abc.abstractmethod

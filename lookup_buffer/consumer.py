@@ -1,10 +1,15 @@
-"""The consumer side of the lookup buffer: selects over ZeroMQ, entries routed off the data pipe.
+"""The consumer side of the lookup buffer: selects over ZeroMQ, outcomes read off the data pipe.
 
 Each calling thread has its own DEALER socket (zmq sockets are not thread-safe) and its own doorbell.
-One reader thread takes everything from the data pipe: a hit header naming a request id, then that
-hit's tensors, which it hands to the waiting call of that id and rings that call's doorbell; so
-concurrent selects never get each other's tensors. A call waits in one poll for the first of: its
-hit, a reply (miss or error), or the buffer stopping.
+Every select asks for its outcome on the data pipe (``answer_on_pipe``): a hit's header and
+tensors, or the header of a miss, a refusal or the producer closing. The calling threads read the
+data pipe themselves, one at a time: the *leader* reads outcome after outcome and routes each by its
+request id, to itself or to the waiting call of that id, whose doorbell it rings; so concurrent
+selects never get each other's tensors, and a lone caller reads its own hit with no hand-over from
+another thread (a reader thread ringing the caller cost a 16 MiB select ~7% of the raw transfer:
+README, performance). A leader whose select is answered passes the role to another waiting call.
+The others wait in one poll for the first of: their outcome, the role passed to them, a control
+reply (a refusal that could not go on the pipe), or the buffer stopping.
 Request ids are random 63-bit numbers: a stray or hostile select cannot guess a live one.
 """
 
@@ -21,7 +26,7 @@ import zmq
 
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
-from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
+from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTimeoutError, KVTransferError
 from lookup_buffer.base import BufferStats, SelectResult
 from lookup_buffer.control import HIGH_WATER_MARK, Doorbell, open_socket
 from lookup_buffer.errors import fresh_error
@@ -30,6 +35,8 @@ from lookup_buffer.protocol import (
     ITEM_NAMES,
     MAX_REPLY_BYTES,
     ControlSigner,
+    Outcome,
+    OutcomeStatus,
     Reply,
     decode_reply,
     encode_request,
@@ -38,20 +45,25 @@ from lookup_buffer.protocol import (
 
 logger = logging.getLogger(__name__)
 
+#: Until the producer has answered a select on the data pipe, the leader looks at its control socket
+#: this often: a producer that refuses every request (another kv_secret or protocol version) answers
+#: only there, and must be heard at once, not after a select's whole wait.
+_FIRST_ANSWER_CHECK = 0.05
+
 
 class _Call:
-    """One drop_select in flight: the reader thread sets ``announced`` when the hit's header
-    arrives, then fills ``items`` and rings ``doorbell``."""
+    """One drop_select in flight: the leader sets ``announced`` when the call's hit header arrives,
+    then fills ``items`` (a hit's), sets ``outcome`` and rings ``doorbell`` (unless it is the
+    call's own thread)."""
 
-    __slots__ = ("request_id", "doorbell", "announced", "items", "match_key", "waited")
+    __slots__ = ("request_id", "doorbell", "announced", "items", "outcome")
 
     def __init__(self, request_id: int, doorbell: Doorbell) -> None:
         self.request_id = request_id
         self.doorbell = doorbell  # the calling thread's
         self.announced = False
-        self.items: tuple[torch.Tensor | None, ...] | None = None
-        self.match_key: MatchKey | None = None
-        self.waited = False
+        self.items: tuple[torch.Tensor | None, ...] = ()
+        self.outcome: Outcome | None = None
 
 
 class _ThreadChannel:
@@ -83,15 +95,15 @@ class BufferConsumer:
         self._lock = threading.Lock()  # guards everything below
         self._idle = threading.Condition(self._lock)
         self._calls: dict[int, _Call] = {}
+        self._leader: _Call | None = None  # the call whose thread reads the data pipe
+        self._answered_on_pipe = False  # the producer accepted a select of ours
         self._closed = False
         self._failure: KVTransferError | None = None
         self._failure_reported = False
-        self._received_tensors = 0  # the reader's progress
+        self._received_tensors = 0  # the data pipe's progress
         self._hits = self._misses = self._waits = self._received_bytes = 0
         # Rung once and never cleared: wakes every waiting call, now and later.
         self._stopped = Doorbell()
-        self._reader = threading.Thread(target=self._read, name="kvbuf-consumer-reader", daemon=True)
-        self._reader.start()
         logger.info("lookup buffer consumer selecting from %s", address)
 
     # ------------------------------------------------------------------ caller API
@@ -102,7 +114,7 @@ class BufferConsumer:
         channel = self._thread_channel()
         call = self._open_call(channel.doorbell)
         try:
-            request = encode_request(self._signer, call.request_id, tokens, roi_array, wait_ms)
+            request = encode_request(self._signer, call.request_id, tokens, roi_array, wait_ms, answer_on_pipe=True)
             try:
                 channel.sock.send(request, zmq.NOBLOCK)
             except zmq.Again:
@@ -113,11 +125,9 @@ class BufferConsumer:
             query = MatchKey(tokens, roi_array)  # needed only to check a hit: built while the request travels
             reply = self._await_outcome(channel, call, wait_ms / 1000 + self._config.kv_timeout)
             if reply is None:
-                return self._take_hit(call, query)
-            if reply.status == "miss":
-                with self._lock:
-                    self._misses += 1
-                    self._waits += reply.waited
+                return self._conclude(call, query)
+            if reply.status == "miss":  # a producer whose data pipe failed may still say so
+                self._count_miss(reply.waited)
                 return [None] * len(ITEM_NAMES)
             if reply.status == "closed":
                 raise KVPipeClosedError(f"lookup buffer: {reply.message}")
@@ -125,15 +135,29 @@ class BufferConsumer:
         finally:
             self._close_call(call)
 
-    def _take_hit(self, call: _Call, query: MatchKey) -> SelectResult:
-        items = call.items
-        if call.match_key != query:  # routing must never hand out another request's KV
+    def _conclude(self, call: _Call, query: MatchKey) -> SelectResult:
+        """The result of a select whose outcome came on the data pipe."""
+        outcome = call.outcome
+        if outcome.status is OutcomeStatus.MISS:
+            self._count_miss(outcome.waited)
+            return [None] * len(ITEM_NAMES)
+        if outcome.status is OutcomeStatus.CLOSED:
+            raise KVPipeClosedError("lookup buffer: the producer closed the lookup buffer")
+        if outcome.status is OutcomeStatus.BUSY:
+            raise KVProtocolError("lookup buffer: the producer refused the select: too many selects were waiting")
+        if outcome.match_key != query:  # routing must never hand out another request's KV
             raise KVProtocolError("lookup buffer: the producer sent an entry that does not match the query")
+        items = call.items
         with self._lock:
             self._hits += 1
-            self._waits += call.waited
+            self._waits += outcome.waited
             self._received_bytes += sum(item.nbytes for item in items if item is not None)
         return list(items)
+
+    def _count_miss(self, waited: bool) -> None:
+        with self._lock:
+            self._misses += 1
+            self._waits += waited
 
     def stats(self) -> BufferStats:
         with self._lock:
@@ -152,16 +176,15 @@ class BufferConsumer:
             if self._closed:
                 return
             self._closed = True
-        self._stopped.ring()  # wakes every waiting call
+        self._stopped.ring()  # wakes every waiting call but the leader
+        pipe_error = None
+        try:
+            self._pipe.close()  # ends the leader's recv_tensor
+        except KVTransferError as exc:
+            pipe_error = exc
         bound = self._config.kv_timeout
         with self._idle:
             self._idle.wait_for(lambda: not self._calls, timeout=bound)
-        pipe_error = None
-        try:
-            self._pipe.close()  # ends the reader's recv_tensor
-        except KVTransferError as exc:
-            pipe_error = exc
-        self._reader.join(bound)
         with self._lock:
             busy = len(self._calls)
             failure = None if self._failure_reported else self._failure
@@ -194,8 +217,23 @@ class BufferConsumer:
     def _close_call(self, call: _Call) -> None:
         with self._lock:
             del self._calls[call.request_id]
+            if self._leader is call or self._leader is None:
+                # Someone must read the pipe while calls wait. A successor that leaves before it takes
+                # the role passes it on here too.
+                self._leader = None
+                successor = next(iter(self._calls.values()), None)
+                if successor is not None:
+                    successor.doorbell.ring()
             if not self._calls:
                 self._idle.notify_all()
+
+    def _take_lead(self, call: _Call) -> bool:
+        """Whether ``call``'s thread is (now) the one that reads the data pipe."""
+        with self._lock:
+            self._raise_if_stopped()
+            if self._leader is None:
+                self._leader = call
+            return self._leader is call
 
     def _raise_if_stopped(self) -> None:
         """Raise the failure or the closed state (hold ``_lock``)."""
@@ -216,15 +254,18 @@ class BufferConsumer:
         return channel
 
     def _await_outcome(self, channel: _ThreadChannel, call: _Call, bound: float) -> Reply | None:
-        """The producer's reply to ``call``, or None once its hit has arrived in ``call.items``.
+        """The producer's control reply to ``call``, or None once its outcome has come on the data
+        pipe (``call.outcome``, and ``call.items`` for a hit).
 
-        Raises KVPeerLostError if within ``bound`` neither a reply nor the hit's header came, or if
-        the tensors of an announced hit stop arriving for ``2 * kv_timeout``; the buffer's failure
-        or KVPipeClosedError if it stops.
+        Raises KVPeerLostError if within ``bound`` neither a reply nor the outcome's header came,
+        or if the tensors of an announced hit stop arriving for ``2 * kv_timeout``; the buffer's
+        failure or KVPipeClosedError if it stops.
         """
         deadline = time.monotonic() + bound
         pipe_progress = -1
-        while call.items is None:
+        while call.outcome is None:
+            if self._take_lead(call):
+                return self._lead(channel, call, deadline, bound)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if not call.announced:
@@ -248,62 +289,97 @@ class BufferConsumer:
                 with self._lock:
                     self._raise_if_stopped()
             if channel.doorbell.fileno() in events:
-                channel.doorbell.clear()  # before the loop looks at call.items: a later ring wakes the next poll
+                channel.doorbell.clear()  # before the loop looks at the call: a later ring wakes the next poll
             if channel.sock in events:
-                frames = channel.sock.recv_multipart(zmq.NOBLOCK)
-                if len(frames) != 1:
-                    raise KVProtocolError(f"lookup buffer: the producer sent a reply of {len(frames)} frames")
-                reply = decode_reply(self._signer, frames[0])
-                if reply.request_id == call.request_id:
+                reply = self._reply_for(channel, call)
+                if reply is not None:
                     return reply
-                # The answer to an earlier call of this thread that gave up waiting.
-                logger.debug("lookup buffer: discarding a late reply for request %d", reply.request_id)
         return None
 
-    # ------------------------------------------------------------------ reader thread
-
-    def _read(self) -> None:
-        # Each recv_tensor is bounded by the pipe's liveness check and ended by close().
+    def _reply_for(self, channel: _ThreadChannel, call: _Call) -> Reply | None:
+        """The control reply waiting on ``channel`` if it answers ``call`` (raises nothing on none)."""
         try:
-            while True:
-                self._route_one_hit()
-        except KVTransferError as exc:
-            self._fail(exc)
-        except Exception as exc:  # a bug; fail loudly rather than leave callers waiting
-            logger.exception("lookup buffer reader thread failed")
-            self._fail(KVTransferError(f"lookup buffer reader thread failed: {exc!r}"))
+            frames = channel.sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        if len(frames) != 1:
+            raise KVProtocolError(f"lookup buffer: the producer sent a reply of {len(frames)} frames")
+        reply = decode_reply(self._signer, frames[0])
+        if reply.request_id == call.request_id:
+            return reply
+        # The answer to an earlier call of this thread that gave up waiting.
+        logger.debug("lookup buffer: discarding a late reply for request %d", reply.request_id)
+        return None
 
-    def _route_one_hit(self) -> None:
-        # A function of its own so that no reference to the tensors outlives the hit: the pipe
-        # recycles a receive buffer only once its tensor is gone.
-        header = parse_header(self._next_tensor())
+    # ------------------------------------------------------------------ the leader
+
+    def _lead(self, channel: _ThreadChannel, call: _Call, deadline: float, bound: float) -> Reply | None:
+        """Read and route outcomes from the data pipe until ``call`` has its own (see _await_outcome)."""
+        while call.outcome is None:
+            reply = self._reply_for(channel, call)  # a refusal sent as a control reply
+            if reply is not None:
+                return reply
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise KVPeerLostError(
+                    f"lookup buffer: the producer at {self._address} did not answer a select within "
+                    f"{bound:g} s (its wait + kv_timeout)"
+                )
+            if not self._answered_on_pipe:
+                remaining = min(remaining, _FIRST_ANSWER_CHECK)
+            try:
+                # Bounded by the pipe's liveness check, the deadline and close(), which closes the pipe.
+                self._route_one(call, self._next_tensor(timeout=remaining))
+            except KVTimeoutError:
+                continue
+            except KVTransferError as exc:
+                self._fail(exc)
+                with self._lock:
+                    self._raise_if_stopped()
+                raise
+            except Exception as exc:  # a bug; fail loudly rather than leave other calls waiting
+                self._fail(KVTransferError(f"lookup buffer: reading the data pipe failed: {exc!r}"))
+                raise
+        return None
+
+    def _route_one(self, leader: _Call, header: torch.Tensor) -> None:
+        """Route the outcome that ``header`` starts (reading a hit's tensors) to its call.
+
+        A function of its own so that no reference to the tensors outlives it: the pipe recycles a
+        receive buffer only once its tensor is gone.
+        """
+        outcome = parse_header(header)
+        self._answered_on_pipe = True
+        hit = outcome.status is OutcomeStatus.HIT
         with self._lock:
-            call = self._calls.get(header.request_id)
-            if call is not None:
+            call = self._calls.get(outcome.request_id)
+            if call is not None and hit:
                 call.announced = True
-        key = self._next_tensor()
-        value = self._next_tensor() if header.has_value else None
-        hidden = self._next_tensor() if header.has_hidden else None
+        if hit:
+            key = self._next_tensor()
+            value = self._next_tensor() if outcome.has_value else None
+            hidden = self._next_tensor() if outcome.has_hidden else None
         if call is None:
-            logger.warning(
-                "lookup buffer: dropped the entry sent for request %d: its drop_select gave up", header.request_id
-            )
+            if hit:
+                logger.warning("lookup buffer: dropped the entry sent for request %d: its drop_select gave up",
+                               outcome.request_id)
             return
-        call.match_key = header.match_key
-        call.waited = header.waited
-        call.items = (header.input_tokens, header.roi, key, value, hidden)  # last: it completes the call
-        call.doorbell.ring()
-        # Give up the GIL to the call just woken: it would otherwise wait until this thread blocks in
-        # its next receive (4 KiB selects against a raw request/response: median 1.37x of 7 runs ->
-        # 1.21x of 9).
-        time.sleep(0)
+        if hit:
+            call.items = (outcome.input_tokens, outcome.roi, key, value, hidden)
+        call.outcome = outcome  # last: it completes the call
+        if call is not leader:
+            call.doorbell.ring()
+            # Give up the GIL to the call just woken: it would otherwise wait until this thread blocks
+            # in its next receive (4 KiB selects against a raw request/response: median 1.37x of 7 runs
+            # -> 1.21x of 9, measured with a reader thread).
+            time.sleep(0)
 
-    def _next_tensor(self) -> torch.Tensor:
-        item = self._pipe.recv_tensor()
+    def _next_tensor(self, timeout: float | None = None) -> torch.Tensor:
+        item = self._pipe.recv_tensor(timeout)
         with self._lock:
             self._received_tensors += 1
         if item is None:
-            raise KVProtocolError("lookup buffer: the producer sent None on the data pipe; hits carry only tensors")
+            raise KVProtocolError("lookup buffer: the producer sent None on the data pipe; outcomes carry only tensors")
         return item
 
     def _fail(self, error: KVTransferError) -> None:

@@ -32,10 +32,12 @@ from lookup_buffer.protocol import (
     MAX_REQUEST_BYTES,
     ControlSigner,
     MessageError,
+    OutcomeStatus,
     Status,
     decode_request,
     encode_reply,
     make_header,
+    make_outcome,
     stamp_header,
 )
 from lookup_buffer.store import Entry, EntryStore
@@ -50,6 +52,9 @@ _MESSAGES_PER_ROUND = 256  # then expire and match before reading more: a flood 
 _MAX_POLL_MS = 1000
 _LOGGED_REFUSALS = 20
 _REMEMBERED_REQUEST_IDS = 1 << 16
+_REPLY_STATUS: dict[OutcomeStatus, Status] = {
+    OutcomeStatus.MISS: "miss", OutcomeStatus.BUSY: "error", OutcomeStatus.CLOSED: "closed"
+}
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,6 +65,7 @@ class _Waiter:
     request_id: int
     key: MatchKey
     deadline: float
+    answer_on_pipe: bool
     waited: bool = False
     done: bool = False
 
@@ -277,7 +283,9 @@ class BufferProducer:
                     )
                 self._reply(identity, exc.request_id, "error", message=str(exc))
                 continue
-            self._on_select(identity, request.request_id, MatchKey(tokens, roi), request.wait_ms)
+            waiter = _Waiter(identity, request.request_id, MatchKey(tokens, roi),
+                             time.monotonic() + request.wait_ms / 1000, request.answer_on_pipe)
+            self._on_select(waiter, request.wait_ms)
 
     def _refuse_replay(self, request_id: int) -> None:
         if request_id in self._recent_request_ids:
@@ -286,14 +294,15 @@ class BufferProducer:
         if len(self._recent_request_ids) > _REMEMBERED_REQUEST_IDS:
             self._recent_request_ids.popitem(last=False)
 
-    def _on_select(self, identity: bytes, request_id: int, key: MatchKey, wait_ms: int) -> None:
+    def _on_select(self, waiter: _Waiter, wait_ms: int) -> None:
         if self._failure is not None:
-            self._reply(identity, request_id, "error", message=f"the producer's data pipe failed: {self._failure}")
+            self._reply(waiter.identity, waiter.request_id, "error",
+                        message=f"the producer's data pipe failed: {self._failure}")
             return
+        key = waiter.key
         if self._waiting >= MAX_WAITING_SELECTS or self._waiting_key_bytes + len(key.canonical) > MAX_WAITING_KEY_BYTES:
-            self._reply(identity, request_id, "error", message=f"too many selects waiting ({self._waiting})")
+            self._answer(waiter, OutcomeStatus.BUSY, f"too many selects waiting ({self._waiting})")
             return
-        waiter = _Waiter(identity, request_id, key, time.monotonic() + wait_ms / 1000)
         self._waiters.setdefault(key, collections.deque()).append(waiter)  # behind earlier waiters: FIFO
         self._waiting += 1
         self._waiting_key_bytes += len(key.canonical)
@@ -361,7 +370,7 @@ class BufferProducer:
             self._unpark(waiter)
             with self._lock:
                 self._misses += 1
-            self._reply(waiter.identity, waiter.request_id, "miss", waited=waiter.waited)
+            self._answer(waiter, OutcomeStatus.MISS)
         if len(self._deadlines) > 2 * self._waiting + 1024:  # served waiters linger in the heap
             self._deadlines = [item for item in self._deadlines if not item[2].done]
             heapq.heapify(self._deadlines)
@@ -370,7 +379,10 @@ class BufferProducer:
         for queue in self._waiters.values():
             for waiter in queue:
                 waiter.done = True
-                self._reply(waiter.identity, waiter.request_id, status, message=message)
+                if status == "closed":
+                    self._answer(waiter, OutcomeStatus.CLOSED, message)
+                else:
+                    self._reply(waiter.identity, waiter.request_id, status, message=message)
         self._waiters.clear()
         self._deadlines.clear()
         self._waiting = self._waiting_key_bytes = 0
@@ -380,6 +392,18 @@ class BufferProducer:
         waiter.done = True
         self._waiting -= 1
         self._waiting_key_bytes -= len(waiter.key.canonical)
+
+    def _answer(self, waiter: _Waiter, outcome: OutcomeStatus, message: str = "") -> None:
+        """Answer a select that did not hit: on the data pipe if it asked for that and the pipe
+        works, else with a control reply."""
+        if waiter.answer_on_pipe and self._failure is None:
+            try:
+                # Waits for pipe credit as long as the consumer is alive, like a hit.
+                self._pipe.send_tensor(torch.from_numpy(make_outcome(waiter.request_id, outcome, waiter.waited)))
+                return
+            except KVTransferError as exc:
+                self._fail(exc)
+        self._reply(waiter.identity, waiter.request_id, _REPLY_STATUS[outcome], waiter.waited, message)
 
     def _reply(self, identity: bytes, request_id: int, status: Status, waited: bool = False, message: str = "") -> None:
         try:

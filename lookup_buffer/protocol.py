@@ -7,16 +7,21 @@ carries an HMAC-SHA256 tag (:class:`ControlSigner`; one key per direction), chec
 frame is decoded: a peer without the secret can neither select nor learn anything.
 
 Exchange: the consumer sends a :class:`SelectRequest` from a DEALER socket. The producer answers
-each request exactly once: a hit on the data pipe, where its tensors go anyway: a header tensor
-(:func:`make_header`: request id, whether the select waited, the entry's tokens and roi) followed by
-the key and, if present, the value and the hidden states; the consumer routes them by request id,
-so concurrent requests never swap data. Anything else (miss, error, closed) is a :class:`Reply`
-from the ROUTER. A hit sends no reply, which would only compete with the tensors it announces for the
-CPU (see README, performance).
+each request exactly once. A hit goes on the data pipe, where its tensors go anyway: an outcome
+header tensor (:func:`make_header`: request id, status, whether the select waited, the entry's
+tokens and roi) followed by the key and, if present, the value and the hidden states; the consumer
+routes them by request id, so concurrent requests never swap data. A request with
+``answer_on_pipe`` set has its other outcomes on the data pipe too (:func:`make_outcome`: a miss,
+a refusal for lack of room, the producer closing), so that the consumer's calling thread can read
+the data pipe itself instead of being handed each hit by another thread (see README, performance);
+kvbridge's consumer always sets it. What cannot go on the pipe (a request that could not be parsed,
+a broken data pipe) and every non-hit outcome of a request without the flag is a :class:`Reply`
+from the ROUTER.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
@@ -27,7 +32,7 @@ from kv_pipe import auth
 from kv_pipe.errors import KVProtocolError
 from lookup_buffer.matching import MAX_TOKENS, TOKEN_DTYPES, TOKEN_WIRE_DTYPE, MatchKey
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Longest a producer holds a select waiting for an insert.
 MAX_WAIT_MS = 3_600_000
 MAX_MESSAGE_CHARS = 1000
@@ -37,8 +42,8 @@ MAX_REPLY_BYTES = 4 * MAX_MESSAGE_CHARS + 1024 + auth.TAG_BYTES
 #: What drop_select returns, in this order.
 ITEM_NAMES = ("input_tokens", "roi", "key", "value", "hidden")
 TAG_MAGIC = 0x4B564C4F4F4B  # "KVLOOK"
-_HEADER_FIXED = 6
-_W_REQUEST_ID, _W_FLAGS = 2, 5
+_HEADER_FIXED = 7
+_W_REQUEST_ID, _W_FLAGS = 2, 6
 _FLAG_VALUE, _FLAG_HIDDEN, _FLAG_WAITED = 1, 2, 4
 _FLAGS_AT_INSERT = _FLAG_VALUE | _FLAG_HIDDEN
 _NUMPY_TOKEN_DTYPES = tuple(torch.empty(0, dtype=dtype).numpy().dtype for dtype in TOKEN_DTYPES)
@@ -47,10 +52,23 @@ RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Status = Literal["miss", "error", "closed"]
 
 
+class OutcomeStatus(enum.IntEnum):
+    """The status word of an outcome header on the data pipe."""
+
+    HIT = 0  # the entry's tensors follow
+    MISS = 1  # nothing matched within the select's wait
+    BUSY = 2  # refused: too many selects were waiting at the producer
+    CLOSED = 3  # the producer is shutting down
+
+
+_STATUS_CODES = frozenset(int(status) for status in OutcomeStatus)
+
+
 class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True):
     """Consumer -> producer: take the entry matching ``tokens``/``roi``, waiting up to ``wait_ms``.
 
-    ``tokens``: int64 little-endian; ``roi``: one byte (0 or 1) per token.
+    ``tokens``: int64 little-endian; ``roi``: one byte (0 or 1) per token. ``answer_on_pipe``:
+    every outcome the producer can send on the data pipe goes there, not only a hit.
     """
 
     v: int
@@ -58,10 +76,11 @@ class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True)
     tokens: Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS * TOKEN_WIRE_DTYPE.itemsize)]
     roi: Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS)]
     wait_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
+    answer_on_pipe: bool = False
 
 
 class Reply(msgspec.Struct, tag="reply", tag_field="type", frozen=True):
-    """Producer -> consumer: the outcome of a select that did not hit (a hit answers on the data pipe).
+    """Producer -> consumer: the outcome of a select that did not hit and was not answered on the data pipe.
 
     ``miss``: nothing matched within the wait. ``error``: the request was refused or the producer
     is broken (``message`` says why). ``closed``: the producer is shutting down.
@@ -152,7 +171,10 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
     return message
 
 
-def encode_request(signer: ControlSigner, request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int) -> bytes:
+def encode_request(
+    signer: ControlSigner, request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int,
+    answer_on_pipe: bool = False,
+) -> bytes:
     """``tokens``/``roi`` as returned by :func:`lookup_buffer.matching.token_arrays`."""
     body = _encoder.encode(
         SelectRequest(
@@ -161,6 +183,7 @@ def encode_request(signer: ControlSigner, request_id: int, tokens: np.ndarray, r
             tokens=tokens.astype(TOKEN_WIRE_DTYPE, copy=False).tobytes(),
             roi=roi.astype(np.uint8).tobytes(),
             wait_ms=wait_ms,
+            answer_on_pipe=answer_on_pipe,
         )
     )
     return signer.seal(body, "select request")
@@ -206,18 +229,20 @@ def decode_reply(signer: ControlSigner, frame: bytes) -> Reply:
     return _decode(signer.open(frame, "reply"), Reply, "reply")
 
 
-class HitHeader(NamedTuple):
-    """What the header of a hit carries besides the KV tensors that follow it."""
+class Outcome(NamedTuple):
+    """What an outcome header carries; for a hit, besides the KV tensors that follow it."""
 
     request_id: int
-    #: The select found nothing at first and waited for the insert.
+    status: OutcomeStatus
+    #: The select found nothing at first and waited (for the insert, or until it missed).
     waited: bool
-    input_tokens: torch.Tensor
-    roi: torch.Tensor
-    has_value: bool
-    has_hidden: bool
+    # The rest is a hit's; None / False otherwise.
+    input_tokens: torch.Tensor | None = None
+    roi: torch.Tensor | None = None
+    has_value: bool = False
+    has_hidden: bool = False
     #: The match key of the entry, to check it against the query.
-    match_key: MatchKey
+    match_key: MatchKey | None = None
 
 
 def _roi_words(count: int) -> int:
@@ -227,22 +252,31 @@ def _roi_words(count: int) -> int:
 def make_header(
     tokens: np.ndarray, roi: np.ndarray, token_dtype: torch.dtype, has_value: bool, has_hidden: bool
 ) -> np.ndarray:
-    """The header of an entry's hit, built once at insert; :func:`stamp_header` adds the select.
+    """The outcome header of an entry's hit, built once at insert; :func:`stamp_header` adds the select.
 
     Layout (int64 words, in the pipe's native byte order like every tensor on it): magic, version,
-    request id, token count n, token dtype code, flags (1: a value follows, 2: a hidden follows,
-    4: the select waited),
-    the n tokens, then the roi as n bytes (0/1) padded to whole words. Packing tokens and roi here
+    request id, status (:class:`OutcomeStatus`), token count n, token dtype code, flags (1: a value
+    follows, 2: a hidden follows, 4: the select waited), the n tokens, then the roi as n bytes (0/1)
+    padded to whole words. Any other outcome has n = 0, dtype code 0 and at most the waited flag
+    (:func:`make_outcome`). Packing tokens and roi here
     saves two pipe messages per hit: small messages cost a rendezvous each on gloo.
     ``tokens``/``roi`` are what ``matching.token_arrays`` returned for a token tensor of ``token_dtype``.
     """
     count = tokens.shape[0]
     header = np.zeros(_HEADER_FIXED + count + _roi_words(count), dtype=np.int64)
     flags = (_FLAG_VALUE if has_value else 0) | (_FLAG_HIDDEN if has_hidden else 0)
-    header[:_HEADER_FIXED] = (TAG_MAGIC, PROTOCOL_VERSION, 0, count, TOKEN_DTYPES.index(token_dtype), flags)
+    header[:_HEADER_FIXED] = (TAG_MAGIC, PROTOCOL_VERSION, 0, OutcomeStatus.HIT, count, TOKEN_DTYPES.index(token_dtype),
+                              flags)
     header[_HEADER_FIXED : _HEADER_FIXED + count] = tokens
     header[_HEADER_FIXED + count :].view(np.uint8)[:count] = roi
     return header
+
+
+def make_outcome(request_id: int, status: OutcomeStatus, waited: bool) -> np.ndarray:
+    """The outcome header of a select that did not hit (``status`` is not HIT)."""
+    return np.array(
+        (TAG_MAGIC, PROTOCOL_VERSION, request_id, status, 0, 0, _FLAG_WAITED if waited else 0), dtype=np.int64
+    )
 
 
 def stamp_header(header: np.ndarray, request_id: int, waited: bool) -> None:
@@ -250,8 +284,9 @@ def stamp_header(header: np.ndarray, request_id: int, waited: bool) -> None:
     header[_W_FLAGS] = header[_W_FLAGS] & _FLAGS_AT_INSERT | (_FLAG_WAITED if waited else 0)
 
 
-def parse_header(header: torch.Tensor | None) -> HitHeader:
-    """Validate a header received on the data pipe and unpack it (tokens and roi on its device).
+def parse_header(header: torch.Tensor | None) -> Outcome:
+    """Validate an outcome header received on the data pipe and unpack it (a hit's tokens and roi
+    on the header's device).
 
     Raises:
         KVProtocolError: not a header of this protocol version, or inconsistent; the data stream is
@@ -259,32 +294,38 @@ def parse_header(header: torch.Tensor | None) -> HitHeader:
     """
     if header is None or header.dtype != torch.int64 or header.dim() != 1 or header.shape[0] < _HEADER_FIXED:
         described = "None" if header is None else f"a {header.dtype} tensor of shape {tuple(header.shape)}"
-        raise KVProtocolError(f"expected a lookup-buffer hit header on the data pipe, got {described}")
+        raise KVProtocolError(f"expected a lookup-buffer outcome header on the data pipe, got {described}")
     words = (header if header.device.type == "cpu" else header.cpu()).numpy()
-    magic, version, request_id, count, dtype_code, flags = (int(word) for word in words[:_HEADER_FIXED])
+    magic, version, request_id, status_code, count, dtype_code, flags = (int(word) for word in words[:_HEADER_FIXED])
     if magic != TAG_MAGIC or version != PROTOCOL_VERSION:
         raise KVProtocolError(
-            f"bad lookup-buffer hit header: magic {magic:#x}, version {version} (expected {TAG_MAGIC:#x}, "
+            f"bad lookup-buffer outcome header: magic {magic:#x}, version {version} (expected {TAG_MAGIC:#x}, "
             f"version {PROTOCOL_VERSION})"
         )
+    fields = [request_id, status_code, count, dtype_code, flags]
+    if request_id < 0 or status_code not in _STATUS_CODES:
+        raise KVProtocolError(f"inconsistent lookup-buffer outcome header {fields} of {words.shape[0]} words")
+    status = OutcomeStatus(status_code)
+    if status is not OutcomeStatus.HIT:
+        if count or dtype_code or flags & ~_FLAG_WAITED or words.shape[0] != _HEADER_FIXED:
+            raise KVProtocolError(f"inconsistent lookup-buffer {status.name} header {fields} of {words.shape[0]} words")
+        return Outcome(request_id, status, bool(flags))
     if (
-        request_id < 0
-        or not 1 <= count <= MAX_TOKENS
+        not 1 <= count <= MAX_TOKENS
         or not 0 <= dtype_code < len(TOKEN_DTYPES)
         or not 0 <= flags <= _FLAGS_AT_INSERT | _FLAG_WAITED
         or words.shape[0] != _HEADER_FIXED + count + _roi_words(count)
     ):
-        raise KVProtocolError(
-            f"inconsistent lookup-buffer hit header {[request_id, count, dtype_code, flags]} of {words.shape[0]} words"
-        )
+        raise KVProtocolError(f"inconsistent lookup-buffer hit header {fields} of {words.shape[0]} words")
     wide = words[_HEADER_FIXED : _HEADER_FIXED + count]
     tokens = wide.astype(_NUMPY_TOKEN_DTYPES[dtype_code])
     roi_bytes = words[_HEADER_FIXED + count :].view(np.uint8)[:count]
     if not np.array_equal(tokens, wide) or roi_bytes.max() > 1:
         raise KVProtocolError("lookup-buffer hit header: tokens out of their dtype's range or roi bytes not 0/1")
     roi = roi_bytes.astype(np.bool_)
-    return HitHeader(
+    return Outcome(
         request_id,
+        status,
         bool(flags & _FLAG_WAITED),
         _to_device(torch.from_numpy(tokens), header.device),
         _to_device(torch.from_numpy(roi), header.device),

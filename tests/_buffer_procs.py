@@ -27,7 +27,7 @@ from lookup_buffer.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, ControlS
 from tests.tensors import random_tensor, same_bits
 
 #: Events shared by the two sides of one test (multiprocessing events, see new_sync in the test file).
-SYNC_EVENTS = ("inserted", "stage", "consumer_done")
+SYNC_EVENTS = ("inserted", "stage", "stage2", "consumer_done")
 BOUND = 30.0  # seconds any single wait in a body may take before the body fails
 
 
@@ -330,6 +330,100 @@ def consumer_late(buffer: SimpleBuffer, sync: dict) -> dict:
     got = buffer.drop_select(*query, timeout=BOUND)
     check_entry(got, [query[0], query[1], _marker(3.5), _marker(4.5), None], "late entry")
     return {"timed_out": timed_out, "immediate": immediate}
+
+
+# ---------------------------------------------------------------- who reads the data pipe
+
+# The consumer's calling threads read the data pipe themselves, one at a time (the leader). These
+# bodies make the leader's select end while another waits (the other must take over), and make
+# another select's outcome arrive while the leader waits (the leader must hand it over).
+LEADER_FIRST, FOLLOWER_FIRST, PARKED, ROUTED = (61, 1), (62, 2), (63, 3), (64, 4)
+
+
+def _in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list]:
+    """Run ``target`` in a thread; the list gets ("ok", result) or ("error", repr)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(("ok", target()))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            outcome.append(("error", repr(exc)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _joined(thread: threading.Thread, outcome: list, what: str) -> Any:
+    thread.join(BOUND)
+    assert not thread.is_alive(), f"{what} did not return within {BOUND} s"
+    status, value = outcome[0]
+    assert status == "ok", f"{what} failed: {value}"
+    return value
+
+
+def producer_leader_changes(buffer: SimpleBuffer, sync: dict) -> dict:
+    # 1: the leader's select misses while a follower waits for an entry inserted afterwards.
+    wait_until(lambda: buffer.stats().misses == 1 and buffer.stats().pending == 1,
+               "the first select missed and the second is parked")
+    buffer.insert(_tokens(*FOLLOWER_FIRST), _ones(2), _marker(1.5), None, None)
+    # 2: the leader waits while another select hits at once.
+    buffer.insert(_tokens(*ROUTED), _ones(2), _marker(2.5), _marker(3.5), None)
+    wait_event(sync, "stage")  # the routed select returned while the leader still waited
+    assert buffer.stats().pending == 1, buffer.stats()
+    buffer.insert(_tokens(*PARKED), _ones(2), _marker(4.5), None, _marker(5.5))
+    wait_until(lambda: buffer.stats().hits == 3, "every select was served")
+    return dataclasses.asdict(buffer.stats())
+
+
+def consumer_leader_changes(buffer: SimpleBuffer, sync: dict) -> dict:
+    def select(tokens: tuple, timeout: float) -> Callable[[], list]:
+        return lambda: buffer.drop_select(_tokens(*tokens), _ones(2), timeout=timeout)
+
+    leader, led = _in_thread(select(LEADER_FIRST, 0.5))
+    wait_until(lambda: buffer.stats().pending == 1, "the first select is under way")  # it leads
+    follower, followed = _in_thread(select(FOLLOWER_FIRST, BOUND))
+    missed = _joined(leader, led, "the leading select")
+    got = _joined(follower, followed, "the select that had to take over")
+    check_entry(got, [_tokens(*FOLLOWER_FIRST), _ones(2), _marker(1.5), None, None], "taken over")
+
+    leader, led = _in_thread(select(PARKED, BOUND))
+    wait_until(lambda: buffer.stats().pending == 1, "the parked select is under way")
+    routed = buffer.drop_select(_tokens(*ROUTED), _ones(2), timeout=BOUND)
+    sync["stage"].set()
+    check_entry(routed, [_tokens(*ROUTED), _ones(2), _marker(2.5), _marker(3.5), None], "routed")
+    parked = _joined(leader, led, "the parked select")
+    check_entry(parked, [_tokens(*PARKED), _ones(2), _marker(4.5), None, _marker(5.5)], "parked")
+    return {"missed": missed}
+
+
+def producer_busy(buffer: SimpleBuffer, sync: dict) -> dict:
+    from lookup_buffer import producer
+
+    producer.MAX_WAITING_SELECTS = 1  # read per select: one parked select fills the producer
+    sync["stage"].set()
+    wait_until(lambda: buffer.stats().pending == 1, "a select is parked")
+    sync["stage2"].set()
+    wait_event(sync, "inserted")  # the consumer's second select was refused
+    buffer.insert(_tokens(*PARKED), _ones(2), _marker(6.5), None, None)
+    wait_until(lambda: buffer.stats().hits == 1, "the parked select was served")
+    return dataclasses.asdict(buffer.stats())
+
+
+def consumer_busy(buffer: SimpleBuffer, sync: dict) -> dict:
+    wait_event(sync, "stage")
+    leader, led = _in_thread(lambda: buffer.drop_select(_tokens(*PARKED), _ones(2), timeout=BOUND))
+    wait_event(sync, "stage2")
+    try:
+        buffer.drop_select(_tokens(*ROUTED), _ones(2), timeout=BOUND)
+        refused = "not refused"
+    except KVTransferError as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    sync["inserted"].set()
+    parked = _joined(leader, led, "the parked select")
+    check_entry(parked, [_tokens(*PARKED), _ones(2), _marker(6.5), None, None], "parked")
+    return {"refused": refused}
 
 
 # ---------------------------------------------------------------- oversize and full

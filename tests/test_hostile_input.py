@@ -29,7 +29,14 @@ from hypothesis import strategies as st
 
 from kv_pipe import KVTransferConfig, TorchDistributedPipe, auth
 from kv_pipe import protocol as pipe_protocol
-from kv_pipe.errors import KVBufferFullError, KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
+from kv_pipe.errors import (
+    KVBufferFullError,
+    KVPeerLostError,
+    KVPipeClosedError,
+    KVProtocolError,
+    KVTimeoutError,
+    KVTransferError,
+)
 from lookup_buffer import SimpleBuffer
 from lookup_buffer.matching import MAX_TOKENS, token_arrays
 from lookup_buffer.protocol import (
@@ -798,7 +805,8 @@ class _FakePipe:
         self._closed = threading.Event()
 
     def recv_tensor(self, timeout: float | None = None) -> None:
-        self._closed.wait()
+        if not self._closed.wait(timeout):
+            raise KVTimeoutError(f"nothing arrived within {timeout:g} s")
         raise KVPipeClosedError("closed")
 
     def close(self) -> None:

@@ -25,12 +25,15 @@ from lookup_buffer.protocol import (
     PROTOCOL_VERSION,
     ControlSigner,
     MessageError,
+    Outcome,
+    OutcomeStatus,
     Reply,
     decode_reply,
     decode_request,
     encode_reply,
     encode_request,
     make_header,
+    make_outcome,
     parse_header,
     stamp_header,
 )
@@ -179,6 +182,14 @@ def test_hit_header_round_trip(dtype: torch.dtype) -> None:
                 request_id, waited, has_value, has_hidden)
             assert bodies.same_bits(got.input_tokens, tokens) and bodies.same_bits(got.roi, roi)
             assert got.match_key == MatchKey(*token_arrays(tokens, roi))
+            assert got.status is OutcomeStatus.HIT
+
+
+@pytest.mark.parametrize("status", [status for status in OutcomeStatus if status is not OutcomeStatus.HIT])
+def test_outcome_header_round_trip(status: OutcomeStatus) -> None:
+    for request_id, waited in ((0, False), (2**63 - 1, True), (12345, False)):
+        got = parse_header(torch.from_numpy(make_outcome(request_id, status, waited)))
+        assert got == Outcome(request_id, status, waited), got
 
 
 def test_bad_hit_headers_are_refused() -> None:
@@ -188,8 +199,16 @@ def test_bad_hit_headers_are_refused() -> None:
 
     good = header([3, 4, 5], [True, False, True])
     parse_header(good)
+    miss = torch.from_numpy(make_outcome(7, OutcomeStatus.MISS, waited=True))
+    parse_header(miss)
+    bad_outcomes = []
+    for index, value in ((3, int(OutcomeStatus.HIT)), (4, 1), (5, 1), (6, 1 | 4), (6, 8)):
+        bad = miss.clone()
+        bad[index] = value  # a hit without tokens, tokens or a dtype or a value flag on a miss, unknown flag
+        bad_outcomes.append(bad)
+    bad_outcomes.append(torch.cat([miss, miss[-1:]]))  # a miss longer than its fixed words
     narrow = header([1 << 40], [True])
-    narrow[4] = TOKEN_DTYPES.index(torch.int32)  # a token that does not fit the dtype it claims
+    narrow[5] = TOKEN_DTYPES.index(torch.int32)  # a token that does not fit the dtype it claims
 
     def changed(index: int, value: int) -> torch.Tensor:
         bad = good.clone()
@@ -208,12 +227,16 @@ def test_bad_hit_headers_are_refused() -> None:
         changed(0, 12345),  # magic
         changed(1, PROTOCOL_VERSION + 1),
         changed(2, -1),  # request id
-        changed(3, 4),  # token count disagrees with the length
-        changed(3, 0),
-        changed(4, len(TOKEN_DTYPES)),  # dtype code
-        changed(5, 8),  # flags
+        changed(3, 4),  # unknown status
+        changed(3, -1),
+        changed(3, int(OutcomeStatus.MISS)),  # a miss with a hit's tokens
+        changed(4, 4),  # token count disagrees with the length
+        changed(4, 0),
+        changed(5, len(TOKEN_DTYPES)),  # dtype code
+        changed(6, 8),  # flags
         roi_bytes,
         narrow,
+        *bad_outcomes,
     ]:
         with pytest.raises(KVProtocolError):
             parse_header(bad)
@@ -415,6 +438,28 @@ def test_miss_after_timeout_then_parked_select_hits() -> None:
     assert (p["hits"], p["misses"], p["waits"]) == (1, 2, 2)  # the 0.2 s miss and the hit waited
     assert (c["hits"], c["misses"], c["waits"]) == (1, 2, 2)
     assert producer["result"] == 0  # nothing parked once the entry was handed over
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(120)
+def test_the_pipe_reader_role_passes_between_waiting_selects() -> None:
+    """The leader's select misses while another waits (the other must take over reading the data
+    pipe), and a select hits while the leader waits (the leader must hand it over)."""
+    producer, consumer = run_buffer_pair(bodies.producer_leader_changes, bodies.consumer_leader_changes)
+    assert consumer["result"] == {"missed": [None] * 5}
+    p, c = producer["result"], consumer["stats"]
+    assert (p["hits"], p["misses"], p["waits"], p["pending"]) == (3, 1, 3, 0)
+    assert (c["hits"], c["misses"], c["waits"], c["pending"]) == (3, 1, 3, 0)
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(120)
+def test_a_select_refused_for_room_says_so_and_the_parked_one_still_hits() -> None:
+    producer, consumer = run_buffer_pair(bodies.producer_busy, bodies.consumer_busy)
+    refused = consumer["result"]["refused"]
+    assert refused.startswith("KVProtocolError") and "too many selects" in refused, refused
+    assert (producer["result"]["hits"], producer["result"]["pending"]) == (1, 0)
+    assert (consumer["stats"]["hits"], consumer["stats"]["misses"]) == (1, 0)
     assert_clean(producer, consumer)
 
 

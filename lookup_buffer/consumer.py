@@ -176,7 +176,12 @@ class BufferConsumer:
             if self._closed:
                 return
             self._closed = True
+            unread = self._leader is None
+            if unread:
+                self._leader = _Call(-1, self._stopped)  # this thread: no select may start reading now
         self._stopped.ring()  # wakes every waiting call but the leader
+        if unread:
+            self._take_what_arrived()
         pipe_error = None
         try:
             self._pipe.close()  # ends the leader's recv_tensor
@@ -202,6 +207,21 @@ class BufferConsumer:
             raise pipe_error
         if failure is not None and not isinstance(failure, KVPipeClosedError):
             raise fresh_error(failure)
+
+    def _take_what_arrived(self) -> None:
+        """Route what the data pipe holds and record how it ended, if it did: with no select
+        running, nobody else would see a producer that died in the meantime (close reports it)."""
+        try:
+            while True:
+                self._route_one(None, self._next_tensor(timeout=0))
+        except KVTimeoutError:
+            pass  # nothing more arrived: the pipe is fine
+        except KVPipeClosedError:
+            pass  # the producer closed first: orderly
+        except KVTransferError as exc:
+            with self._lock:
+                if self._failure is None:
+                    self._failure = exc
 
     # ------------------------------------------------------------------ calls
 
@@ -342,7 +362,7 @@ class BufferConsumer:
                 raise
         return None
 
-    def _route_one(self, leader: _Call, header: torch.Tensor) -> None:
+    def _route_one(self, leader: _Call | None, header: torch.Tensor) -> None:
         """Route the outcome that ``header`` starts (reading a hit's tensors) to its call.
 
         A function of its own so that no reference to the tensors outlives it: the pipe recycles a

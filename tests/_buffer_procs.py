@@ -640,6 +640,29 @@ def consumer_waits_for_death(buffer: SimpleBuffer, sync: dict) -> dict:
     return outcome
 
 
+def producer_sleeps(buffer: SimpleBuffer, sync: dict) -> str:
+    time.sleep(4 * BOUND)  # until the test kills this process (not inside a multiprocessing wait)
+    return "not killed"
+
+
+def consumer_idle_while_producer_dies(buffer: SimpleBuffer, sync: dict) -> dict:
+    sync["stage"].set()  # idle: no select running
+    wait_event(sync, "stage2")  # the producer is dead
+    time.sleep(1.0)  # a closed connection is seen at once; the pipe's own thread takes it in
+    outcome: dict[str, Any] = {"pending": buffer.stats().pending}
+    try:
+        buffer.close()
+        outcome["close"] = "ok"
+    except KVTransferError as exc:
+        outcome["close"] = type(exc).__name__
+    try:
+        buffer.drop_select(_tokens(1, 2), _ones(2))
+        outcome["after_close"] = "returned"
+    except KVTransferError as exc:
+        outcome["after_close"] = type(exc).__name__
+    return outcome
+
+
 def consumer_closes_while_waiting(buffer: SimpleBuffer, sync: dict) -> dict:
     outcome: dict[str, Any] = {}
 

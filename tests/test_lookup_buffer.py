@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kv_pipe import KVTransferConfig
-from kv_pipe.errors import KVBufferFullError, KVConfigError, KVPipeClosedError, KVProtocolError
+from kv_pipe.errors import KVBufferFullError, KVConfigError, KVPipeClosedError, KVProtocolError, KVTimeoutError
 from lookup_buffer import KVInvalidRequestError, SimpleBuffer, matching
 from lookup_buffer.control import Doorbell, control_address
 from lookup_buffer.matching import TOKEN_DTYPES, MatchKey, token_arrays
@@ -517,6 +517,25 @@ def test_producer_killed_while_consumer_waits() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_producer_killed_while_the_consumer_is_idle_is_reported_by_close() -> None:
+    """No select reads the data pipe while none runs; close() must still report the dead producer."""
+    port = procs.free_port()
+    sync = new_sync()
+    results = procs.new_queue()
+    producer = procs.start(bodies.run_side, (0, port, bodies.producer_sleeps, {}, sync), results, 0)
+    consumer = procs.start(bodies.run_side, (1, port, bodies.consumer_idle_while_producer_dies, {}, sync), results, 1)
+    try:
+        assert sync["stage"].wait(60), "the consumer never got ready"
+        os.kill(producer.pid, signal.SIGKILL)
+        producer.join(30)
+        sync["stage2"].set()
+        outcome = procs.collect([consumer], results, timeout=60, expect=1)[1]["result"]
+    finally:
+        procs.reap([producer, consumer])
+    assert outcome == {"pending": 0, "close": "KVPeerLostError", "after_close": "KVPeerLostError"}, outcome
+
+
+@pytest.mark.timeout(120)
 def test_consumer_close_wakes_its_waiting_select_and_the_producer_notices() -> None:
     producer, consumer = run_buffer_pair(bodies.producer_sees_consumer_close, bodies.consumer_closes_while_waiting)
     assert consumer["result"] == {
@@ -551,7 +570,8 @@ class _SlowHitPipe:
                 else:
                     self._closed.wait(self._pause)
                 return tensor
-        self._closed.wait()
+        if not self._closed.wait(timeout):
+            raise KVTimeoutError(f"nothing arrived within {timeout:g} s")
         raise KVPipeClosedError("closed")
 
     def close(self) -> None:

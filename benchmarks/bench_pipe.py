@@ -6,7 +6,7 @@ own ProcessGroupGloo, which is the best gloo can do; the pipe adds framing, cred
 threads and hands the caller a tensor it owns. Raw and pipe alternate in rounds, so that a noisy
 neighbour slows both alike and the ratio stays meaningful on a shared machine.
 
-    python benchmarks/bench_pipe.py [--iters 7] [--rounds 5] [--sizes 4K,64K,1M,16M,128M,512M]
+    python benchmarks/bench_pipe.py [--iters 7] [--rounds 5] [--sizes 4K,64K,1M,4M,16M,128M,512M]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="4K,64K,1M,16M,128M,512M")
+    parser.add_argument("--sizes", default="4K,64K,1M,4M,16M,128M,512M")
     parser.add_argument("--iters", type=int, default=7,
                         help="timed round trips per round, at least (small sizes get more, see timed_round_trips)")
     parser.add_argument("--rounds", type=int, default=5, help="alternations of raw and pipe (1 above 128 MiB)")

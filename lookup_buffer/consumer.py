@@ -317,7 +317,8 @@ class BufferConsumer:
         return None
 
     def _reply_for(self, channel: _ThreadChannel, call: _Call) -> Reply | None:
-        """The control reply waiting on ``channel`` if it answers ``call`` (raises nothing on none)."""
+        """The control reply waiting on ``channel`` if it answers ``call``; None if there is none (a
+        late reply to an earlier call of this thread is dropped)."""
         try:
             frames = channel.sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:

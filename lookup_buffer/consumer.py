@@ -6,7 +6,7 @@ tensors, or the header of a miss, a refusal or the producer closing. The calling
 data pipe themselves, one at a time: the *leader* reads outcome after outcome and routes each by its
 request id, to itself or to the waiting call of that id, whose doorbell it rings; so concurrent
 selects never get each other's tensors, and a lone caller reads its own hit with no hand-over from
-another thread (a reader thread ringing the caller cost a 16 MiB select ~7% of the raw transfer:
+another thread (a reader thread ringing the caller cost a 16 MiB select ~6% of the raw transfer:
 README, performance). A leader whose select is answered passes the role to another waiting call.
 The others wait in one poll for the first of: their outcome, the role passed to them, a control
 reply (a refusal that could not go on the pipe), or the buffer stopping.

@@ -498,19 +498,28 @@ def test_garbage_on_the_control_port_while_real_traffic_runs() -> None:
     assert_clean(producer, consumer)
 
 
-@pytest.mark.timeout(120)
-def test_producer_killed_while_consumer_waits() -> None:
+def _kill_the_producer_under(producer_body: Any, consumer_body: Any, ready: str) -> dict:
+    """Run the pair, SIGKILL the producer once the consumer sets ``stage``, then tell the consumer
+    (``stage2``); return the consumer body's result."""
     port = procs.free_port()
     sync = new_sync()
     results = procs.new_queue()
-    producer = procs.start(bodies.run_side, (0, port, bodies.producer_parks_then_sleeps, {}, sync), results, 0)
-    consumer = procs.start(bodies.run_side, (1, port, bodies.consumer_waits_for_death, {}, sync), results, 1)
+    producer = procs.start(bodies.run_side, (0, port, producer_body, {}, sync), results, 0)
+    consumer = procs.start(bodies.run_side, (1, port, consumer_body, {}, sync), results, 1)
     try:
-        assert sync["stage"].wait(60), "the consumer's select was never parked"
+        assert sync["stage"].wait(60), ready
         os.kill(producer.pid, signal.SIGKILL)
-        outcome = procs.collect([consumer], results, timeout=60, expect=1)[1]["result"]
+        producer.join(30)
+        sync["stage2"].set()
+        return procs.collect([consumer], results, timeout=60, expect=1)[1]["result"]
     finally:
         procs.reap([producer, consumer])
+
+
+@pytest.mark.timeout(120)
+def test_producer_killed_while_consumer_waits() -> None:
+    outcome = _kill_the_producer_under(bodies.producer_parks_then_sleeps, bodies.consumer_waits_for_death,
+                                       "the consumer's select was never parked")
     assert outcome["first"] == "KVPeerLostError", outcome  # an error, not a miss
     assert outcome["second"] == "KVPeerLostError"
     assert outcome["close"] == "ok"  # the failure was reported already
@@ -519,19 +528,8 @@ def test_producer_killed_while_consumer_waits() -> None:
 @pytest.mark.timeout(120)
 def test_producer_killed_while_the_consumer_is_idle_is_reported_by_close() -> None:
     """No select reads the data pipe while none runs; close() must still report the dead producer."""
-    port = procs.free_port()
-    sync = new_sync()
-    results = procs.new_queue()
-    producer = procs.start(bodies.run_side, (0, port, bodies.producer_sleeps, {}, sync), results, 0)
-    consumer = procs.start(bodies.run_side, (1, port, bodies.consumer_idle_while_producer_dies, {}, sync), results, 1)
-    try:
-        assert sync["stage"].wait(60), "the consumer never got ready"
-        os.kill(producer.pid, signal.SIGKILL)
-        producer.join(30)
-        sync["stage2"].set()
-        outcome = procs.collect([consumer], results, timeout=60, expect=1)[1]["result"]
-    finally:
-        procs.reap([producer, consumer])
+    outcome = _kill_the_producer_under(bodies.producer_sleeps, bodies.consumer_idle_while_producer_dies,
+                                       "the consumer never got ready")
     assert outcome == {"pending": 0, "close": "KVPeerLostError", "after_close": "KVPeerLostError"}, outcome
 
 

@@ -376,17 +376,17 @@ class BufferConsumer:
             call = self._calls.get(outcome.request_id)
             if call is not None and hit:
                 call.announced = True
-        if hit:
-            key = self._next_tensor()
-            value = self._next_tensor() if outcome.has_value else None
-            hidden = self._next_tensor() if outcome.has_hidden else None
+        items: tuple[torch.Tensor | None, ...] = ()
+        if hit:  # key, then value and hidden if present, in the order they were sent
+            items = (outcome.input_tokens, outcome.roi, self._next_tensor(),
+                     self._next_tensor() if outcome.has_value else None,
+                     self._next_tensor() if outcome.has_hidden else None)
         if call is None:
             if hit:
                 logger.warning("lookup buffer: dropped the entry sent for request %d: its drop_select gave up",
                                outcome.request_id)
             return
-        if hit:
-            call.items = (outcome.input_tokens, outcome.roi, key, value, hidden)
+        call.items = items
         call.outcome = outcome  # last: it completes the call
         if call is not leader:
             call.doorbell.ring()

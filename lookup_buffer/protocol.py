@@ -258,8 +258,8 @@ def make_header(
     request id, status (:class:`OutcomeStatus`), token count n, token dtype code, flags (1: a value
     follows, 2: a hidden follows, 4: the select waited), the n tokens, then the roi as n bytes (0/1)
     padded to whole words. Any other outcome has n = 0, dtype code 0 and at most the waited flag
-    (:func:`make_outcome`). Packing tokens and roi here
-    saves two pipe messages per hit: small messages cost a rendezvous each on gloo.
+    (:func:`make_outcome`). Packing tokens and roi here saves two pipe messages per hit: small
+    messages cost a rendezvous each on gloo.
     ``tokens``/``roi`` are what ``matching.token_arrays`` returned for a token tensor of ``token_dtype``.
     """
     count = tokens.shape[0]

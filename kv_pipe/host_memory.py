@@ -15,14 +15,10 @@ import weakref
 import numpy as np
 import torch
 
+from kv_pipe.protocol import size_class
+
 #: Below this size malloc's own caching is as good as ours.
 POOL_MIN_BYTES = 1 << 20
-
-
-def _size_class(nbytes: int) -> int:
-    # Four classes per power of two: at most 25% slack, few distinct buffers.
-    step = 1 << max(nbytes.bit_length() - 3, 0)
-    return (nbytes + step - 1) // step * step
 
 
 class HostMemoryPool:
@@ -40,7 +36,7 @@ class HostMemoryPool:
     def allocate(self, nbytes: int) -> torch.Tensor:
         if nbytes < POOL_MIN_BYTES:
             return torch.empty(nbytes, dtype=torch.uint8)
-        size = _size_class(nbytes)
+        size = size_class(nbytes)
         with self._lock:
             free = self._idle.get(size)
             if free:

@@ -23,7 +23,7 @@ from kv_pipe.errors import (
     KVTimeoutError,
     KVTransferError,
 )
-from kv_pipe.protocol import DTYPE_TO_CODE, HEADER_BYTES, HOST_FRAME_BYTES
+from kv_pipe.protocol import DTYPE_TO_CODE, HEADER_BYTES, HOST_FRAME_BYTES, SLOT_MAX_BYTES, SLOT_MIN_BYTES, slot_bytes
 from tests import procs
 from tests.tensors import exchange_both_ways, random_tensor, same_bits
 
@@ -176,6 +176,55 @@ def body_frame_boundaries(rank: int, port: int) -> int:
         pipe.send_tensor(None)
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
     return received
+
+
+def slot_units(seed: int) -> tuple[list[list[torch.Tensor]], set[int]]:
+    """Units whose payloads travel in slots, and the slot sizes they use: sizes at the edges of size
+    classes, small payloads behind a record that fills most of a frame, two and three payloads of
+    one class in one unit (only the first finds its slot posted), dtypes wider than a byte, and a
+    size just past the slots (chunked after its header)."""
+    generator = torch.Generator().manual_seed(seed)
+    dtypes = [torch.uint8, torch.float32, torch.int64]
+
+    def payload(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        return random_tensor(generator, dtype, (nbytes // dtype.itemsize,))
+
+    edges = [INLINE_CAPACITY + 1, 5 << 18, (5 << 18) + 8, 3 << 20, 4 << 20, (4 << 20) + 16, SLOT_MAX_BYTES]
+    units = [[payload(nbytes, dtypes[index % 3] if nbytes % 8 == 0 else torch.uint8)]
+             for index, nbytes in enumerate(edges)]
+    filler = payload(INLINE_CAPACITY - 4096)  # leaves a small inline room: the item after it is a payload
+    small = [SLOT_MIN_BYTES // 2, SLOT_MIN_BYTES + 8]
+    units += [[filler, payload(small[0])], [filler, payload(small[1], torch.float64)]]
+    units += [[payload(3 << 20), payload(3 << 20), payload(3 << 20)], [payload(7 << 19), payload(SLOT_MAX_BYTES + 8)]]
+    return units, {slot_bytes(nbytes) for nbytes in [*edges, *small, 7 << 19]}
+
+
+def body_slots(rank: int, port: int, idle: float) -> str:
+    """Slot payloads both ways at once, twice, with an idle spell of several kv_timeouts between the
+    rounds while the slots stay posted. Every received tensor is kept to the end: a slot re-posted
+    into memory a caller holds would overwrite it."""
+    rounds = [(slot_units(seed=10 * round_ + rank)[0], slot_units(seed=10 * round_ + 1 - rank)[0]) for round_ in (0, 1)]
+    with TorchDistributedPipe(config(rank, port, kv_timeout=1.0, kv_buffer_size=64 << 20)) as pipe:
+        kept = []
+        for number, (mine, theirs) in enumerate(rounds):
+            sender = threading.Thread(target=lambda units=mine: [pipe.send_tensors(unit, timeout=30) for unit in units])
+            sender.start()
+            kept += [(pipe.recv_tensor(timeout=30), want) for unit in theirs for want in unit]
+            sender.join(60)
+            assert not sender.is_alive()
+            pipe.flush(timeout=30)
+            if number == 0:
+                time.sleep(idle)  # posted slot receives must not run into gloo's timeout
+        for index, (got, want) in enumerate(kept):
+            assert same_bits(got, want), f"item {index} ({want.nbytes} bytes) differs from what was sent"
+            if SLOT_MIN_BYTES < want.nbytes <= SLOT_MAX_BYTES:
+                assert got.untyped_storage().nbytes() <= want.nbytes * 5 // 4, "a received tensor pins too much"
+        pipe.send_tensor(None)
+        assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
+        # Taken slots move to _slots_to_post and back when re-posted: read that one first.
+        posted = set(pipe._slots_to_post) | set(pipe._slots)
+        assert posted == slot_units(seed=0)[1], f"slots posted: {sorted(posted)}"
+    return "ok"
 
 
 def batch_stream(seed: int) -> list[list[torch.Tensor | None]]:
@@ -603,6 +652,12 @@ def test_batches_from_several_threads_arrive_whole():
 def test_tensors_around_the_inline_frame_size_stay_intact():
     port = procs.free_port()
     assert procs.run_pair(body_frame_boundaries, (0, port), (1, port), timeout=100) == (25, 25)
+
+
+@pytest.mark.timeout(120)
+def test_slot_payloads_bit_exact_around_size_classes_and_after_idling():
+    port = procs.free_port()
+    assert procs.run_pair(body_slots, (0, port, 3.0), (1, port, 3.0), timeout=100) == ("ok", "ok")
 
 
 @pytest.mark.timeout(240)

@@ -28,10 +28,11 @@ Design (the measured facts behind it are in shared/notes/transport-facts.md):
 * Gloo sends a message only once its receive is posted, and a receive posted after its header
   costs the payload a rendezvous (60-230 us from 2 to 8 MiB here). So on gloo, payloads up to
   8 MiB travel in slots: once a payload of a size class has arrived, the receiving thread keeps a
-  receive for the next one of that class posted (re-posted before each frame receive). Gloo
-  enforces its timeout only on a wait, never on a receive that merely stays posted, and a slot is
-  waited on only after its frame has announced the payload. The first payload of a class, and a
-  second one of a class in the same frame, are received after their header as before.
+  receive for the next one of that class posted (two, once a frame has carried two of the class,
+  as a KV unit's key and value do), re-posted before each frame receive. Gloo enforces its timeout
+  only on a wait, never on a receive that merely stays posted, and a slot is waited on only after
+  its frame has announced the payload. The first payload of a class, and one more in a frame than
+  the slots of its class, are received after their header as before.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ _CALLER_GRACE = 0.005
 #: take the wire from that answer (1 MiB ping-pong, 3 MiB budget: 450 -> 417 us one way). A peer
 #: that runs out of credit asks for it and gets it at once.
 _CREDIT_DEFERRAL = 0.001
+
+
+#: Slots kept posted per size at most: a lookup-buffer hit carries a key and a value of one size.
+_SLOT_DEPTH = 2
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -192,10 +197,11 @@ class TorchDistributedPipe(KVPipeBase):
         self._send_address = self._send_frame.data_ptr()
         self._send_prefix = self._send_frame
         self._recv_bytes = self._host_bytes(self._recv_frame)
-        # Posted slot receives by slot size, each a buffer and its pending work; only the receiving
-        # thread touches these. Sizes whose slot was taken are re-posted before the next frame receive.
-        self._slots: dict[int, tuple[torch.Tensor, dist.Work]] = {}
-        self._slots_to_post: set[int] = set()
+        # Posted slot receives by slot size, each a buffer and its pending work, in the order the
+        # peer's payloads fill them; only the receiving thread touches these. Slots taken are
+        # re-posted before the next frame receive.
+        self._slots: dict[int, collections.deque[tuple[torch.Tensor, dist.Work]]] = {}
+        self._slots_to_post: collections.Counter[int] = collections.Counter()
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
         self._last_sent = time.monotonic()
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
@@ -733,8 +739,9 @@ class TorchDistributedPipe(KVPipeBase):
         if self._recv_frame is None:  # the last one went to a caller
             self._recv_frame = self._allocate(self._frame_bytes)
             self._recv_bytes = self._host_bytes(self._recv_frame)
-        for size in self._slots_to_post:
-            self._slots[size] = self._post_slot(size)
+        for size, count in self._slots_to_post.items():
+            posted = self._slots.setdefault(size, collections.deque())
+            posted.extend(self._post_slot(size) for _ in range(count))
         self._slots_to_post.clear()
         return self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME)
 
@@ -809,9 +816,12 @@ class TorchDistributedPipe(KVPipeBase):
             for start, end in chunk_bounds(nbytes):
                 self._group.recv([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
             return data
-        # Not posted for the first payload of its size, nor for a second one in the same frame.
-        buffer, work = self._slots.pop(size, None) or self._post_slot(size)
-        self._slots_to_post.add(size)
+        # None is posted for the first payload of its size, nor for one more in a frame than the
+        # slots of its size that a frame has used so far (up to _SLOT_DEPTH).
+        posted = self._slots.get(size)
+        buffer, work = posted.popleft() if posted else self._post_slot(size)
+        if len(posted or ()) + self._slots_to_post[size] < _SLOT_DEPTH:
+            self._slots_to_post[size] += 1
         work.wait()
         return buffer[:nbytes]
 

@@ -180,8 +180,8 @@ def body_frame_boundaries(rank: int, port: int) -> int:
 
 def slot_units(seed: int) -> tuple[list[list[torch.Tensor]], set[int]]:
     """Units whose payloads travel in slots, and the slot sizes they use: sizes at the edges of size
-    classes, small payloads behind a record that fills most of a frame, two and three payloads of
-    one class in one unit (only the first finds its slot posted), dtypes wider than a byte, and a
+    classes, small payloads behind a record that fills most of a frame, three payloads of one class
+    in one unit, twice (one finds its slot posted the first time, two the second time), dtypes wider than a byte, and a
     size just past the slots (chunked after its header)."""
     generator = torch.Generator().manual_seed(seed)
     dtypes = [torch.uint8, torch.float32, torch.int64]
@@ -222,8 +222,10 @@ def body_slots(rank: int, port: int, idle: float) -> str:
         pipe.send_tensor(None)
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
         # Taken slots move to _slots_to_post and back when re-posted: read that one first.
-        posted = set(pipe._slots_to_post) | set(pipe._slots)
-        assert posted == slot_units(seed=0)[1], f"slots posted: {sorted(posted)}"
+        to_post, slots = dict(pipe._slots_to_post), {size: len(posted) for size, posted in pipe._slots.items()}
+        depth = {size: to_post.get(size, 0) + slots.get(size, 0) for size in {*to_post, *slots}}
+        assert {size for size, count in depth.items() if count} == slot_units(seed=0)[1], f"slots: {depth}"
+        assert depth[3 << 20] == 2 and depth[7 << 19] == 1, f"three 3 MiB payloads in a unit leave two slots: {depth}"
     return "ok"
 
 

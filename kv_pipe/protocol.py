@@ -43,7 +43,8 @@ DEVICE_FRAME_BYTES = 8192
 CHUNK_BYTES = 64 << 20
 #: Host payloads of up to SLOT_MAX_BYTES travel in slots: the size classes of :func:`size_class`
 #: from SLOT_MIN_BYTES up, one gloo tag each. A received tensor pins its slot, at most 25% more than
-#: its size; a receiver keeps one slot posted per class it has received, ~52 MiB if it saw them all.
+#: its size. A receiver keeps a slot posted per class it has received (two for a class that one
+#: frame carried two of), so at most ~52 MiB, or ~104 MiB with every class twice.
 #: From 16 MiB up a payload's receive posted after its header measured as fast as raw gloo.
 SLOT_MIN_BYTES = 64 << 10
 SLOT_MAX_BYTES = 8 << 20

@@ -816,8 +816,8 @@ class TorchDistributedPipe(KVPipeBase):
             for start, end in chunk_bounds(nbytes):
                 self._group.recv([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
             return data
-        # None is posted for the first payload of its size, nor for one more in a frame than the
-        # slots of its size that a frame has used so far (up to _SLOT_DEPTH).
+        # No slot is posted for the first payload of a size, nor for one past the slots of its size
+        # in a frame; such a payload is received after its header.
         posted = self._slots.get(size)
         buffer, work = posted.popleft() if posted else self._post_slot(size)
         if len(posted or ()) + self._slots_to_post[size] < _SLOT_DEPTH:

@@ -95,9 +95,6 @@ _CALLER_GRACE = 0.005
 _CREDIT_DEFERRAL = 0.001
 
 
-#: What _receive_frame returns when it has no item for the caller.
-_NO_ITEM = object()
-
 #: Slots kept posted per size at most: a lookup-buffer hit carries a key and a value of one size.
 _SLOT_DEPTH = 2
 
@@ -415,20 +412,14 @@ class TorchDistributedPipe(KVPipeBase):
                         self._callers_waiting -= 1
                         self._callers_unable -= unable
                 else:
-                    return self._take(*self._recv_queue.popleft())
-            # The queue was empty when this caller began receiving, and only the receiving thread
-            # fills it, so the frame's first item is the next in FIFO order: it is returned at once.
-            item = self._receive_frame(by_caller=True)
-            if item is not _NO_ITEM:
-                return item
-
-    def _take(self, item: torch.Tensor | None, cost: int) -> torch.Tensor | None:
-        """Account for the user taking ``item`` (hold ``_cond``) and return it."""
-        self._consumed += cost
-        if self._credit_ample_at is None and self._credit_ample():
-            self._credit_ample_at = time.monotonic()
-            self._sender_wakeup.notify()  # to shorten its sleep, not to send now
-        return item
+                    tensor, cost = self._recv_queue.popleft()
+                    self._consumed += cost
+                    if self._credit_ample_at is None and self._credit_ample():
+                        self._credit_ample_at = time.monotonic()
+                        self._sender_wakeup.notify()  # to shorten its sleep, not to send now
+                    return tensor
+            # The frame goes to the queue like any other, so FIFO order holds across callers.
+            self._receive_frame(by_caller=True)
 
     def _may_wait_in_gloo(self, deadline: float | None) -> bool:
         """Whether a caller with ``deadline`` may block in gloo for the next frame: a live peer sends
@@ -696,15 +687,14 @@ class TorchDistributedPipe(KVPipeBase):
                         break
                     self._receiver_wakeup.wait(grace_left)
                 self._receiving = True
-            self._receive_frame(by_caller=False)  # its end, or a failure, is seen above
+            if not self._receive_frame(by_caller=False):
+                return
 
-    def _receive_frame(self, by_caller: bool) -> object:
+    def _receive_frame(self, by_caller: bool) -> bool:
         """Post a frame receive, wait for the frame and queue what it carries.
 
         Only the thread that set ``_receiving`` calls this, without holding ``_cond``; it clears
-        ``_receiving`` when done. A caller gets the frame's first item back, taken, and the rest is
-        queued; else everything is queued. Returns the caller's item, or ``_NO_ITEM``: none for the
-        caller, or a failure (then ``_error`` is set).
+        ``_receiving`` when done. False once nothing more will be received (the peer finished, or a failure).
         Posting just before waiting, not right after the previous frame, keeps the post off a
         caller's path from a frame to its tensor; a peer that sends before the post waits for it
         inside gloo, a wait bounded by this side's caller coming back or by ``_CALLER_GRACE``.
@@ -714,10 +704,10 @@ class TorchDistributedPipe(KVPipeBase):
             header, items = self._receive_records()
         except KVProtocolError as exc:
             self._fail(exc)
-            return _NO_ITEM
+            return False
         except Exception as exc:
             self._fail(self._peer_lost("receiving", exc))
-            return _NO_ITEM
+            return False
         except BaseException as exc:  # e.g. KeyboardInterrupt in a caller: the frame is half taken
             self._fail(KVTransferError(f"pipe rank {self.rank}: receive interrupted mid-frame: {exc!r}"))
             raise
@@ -726,10 +716,7 @@ class TorchDistributedPipe(KVPipeBase):
             self._peer_consumed = header.consumed
             self._peer_wants_credit = self._peer_wants_credit or header.want_credit
             carries_item = bool(items)
-            taken = _NO_ITEM
             if carries_item:
-                if by_caller:
-                    taken = self._take(*items.pop(0))
                 self._recv_queue.extend(items)
             elif header.kind is FrameKind.CLOSE:
                 self._peer_finished = True
@@ -745,7 +732,7 @@ class TorchDistributedPipe(KVPipeBase):
                 self._caller_released_at = time.monotonic()
                 if self._receiver_parked:  # else it is counting down the grace already
                     self._receiver_wakeup.notify()
-            return taken
+            return not self._peer_finished
 
     def _post_receives(self) -> dist.Work:
         """Post the slot receives taken since the last frame, then the frame receive."""

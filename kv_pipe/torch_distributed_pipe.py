@@ -630,7 +630,7 @@ class TorchDistributedPipe(KVPipeBase):
             payloads.clear()
 
     def _send_payload(self, flat: torch.Tensor) -> None:
-        size = slot_bytes(flat.numel()) if self._on_host else None
+        size = self._slot_bytes(flat.numel())
         if size is not None:
             self._group.send([flat], self.peer_rank, slot_tag(size)).wait()
             return
@@ -810,7 +810,7 @@ class TorchDistributedPipe(KVPipeBase):
         return data.view(header.dtype).reshape(header.shape)
 
     def _receive_payload(self, nbytes: int) -> torch.Tensor:
-        size = slot_bytes(nbytes) if self._on_host else None
+        size = self._slot_bytes(nbytes)
         if size is None:
             data = self._allocate(nbytes)
             for start, end in chunk_bounds(nbytes):
@@ -824,6 +824,10 @@ class TorchDistributedPipe(KVPipeBase):
             self._slots_to_post[size] += 1
         work.wait()
         return buffer[:nbytes]
+
+    def _slot_bytes(self, nbytes: int) -> int | None:
+        """The slot a payload of ``nbytes`` travels in, or None if it goes in chunks (CUDA has no slots)."""
+        return slot_bytes(nbytes) if self._on_host else None
 
     def _post_slot(self, size: int) -> tuple[torch.Tensor, dist.Work]:
         buffer = self._allocate(size)

@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import math
 import struct
+from collections.abc import Sequence
 
 import torch
 
@@ -133,16 +134,24 @@ def message_cost(nbytes: int) -> int:
 def pack_header(header: FrameHeader, buffer: memoryview | bytearray) -> None:
     """Write ``header`` as the first HEADER_BYTES of ``buffer`` (writable, byte-addressed)."""
     if header.kind is FrameKind.TENSOR:
-        ndim = len(header.shape)
-        _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, header.kind, header.seq, header.consumed,
-                         header.want_credit, DTYPE_TO_CODE[header.dtype], ndim, header.nbytes, header.inline,
-                         header.more)
-        _SHAPES[ndim].pack_into(buffer, _FIXED.size, *header.shape)
-        end = _FIXED.size + 8 * ndim
-    else:
-        _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, header.kind, header.seq, header.consumed,
-                         header.want_credit, 0, 0, 0, 0, header.more)
-        end = _FIXED.size
+        pack_tensor_header(buffer, header.seq, header.consumed, header.want_credit, header.dtype, header.shape,
+                           header.nbytes, header.inline, header.more)
+        return
+    _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, header.kind, header.seq, header.consumed,
+                     header.want_credit, 0, 0, 0, 0, header.more)
+    buffer[_FIXED.size:HEADER_BYTES] = _ZEROS[_FIXED.size:]  # the frame is reused: no word may stay from before
+
+
+def pack_tensor_header(buffer: memoryview | bytearray, seq: int, consumed: int, want_credit: bool,
+                       dtype: torch.dtype, shape: Sequence[int], nbytes: int, inline: bool, more: bool) -> None:
+    """:func:`pack_header` for a TENSOR record, from its fields: a lone small tensor's sender builds
+    no :class:`FrameHeader` (that, and the calls around it, cost ~7 us of a 4 KiB message's one-way
+    time here)."""
+    ndim = len(shape)
+    _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, FrameKind.TENSOR, seq, consumed, want_credit,
+                     DTYPE_TO_CODE[dtype], ndim, nbytes, inline, more)
+    _SHAPES[ndim].pack_into(buffer, _FIXED.size, *shape)
+    end = _FIXED.size + 8 * ndim
     buffer[end:HEADER_BYTES] = _ZEROS[end:]  # the frame is reused: no word may stay from an earlier header
 
 

@@ -64,6 +64,8 @@ from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import (
     DTYPE_TO_CODE,
     HEADER_BYTES,
+    KIND_NONE,
+    KIND_TENSOR,
     MAX_NDIM,
     FrameHeader,
     FrameKind,
@@ -810,10 +812,11 @@ class TorchDistributedPipe(KVPipeBase):
         if self._recv_frame is None:  # the last one went to a caller
             self._recv_frame = self._allocate(self._frame_bytes)
             self._recv_bytes = self._host_bytes(self._recv_frame)
-        for size, count in self._slots_to_post.items():
-            posted = self._slots.setdefault(size, collections.deque())
-            posted.extend(self._post_slot(size) for _ in range(count))
-        self._slots_to_post.clear()
+        if self._slots_to_post:
+            for size, count in self._slots_to_post.items():
+                posted = self._slots.setdefault(size, collections.deque())
+                posted.extend(self._post_slot(size) for _ in range(count))
+            self._slots_to_post.clear()
         return self._group.recv([self._recv_frame], self.peer_rank, _TAG_FRAME)
 
     def _receive_records(self) -> tuple[FrameHeader, list[tuple[torch.Tensor | None, int]]]:
@@ -838,10 +841,10 @@ class TorchDistributedPipe(KVPipeBase):
                     )
             elif header.consumed != first.consumed or header.want_credit != first.want_credit:
                 raise KVProtocolError("peer sent a frame whose records disagree on credit")
-            elif header.kind not in (FrameKind.TENSOR, FrameKind.NONE):
+            elif header.kind is not KIND_TENSOR and header.kind is not KIND_NONE:
                 raise KVProtocolError(f"peer sent a {header.kind.name} record after another record in one frame")
             item = self._receive_item(header, offset)
-            if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
+            if header.kind is KIND_TENSOR or header.kind is KIND_NONE:
                 items.append((item, message_cost(header.nbytes)))
             if not header.more:
                 return first, items
@@ -851,11 +854,11 @@ class TorchDistributedPipe(KVPipeBase):
             capacity = record_inline_capacity(self._frame_bytes, offset)
 
     def _receive_item(self, header: FrameHeader, offset: int) -> torch.Tensor | None:
-        if header.kind in (FrameKind.TENSOR, FrameKind.NONE):
+        if header.kind is KIND_TENSOR or header.kind is KIND_NONE:
             if header.seq != self._next_recv_seq:
                 raise KVProtocolError(f"peer's message {header.seq} arrived where {self._next_recv_seq} was due")
             self._next_recv_seq += 1
-        if header.kind is not FrameKind.TENSOR:
+        if header.kind is not KIND_TENSOR:
             return None
         if header.nbytes == 0:
             return torch.empty(header.shape, dtype=header.dtype, device=self.device)

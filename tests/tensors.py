@@ -26,6 +26,12 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
+def as_received(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """What ``tensor`` arrives as through a pipe: its values, with no conjugate or negative bit and
+    no autograd history."""
+    return None if tensor is None else tensor.detach().resolve_conj().resolve_neg()
+
+
 def exchange_both_ways(pipe: Any, mine: list[torch.Tensor | None], theirs: list[torch.Tensor | None],
                        timeout: float) -> int:
     """Send ``mine`` from a thread while receiving and checking ``theirs`` bit for bit; both

@@ -23,9 +23,17 @@ from kv_pipe.errors import (
     KVTimeoutError,
     KVTransferError,
 )
-from kv_pipe.protocol import DTYPE_TO_CODE, HEADER_BYTES, HOST_FRAME_BYTES, SLOT_MAX_BYTES, SLOT_MIN_BYTES, slot_bytes
+from kv_pipe.protocol import (
+    DTYPE_TO_CODE,
+    HEADER_BYTES,
+    HOST_FRAME_BYTES,
+    MAX_NDIM,
+    SLOT_MAX_BYTES,
+    SLOT_MIN_BYTES,
+    slot_bytes,
+)
 from tests import procs
-from tests.tensors import exchange_both_ways, random_tensor, same_bits
+from tests.tensors import as_received, exchange_both_ways, random_tensor, same_bits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_VLLM_NONE_SENTINEL = -150886311
@@ -58,6 +66,10 @@ def tensor_stream(seed: int) -> list[torch.Tensor | None]:
     items += [None, torch.tensor(OLD_VLLM_NONE_SENTINEL), torch.full((4,), float(OLD_VLLM_NONE_SENTINEL)), None]
     base = random_tensor(generator, torch.float32, (20, 30))
     items += [base.t(), base[::3, 1::2], base[5], torch.randn(4, 4, dtype=torch.complex64, generator=generator).conj()]
+    # Contiguous tensors whose memory is not their values as it stands (a negative view), or that
+    # autograd tracks: a small tensor's fast send must leave them to the general path.
+    items += [torch._neg_view(random_tensor(generator, torch.float32, (3, 5))),
+              random_tensor(generator, torch.float32, (6,)).requires_grad_()]
     return items
 
 
@@ -68,12 +80,19 @@ def body_every_dtype(rank: int, port: int) -> int:
     """Both sides send the same stream at the same time and check what they receive."""
     expected = tensor_stream(seed=1234)
     with TorchDistributedPipe(config(rank, port)) as pipe:
+        unsendable = [[1, 2, 3], torch.randn(4, 4).to_sparse(), torch.zeros([1] * (MAX_NDIM + 1)),
+                      torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)]
+        for item in unsendable:
+            with pytest.raises(KVTransferError):
+                pipe.send_tensor(item)
         for item in expected:
             pipe.send_tensor(item)
+            # With nothing queued, each small tensor goes out from this thread on its fast path
+            # (body_random_stress covers the queued path).
+            pipe.flush(timeout=30)
         for index, want in enumerate(expected):
             got = pipe.recv_tensor(timeout=30)
-            if want is not None:
-                want = want.resolve_conj()
+            want = as_received(want)
             assert same_bits(got, want), f"item {index}: sent {want!r}, received {got!r}"
     return len(expected)
 
@@ -264,8 +283,7 @@ def body_batches(rank: int, port: int) -> int:
         pipe.flush(timeout=30)
         for number, (got_batch, want_batch) in enumerate(zip(kept, theirs, strict=True)):
             for index, (got, want) in enumerate(zip(got_batch, want_batch, strict=True)):
-                if want is not None:
-                    want = want.resolve_conj()
+                want = as_received(want)
                 assert same_bits(got, want), f"batch {number} item {index}: sent {want!r}, received {got!r}"
         pipe.send_tensor(None)
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes

@@ -351,7 +351,7 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _outgoing(self, tensor: torch.Tensor | None) -> _Outgoing:
         if tensor is None:
-            return _Outgoing(FrameKind.NONE)
+            return _Outgoing(KIND_NONE)
         check_sendable(tensor)
         data = self._as_sendable(tensor)
         if data.nbytes > self.max_tensor_bytes:
@@ -359,7 +359,7 @@ class TorchDistributedPipe(KVPipeBase):
                 f"a {data.nbytes}-byte tensor exceeds the pipe's limit of {self.max_tensor_bytes} bytes "
                 f"(max_tensor_bytes: the smaller kv_buffer_size of the two sides, less bookkeeping)"
             )
-        return _Outgoing(FrameKind.TENSOR, data, data.nbytes)
+        return _Outgoing(KIND_TENSOR, data, data.nbytes)
 
     def _send_unit(self, unit: list[_Outgoing], timeout: float | None, deadline: float | None) -> None:
         """Queue ``unit`` once the in-flight budget has room for it, waiting until ``deadline``
@@ -528,6 +528,8 @@ class TorchDistributedPipe(KVPipeBase):
             raise self._error
 
     def _raise_if_unusable_for_send(self) -> None:
+        if not self._unusable_for_send():
+            return
         self._raise_if_failed()
         if self._closing:
             raise KVPipeClosedError("send_tensor on a closed pipe")
@@ -535,7 +537,8 @@ class TorchDistributedPipe(KVPipeBase):
             raise KVPipeClosedError("the peer closed the pipe; nothing more can be sent")
 
     def _unusable_for_send(self) -> bool:
-        """Whether :meth:`_raise_if_unusable_for_send` would raise."""
+        """Whether the pipe failed or either side is closing it, so nothing may be sent
+        (:meth:`_raise_if_unusable_for_send` says why)."""
         return self._error is not None or self._closing or self._final_frame_queued or self._peer_finished
 
     def _has_room(self, cost: int) -> bool:
@@ -635,7 +638,7 @@ class TorchDistributedPipe(KVPipeBase):
                                  want_credit=want_credit, nbytes=nbytes)
             if data is not None:
                 header.dtype, header.shape, header.inline = data.dtype, data.shape, nbytes <= capacity
-            if message.kind in (FrameKind.TENSOR, FrameKind.NONE):
+            if message.kind is KIND_TENSOR or message.kind is KIND_NONE:
                 self._next_send_seq += 1
             if index < last:
                 offset = next_record_offset(offset, nbytes if header.inline else 0)
@@ -685,7 +688,7 @@ class TorchDistributedPipe(KVPipeBase):
         for header, message in zip(headers, unit, strict=True):
             inline_bytes = header.nbytes if header.inline else 0
             self._pack_record(header, message.data, offset, inline_bytes)
-            if header.kind is FrameKind.TENSOR and not header.inline:
+            if header.kind is KIND_TENSOR and not header.inline:
                 payloads.append(_flat_bytes(message.data))
             if header.more:
                 offset = next_record_offset(offset, inline_bytes)

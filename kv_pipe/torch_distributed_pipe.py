@@ -62,11 +62,9 @@ from kv_pipe.errors import (
 )
 from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import (
-    DTYPE_TO_CODE,
     HEADER_BYTES,
     KIND_NONE,
     KIND_TENSOR,
-    MAX_NDIM,
     FrameHeader,
     FrameKind,
     Hello,
@@ -331,7 +329,7 @@ class TorchDistributedPipe(KVPipeBase):
         return self._max_in_flight - message_cost(0)
 
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
-        if isinstance(tensor, torch.Tensor) and self._on_host and self._send_lone_inline(tensor):
+        if tensor is not None and self._on_host and self._send_lone_inline(tensor):
             return
         self._send_unit([self._outgoing(tensor)], timeout, self._deadline(timeout))
 
@@ -395,15 +393,14 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _send_lone_inline(self, tensor: torch.Tensor) -> bool:
         """Send ``tensor`` in a frame of its own from the caller's thread, if it fits one as it is
-        and the wire is free; False leaves it to the general path (which also raises any error).
+        and the wire is free; False leaves it to the general path. Raises what :func:`check_sendable`
+        raises for a tensor no pipe can carry.
 
-        The general path's unit, header objects and loops cost a 4 KiB message ~7 us one way here,
-        more than all the rest of the pipe's Python on the sending side.
+        The general path's unit, header objects and loops cost a 4 KiB message ~7 us one way here.
         """
-        nbytes = tensor.nbytes if tensor.layout is torch.strided else -1
-        if not 0 <= nbytes <= self._inline_capacity or tensor.dtype not in DTYPE_TO_CODE:
-            return False
-        if tensor.dim() > MAX_NDIM or not self._is_sendable_as_is(tensor):
+        check_sendable(tensor)
+        nbytes = tensor.nbytes
+        if nbytes > self._inline_capacity or not self._is_sendable_as_is(tensor):
             return False
         cost = message_cost(nbytes)
         with self._cond:

@@ -24,7 +24,8 @@ Design (the measured facts behind it are in shared/notes/transport-facts.md):
   message is larger than the receive buffer.
 * On gloo, tensors up to 1 MiB ride inside their frame (see kv_pipe.protocol): one message, no
   header/payload rendezvous. A large one is handed to the caller in the frame's own memory and the
-  next frame is received into another pooled buffer, so nothing is copied on the receiving side.
+  next frame is received into an earlier frame whose caller has dropped its tensor, or into another
+  pooled buffer, so nothing is copied on the receiving side.
 * Gloo sends a message only once its receive is posted, and a receive posted after its header
   costs the payload a rendezvous (60-230 us from 2 to 8 MiB here). So on gloo, payloads up to
   8 MiB travel in slots: once a payload of a size class has arrived, the receiving thread keeps a
@@ -60,7 +61,7 @@ from kv_pipe.errors import (
     KVTimeoutError,
     KVTransferError,
 )
-from kv_pipe.host_memory import HostMemoryPool
+from kv_pipe.host_memory import HandedOverFrames, HostMemoryPool
 from kv_pipe.protocol import (
     HEADER_BYTES,
     KIND_NONE,
@@ -97,6 +98,10 @@ _CALLER_GRACE = 0.005
 #: that runs out of credit asks for it and gets it at once.
 _CREDIT_DEFERRAL = 0.001
 
+
+#: Frames handed over to callers that are remembered for reuse once the callers drop their tensors:
+#: a ping-pong needs one, a caller holding on to a few tensors more.
+_FRAMES_KEPT = 2
 
 #: Slots kept posted per size at most: a lookup-buffer hit carries a key and a value of one size.
 _SLOT_DEPTH = 2
@@ -200,6 +205,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._send_address = self._send_frame.data_ptr()
         self._send_prefix = self._send_frame
         self._recv_bytes = self._host_bytes(self._recv_frame)
+        self._handed_frames = HandedOverFrames(keep=_FRAMES_KEPT)
         # Posted slot receives by slot size, each a buffer and its pending work, in the order the
         # peer's payloads fill them; only the receiving thread touches these. Slots taken are
         # re-posted before the next frame receive.
@@ -810,8 +816,11 @@ class TorchDistributedPipe(KVPipeBase):
     def _post_receives(self) -> dist.Work:
         """Post the slot receives taken since the last frame, then the frame receive."""
         if self._recv_frame is None:  # the last one went to a caller
-            self._recv_frame = self._allocate(self._frame_bytes)
-            self._recv_bytes = self._host_bytes(self._recv_frame)
+            idle = self._handed_frames.take_idle()
+            if idle is None:
+                frame = self._allocate(self._frame_bytes)
+                idle = frame, self._host_bytes(frame)
+            self._recv_frame, self._recv_bytes = idle
         if self._slots_to_post:
             for size, count in self._slots_to_post.items():
                 posted = self._slots.setdefault(size, collections.deque())
@@ -867,16 +876,17 @@ class TorchDistributedPipe(KVPipeBase):
             if not self._on_host:
                 data = self._recv_frame[start : start + header.nbytes]
                 return data.clone().view(header.dtype).reshape(header.shape)
-            inline = self._recv_bytes[start : start + header.nbytes]
             if header.nbytes < self._inline_capacity // 2:
                 # A bytearray copy and a tensor over it cost half of torch's clone of a frame slice.
-                inline = bytearray(inline)
+                inline = bytearray(self._recv_bytes[start : start + header.nbytes])
             else:
                 # A large inline tensor is handed over in its host frame (no copy); the next frame
-                # is received into another pooled buffer, taken when that receive is posted, off the
-                # path to this tensor's caller. Below half a frame a copy is cheaper than the memory
-                # the caller's tensor would pin. The byte view keeps the frame, and so its pooled
-                # memory, alive; one torch call over it costs a third of slicing and viewing the frame.
+                # is received into a frame whose caller has dropped its tensor, or else into another
+                # pooled buffer, taken when that receive is posted, off the path to this tensor's
+                # caller. Below half a frame a copy is cheaper than the memory the caller's tensor
+                # would pin. The byte view keeps the frame alive; one torch call over it costs a
+                # third of slicing and viewing the frame.
+                inline = self._handed_frames.hand_over(self._recv_frame, self._recv_bytes, start, header.nbytes)
                 self._recv_frame = None
             flat = torch.frombuffer(inline, dtype=header.dtype)
             return flat if len(header.shape) == 1 else flat.reshape(header.shape)

@@ -71,8 +71,8 @@ class HandedOverFrames:
 
     A frame whose inline tensor is handed to a caller whole needs a replacement for the next receive.
     Taking the same frame back costs less than a pool allocation (no new array, finalizer or byte
-    view) and keeps the memory in the caches: a ping-pong of 768 KiB tensors ran ~22% faster in one
-    way time. Whether a caller still uses a frame is read from the reference count of the numpy
+    view) and keeps the memory in the caches: a ping-pong of 768 KiB tensors took 14-22% less time
+    one way, one of 1 MiB 3-8% less. Whether a caller still uses a frame is read from the reference count of the numpy
     array that the frame's byte view exports. Every tensor made from :meth:`hand_over`'s view holds
     an export of that array of its own: ``torch.frombuffer`` keeps the buffer object, and tensors
     derived from that one keep its storage. So the count is back at its value from before the hand
@@ -100,9 +100,8 @@ class HandedOverFrames:
 
     def take_idle(self) -> tuple[torch.Tensor, memoryview] | None:
         """A remembered frame that no caller's tensor uses any more, with its byte view, or None."""
-        for entry in self._frames:
-            frame, frame_bytes, idle_refs = entry
+        for index, (frame, frame_bytes, idle_refs) in enumerate(self._frames):
             if sys.getrefcount(frame_bytes.obj) == idle_refs:
-                self._frames.remove(entry)
+                del self._frames[index]  # by position: removing by value would compare tensors
                 return frame, frame_bytes
         return None

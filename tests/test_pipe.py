@@ -197,6 +197,40 @@ def body_frame_boundaries(rank: int, port: int) -> int:
     return received
 
 
+def body_frames_taken_back(rank: int, port: int) -> int:
+    """Tensors handed over in their frames, one at a time: the receiver keeps some, keeps only a view
+    of others and drops the rest, so the frames of dropped ones are received into again while the
+    kept tensors and views must stay as they arrived."""
+    half = INLINE_CAPACITY // 2
+    generator = torch.Generator().manual_seed(11)
+    cases = [(torch.uint8, (INLINE_CAPACITY,)), (torch.float32, (half // 4 + 3,)),
+             (torch.bfloat16, (512, half // 1024)), (torch.int64, (INLINE_CAPACITY // 8 - 1,)),
+             (torch.complex64, (3, INLINE_CAPACITY // 24))] * 4
+    stream = [random_tensor(generator, dtype, shape) for dtype, shape in cases]
+    with TorchDistributedPipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
+        if rank == 0:
+            for item in stream:  # one at a time, so that the receiver has dropped what it drops
+                pipe.send_tensor(item, timeout=30)
+                assert pipe.recv_tensor(timeout=30) is None
+            return len(stream)
+        kept, views = {}, {}
+        for index, want in enumerate(stream):
+            got = pipe.recv_tensor(timeout=30)
+            assert same_bits(got, want), f"item {index} differs on arrival"
+            if index % 3 == 0:
+                kept[index] = got
+            elif index % 3 == 1:
+                views[index] = got.reshape(-1).view(torch.uint8)[7:]
+            del got
+            pipe.send_tensor(None)
+        for index, got in kept.items():
+            assert same_bits(got, stream[index]), f"kept item {index} was overwritten by a later frame"
+        for index, view in views.items():
+            assert torch.equal(view, stream[index].reshape(-1).view(torch.uint8)[7:]), (
+                f"a view of item {index} was overwritten by a later frame")
+        return len(stream)
+
+
 def slot_units(seed: int) -> tuple[list[list[torch.Tensor]], set[int]]:
     """Units whose payloads travel in slots, and the slot sizes they use: sizes at the edges of size
     classes, small payloads behind a record that fills most of a frame, three payloads of one class
@@ -672,6 +706,12 @@ def test_batches_from_several_threads_arrive_whole():
 def test_tensors_around_the_inline_frame_size_stay_intact():
     port = procs.free_port()
     assert procs.run_pair(body_frame_boundaries, (0, port), (1, port), timeout=100) == (25, 25)
+
+
+@pytest.mark.timeout(120)
+def test_frames_are_received_into_again_only_after_the_caller_dropped_them():
+    port = procs.free_port()
+    assert procs.run_pair(body_frames_taken_back, (0, port), (1, port), timeout=100) == (20, 20)
 
 
 @pytest.mark.timeout(120)

@@ -6,7 +6,7 @@ the pool only when the *storage* of every tensor made from it has died: numpy ar
 and ``torch.from_numpy`` keeps the array alive exactly as long as the storage, which a weakref
 finalizer on the array observes. Views the caller takes keep the storage, and so the buffer, alive.
 
-A pipe's receive frames come back by a cheaper route (:class:`HandedOverFrames`).
+A pipe's receive frames and slots come back by a cheaper route (:class:`HandedOverBuffers`).
 """
 
 from __future__ import annotations
@@ -66,40 +66,47 @@ class HostMemoryPool:
             return self._idle_bytes
 
 
-class HandedOverFrames:
-    """Host receive frames whose memory went to callers, taken back once every tensor over them has died.
+class HandedOverBuffers:
+    """Host receive buffers whose memory went to callers, taken back once every tensor over them has died.
 
-    A frame whose inline tensor is handed to a caller whole needs a replacement for the next receive.
-    Taking the same frame back costs less than a pool allocation (no new array, finalizer or byte
-    view) and keeps the memory in the caches: a ping-pong of 768 KiB tensors took 14-22% less time
-    one way, one of 1 MiB 3-8% less. Whether a caller still uses a frame is read from the reference
-    count of the numpy array that the frame's byte view exports. Every tensor made from
-    :meth:`hand_over`'s view holds an export of that array of its own: ``torch.frombuffer`` keeps the
-    buffer object, and tensors derived from that one keep its storage. So the count is back at its
-    value from before the hand over exactly when all of them have died.
+    A receive frame whose inline tensor is handed to a caller whole, or a slot whose payload is,
+    needs a replacement for the next receive. Taking the same buffer back costs less than a pool
+    allocation (no new array, finalizer or byte view) and keeps the memory in the caches: a
+    ping-pong of 768 KiB tensors took 14-22% less time one way, one of 1 MiB 3-8% less. Whether a
+    caller still uses a buffer is read from the reference count of the numpy array that the
+    buffer's byte view exports. Every tensor made from :meth:`hand_over`'s view holds an export of
+    that array of its own: ``torch.frombuffer`` keeps the buffer object, and tensors derived from
+    that one keep its storage. So the count is back at its value from before the hand over exactly
+    when all of them have died.
 
-    Keeps at most ``keep`` frames; an older frame is forgotten, and its memory freed (or pooled) once
+    Keeps at most ``keep`` buffers; an older one is forgotten, and its memory freed (or pooled) once
     the caller's tensors die. Not thread-safe: one receiving thread at a time uses it.
     """
 
     def __init__(self, keep: int) -> None:
-        # (frame, the frame's byte view, the exported array's reference count while idle)
-        self._frames: collections.deque[tuple[torch.Tensor, memoryview, int]] = collections.deque(maxlen=keep)
+        # (buffer, the buffer's byte view, the exported array's reference count while idle)
+        self._buffers: collections.deque[tuple[torch.Tensor, memoryview, int]] = collections.deque(maxlen=keep)
 
-    def hand_over(self, frame: torch.Tensor, frame_bytes: memoryview, start: int, nbytes: int) -> memoryview:
-        """Remember ``frame`` and return a byte view of ``frame_bytes[start:start + nbytes]`` for a caller.
+    def hand_over(self, buffer: torch.Tensor, buffer_bytes: memoryview, start: int, nbytes: int) -> memoryview:
+        """Remember ``buffer`` and return a byte view of ``buffer_bytes[start:start + nbytes]`` for a caller.
 
-        ``frame_bytes`` must be a view of a numpy array over ``frame``'s memory that nothing else
+        ``buffer_bytes`` must be a view of a numpy array over ``buffer``'s memory that nothing else
         exports, as :meth:`TorchDistributedPipe._host_bytes` makes it.
         """
-        idle_refs = sys.getrefcount(frame_bytes.obj)  # the very expression take_idle compares with it
-        self._frames.append((frame, frame_bytes, idle_refs))
-        return memoryview(frame_bytes.obj)[start : start + nbytes]  # a new export: counted while it lives
+        idle_refs = sys.getrefcount(buffer_bytes.obj)  # the very expression take_idle compares with it
+        self._buffers.append((buffer, buffer_bytes, idle_refs))
+        return memoryview(buffer_bytes.obj)[start : start + nbytes]  # a new export: counted while it lives
 
-    def take_idle(self) -> tuple[torch.Tensor, memoryview] | None:
-        """A remembered frame that no caller's tensor uses any more, with its byte view, or None."""
-        for index, (frame, frame_bytes, idle_refs) in enumerate(self._frames):
-            if sys.getrefcount(frame_bytes.obj) == idle_refs:
-                del self._frames[index]  # by position: removing by value would compare tensors
-                return frame, frame_bytes
+    def take_idle(self, nbytes: int) -> tuple[torch.Tensor, memoryview] | None:
+        """A remembered buffer of ``nbytes`` that no caller's tensor uses any more, with its byte view, or None."""
+        for index, (buffer, buffer_bytes, idle_refs) in enumerate(self._buffers):
+            if buffer.numel() == nbytes and sys.getrefcount(buffer_bytes.obj) == idle_refs:
+                del self._buffers[index]  # by position: removing by value would compare tensors
+                return buffer, buffer_bytes
         return None
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of the remembered buffers that no caller's tensor uses any more."""
+        return sum(buffer.numel() for buffer, buffer_bytes, idle_refs in self._buffers
+                   if sys.getrefcount(buffer_bytes.obj) == idle_refs)

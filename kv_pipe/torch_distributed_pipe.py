@@ -61,7 +61,7 @@ from kv_pipe.errors import (
     KVTimeoutError,
     KVTransferError,
 )
-from kv_pipe.host_memory import HandedOverFrames, HostMemoryPool
+from kv_pipe.host_memory import HandedOverBuffers, HostMemoryPool
 from kv_pipe.protocol import (
     HEADER_BYTES,
     KIND_NONE,
@@ -105,6 +105,10 @@ _FRAMES_KEPT = 2
 
 #: Slots kept posted per size at most: a lookup-buffer hit carries a key and a value of one size.
 _SLOT_DEPTH = 2
+
+#: Slots handed over to callers that are remembered for reuse, of any sizes: a lookup-buffer hit's
+#: key and value. At most this many slots of up to SLOT_MAX_BYTES (+25%) stay idle per pipe.
+_SLOTS_KEPT = 2
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -205,11 +209,12 @@ class TorchDistributedPipe(KVPipeBase):
         self._send_address = self._send_frame.data_ptr()
         self._send_prefix = self._send_frame
         self._recv_bytes = self._host_bytes(self._recv_frame)
-        self._handed_frames = HandedOverFrames(keep=_FRAMES_KEPT)
-        # Posted slot receives by slot size, each a buffer and its pending work, in the order the
-        # peer's payloads fill them; only the receiving thread touches these. Slots taken are
-        # re-posted before the next frame receive.
-        self._slots: dict[int, collections.deque[tuple[torch.Tensor, dist.Work]]] = {}
+        self._handed_frames = HandedOverBuffers(keep=_FRAMES_KEPT)
+        self._handed_slots = HandedOverBuffers(keep=_SLOTS_KEPT)
+        # Posted slot receives by slot size, each a buffer, its byte view and its pending work, in
+        # the order the peer's payloads fill them; only the receiving thread touches these. Slots
+        # taken are re-posted before the next frame receive.
+        self._slots: dict[int, collections.deque[tuple[torch.Tensor, memoryview, dist.Work]]] = {}
         self._slots_to_post: collections.Counter[int] = collections.Counter()
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
         self._last_sent = time.monotonic()
@@ -816,11 +821,7 @@ class TorchDistributedPipe(KVPipeBase):
     def _post_receives(self) -> dist.Work:
         """Post the slot receives taken since the last frame, then the frame receive."""
         if self._recv_frame is None:  # the last one went to a caller
-            idle = self._handed_frames.take_idle()
-            if idle is None:
-                frame = self._allocate(self._frame_bytes)
-                idle = frame, self._host_bytes(frame)
-            self._recv_frame, self._recv_bytes = idle
+            self._recv_frame, self._recv_bytes = self._take_host_buffer(self._handed_frames, self._frame_bytes)
         if self._slots_to_post:
             for size, count in self._slots_to_post.items():
                 posted = self._slots.setdefault(size, collections.deque())
@@ -878,7 +879,7 @@ class TorchDistributedPipe(KVPipeBase):
                 return data.clone().view(header.dtype).reshape(header.shape)
             if header.nbytes < self._inline_capacity // 2:
                 # A bytearray copy and a tensor over it cost half of torch's clone of a frame slice.
-                inline = bytearray(self._recv_bytes[start : start + header.nbytes])
+                received = bytearray(self._recv_bytes[start : start + header.nbytes])
             else:
                 # A large inline tensor is handed over in its host frame (no copy); the next frame
                 # is received into a frame whose caller has dropped its tensor, or else into another
@@ -886,36 +887,50 @@ class TorchDistributedPipe(KVPipeBase):
                 # caller. Below half a frame a copy is cheaper than the memory the caller's tensor
                 # would pin. The byte view keeps the frame alive; one torch call over it costs a
                 # third of slicing and viewing the frame.
-                inline = self._handed_frames.hand_over(self._recv_frame, self._recv_bytes, start, header.nbytes)
+                received = self._handed_frames.hand_over(self._recv_frame, self._recv_bytes, start, header.nbytes)
                 self._recv_frame = None
-            flat = torch.frombuffer(inline, dtype=header.dtype)
-            return flat if len(header.shape) == 1 else flat.reshape(header.shape)
-        data = self._receive_payload(header.nbytes)
-        return data.view(header.dtype).reshape(header.shape)
+        else:
+            size = self._slot_bytes(header.nbytes)
+            if size is None:
+                return self._receive_chunks(header.nbytes).view(header.dtype).reshape(header.shape)
+            received = self._receive_slot(size, header.nbytes)
+        flat = torch.frombuffer(received, dtype=header.dtype)
+        return flat if len(header.shape) == 1 else flat.reshape(header.shape)
 
-    def _receive_payload(self, nbytes: int) -> torch.Tensor:
-        size = self._slot_bytes(nbytes)
-        if size is None:
-            data = self._allocate(nbytes)
-            for start, end in chunk_bounds(nbytes):
-                self._group.recv([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
-            return data
+    def _receive_slot(self, size: int, nbytes: int) -> memoryview:
+        """Wait for a payload of ``nbytes`` in a slot of ``size``; hand it over as a byte view of the
+        slot, like a large inline tensor, so the slot is received into again once the caller drops it."""
         # No slot is posted for the first payload of a size, nor for one past the slots of its size
         # in a frame; such a payload is received after its header.
         posted = self._slots.get(size)
-        buffer, work = posted.popleft() if posted else self._post_slot(size)
+        buffer, buffer_bytes, work = posted.popleft() if posted else self._post_slot(size)
         if len(posted or ()) + self._slots_to_post[size] < _SLOT_DEPTH:
             self._slots_to_post[size] += 1
         work.wait()
-        return buffer[:nbytes]
+        return self._handed_slots.hand_over(buffer, buffer_bytes, 0, nbytes)
+
+    def _receive_chunks(self, nbytes: int) -> torch.Tensor:
+        data = self._allocate(nbytes)
+        for start, end in chunk_bounds(nbytes):
+            self._group.recv([data[start:end]], self.peer_rank, _TAG_PAYLOAD).wait()
+        return data
 
     def _slot_bytes(self, nbytes: int) -> int | None:
         """The slot a payload of ``nbytes`` travels in, or None if it goes in chunks (CUDA has no slots)."""
         return slot_bytes(nbytes) if self._on_host else None
 
-    def _post_slot(self, size: int) -> tuple[torch.Tensor, dist.Work]:
-        buffer = self._allocate(size)
-        return buffer, self._group.recv([buffer], self.peer_rank, slot_tag(size))
+    def _post_slot(self, size: int) -> tuple[torch.Tensor, memoryview, dist.Work]:
+        buffer, buffer_bytes = self._take_host_buffer(self._handed_slots, size)
+        return buffer, buffer_bytes, self._group.recv([buffer], self.peer_rank, slot_tag(size))
+
+    def _take_host_buffer(self, handed: HandedOverBuffers, nbytes: int) -> tuple[torch.Tensor, memoryview]:
+        """A host buffer of ``nbytes`` to receive into, with its byte view: one that went to a caller
+        who has dropped it, else a pooled one."""
+        idle = handed.take_idle(nbytes)
+        if idle is None:
+            buffer = self._allocate(nbytes)
+            idle = buffer, self._host_bytes(buffer)
+        return idle
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self._on_host:

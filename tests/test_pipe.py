@@ -190,22 +190,27 @@ def body_frame_boundaries(rank: int, port: int) -> int:
         large_bytes = sum(got.nbytes for got in large)
         received = len(kept)
         del kept, large, got
-        # Their frames and payload buffers go back to the pool once the caller drops them.
-        assert pipe._host_memory.idle_bytes >= large_bytes, "received buffers were not recycled"
+        # Their frames and payload buffers go back to the pool, or wait to be received into again,
+        # once the caller drops them.
+        reusable = pipe._host_memory.idle_bytes + pipe._handed_frames.idle_bytes + pipe._handed_slots.idle_bytes
+        assert reusable >= large_bytes, "received buffers were not recycled"
         pipe.send_tensor(None)
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
     return received
 
 
-def body_frames_taken_back(rank: int, port: int) -> int:
-    """Tensors handed over in their frames, one at a time: the receiver keeps some, keeps only a view
-    of others and drops the rest, so the frames of dropped ones are received into again while the
-    kept tensors and views must stay as they arrived."""
+def body_buffers_taken_back(rank: int, port: int) -> int:
+    """Tensors handed over in their frames or slots, one at a time: the receiver keeps some, keeps
+    only a view of others and drops the rest, so the frames and slots of dropped ones are received
+    into again while the kept tensors and views must stay as they arrived."""
     half = INLINE_CAPACITY // 2
     generator = torch.Generator().manual_seed(11)
-    cases = [(torch.uint8, (INLINE_CAPACITY,)), (torch.float32, (half // 4 + 3,)),
-             (torch.bfloat16, (512, half // 1024)), (torch.int64, (INLINE_CAPACITY // 8 - 1,)),
-             (torch.complex64, (3, INLINE_CAPACITY // 24))] * 4
+    in_frames = [(torch.uint8, (INLINE_CAPACITY,)), (torch.float32, (half // 4 + 3,)),
+                 (torch.bfloat16, (512, half // 1024)), (torch.int64, (INLINE_CAPACITY // 8 - 1,)),
+                 (torch.complex64, (3, INLINE_CAPACITY // 24))]
+    in_slots = [(torch.float16, (INLINE_CAPACITY // 2 + 8,)), (torch.int32, (3, 1 << 18)),
+                (torch.uint8, (2 << 20,)), (torch.int16, (7, 3 << 17)), (torch.float64, (SLOT_MAX_BYTES // 8,))]
+    cases = (in_frames + in_slots) * 4  # ten per round: each is kept, viewed and dropped in turn
     stream = [random_tensor(generator, dtype, shape) for dtype, shape in cases]
     with TorchDistributedPipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
         if rank == 0:
@@ -224,10 +229,10 @@ def body_frames_taken_back(rank: int, port: int) -> int:
             del got
             pipe.send_tensor(None)
         for index, got in kept.items():
-            assert same_bits(got, stream[index]), f"kept item {index} was overwritten by a later frame"
+            assert same_bits(got, stream[index]), f"kept item {index} was overwritten by a later receive"
         for index, view in views.items():
             assert torch.equal(view, stream[index].reshape(-1).view(torch.uint8)[7:]), (
-                f"a view of item {index} was overwritten by a later frame")
+                f"a view of item {index} was overwritten by a later receive")
         return len(stream)
 
 
@@ -709,9 +714,9 @@ def test_tensors_around_the_inline_frame_size_stay_intact():
 
 
 @pytest.mark.timeout(120)
-def test_frames_are_received_into_again_only_after_the_caller_dropped_them():
+def test_frames_and_slots_are_received_into_again_only_after_the_caller_dropped_them():
     port = procs.free_port()
-    assert procs.run_pair(body_frames_taken_back, (0, port), (1, port), timeout=100) == (20, 20)
+    assert procs.run_pair(body_buffers_taken_back, (0, port), (1, port), timeout=100) == (40, 40)
 
 
 @pytest.mark.timeout(120)

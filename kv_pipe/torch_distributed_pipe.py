@@ -30,7 +30,8 @@ Design (the measured facts behind it are in shared/notes/transport-facts.md):
   costs the payload a rendezvous (60-230 us from 2 to 8 MiB here). So on gloo, payloads up to
   8 MiB travel in slots: once a payload of a size class has arrived, the receiving thread keeps a
   receive for the next one of that class posted (two, once a frame has carried two of the class,
-  as a KV unit's key and value do), re-posted before each frame receive. Gloo enforces its timeout
+  as a KV unit's key and value do), re-posted before each frame receive into a slot whose
+  payload's caller has dropped it, or else a pooled buffer. Gloo enforces its timeout
   only on a wait, never on a receive that merely stays posted, and a slot is waited on only after
   its frame has announced the payload. The first payload of a class, and one more in a frame than
   the slots of its class, are received after their header as before.

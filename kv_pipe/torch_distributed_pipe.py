@@ -108,7 +108,7 @@ _FRAMES_KEPT = 2
 _SLOT_DEPTH = 2
 
 #: Slots handed over to callers that are remembered for reuse, of any sizes: a lookup-buffer hit's
-#: key and value. At most this many slots of up to SLOT_MAX_BYTES (+25%) stay idle per pipe.
+#: key and value. At most this many slots of up to SLOT_MAX_BYTES (a size class itself) stay idle per pipe.
 _SLOTS_KEPT = 2
 
 

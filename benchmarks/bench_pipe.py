@@ -6,14 +6,23 @@ own ProcessGroupGloo, which is the best gloo can do; the pipe adds framing, cred
 threads and hands the caller a tensor it owns. Raw and pipe alternate in rounds, so that a noisy
 neighbour slows both alike and the ratio stays meaningful on a shared machine.
 
+For tensors that travel inside a frame (up to 1 MiB) the same rounds also time the one-copy floor:
+the least any pipe that sends a header and its tensor as one gloo message can do. It copies the
+tensor behind a header-sized gap in a reused frame, sends that prefix on the raw group, receives
+into a reused frame and makes a tensor over the received bytes; no header is written or read, no
+lock taken, no thread involved. The pipe's distance from it is its Python; the floor's distance
+from raw is the copy that one message costs.
+
     python benchmarks/bench_pipe.py [--iters 7] [--rounds 5] [--sizes 4K,64K,1M,4M,16M,128M,512M]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import multiprocessing as mp
+import queue
 import statistics
 import sys
 import time
@@ -25,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
 from kv_pipe.config import local_address_towards  # noqa: E402
+from kv_pipe.protocol import HEADER_BYTES, HOST_FRAME_BYTES  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -79,6 +89,9 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
     )
     pipe = TorchDistributedPipe(config)
     peer = 1 - rank
+    send_frame = torch.zeros(HOST_FRAME_BYTES, dtype=torch.uint8)
+    recv_frame = torch.zeros(HOST_FRAME_BYTES, dtype=torch.uint8)
+    recv_bytes = memoryview(recv_frame.numpy())
     rows = []
     progress = None
     if rank == 0:
@@ -106,16 +119,51 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
             else:
                 pipe.send_tensor(pipe.recv_tensor(timeout=120))
 
-        raw_times, pipe_times = [], []
+        frame_prefix = send_frame[: HEADER_BYTES + nbytes]
+
+        def one_copy_send(tensor: torch.Tensor, frame_prefix: torch.Tensor = frame_prefix) -> None:
+            ctypes.memmove(frame_prefix.data_ptr() + HEADER_BYTES, tensor.data_ptr(), tensor.nbytes)
+            group.send([frame_prefix], peer, 0).wait()
+
+        def one_copy_recv(nbytes: int = nbytes) -> torch.Tensor:
+            group.recv([recv_frame], peer, 0).wait()
+            return torch.frombuffer(recv_bytes[HEADER_BYTES : HEADER_BYTES + nbytes], dtype=torch.uint8)
+
+        def floor_round_trip(data: torch.Tensor = data) -> None:
+            if rank == 0:
+                one_copy_send(data)
+                one_copy_recv()
+            else:
+                one_copy_send(one_copy_recv())
+
+        modes = {"raw": raw_round_trip, "pipe": pipe_round_trip}
+        if HEADER_BYTES + nbytes <= HOST_FRAME_BYTES:
+            modes["floor"] = floor_round_trip
+        times = {mode: [] for mode in modes}
         for _ in range(rounds if nbytes <= 128 << 20 else 1):
-            raw_times += one_way_times(rank, count, warmup, raw_round_trip)
-            pipe_times += one_way_times(rank, count, warmup, pipe_round_trip)
-        rows.append((nbytes, statistics.median(raw_times), statistics.median(pipe_times)))
+            for mode, round_trip in modes.items():
+                times[mode] += one_way_times(rank, count, warmup, round_trip)
+        rows.append((nbytes, *(statistics.median(times[mode]) if mode in times else None
+                               for mode in ("raw", "pipe", "floor"))))
         if progress is not None:
             progress.update()
     pipe.close()
     if rank == 0:
         results.put(rows)
+
+
+def wait_for_rows(results, processes: list[mp.Process], timeout: float = 1800) -> list[tuple]:
+    """Rank 0's table rows; exits at once, instead of at the timeout, when a worker has failed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            failed = [process.exitcode for process in processes if process.exitcode not in (None, 0)]
+            if failed:
+                raise SystemExit(f"a benchmark process failed (exit codes {failed}); see its traceback above") from None
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the benchmark did not finish within {timeout:g} s") from None
 
 
 def main() -> None:
@@ -134,7 +182,7 @@ def main() -> None:
     for process in processes:
         process.start()
     try:
-        rows = results.get(timeout=1800)
+        rows = wait_for_rows(results, processes)
     finally:
         for process in processes:
             process.join(timeout=60)
@@ -142,13 +190,16 @@ def main() -> None:
                 process.kill()
     counts = ", ".join(str(timed_round_trips(nbytes, args.iters)) for nbytes in sizes)
     print(f"torch {torch.__version__}, gloo over loopback, ping-pong one-way time (median of "
-          f"{args.rounds} alternating rounds; round trips per round: {counts})")
-    print(f"{'size':>9} | {'raw GB/s':>8} | {'pipe GB/s':>9} | {'pipe/raw':>8} | {'raw us':>9} | {'pipe us':>9}")
-    print("-" * 68)
-    for nbytes, raw, piped in rows:
+          f"{args.rounds} alternating rounds; round trips per round: {counts}); floor: one copy into a "
+          f"frame, one gloo message (sizes that fit a frame)")
+    print(f"{'size':>9} | {'raw GB/s':>8} | {'pipe GB/s':>9} | {'pipe/raw':>8} | {'raw us':>9} | {'pipe us':>9} | "
+          f"{'floor us':>9} | {'floor/raw':>9}")
+    print("-" * 92)
+    for nbytes, raw, piped, floor in rows:
+        floor_columns = f"{floor * 1e6:9.1f} | {raw / floor:8.2f}x" if floor is not None else f"{'-':>9} | {'-':>9}"
         print(
             f"{label(nbytes):>9} | {nbytes / raw / 1e9:8.2f} | {nbytes / piped / 1e9:9.2f} | "
-            f"{raw / piped:7.2f}x | {raw * 1e6:9.1f} | {piped * 1e6:9.1f}"
+            f"{raw / piped:7.2f}x | {raw * 1e6:9.1f} | {piped * 1e6:9.1f} | {floor_columns}"
         )
 
 

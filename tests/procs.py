@@ -1,15 +1,23 @@
-"""Run test bodies in two real processes (spawned, reaped, time-bounded) and pick free ports."""
+"""Run test bodies in two real processes, or commands in subprocesses (spawned, reaped, time-bounded),
+and pick free ports."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
+import os
 import random
+import signal
 import socket
+import subprocess
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _CTX = mp.get_context("spawn")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -67,7 +75,6 @@ def collect(processes: list[mp.Process], results: Any, timeout: float, expect: i
     Raises AssertionError with the child's traceback if a body failed, or on timeout.
     """
     import queue
-    import time
 
     expect = len(processes) if expect is None else expect
     deadline = time.monotonic() + timeout
@@ -107,3 +114,44 @@ def run_pair(target: Callable[..., Any], args0: tuple, args1: tuple, timeout: fl
     processes = [start(target, args0, results, 0), start(target, args1, results, 1)]
     outcomes = collect(processes, results, timeout)
     return outcomes[0], outcomes[1]
+
+
+@dataclasses.dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_commands(commands: list[tuple[list[str], dict[str, str]]], tmp_path: Path, timeout: float) -> list[Finished]:
+    """Run the commands at once from the repository, each with the test's environment (less any
+    ``KVBRIDGE_*`` variable, plus the repository on PYTHONPATH) updated by its own, and each in its
+    own session, so that the processes it starts (torchrun's workers, a benchmark's) die with it.
+    Output goes to files, not pipes, so that no process blocks on a full pipe while another waits for it.
+    Raises AssertionError with the tails of their stderr if they have not all ended within ``timeout``."""
+    env_base = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
+    env_base["PYTHONPATH"] = os.pathsep.join([str(REPO), env_base.get("PYTHONPATH", "")])
+    started, files = [], []
+    try:
+        for index, (command, env) in enumerate(commands):
+            out, err = tmp_path / f"{index}.out", tmp_path / f"{index}.err"
+            files.append((out, err))
+            with out.open("w") as stdout, err.open("w") as stderr:
+                started.append(subprocess.Popen(command, cwd=REPO, env={**env_base, **env},
+                                                stdout=stdout, stderr=stderr, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for process in started:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                tails = "\n".join(err.read_text()[-3000:] for _, err in files)
+                raise AssertionError(f"{process.args} did not finish within {timeout} s:\n{tails}") from None
+    finally:
+        for process in started:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(timeout=10)
+    return [Finished(process.returncode, out.read_text(), err.read_text())
+            for process, (out, err) in zip(started, files, strict=True)]

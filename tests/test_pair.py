@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +15,6 @@ from launch.model import build_model, greedy_continue, greedy_generate, prefill,
 from launch.pair import PairSettings, decode_order, make_prompts
 from tests import procs
 
-REPO = Path(__file__).resolve().parents[1]
 NUM_PROMPTS = 5
 #: A small workload: the pair then runs in a few seconds on 2 cores.
 SMALL_RUN = {
@@ -85,42 +80,11 @@ def test_cli_builds_torchrun_command() -> None:
 # --- whole runs in subprocesses ---------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Finished:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def run_processes(commands: list[tuple[list[str], dict[str, str]]], tmp_path: Path, timeout: float) -> list[Finished]:
-    """Run the commands at once, each in its own session (so that torchrun's workers can be killed with it);
-    output goes to files, not pipes, so that no process blocks on a full pipe while another waits for it."""
-    env_base = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
-    env_base["PYTHONPATH"] = os.pathsep.join([str(REPO), env_base.get("PYTHONPATH", "")])
-    started, files = [], []
-    try:
-        for index, (command, env) in enumerate(commands):
-            out, err = tmp_path / f"{index}.out", tmp_path / f"{index}.err"
-            files.append((out, err))
-            with out.open("w") as stdout, err.open("w") as stderr:
-                started.append(subprocess.Popen(command, cwd=REPO, env={**env_base, **SMALL_RUN, **env},
-                                                stdout=stdout, stderr=stderr, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        for process in started:
-            try:
-                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                tails = "\n".join(err.read_text()[-3000:] for _, err in files)
-                raise AssertionError(f"{process.args} did not finish within {timeout} s:\n{tails}") from None
-    finally:
-        for process in started:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # the session holds torchrun's workers too
-            except ProcessLookupError:
-                pass
-            process.wait(timeout=10)
-    return [Finished(process.returncode, out.read_text(), err.read_text())
-            for process, (out, err) in zip(started, files, strict=True)]
+def run_processes(
+    commands: list[tuple[list[str], dict[str, str]]], tmp_path: Path, timeout: float
+) -> list[procs.Finished]:
+    """:func:`procs.run_commands` with the small workload in every command's environment."""
+    return procs.run_commands([(command, {**SMALL_RUN, **env}) for command, env in commands], tmp_path, timeout)
 
 
 def torchrun(port: int, *args: str) -> list[str]:
@@ -132,7 +96,7 @@ def table_rows(stdout: str, word: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("|") and f"| {word} " in line]
 
 
-def explain(result: Finished) -> str:
+def explain(result: procs.Finished) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr[-4000:]}"
 
 

@@ -143,8 +143,8 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
         for _ in range(rounds if nbytes <= 128 << 20 else 1):
             for mode, round_trip in modes.items():
                 times[mode] += one_way_times(rank, count, warmup, round_trip)
-        rows.append((nbytes, *(statistics.median(times[mode]) if mode in times else None
-                               for mode in ("raw", "pipe", "floor"))))
+        floor = statistics.median(times["floor"]) if "floor" in times else None
+        rows.append((nbytes, statistics.median(times["raw"]), statistics.median(times["pipe"]), floor))
         if progress is not None:
             progress.update()
     pipe.close()

@@ -1,84 +1,76 @@
-"""The consumer side of the lookup buffer: selects over ZeroMQ, outcomes read off the data pipe.
+"""The consumer side of the lookup buffer: selects go out over ZeroMQ, outcomes come in on the data pipe.
 
-Each calling thread has its own DEALER socket (zmq sockets are not thread-safe) and its own doorbell.
-Every select asks for its outcome on the data pipe (``answer_on_pipe``): a hit's header and
-tensors, or the header of a miss, a refusal or the producer closing. The calling threads read the
-data pipe themselves, one at a time: the *leader* reads outcome after outcome and routes each by its
-request id, to itself or to the waiting call of that id, whose doorbell it rings; so concurrent
-selects never get each other's tensors, and a lone caller reads its own hit with no hand-over from
-another thread (a reader thread ringing the caller cost a 16 MiB select ~6% of the raw transfer:
-README, performance). A leader whose select is answered passes the role to another waiting call.
-The others wait in one poll for the first of: their outcome, the role passed to them, a control
-reply (a refusal that could not go on the pipe), or the buffer stopping.
-Request ids are random 63-bit numbers: a stray or hostile select cannot guess a live one.
+Two threads serve every calling thread, so the consumer holds the same few sockets and descriptors
+however many threads call drop_select (and however short-lived they are):
+
+* The control thread owns the only ZeroMQ socket (a DEALER). Calling threads queue their requests
+  and ring its doorbell; it stamps each with the producer's session and the next counter, signs
+  and sends it, and hands each refusal the producer sends back to the call it names.
+* The reader thread reads the data pipe: the producer's session header first, then outcome after
+  outcome (a hit's header and tensors, a miss, a refusal for lack of room, the producer closing),
+  each handed to the call of its request id.
+
+A calling thread waits on its own call (an event), at most its wait + ``kv_timeout`` for the
+outcome to start, and then as long as the hit's tensors keep arriving. Request ids are random
+63-bit numbers: a stray or hostile select cannot guess a live one. A hit is returned only if its
+tokens and roi match the query.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import secrets
 import threading
 import time
 
+import msgspec
 import torch
 import zmq
 
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
-from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTimeoutError, KVTransferError
+from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
 from lookup_buffer.base import BufferStats, SelectResult
 from lookup_buffer.control import HIGH_WATER_MARK, Doorbell, open_socket
 from lookup_buffer.errors import fresh_error
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
     ITEM_NAMES,
-    MAX_REPLY_BYTES,
+    MAX_REFUSAL_BYTES,
     ControlSigner,
     Outcome,
     OutcomeStatus,
-    Reply,
-    decode_reply,
+    SelectRequest,
+    decode_refusal,
     encode_request,
     parse_header,
+    select_request,
 )
 
 logger = logging.getLogger(__name__)
 
-#: Until the producer has answered a select on the data pipe, the leader looks at its control socket
-#: this often: a producer that refuses every request (another kv_secret or protocol version) answers
-#: only there, and must be heard at once, not after a select's whole wait.
-_FIRST_ANSWER_CHECK = 0.05
+#: The control thread's longest sleep: it is woken by its doorbell and its socket, this only bounds
+#: how long a lost wake-up could go unnoticed.
+_MAX_POLL_MS = 1000
 
 
 class _Call:
-    """One drop_select in flight: the leader sets ``announced`` when the call's hit header arrives,
-    then fills ``items`` (a hit's), sets ``outcome`` and rings ``doorbell`` (unless it is the
-    call's own thread)."""
+    """One drop_select in flight. The reader thread sets ``announced`` when the call's hit header
+    arrives, then ``items`` (a hit's) and ``outcome``; the control thread sets ``error`` when the
+    request was refused or could not be sent. Either one then sets ``done``."""
 
-    __slots__ = ("request_id", "doorbell", "announced", "items", "outcome")
+    __slots__ = ("request_id", "request", "done", "announced", "items", "outcome", "error")
 
-    def __init__(self, request_id: int, doorbell: Doorbell) -> None:
+    def __init__(self, request_id: int, request: SelectRequest) -> None:
         self.request_id = request_id
-        self.doorbell = doorbell  # the calling thread's
+        self.request: SelectRequest | None = request  # until the control thread has sent it
+        self.done = threading.Event()
         self.announced = False
         self.items: tuple[torch.Tensor | None, ...] = ()
         self.outcome: Outcome | None = None
-
-
-class _ThreadChannel:
-    """A calling thread's control socket, its doorbell, and a poller on both and on ``stopped``."""
-
-    def __init__(self, sock: zmq.Socket, stopped: Doorbell) -> None:
-        self.sock = sock
-        self.doorbell = Doorbell()
-        self.poller = zmq.Poller()
-        for watched in (sock, self.doorbell.fileno(), stopped.fileno()):
-            self.poller.register(watched, zmq.POLLIN)
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.doorbell.close()
+        self.error: KVTransferError | None = None
 
 
 class BufferConsumer:
@@ -88,22 +80,31 @@ class BufferConsumer:
         self._pipe = pipe
         self._config = config
         self._address = address
-        self._context = zmq.Context(io_threads=1)
-        self._local = threading.local()
         self._signer = ControlSigner(config.kv_secret)
-        self._channels: list[_ThreadChannel] = []
-        self._lock = threading.Lock()  # guards everything below
-        self._idle = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # guards everything below but the control thread's own state
         self._calls: dict[int, _Call] = {}
-        self._leader: _Call | None = None  # the call whose thread reads the data pipe
-        self._answered_on_pipe = False  # the producer accepted a select of ours
         self._closed = False
         self._failure: KVTransferError | None = None
         self._failure_reported = False
         self._received_tensors = 0  # the data pipe's progress
         self._hits = self._misses = self._waits = self._received_bytes = 0
-        # Rung once and never cleared: wakes every waiting call, now and later.
-        self._stopped = Doorbell()
+        self._session: bytes | None = None  # set once by the reader thread
+
+        # Calling threads -> control thread.
+        self._outbox: collections.deque[_Call] = collections.deque()
+        self._doorbell = Doorbell()
+        self._counter = 0  # of the last request sent (control thread)
+        self._context = zmq.Context(io_threads=1)
+        try:
+            self._dealer = open_socket(self._context, zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
+        except BaseException:
+            self._context.term()
+            self._doorbell.close()
+            raise
+        self._control = threading.Thread(target=self._run_control, name="kvbuf-consumer-control", daemon=True)
+        self._reader = threading.Thread(target=self._read_pipe, name="kvbuf-consumer-reader", daemon=True)
+        self._control.start()
+        self._reader.start()
         logger.info("lookup buffer consumer selecting from %s", address)
 
     # ------------------------------------------------------------------ caller API
@@ -111,53 +112,22 @@ class BufferConsumer:
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, wait: float) -> SelectResult:
         tokens, roi_array = token_arrays(input_tokens, roi)
         wait_ms = math.ceil(wait * 1000)
-        channel = self._thread_channel()
-        call = self._open_call(channel.doorbell)
+        with self._lock:
+            self._raise_if_stopped()
+            request_id = secrets.randbits(63)
+            while request_id in self._calls:
+                request_id = secrets.randbits(63)
+            # The request copies the tokens: the caller's tensors are theirs again once this call returns.
+            call = self._calls[request_id] = _Call(request_id, select_request(request_id, tokens, roi_array, wait_ms))
         try:
-            request = encode_request(self._signer, call.request_id, tokens, roi_array, wait_ms, answer_on_pipe=True)
-            try:
-                channel.sock.send(request, zmq.NOBLOCK)
-            except zmq.Again:
-                raise KVPeerLostError(
-                    f"lookup buffer: {HIGH_WATER_MARK} selects queued unsent to {self._address}; "
-                    f"the producer is unreachable"
-                ) from None
+            self._outbox.append(call)
+            self._doorbell.ring()
             query = MatchKey(tokens, roi_array)  # needed only to check a hit: built while the request travels
-            reply = self._await_outcome(channel, call, wait_ms / 1000 + self._config.kv_timeout)
-            if reply is None:
-                return self._conclude(call, query)
-            if reply.status == "miss":  # a producer whose data pipe failed may still say so
-                self._count_miss(reply.waited)
-                return [None] * len(ITEM_NAMES)
-            if reply.status == "closed":
-                raise KVPipeClosedError(f"lookup buffer: {reply.message}")
-            raise KVProtocolError(f"lookup buffer: the producer refused the select: {reply.message}")
+            self._await(call, wait_ms / 1000 + self._config.kv_timeout)
+            return self._conclude(call, query)
         finally:
-            self._close_call(call)
-
-    def _conclude(self, call: _Call, query: MatchKey) -> SelectResult:
-        """The result of a select whose outcome came on the data pipe."""
-        outcome = call.outcome
-        if outcome.status is OutcomeStatus.MISS:
-            self._count_miss(outcome.waited)
-            return [None] * len(ITEM_NAMES)
-        if outcome.status is OutcomeStatus.CLOSED:
-            raise KVPipeClosedError("lookup buffer: the producer closed the lookup buffer")
-        if outcome.status is OutcomeStatus.BUSY:
-            raise KVProtocolError("lookup buffer: the producer refused the select: too many selects were waiting")
-        if outcome.match_key != query:  # routing must never hand out another request's KV
-            raise KVProtocolError("lookup buffer: the producer sent an entry that does not match the query")
-        items = call.items
-        with self._lock:
-            self._hits += 1
-            self._waits += outcome.waited
-            self._received_bytes += sum(item.nbytes for item in items if item is not None)
-        return list(items)
-
-    def _count_miss(self, waited: bool) -> None:
-        with self._lock:
-            self._misses += 1
-            self._waits += waited
+            with self._lock:
+                del self._calls[call.request_id]
 
     def stats(self) -> BufferStats:
         with self._lock:
@@ -176,84 +146,86 @@ class BufferConsumer:
             if self._closed:
                 return
             self._closed = True
-            unread = self._leader is None
-            if unread:
-                self._leader = _Call(-1, self._stopped)  # this thread: no select may start reading now
-        self._stopped.ring()  # wakes every waiting call but the leader
-        if unread:
-            self._take_what_arrived()
+            calls = list(self._calls.values())
+        for call in calls:
+            call.done.set()  # each raises KVPipeClosedError unless its outcome is in
+        self._doorbell.ring()  # the control thread stops
         pipe_error = None
         try:
-            self._pipe.close()  # ends the leader's recv_tensor
+            self._pipe.close()  # ends the reader's recv_tensor
         except KVTransferError as exc:
             pipe_error = exc
         bound = self._config.kv_timeout
-        with self._idle:
-            self._idle.wait_for(lambda: not self._calls, timeout=bound)
+        self._control.join(bound)
+        self._reader.join(bound)
+        if self._control.is_alive():
+            logger.error("lookup buffer control thread did not stop within %.1f s; its socket stays open", bound)
+        else:
+            self._context.term()
+            self._doorbell.close()
+        if self._reader.is_alive():
+            logger.error("lookup buffer pipe reader did not stop within %.1f s after the pipe closed", bound)
         with self._lock:
-            busy = len(self._calls)
             failure = None if self._failure_reported else self._failure
             self._failure_reported = True
-        if busy:
-            logger.error(
-                "lookup buffer: %d drop_select calls did not return within %.1f s; sockets stay open", busy, bound
-            )
-        else:
-            for channel in self._channels:
-                channel.close()
-            self._context.term()
-            self._stopped.close()
         if pipe_error is not None:
             raise pipe_error
         if failure is not None and not isinstance(failure, KVPipeClosedError):
             raise fresh_error(failure)
 
-    def _take_what_arrived(self) -> None:
-        """Route what the data pipe holds and record how it ended, if it did: with no select
-        running, nobody else would see a producer that died in the meantime (close reports it)."""
-        try:
-            while True:
-                self._route_one(None, self._next_tensor(timeout=0))
-        except KVTimeoutError:
-            pass  # nothing more arrived: the pipe is fine
-        except KVPipeClosedError:
-            pass  # the producer closed first: orderly
-        except KVTransferError as exc:
+    # ------------------------------------------------------------------ calling threads
+
+    def _await(self, call: _Call, bound: float) -> None:
+        """Wait until ``call`` is done.
+
+        Raises KVPeerLostError if within ``bound`` no outcome started, or if the tensors of an
+        announced hit stop arriving for ``2 * kv_timeout``.
+        """
+        deadline = time.monotonic() + bound
+        pipe_progress = -1
+        while not call.done.wait(max(0.0, deadline - time.monotonic())):
+            if not call.announced:
+                raise KVPeerLostError(
+                    f"lookup buffer: the producer at {self._address} did not answer a select within "
+                    f"{bound:g} s (its wait + kv_timeout)"
+                )
+            # A hit larger than the bound is still on its way: wait while the pipe makes progress.
+            stall = 2 * self._config.kv_timeout
             with self._lock:
-                if self._failure is None:
-                    self._failure = exc
+                if self._received_tensors == pipe_progress:
+                    raise KVPeerLostError(
+                        f"lookup buffer: the producer announced a hit but nothing arrived on the data pipe "
+                        f"for {stall:g} s"
+                    )
+                pipe_progress = self._received_tensors
+            deadline = time.monotonic() + stall
 
-    # ------------------------------------------------------------------ calls
-
-    def _open_call(self, doorbell: Doorbell) -> _Call:
+    def _conclude(self, call: _Call, query: MatchKey) -> SelectResult:
+        """The result of a call that is done: its outcome, or the error that ended it."""
+        outcome = call.outcome
+        if outcome is None:
+            if call.error is not None:
+                raise call.error
+            with self._lock:
+                self._raise_if_stopped()
+            raise AssertionError("a drop_select call ended with neither an outcome nor an error")
+        if outcome.status is OutcomeStatus.MISS:
+            with self._lock:
+                self._misses += 1
+                self._waits += outcome.waited
+            return [None] * len(ITEM_NAMES)
+        if outcome.status is OutcomeStatus.CLOSED:
+            raise KVPipeClosedError("lookup buffer: the producer closed the lookup buffer")
+        if outcome.status is OutcomeStatus.BUSY:
+            raise KVProtocolError("lookup buffer: the producer refused the select: too many selects were waiting")
+        if outcome.match_key != query:  # routing must never hand out another request's KV
+            raise KVProtocolError("lookup buffer: the producer sent an entry that does not match the query")
+        items = call.items
         with self._lock:
-            self._raise_if_stopped()
-            request_id = secrets.randbits(63)
-            while request_id in self._calls:
-                request_id = secrets.randbits(63)
-            call = self._calls[request_id] = _Call(request_id, doorbell)
-            return call
-
-    def _close_call(self, call: _Call) -> None:
-        with self._lock:
-            del self._calls[call.request_id]
-            if self._leader is call or self._leader is None:
-                # Someone must read the pipe while calls wait. A successor that leaves before it takes
-                # the role passes it on here too.
-                self._leader = None
-                successor = next(iter(self._calls.values()), None)
-                if successor is not None:
-                    successor.doorbell.ring()
-            if not self._calls:
-                self._idle.notify_all()
-
-    def _take_lead(self, call: _Call) -> bool:
-        """Whether ``call``'s thread is (now) the one that reads the data pipe."""
-        with self._lock:
-            self._raise_if_stopped()
-            if self._leader is None:
-                self._leader = call
-            return self._leader is call
+            self._hits += 1
+            self._waits += outcome.waited
+            self._received_bytes += sum(item.nbytes for item in items if item is not None)
+        return list(items)
 
     def _raise_if_stopped(self) -> None:
         """Raise the failure or the closed state (hold ``_lock``)."""
@@ -263,114 +235,114 @@ class BufferConsumer:
         if self._closed:
             raise KVPipeClosedError("lookup buffer closed (drop_select woken or called after close)")
 
-    def _thread_channel(self) -> _ThreadChannel:
-        channel = getattr(self._local, "channel", None)
-        if channel is None:
-            with self._lock:
-                self._raise_if_stopped()  # a closed buffer's context takes no new sockets
-                sock = open_socket(self._context, zmq.DEALER, self._address, MAX_REPLY_BYTES, bind=False)
-                channel = self._local.channel = _ThreadChannel(sock, self._stopped)
-                self._channels.append(channel)  # close() closes it once no call is active
-        return channel
+    def _fail(self, error: KVTransferError) -> None:
+        """The buffer cannot serve selects any more: wake every call, refuse new ones."""
+        with self._lock:
+            if self._closed or self._failure is not None:
+                return  # a closing pipe ends the reader: not a failure
+            self._failure = error
+            calls = list(self._calls.values())
+        if isinstance(error, KVPipeClosedError):
+            logger.info("lookup buffer: the producer closed its side (%s)", error)
+        else:
+            logger.error("lookup buffer consumer stops: %s", error)
+        for call in calls:
+            call.done.set()
 
-    def _await_outcome(self, channel: _ThreadChannel, call: _Call, bound: float) -> Reply | None:
-        """The producer's control reply to ``call``, or None once its outcome has come on the data
-        pipe (``call.outcome``, and ``call.items`` for a hit).
+    # ------------------------------------------------------------------ control thread
 
-        Raises KVPeerLostError if within ``bound`` neither a reply nor the outcome's header came,
-        or if the tensors of an announced hit stop arriving for ``2 * kv_timeout``; the buffer's
-        failure or KVPipeClosedError if it stops.
-        """
-        deadline = time.monotonic() + bound
-        pipe_progress = -1
-        while call.outcome is None:
-            if self._take_lead(call):
-                return self._lead(channel, call, deadline, bound)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if not call.announced:
-                    raise KVPeerLostError(
-                        f"lookup buffer: the producer at {self._address} did not answer a select within "
-                        f"{bound:g} s (its wait + kv_timeout)"
-                    )
-                # A hit larger than the bound is still on its way: wait while the pipe makes progress.
-                stall = 2 * self._config.kv_timeout
-                with self._lock:
-                    if self._received_tensors == pipe_progress:
-                        raise KVPeerLostError(
-                            f"lookup buffer: the producer announced a hit but nothing arrived on the data pipe "
-                            f"for {stall:g} s"
-                        )
-                    pipe_progress = self._received_tensors
-                deadline = time.monotonic() + stall
-                continue
-            events = dict(channel.poller.poll(math.ceil(remaining * 1000)))
-            if self._stopped.fileno() in events:
-                with self._lock:
-                    self._raise_if_stopped()
-            if channel.doorbell.fileno() in events:
-                channel.doorbell.clear()  # before the loop looks at the call: a later ring wakes the next poll
-            if channel.sock in events:
-                reply = self._reply_for(channel, call)
-                if reply is not None:
-                    return reply
-        return None
-
-    def _reply_for(self, channel: _ThreadChannel, call: _Call) -> Reply | None:
-        """The control reply waiting on ``channel`` if it answers ``call``; None if there is none (a
-        late reply to an earlier call of this thread is dropped)."""
+    def _run_control(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._doorbell.fileno(), zmq.POLLIN)
         try:
-            frames = channel.sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        if len(frames) != 1:
-            raise KVProtocolError(f"lookup buffer: the producer sent a reply of {len(frames)} frames")
-        reply = decode_reply(self._signer, frames[0])
-        if reply.request_id == call.request_id:
-            return reply
-        # The answer to an earlier call of this thread that gave up waiting.
-        logger.debug("lookup buffer: discarding a late reply for request %d", reply.request_id)
-        return None
+            while not self._closed:
+                poller.poll(_MAX_POLL_MS)
+                self._doorbell.clear()  # before reading what rang it: a later ring wakes the next poll
+                self._send_queued()
+                self._take_refusals()
+        except Exception as exc:  # a bug; fail loudly rather than leave calls waiting
+            logger.exception("lookup buffer control thread failed")
+            self._fail(KVTransferError(f"lookup buffer: the control thread failed: {exc!r}"))
+        finally:
+            self._dealer.close(linger=0)
 
-    # ------------------------------------------------------------------ the leader
-
-    def _lead(self, channel: _ThreadChannel, call: _Call, deadline: float, bound: float) -> Reply | None:
-        """Read and route outcomes from the data pipe until ``call`` has its own (see _await_outcome)."""
-        while call.outcome is None:
-            reply = self._reply_for(channel, call)  # a refusal sent as a control reply
-            if reply is not None:
-                return reply
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise KVPeerLostError(
-                    f"lookup buffer: the producer at {self._address} did not answer a select within "
-                    f"{bound:g} s (its wait + kv_timeout)"
-                )
-            if not self._answered_on_pipe:
-                remaining = min(remaining, _FIRST_ANSWER_CHECK)
+    def _send_queued(self) -> None:
+        session = self._session
+        if session is None:
+            return  # the reader rings the doorbell once the session has arrived
+        while self._outbox:
+            call = self._outbox.popleft()
+            request, call.request = call.request, None
+            if call.done.is_set():
+                continue  # the buffer stopped meanwhile
+            self._counter += 1
+            stamped = msgspec.structs.replace(request, session=session, counter=self._counter)
+            frame = encode_request(self._signer, stamped)
             try:
-                # Bounded by the pipe's liveness check, the deadline and close(), which closes the pipe.
-                self._route_one(call, self._next_tensor(timeout=remaining))
-            except KVTimeoutError:
+                self._dealer.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                call.error = KVPeerLostError(
+                    f"lookup buffer: {HIGH_WATER_MARK} selects queued unsent to {self._address}; "
+                    f"the producer is unreachable"
+                )
+                call.done.set()
+
+    def _take_refusals(self) -> None:
+        while True:
+            try:
+                frames = self._dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                if len(frames) != 1:
+                    raise KVProtocolError(f"the producer sent a refusal of {len(frames)} frames")
+                refusal = decode_refusal(self._signer, frames[0])
+            except KVProtocolError as exc:
+                # Only the producer's address reaches this socket: it speaks another protocol version
+                # or holds another kv_secret, and will refuse every select.
+                self._fail(KVProtocolError(f"lookup buffer: unreadable answer from the producer at {self._address}: "
+                                           f"{exc}"))
+                return
+            with self._lock:
+                call = self._calls.get(refusal.request_id)
+            if call is None:
+                logger.warning("lookup buffer: refusal for no select in flight (request %d, %s): %s",
+                               refusal.request_id, refusal.reason, refusal.message)
                 continue
-            except KVTransferError as exc:
-                self._fail(exc)
-                with self._lock:
-                    self._raise_if_stopped()
-                raise
-            except Exception as exc:  # a bug; fail loudly rather than leave other calls waiting
-                self._fail(KVTransferError(f"lookup buffer: reading the data pipe failed: {exc!r}"))
-                raise
-        return None
+            call.error = KVProtocolError(f"lookup buffer: the producer refused the select ({refusal.reason}): "
+                                         f"{refusal.message}")
+            call.done.set()
 
-    def _route_one(self, leader: _Call | None, header: torch.Tensor) -> None:
-        """Route the outcome that ``header`` starts (reading a hit's tensors) to its call.
+    # ------------------------------------------------------------------ reader thread
 
-        A function of its own so that no reference to the tensors outlives it: the pipe recycles a
-        receive buffer only once its tensor is gone.
+    def _read_pipe(self) -> None:
+        # Bounded by the pipe's liveness check (a dead producer fails it within kv_timeout) and by
+        # close(), which closes the pipe.
+        try:
+            first = parse_header(self._next_tensor())
+            if first.status is not OutcomeStatus.SESSION:
+                raise KVProtocolError(f"lookup buffer: the producer's first header is a {first.status.name}, "
+                                      f"not its session")
+            self._session = first.session
+            self._doorbell.ring()  # the control thread sends what was queued meanwhile
+            while True:
+                self._route_one(self._next_tensor())
+        except KVTransferError as exc:
+            self._fail(exc)
+        except Exception as exc:  # a bug; fail loudly rather than leave calls waiting
+            logger.exception("lookup buffer pipe reader failed")
+            self._fail(KVTransferError(f"lookup buffer: reading the data pipe failed: {exc!r}"))
+
+    def _route_one(self, header: torch.Tensor) -> None:
+        """Hand the outcome that ``header`` starts (reading a hit's tensors) to its call.
+
+        A function of its own so that no reference to the tensors outlives it: the pipe may recycle
+        a receive buffer once its tensor is gone.
         """
         outcome = parse_header(header)
-        self._answered_on_pipe = True
+        if outcome.status is OutcomeStatus.SESSION:
+            raise KVProtocolError("lookup buffer: the producer sent a second session header")
         hit = outcome.status is OutcomeStatus.HIT
         with self._lock:
             call = self._calls.get(outcome.request_id)
@@ -387,29 +359,16 @@ class BufferConsumer:
                                outcome.request_id)
             return
         call.items = items
-        call.outcome = outcome  # last: it completes the call
-        if call is not leader:
-            call.doorbell.ring()
-            # Give up the GIL to the call just woken: it would otherwise wait until this thread blocks
-            # in its next receive (4 KiB selects against a raw request/response: median 1.37x of 7 runs
-            # -> 1.21x of 9, measured with a reader thread).
-            time.sleep(0)
+        call.outcome = outcome  # before done: the woken thread reads it
+        call.done.set()
+        # Let the woken thread run now rather than when this one next blocks in the pipe: a small
+        # select's latency is mostly such thread hand-overs.
+        time.sleep(0)
 
-    def _next_tensor(self, timeout: float | None = None) -> torch.Tensor:
-        item = self._pipe.recv_tensor(timeout)
+    def _next_tensor(self) -> torch.Tensor:
+        item = self._pipe.recv_tensor()
         with self._lock:
             self._received_tensors += 1
         if item is None:
             raise KVProtocolError("lookup buffer: the producer sent None on the data pipe; outcomes carry only tensors")
         return item
-
-    def _fail(self, error: KVTransferError) -> None:
-        with self._lock:
-            if self._closed or self._failure is not None:
-                return  # a closing pipe ends the reader: not a failure
-            self._failure = error
-        if isinstance(error, KVPipeClosedError):
-            logger.info("lookup buffer: the producer closed its side (%s)", error)
-        else:
-            logger.error("lookup buffer consumer stops: %s", error)
-        self._stopped.ring()

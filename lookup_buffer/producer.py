@@ -1,10 +1,16 @@
 """The producer side of the lookup buffer: the entry store and the control server that serves selects.
 
+At start the producer sends its session header on the data pipe (a random nonce of this buffer's
+lifetime) and accepts only selects that carry that session and a counter above the last one it
+accepted: a select captured on the network cannot be replayed, neither to this producer nor to a
+later one.
+
 One server thread owns the ROUTER socket and every parked select; it sleeps in a zmq poll that
 wakes on a control message, on an insert (a doorbell), or at the next select's deadline, so a
-select is answered as soon as its entry is inserted, without polling on a timer. A second thread
-blocks in ``recv_tensor`` on the data pipe: the consumer never sends anything there, so that call
-only returns when the consumer died or closed, which then surfaces in ``insert`` and ``close``.
+select is answered as soon as its entry is inserted, without polling on a timer. It answers every
+accepted select on the data pipe. A second thread blocks in ``recv_tensor`` on the data pipe: the
+consumer never sends anything there, so that call only returns when the consumer died or closed,
+which then surfaces in ``insert`` and ``close``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 import torch
 import zmq
 
+from kv_pipe import auth
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPipeClosedError, KVProtocolError, KVTransferError
@@ -33,11 +40,13 @@ from lookup_buffer.protocol import (
     ControlSigner,
     MessageError,
     OutcomeStatus,
-    Status,
+    Reason,
+    SelectRequest,
     decode_request,
-    encode_reply,
+    encode_refusal,
     make_header,
     make_outcome,
+    make_session,
     stamp_header,
 )
 from lookup_buffer.store import Entry, EntryStore
@@ -51,10 +60,6 @@ MAX_WAITING_KEY_BYTES = 256 << 20
 _MESSAGES_PER_ROUND = 256  # then expire and match before reading more: a flood cannot starve them
 _MAX_POLL_MS = 1000
 _LOGGED_REFUSALS = 20
-_REMEMBERED_REQUEST_IDS = 1 << 16
-_REPLY_STATUS: dict[OutcomeStatus, Status] = {
-    OutcomeStatus.MISS: "miss", OutcomeStatus.BUSY: "error", OutcomeStatus.CLOSED: "closed"
-}
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,7 +70,6 @@ class _Waiter:
     request_id: int
     key: MatchKey
     deadline: float
-    answer_on_pipe: bool
     waited: bool = False
     done: bool = False
 
@@ -93,8 +97,8 @@ class BufferProducer:
         self._sequence = itertools.count()
 
         self._signer = ControlSigner(config.kv_secret)
-        # Signed request ids seen lately: a captured signed select cannot be replayed to steal an entry.
-        self._recent_request_ids: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._session = auth.new_nonce()
+        self._last_counter = 0  # of the last select accepted (server thread)
         self._inserted: collections.deque[MatchKey] = collections.deque()  # insert() -> server thread
         self._doorbell = Doorbell()
         self._stopping = threading.Event()
@@ -102,6 +106,14 @@ class BufferProducer:
         try:
             self._router = open_socket(self._context, zmq.ROUTER, address, MAX_REQUEST_BYTES, bind=True)
         except BaseException:
+            self._context.term()
+            self._doorbell.close()
+            raise
+        try:
+            # Before any select can be answered: the consumer reads the session first.
+            pipe.send_tensor(torch.from_numpy(make_session(self._session)), timeout=config.kv_timeout)
+        except BaseException:
+            self._router.close(linger=0)
             self._context.term()
             self._doorbell.close()
             raise
@@ -243,13 +255,14 @@ class BufferProducer:
                 self._match_inserted()
                 self._expire(time.monotonic())
                 if self._failure is not None:
-                    self._answer_all("error", f"the producer's data pipe failed: {self._failure}")
+                    self._refuse_all(f"the producer's data pipe failed: {self._failure}")
         except Exception as exc:  # a bug; answer everyone rather than leave them waiting
             logger.exception("lookup buffer server thread failed")
             self._fail(KVTransferError(f"lookup buffer server thread failed: {exc!r}"))
-            self._answer_all("error", f"the producer's server failed: {exc!r}")
+            self._refuse_all(f"the producer's server failed: {exc!r}")
         else:
-            self._answer_all("closed", "the producer closed the lookup buffer")
+            for waiter in self._take_all_waiters():
+                self._answer(waiter, OutcomeStatus.CLOSED, "the producer closed the lookup buffer")
 
     def _poll_timeout_ms(self) -> int:
         if not self._deadlines:
@@ -266,10 +279,11 @@ class BufferProducer:
             identity = frames[0]
             try:
                 if len(frames) != 2:
-                    raise MessageError(f"expected one message frame after the identity, got {len(frames) - 1}")
+                    raise MessageError(
+                        f"expected one message frame after the identity, got {len(frames) - 1}", "malformed"
+                    )
                 request, tokens, roi = decode_request(self._signer, frames[1])
-                if self._signer.enabled:
-                    self._refuse_replay(request.request_id)
+                self._check_fresh(request)
             except MessageError as exc:
                 with self._lock:
                     self._bad_messages += 1
@@ -281,23 +295,33 @@ class BufferProducer:
                         refused,
                         exc,
                     )
-                self._reply(identity, exc.request_id, "error", message=str(exc))
+                self._refuse(identity, exc.request_id, exc.reason, str(exc))
                 continue
             waiter = _Waiter(identity, request.request_id, MatchKey(tokens, roi),
-                             time.monotonic() + request.wait_ms / 1000, request.answer_on_pipe)
+                             time.monotonic() + request.wait_ms / 1000)
             self._on_select(waiter, request.wait_ms)
 
-    def _refuse_replay(self, request_id: int) -> None:
-        if request_id in self._recent_request_ids:
-            raise MessageError(f"select request id {request_id} was already used: replay refused", request_id)
-        self._recent_request_ids[request_id] = None
-        if len(self._recent_request_ids) > _REMEMBERED_REQUEST_IDS:
-            self._recent_request_ids.popitem(last=False)
+    def _check_fresh(self, request: SelectRequest) -> None:
+        """Accept ``request`` only once and only in this producer's session (consumes its counter)."""
+        if request.session != self._session:
+            raise MessageError(
+                "select request of a foreign session: captured from an earlier producer, or forged; refused",
+                "stale",
+                request.request_id,
+            )
+        if request.counter <= self._last_counter:
+            raise MessageError(
+                f"select request counter {request.counter} is not above the last accepted "
+                f"({self._last_counter}): replay refused",
+                "stale",
+                request.request_id,
+            )
+        self._last_counter = request.counter
 
     def _on_select(self, waiter: _Waiter, wait_ms: int) -> None:
         if self._failure is not None:
-            self._reply(waiter.identity, waiter.request_id, "error",
-                        message=f"the producer's data pipe failed: {self._failure}")
+            message = f"the producer's data pipe failed: {self._failure}"
+            self._refuse(waiter.identity, waiter.request_id, "failed", message)
             return
         key = waiter.key
         if self._waiting >= MAX_WAITING_SELECTS or self._waiting_key_bytes + len(key.canonical) > MAX_WAITING_KEY_BYTES:
@@ -351,12 +375,8 @@ class BufferProducer:
                 self._hits -= 1
                 self._sent_bytes -= entry.nbytes
             self._fail(exc)
-            self._reply(
-                waiter.identity,
-                waiter.request_id,
-                "error",
-                message=f"the producer could not send the entry on the data pipe: {exc}",
-            )
+            message = f"the producer could not send the entry on the data pipe: {exc}"
+            self._refuse(waiter.identity, waiter.request_id, "failed", message)
 
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -375,17 +395,19 @@ class BufferProducer:
             self._deadlines = [item for item in self._deadlines if not item[2].done]
             heapq.heapify(self._deadlines)
 
-    def _answer_all(self, status: Status, message: str) -> None:
-        for queue in self._waiters.values():
-            for waiter in queue:
-                waiter.done = True
-                if status == "closed":
-                    self._answer(waiter, OutcomeStatus.CLOSED, message)
-                else:
-                    self._reply(waiter.identity, waiter.request_id, status, message=message)
+    def _take_all_waiters(self) -> list[_Waiter]:
+        """Unpark every waiter (to answer them all at once)."""
+        waiters = [waiter for queue in self._waiters.values() for waiter in queue]
+        for waiter in waiters:
+            waiter.done = True
         self._waiters.clear()
         self._deadlines.clear()
         self._waiting = self._waiting_key_bytes = 0
+        return waiters
+
+    def _refuse_all(self, message: str) -> None:
+        for waiter in self._take_all_waiters():
+            self._refuse(waiter.identity, waiter.request_id, "failed", message)
 
     def _unpark(self, waiter: _Waiter) -> None:
         """Account for a waiter taken out of ``_waiters``."""
@@ -394,21 +416,26 @@ class BufferProducer:
         self._waiting_key_bytes -= len(waiter.key.canonical)
 
     def _answer(self, waiter: _Waiter, outcome: OutcomeStatus, message: str = "") -> None:
-        """Answer a select that did not hit: on the data pipe if it asked for that and the pipe
-        works, else with a control reply."""
-        if waiter.answer_on_pipe and self._failure is None:
+        """Answer a select that did not hit, on the data pipe; with a refusal if the pipe is broken
+        (``message`` says what the outcome was)."""
+        if self._failure is None:
             try:
                 # Waits for pipe credit as long as the consumer is alive, like a hit.
                 self._pipe.send_tensor(torch.from_numpy(make_outcome(waiter.request_id, outcome, waiter.waited)))
                 return
             except KVTransferError as exc:
                 self._fail(exc)
-        self._reply(waiter.identity, waiter.request_id, _REPLY_STATUS[outcome], waiter.waited, message)
+        self._refuse(
+            waiter.identity,
+            waiter.request_id,
+            "failed",
+            f"{message or outcome.name.lower()}; the producer's data pipe failed: {self._failure}",
+        )
 
-    def _reply(self, identity: bytes, request_id: int, status: Status, waited: bool = False, message: str = "") -> None:
+    def _refuse(self, identity: bytes, request_id: int, reason: Reason, message: str) -> None:
         try:
             # A ROUTER drops (never blocks on) messages to unknown or saturated peers.
-            frame = encode_reply(self._signer, request_id, status, waited, message)
+            frame = encode_refusal(self._signer, request_id, reason, message)
             self._router.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            logger.debug("lookup buffer: reply to %s dropped: %s", identity.hex(), exc)
+            logger.debug("lookup buffer: refusal to %s dropped: %s", identity.hex(), exc)

@@ -1,4 +1,4 @@
-"""The lookup buffer's wire formats: control messages over ZeroMQ and the hit header on the data pipe.
+"""The lookup buffer's wire formats: control messages over ZeroMQ and headers on the data pipe.
 
 Control messages are msgspec msgpack Structs, tagged by a ``type`` field and carrying a protocol
 version ``v``. Every received message is validated in full here (types, bounds, cross-field
@@ -6,17 +6,22 @@ consistency); nothing is unpickled or evaluated. With ``kv_secret`` set, every c
 carries an HMAC-SHA256 tag (:class:`ControlSigner`; one key per direction), checked before the
 frame is decoded: a peer without the secret can neither select nor learn anything.
 
-Exchange: the consumer sends a :class:`SelectRequest` from a DEALER socket. The producer answers
-each request exactly once. A hit goes on the data pipe, where its tensors go anyway: an outcome
-header tensor (:func:`make_header`: request id, status, whether the select waited, the entry's
-tokens and roi) followed by the key and, if present, the value and the hidden states; the consumer
-routes them by request id, so concurrent requests never swap data. A request with
-``answer_on_pipe`` set has its other outcomes on the data pipe too (:func:`make_outcome`: a miss,
-a refusal for lack of room, the producer closing), so that the consumer's calling thread can read
-the data pipe itself instead of being handed each hit by another thread (see README, performance);
-kvbridge's consumer always sets it. What cannot go on the pipe (a request that could not be parsed,
-a broken data pipe) and every non-hit outcome of a request without the flag is a :class:`Reply`
-from the ROUTER.
+Exchange:
+
+* When the producer starts, it sends a session header on the data pipe (:func:`make_session`): a
+  random nonce of this producer's lifetime. The data pipe reaches only the authenticated consumer.
+* The consumer sends each :class:`SelectRequest` from its DEALER socket, carrying that session and
+  a counter that grows with every request. The producer refuses a request of another session (one
+  captured from an earlier producer, or forged) or whose counter is not above the last one it
+  accepted (a replay), so a captured select can never be used again.
+* The producer answers every request it accepts exactly once, on the data pipe, with an outcome
+  header (request id, status, whether the select waited): a hit's header (:func:`make_header`) also
+  carries the entry's tokens and roi and is followed by the key and, if present, the value and the
+  hidden states; a miss, a refusal for lack of room and the producer closing have a header only
+  (:func:`make_outcome`). The consumer routes outcomes by request id, so concurrent requests never
+  swap data.
+* What cannot go on the data pipe is a :class:`Refusal` from the ROUTER: a request the producer
+  could not parse, authenticate or accept as fresh, or any request once the data pipe is broken.
 """
 
 from __future__ import annotations
@@ -32,33 +37,41 @@ from kv_pipe import auth
 from kv_pipe.errors import KVProtocolError
 from lookup_buffer.matching import MAX_TOKENS, TOKEN_DTYPES, TOKEN_WIRE_DTYPE, MatchKey
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Longest a producer holds a select waiting for an insert.
 MAX_WAIT_MS = 3_600_000
 MAX_MESSAGE_CHARS = 1000
+#: Bytes of a session nonce.
+SESSION_BYTES = auth.NONCE_BYTES
+MAX_COUNTER = (1 << 63) - 1
 #: Bounds for ZMQ_MAXMSGSIZE: a peer sending more is disconnected by ZeroMQ before we see it.
-MAX_REQUEST_BYTES = MAX_TOKENS * (TOKEN_WIRE_DTYPE.itemsize + 1) + 1024 + auth.TAG_BYTES
-MAX_REPLY_BYTES = 4 * MAX_MESSAGE_CHARS + 1024 + auth.TAG_BYTES
+MAX_REQUEST_BYTES = MAX_TOKENS * (TOKEN_WIRE_DTYPE.itemsize + 1) + SESSION_BYTES + 1024 + auth.TAG_BYTES
+MAX_REFUSAL_BYTES = 4 * MAX_MESSAGE_CHARS + 1024 + auth.TAG_BYTES
 #: What drop_select returns, in this order.
 ITEM_NAMES = ("input_tokens", "roi", "key", "value", "hidden")
 TAG_MAGIC = 0x4B564C4F4F4B  # "KVLOOK"
 _HEADER_FIXED = 7
+_SESSION_WORDS = SESSION_BYTES // 8
 _W_REQUEST_ID, _W_FLAGS = 2, 6
 _FLAG_VALUE, _FLAG_HIDDEN, _FLAG_WAITED = 1, 2, 4
 _FLAGS_AT_INSERT = _FLAG_VALUE | _FLAG_HIDDEN
 _NUMPY_TOKEN_DTYPES = tuple(torch.empty(0, dtype=dtype).numpy().dtype for dtype in TOKEN_DTYPES)
 
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
-Status = Literal["miss", "error", "closed"]
+#: Why a request was refused: unparseable or inconsistent, another protocol version, no valid
+#: kv_secret signature, not fresh (another session, or a counter already used), or the producer's
+#: data pipe or server failed.
+Reason = Literal["malformed", "version", "unauthenticated", "stale", "failed"]
 
 
 class OutcomeStatus(enum.IntEnum):
-    """The status word of an outcome header on the data pipe."""
+    """The status word of a header on the data pipe."""
 
     HIT = 0  # the entry's tensors follow
     MISS = 1  # nothing matched within the select's wait
     BUSY = 2  # refused: too many selects were waiting at the producer
     CLOSED = 3  # the producer is shutting down
+    SESSION = 4  # no select's: the first header on the pipe, carrying the producer's session
 
 
 _STATUS_CODES = frozenset(int(status) for status in OutcomeStatus)
@@ -67,29 +80,27 @@ _STATUS_CODES = frozenset(int(status) for status in OutcomeStatus)
 class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True):
     """Consumer -> producer: take the entry matching ``tokens``/``roi``, waiting up to ``wait_ms``.
 
-    ``tokens``: int64 little-endian; ``roi``: one byte (0 or 1) per token. ``answer_on_pipe``:
-    every outcome the producer can send on the data pipe goes there, not only a hit.
+    ``session``: the nonce of the producer's session header. ``counter``: above that of every
+    earlier request of the session. ``tokens``: int64 little-endian; ``roi``: one byte (0 or 1)
+    per token.
     """
 
     v: int
     request_id: RequestId
+    session: Annotated[bytes, msgspec.Meta(min_length=SESSION_BYTES, max_length=SESSION_BYTES)]
+    counter: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNTER)]
     tokens: Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS * TOKEN_WIRE_DTYPE.itemsize)]
     roi: Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS)]
     wait_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
-    answer_on_pipe: bool = False
 
 
-class Reply(msgspec.Struct, tag="reply", tag_field="type", frozen=True):
-    """Producer -> consumer: the outcome of a select that did not hit and was not answered on the data pipe.
-
-    ``miss``: nothing matched within the wait. ``error``: the request was refused or the producer
-    is broken (``message`` says why). ``closed``: the producer is shutting down.
-    """
+class Refusal(msgspec.Struct, tag="refusal", tag_field="type", frozen=True):
+    """Producer -> consumer: a request that was not accepted, or not answered because the data pipe is
+    broken. ``request_id`` is the request's if it could be read, else 0; ``message`` says why."""
 
     v: int
     request_id: RequestId
-    status: Status
-    waited: bool = False
+    reason: Reason
     message: Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE_CHARS)] = ""
 
 
@@ -103,22 +114,23 @@ class _Envelope(msgspec.Struct):
 class MessageError(KVProtocolError):
     """A control message was refused; ``request_id`` is the sender's id if it could be read, else 0."""
 
-    def __init__(self, message: str, request_id: int = 0) -> None:
+    def __init__(self, message: str, reason: Reason, request_id: int = 0) -> None:
         super().__init__(message)
+        self.reason = reason
         self.request_id = request_id
 
 
 class ControlSigner:
     """Seals and opens control frames: ``body + HMAC tag`` with a secret, the bare body without.
 
-    Requests and replies use different keys, so a captured reply can never pass as a request.
+    Requests and refusals use different keys, so a captured refusal can never pass as a request.
     """
 
     def __init__(self, secret: str | None) -> None:
         self.enabled = secret is not None
         self._keys = {
             what: auth.derive_key(secret, f"lookup-buffer/{what}") if secret else b""
-            for what in ("select request", "reply")
+            for what in ("select request", "refusal")
         }
 
     def seal(self, body: bytes, what: str) -> bytes:
@@ -132,13 +144,14 @@ class ControlSigner:
         if len(frame) <= auth.TAG_BYTES or not auth.verify(self._keys[what], tag, body):
             raise MessageError(
                 f"authentication failed: a {what} without a valid kv_secret signature was refused "
-                f"(the sender has another kv_secret, none, or is a stranger)"
+                f"(the sender has another kv_secret, none, or is a stranger)",
+                "unauthenticated",
             )
         return body
 
 
 #: Every control message. Decoding the union (not one Struct) makes the ``type`` tag mandatory.
-Message = SelectRequest | Reply
+Message = SelectRequest | Refusal
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -151,7 +164,8 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
         envelope = _envelope_decoder.decode(frame)
     except (msgspec.MsgspecError, UnicodeDecodeError) as exc:  # msgspec lets bad UTF-8 through as is
         raise MessageError(
-            f"malformed {what} ({len(frame)} bytes): {exc} (if the other side sets kv_secret, so must this one)"
+            f"malformed {what} ({len(frame)} bytes): {exc} (if the other side sets kv_secret, so must this one)",
+            "malformed",
         ) from None
     request_id = envelope.request_id
     if not (isinstance(request_id, int) and not isinstance(request_id, bool) and 0 <= request_id < 1 << 63):
@@ -160,37 +174,45 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
         raise MessageError(
             f"{what} uses lookup-buffer protocol version {envelope.v}, this side speaks version "
             f"{PROTOCOL_VERSION}: install the same kvbridge version on both sides",
+            "version",
             request_id,
         )
     try:
         message = _decoder.decode(frame)
     except (msgspec.MsgspecError, UnicodeDecodeError) as exc:  # msgspec lets bad UTF-8 through as is
-        raise MessageError(f"invalid {what}: {exc}", request_id) from None
+        raise MessageError(f"invalid {what}: {exc}", "malformed", request_id) from None
     if not isinstance(message, expected):
-        raise MessageError(f"expected a {what}, got a {type(message).__name__}", request_id)
+        raise MessageError(f"expected a {what}, got a {type(message).__name__}", "malformed", request_id)
     return message
 
 
-def encode_request(
-    signer: ControlSigner, request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int,
-    answer_on_pipe: bool = False,
-) -> bytes:
-    """``tokens``/``roi`` as returned by :func:`lookup_buffer.matching.token_arrays`."""
-    body = _encoder.encode(
-        SelectRequest(
-            v=PROTOCOL_VERSION,
-            request_id=request_id,
-            tokens=tokens.astype(TOKEN_WIRE_DTYPE, copy=False).tobytes(),
-            roi=roi.astype(np.uint8).tobytes(),
-            wait_ms=wait_ms,
-            answer_on_pipe=answer_on_pipe,
-        )
+def select_request(
+    request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int, session: bytes = b"", counter: int = 0
+) -> SelectRequest:
+    """A select of ``tokens``/``roi`` (as returned by :func:`lookup_buffer.matching.token_arrays`; copied).
+
+    The consumer fills in ``session`` and ``counter`` just before sending
+    (``msgspec.structs.replace``): until then the request is not valid on the wire.
+    """
+    return SelectRequest(
+        v=PROTOCOL_VERSION,
+        request_id=request_id,
+        session=session,
+        counter=counter,
+        tokens=tokens.astype(TOKEN_WIRE_DTYPE, copy=False).tobytes(),
+        roi=roi.astype(np.uint8).tobytes(),
+        wait_ms=wait_ms,
     )
-    return signer.seal(body, "select request")
+
+
+def encode_request(signer: ControlSigner, request: SelectRequest) -> bytes:
+    return signer.seal(_encoder.encode(request), "select request")
 
 
 def decode_request(signer: ControlSigner, frame: bytes) -> tuple[SelectRequest, np.ndarray, np.ndarray]:
     """Return the request and its tokens (int64) and roi (bool) as read-only arrays.
+
+    Freshness (session and counter) is the producer's to check: it alone knows both.
 
     Raises:
         MessageError: anything unauthenticated, malformed, inconsistent or of another version.
@@ -201,36 +223,31 @@ def decode_request(signer: ControlSigner, frame: bytes) -> tuple[SelectRequest, 
         raise MessageError(
             f"select request with {len(request.tokens)} token bytes and {len(request.roi)} roi bytes: "
             f"expected 8 bytes per token, one roi byte per token, at least one token",
+            "malformed",
             request.request_id,
         )
     roi = np.frombuffer(request.roi, dtype=np.uint8)
     if roi.max() > 1 or not roi.any():
-        raise MessageError("select request roi must be 0/1 bytes selecting at least one token", request.request_id)
+        raise MessageError(
+            "select request roi must be 0/1 bytes selecting at least one token", "malformed", request.request_id
+        )
     return request, np.frombuffer(request.tokens, dtype=TOKEN_WIRE_DTYPE), roi.view(np.bool_)
 
 
-def encode_reply(
-    signer: ControlSigner, request_id: int, status: Status, waited: bool = False, message: str = ""
-) -> bytes:
+def encode_refusal(signer: ControlSigner, request_id: int, reason: Reason, message: str) -> bytes:
     body = _encoder.encode(
-        Reply(
-            v=PROTOCOL_VERSION,
-            request_id=request_id,
-            status=status,
-            waited=waited,
-            message=message[:MAX_MESSAGE_CHARS],
-        )
+        Refusal(v=PROTOCOL_VERSION, request_id=request_id, reason=reason, message=message[:MAX_MESSAGE_CHARS])
     )
-    return signer.seal(body, "reply")
+    return signer.seal(body, "refusal")
 
 
-def decode_reply(signer: ControlSigner, frame: bytes) -> Reply:
+def decode_refusal(signer: ControlSigner, frame: bytes) -> Refusal:
     """Raises MessageError for anything unauthenticated, malformed or of another version."""
-    return _decode(signer.open(frame, "reply"), Reply, "reply")
+    return _decode(signer.open(frame, "refusal"), Refusal, "refusal")
 
 
 class Outcome(NamedTuple):
-    """What an outcome header carries; for a hit, besides the KV tensors that follow it."""
+    """What a header on the data pipe carries; for a hit, besides the KV tensors that follow it."""
 
     request_id: int
     status: OutcomeStatus
@@ -243,6 +260,8 @@ class Outcome(NamedTuple):
     has_hidden: bool = False
     #: The match key of the entry, to check it against the query.
     match_key: MatchKey | None = None
+    #: A session header's nonce.
+    session: bytes | None = None
 
 
 def _roi_words(count: int) -> int:
@@ -258,8 +277,9 @@ def make_header(
     request id, status (:class:`OutcomeStatus`), token count n, token dtype code, flags (1: a value
     follows, 2: a hidden follows, 4: the select waited), the n tokens, then the roi as n bytes (0/1)
     padded to whole words. Any other outcome has n = 0, dtype code 0 and at most the waited flag
-    (:func:`make_outcome`). Packing tokens and roi here saves two pipe messages per hit: small
-    messages cost a rendezvous each on gloo.
+    (:func:`make_outcome`); the session header has n = 0, dtype code 0, no flag and the nonce
+    after the fixed words (:func:`make_session`). Tokens and roi travel inside the header: a
+    message of their own would cost a rendezvous each on gloo.
     ``tokens``/``roi`` are what ``matching.token_arrays`` returned for a token tensor of ``token_dtype``.
     """
     count = tokens.shape[0]
@@ -273,10 +293,18 @@ def make_header(
 
 
 def make_outcome(request_id: int, status: OutcomeStatus, waited: bool) -> np.ndarray:
-    """The outcome header of a select that did not hit (``status`` is not HIT)."""
+    """The outcome header of a select that did not hit (``status`` is MISS, BUSY or CLOSED)."""
     return np.array(
         (TAG_MAGIC, PROTOCOL_VERSION, request_id, status, 0, 0, _FLAG_WAITED if waited else 0), dtype=np.int64
     )
+
+
+def make_session(session: bytes) -> np.ndarray:
+    """The session header: the first tensor the producer sends on the data pipe."""
+    header = np.zeros(_HEADER_FIXED + _SESSION_WORDS, dtype=np.int64)
+    header[:_HEADER_FIXED] = (TAG_MAGIC, PROTOCOL_VERSION, 0, OutcomeStatus.SESSION, 0, 0, 0)
+    header[_HEADER_FIXED:].view(np.uint8)[:] = np.frombuffer(session, dtype=np.uint8)
+    return header
 
 
 def stamp_header(header: np.ndarray, request_id: int, waited: bool) -> None:
@@ -285,8 +313,8 @@ def stamp_header(header: np.ndarray, request_id: int, waited: bool) -> None:
 
 
 def parse_header(header: torch.Tensor | None) -> Outcome:
-    """Validate an outcome header received on the data pipe and unpack it (a hit's tokens and roi
-    on the header's device).
+    """Validate a header received on the data pipe and unpack it (a hit's tokens and roi on the
+    header's device).
 
     Raises:
         KVProtocolError: not a header of this protocol version, or inconsistent; the data stream is
@@ -294,18 +322,22 @@ def parse_header(header: torch.Tensor | None) -> Outcome:
     """
     if header is None or header.dtype != torch.int64 or header.dim() != 1 or header.shape[0] < _HEADER_FIXED:
         described = "None" if header is None else f"a {header.dtype} tensor of shape {tuple(header.shape)}"
-        raise KVProtocolError(f"expected a lookup-buffer outcome header on the data pipe, got {described}")
+        raise KVProtocolError(f"expected a lookup-buffer header on the data pipe, got {described}")
     words = (header if header.device.type == "cpu" else header.cpu()).numpy()
     magic, version, request_id, status_code, count, dtype_code, flags = (int(word) for word in words[:_HEADER_FIXED])
     if magic != TAG_MAGIC or version != PROTOCOL_VERSION:
         raise KVProtocolError(
-            f"bad lookup-buffer outcome header: magic {magic:#x}, version {version} (expected {TAG_MAGIC:#x}, "
+            f"bad lookup-buffer header: magic {magic:#x}, version {version} (expected {TAG_MAGIC:#x}, "
             f"version {PROTOCOL_VERSION})"
         )
     fields = [request_id, status_code, count, dtype_code, flags]
     if request_id < 0 or status_code not in _STATUS_CODES:
-        raise KVProtocolError(f"inconsistent lookup-buffer outcome header {fields} of {words.shape[0]} words")
+        raise KVProtocolError(f"inconsistent lookup-buffer header {fields} of {words.shape[0]} words")
     status = OutcomeStatus(status_code)
+    if status is OutcomeStatus.SESSION:
+        if request_id or count or dtype_code or flags or words.shape[0] != _HEADER_FIXED + _SESSION_WORDS:
+            raise KVProtocolError(f"inconsistent lookup-buffer session header {fields} of {words.shape[0]} words")
+        return Outcome(0, status, False, session=words[_HEADER_FIXED:].tobytes())
     if status is not OutcomeStatus.HIT:
         if count or dtype_code or flags & ~_FLAG_WAITED or words.shape[0] != _HEADER_FIXED:
             raise KVProtocolError(f"inconsistent lookup-buffer {status.name} header {fields} of {words.shape[0]} words")

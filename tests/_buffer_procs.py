@@ -8,6 +8,7 @@ every selected entry bit for bit against what the producer inserted.
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import random
 import socket
@@ -23,7 +24,18 @@ import zmq
 from kv_pipe import KVTransferConfig, TorchDistributedPipe
 from kv_pipe.errors import KVBufferFullError, KVPipeClosedError, KVTransferError
 from lookup_buffer import SimpleBuffer
-from lookup_buffer.protocol import MAX_REQUEST_BYTES, PROTOCOL_VERSION, ControlSigner, decode_reply, encode_request
+from lookup_buffer.matching import token_arrays
+from lookup_buffer.protocol import (
+    MAX_REQUEST_BYTES,
+    PROTOCOL_VERSION,
+    SESSION_BYTES,
+    ControlSigner,
+    Refusal,
+    SelectRequest,
+    decode_refusal,
+    encode_request,
+    select_request,
+)
 from tests.tensors import random_tensor, same_bits
 
 #: Events shared by the two sides of one test (multiprocessing events, see new_sync in the test file).
@@ -154,33 +166,42 @@ def consumer_basic(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> d
     return {"selected": len(order), "second_select": again, "refused": refused}
 
 
-def consumer_with_stranger(buffer: SimpleBuffer, sync: dict, seed: int, count: int, address: str) -> dict:
-    """A stranger (raw DEALER) tries to select; then the friend (this buffer) selects everything."""
-    from kv_pipe import auth
-    from lookup_buffer.matching import token_arrays
-
-    secret = buffer.config.kv_secret
-    tokens, roi = token_arrays(*make_request(seed, 0)[:2])
-    absent_tokens, absent_roi = token_arrays(torch.tensor([-1, -2, -3]), torch.tensor([True, True, True]))
-    attempts = {
-        "unsigned": encode_request(ControlSigner(None), 1, tokens, roi, 2000),
-        "wrong secret": encode_request(ControlSigner("guess"), 2, tokens, roi, 2000),
-        "first use": encode_request(ControlSigner(secret), 3, absent_tokens, absent_roi, 0),
-        "replayed": encode_request(ControlSigner(secret), 3, absent_tokens, absent_roi, 0),
-    }
-    verdicts = {}
+def _raw_dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.RCVTIMEO, int(BOUND * 1000))
     dealer.connect(address)
+    return context, dealer
+
+
+def _refusal_to(dealer: zmq.Socket, frame: bytes, signer: ControlSigner) -> Refusal:
+    dealer.send(frame)
+    return decode_refusal(signer, dealer.recv())
+
+
+def consumer_with_stranger(buffer: SimpleBuffer, sync: dict, seed: int, count: int, address: str) -> dict:
+    """A stranger (raw DEALER) tries to select; then the friend (this buffer) selects everything.
+
+    The stranger reads refusals without checking their tag (it strips it): it cannot, without the secret.
+    """
+    from kv_pipe import auth
+
+    secret = buffer.config.kv_secret
+    tokens, roi = token_arrays(*make_request(seed, 0)[:2])
+    guessed = select_request(1, tokens, roi, 2000, session=bytes(SESSION_BYTES), counter=1)
+    attempts = {
+        "unsigned": encode_request(ControlSigner(None), guessed),
+        "wrong secret": encode_request(ControlSigner("guess"), guessed),
+        "signed, guessed session": encode_request(ControlSigner(secret), guessed),
+    }
+    verdicts = {}
+    context, dealer = _raw_dealer(address)
     try:
         for what, frame in attempts.items():
             dealer.send(frame)
-            body = dealer.recv()[: -auth.TAG_BYTES]  # the producer signs even its refusals
-            reply = decode_reply(ControlSigner(None), body)
-            gist = next((g for g in ("authentication failed", "replay refused") if g in reply.message), reply.message)
-            verdicts[what] = (reply.status, gist)
+            refusal = decode_refusal(ControlSigner(None), dealer.recv()[: -auth.TAG_BYTES])
+            verdicts[what] = refusal.reason
     finally:
         dealer.close(linger=0)
         context.term()
@@ -188,6 +209,66 @@ def consumer_with_stranger(buffer: SimpleBuffer, sync: dict, seed: int, count: i
         want = make_request(seed, index)
         check_entry(buffer.drop_select(want[0], want[1], timeout=BOUND), want, f"request {index}")
     return {"stranger": verdicts, "selected": count}
+
+
+# ---------------------------------------------------------------- freshness: captured selects replayed
+
+
+def other_copy(seed: int, index: int) -> list:
+    """Entry ``index``'s tokens and roi with other KV: a second entry a replayed select could take."""
+    request = make_request(seed, index)
+    request[2] = random_tensor(torch.Generator().manual_seed(seed + index), torch.float16, (5, 3))
+    return request
+
+
+def producer_with_copies(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> dict:
+    """Entries 0 .. count-1, and entry 0 twice (first in, first out)."""
+    for index in range(count):
+        insert(buffer, make_request(seed, index))
+    insert(buffer, other_copy(seed, 0))
+    sync["inserted"].set()
+    wait_event(sync, "consumer_done")
+    return dataclasses.asdict(buffer.stats())
+
+
+def consumer_captures_and_replays(
+    buffer: SimpleBuffer, sync: dict, seed: int, count: int, address: str, old_frames: list[bytes], later: int
+) -> dict:
+    """Record every select frame this buffer sends, as a sniffer would. Replay ``old_frames`` (captured
+    from an earlier producer) first; then take entry 0 and replay its select at once and after
+    ``later`` more selects; then take every entry, entry 0's second copy included, bit for bit.
+    Returns the refusals' reasons and the frames captured."""
+    from lookup_buffer import consumer
+
+    captured: list[bytes] = []
+    original = consumer.encode_request
+
+    def recording(signer: ControlSigner, request: SelectRequest) -> bytes:
+        captured.append(original(signer, request))
+        return captured[-1]
+
+    consumer.encode_request = recording
+    wait_event(sync, "inserted")
+    signer = ControlSigner(buffer.config.kv_secret)  # the replayer holds the secret: it can read refusals
+    context, dealer = _raw_dealer(address)
+    verdicts: dict[str, Any] = {}
+    try:
+        verdicts["from an earlier producer"] = [_refusal_to(dealer, frame, signer).reason for frame in old_frames]
+        first = make_request(seed, 0)
+        check_entry(buffer.drop_select(first[0], first[1], timeout=BOUND), first, "entry 0")
+        hit_frame = captured[-1]
+        verdicts["at once"] = _refusal_to(dealer, hit_frame, signer).reason
+        for index in range(later):
+            assert buffer.drop_select(*_absent(index)) == [None] * 5
+        verdicts["later"] = _refusal_to(dealer, hit_frame, signer).reason
+        verdicts["a miss's, later"] = _refusal_to(dealer, captured[-later], signer).reason
+    finally:
+        dealer.close(linger=0)
+        context.term()
+    for index in range(count):
+        want = other_copy(seed, 0) if index == 0 else make_request(seed, index)
+        check_entry(buffer.drop_select(want[0], want[1], timeout=BOUND), want, f"request {index}")
+    return {"verdicts": verdicts, "captured": [hit_frame, captured[-1]]}
 
 
 # ---------------------------------------------------------------- backpressure
@@ -332,12 +413,21 @@ def consumer_late(buffer: SimpleBuffer, sync: dict) -> dict:
     return {"timed_out": timed_out, "immediate": immediate}
 
 
-# ---------------------------------------------------------------- who reads the data pipe
+# ---------------------------------------------------------------- routing
 
-# The consumer's calling threads read the data pipe themselves, one at a time (the leader). These
-# bodies make the leader's select end while another waits (the other must take over), and make
-# another select's outcome arrive while the leader waits (the leader must hand it over).
-LEADER_FIRST, FOLLOWER_FIRST, PARKED, ROUTED = (61, 1), (62, 2), (63, 3), (64, 4)
+# One thread of the consumer reads every outcome off the data pipe and hands it to the select of its
+# request id. These bodies keep one select waiting for a late insert while other selects come and
+# go (hits and misses, from several threads at once): the waiting one must get its own entry at the
+# end, the others theirs meanwhile.
+PARKED, ROUTED = (63, 3), (64, 4)
+PASSING = 24  # selects that come and go while PARKED waits: half hit, half miss
+
+
+def _passing_request(index: int) -> list:
+    generator = torch.Generator().manual_seed(1000 + index)
+    tokens = _tokens(70, index)
+    return [tokens, _ones(2), random_tensor(generator, torch.float32, (3, 40 + index)), None,
+            random_tensor(generator, torch.bfloat16, (index + 1,))]
 
 
 def _in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list]:
@@ -363,39 +453,85 @@ def _joined(thread: threading.Thread, outcome: list, what: str) -> Any:
     return value
 
 
-def producer_leader_changes(buffer: SimpleBuffer, sync: dict) -> dict:
-    # 1: the leader's select misses while a follower waits for an entry inserted afterwards.
-    wait_until(lambda: buffer.stats().misses == 1 and buffer.stats().pending == 1,
-               "the first select missed and the second is parked")
-    buffer.insert(_tokens(*FOLLOWER_FIRST), _ones(2), _marker(1.5), None, None)
-    # 2: the leader waits while another select hits at once.
-    buffer.insert(_tokens(*ROUTED), _ones(2), _marker(2.5), _marker(3.5), None)
-    wait_event(sync, "stage")  # the routed select returned while the leader still waited
-    assert buffer.stats().pending == 1, buffer.stats()
-    buffer.insert(_tokens(*PARKED), _ones(2), _marker(4.5), None, _marker(5.5))
-    wait_until(lambda: buffer.stats().hits == 3, "every select was served")
-    return dataclasses.asdict(buffer.stats())
-
-
-def consumer_leader_changes(buffer: SimpleBuffer, sync: dict) -> dict:
-    def select(tokens: tuple, timeout: float) -> Callable[[], list]:
-        return lambda: buffer.drop_select(_tokens(*tokens), _ones(2), timeout=timeout)
-
-    leader, led = _in_thread(select(LEADER_FIRST, 0.5))
-    wait_until(lambda: buffer.stats().pending == 1, "the first select is under way")  # it leads
-    follower, followed = _in_thread(select(FOLLOWER_FIRST, BOUND))
-    missed = _joined(leader, led, "the leading select")
-    got = _joined(follower, followed, "the select that had to take over")
-    check_entry(got, [_tokens(*FOLLOWER_FIRST), _ones(2), _marker(1.5), None, None], "taken over")
-
-    leader, led = _in_thread(select(PARKED, BOUND))
-    wait_until(lambda: buffer.stats().pending == 1, "the parked select is under way")
-    routed = buffer.drop_select(_tokens(*ROUTED), _ones(2), timeout=BOUND)
+def producer_serves_around_a_waiter(buffer: SimpleBuffer, sync: dict) -> dict:
+    wait_until(lambda: buffer.stats().pending == 1, "the consumer's first select is parked")
     sync["stage"].set()
-    check_entry(routed, [_tokens(*ROUTED), _ones(2), _marker(2.5), _marker(3.5), None], "routed")
-    parked = _joined(leader, led, "the parked select")
-    check_entry(parked, [_tokens(*PARKED), _ones(2), _marker(4.5), None, _marker(5.5)], "parked")
-    return {"missed": missed}
+    for index in range(0, PASSING, 2):  # the even ones hit; the consumer selects them as they come
+        buffer.insert(*_passing_request(index))
+    wait_event(sync, "stage2")  # every passing select returned
+    pending_meanwhile = buffer.stats().pending
+    buffer.insert(_tokens(*PARKED), _ones(2), _marker(4.5), None, _marker(5.5))
+    wait_until(lambda: buffer.stats().hits == PASSING // 2 + 1, "the parked select was served")
+    return {"pending_meanwhile": pending_meanwhile, "stats": dataclasses.asdict(buffer.stats())}
+
+
+def consumer_serves_around_a_waiter(buffer: SimpleBuffer, sync: dict) -> dict:
+    parked, parked_outcome = _in_thread(lambda: buffer.drop_select(_tokens(*PARKED), _ones(2), timeout=3 * BOUND))
+    wait_event(sync, "stage")
+
+    def passing(index: int) -> Callable[[], str]:
+        def select() -> str:
+            want = _passing_request(index)
+            got = buffer.drop_select(want[0], want[1], timeout=BOUND if index % 2 == 0 else 0)
+            if index % 2:
+                assert got == [None] * 5, f"passing select {index} should miss"
+                return "miss"
+            check_entry(got, want, f"passing select {index}")
+            return "hit"
+
+        return select
+
+    passers = [_in_thread(passing(index)) for index in range(PASSING)]
+    verdicts = [_joined(thread, outcome, f"passing select {index}") for index, (thread, outcome) in enumerate(passers)]
+    still_waiting = parked.is_alive()
+    sync["stage2"].set()
+    got = _joined(parked, parked_outcome, "the parked select")
+    check_entry(got, [_tokens(*PARKED), _ones(2), _marker(4.5), None, _marker(5.5)], "parked")
+    return {"verdicts": verdicts, "still_waiting": still_waiting}
+
+
+# ---------------------------------------------------------------- short-lived calling threads
+
+
+def _absent(index: int) -> list:
+    return [_tokens(-1, -index - 1), _ones(2)]
+
+
+def producer_small_entries(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> int:
+    for index in range(count):
+        insert(buffer, make_request(seed, index, small=True))
+    sync["inserted"].set()
+    return count
+
+
+def consumer_many_short_threads(buffer: SimpleBuffer, sync: dict, seed: int, count: int, wave: int) -> dict:
+    """``2 * count`` threads, ``wave`` at a time, each doing one drop_select and ending: even ones
+    hit (entry i // 2, checked bit for bit), odd ones miss. Counts this process's open descriptors
+    and threads before and after."""
+    wait_event(sync, "inserted")
+    assert buffer.drop_select(*_absent(-2)) == [None] * 5  # whatever is built at the first select is built
+    fds_before, threads_before = len(os.listdir("/proc/self/fd")), threading.active_count()
+    results: dict[int, str] = {}
+
+    def one(index: int) -> None:
+        if index % 2:
+            got = buffer.drop_select(*_absent(index))
+            results[index] = "miss" if got == [None] * 5 else f"unexpected {got!r}"
+        else:
+            want = make_request(seed, index // 2, small=True)
+            check_entry(buffer.drop_select(want[0], want[1]), want, f"request {index // 2}")
+            results[index] = "hit"
+
+    for first in range(0, 2 * count, wave):
+        threads = [_in_thread(lambda index=index: one(index)) for index in range(first, min(first + wave, 2 * count))]
+        for index, (thread, outcome) in enumerate(threads, start=first):
+            _joined(thread, outcome, f"select {index}")
+    return {
+        "fds": (fds_before, len(os.listdir("/proc/self/fd"))),
+        "threads": (threads_before, threading.active_count()),
+        "hits": sum(verdict == "hit" for verdict in results.values()),
+        "misses": sum(verdict == "miss" for verdict in results.values()),
+    }
 
 
 def producer_busy(buffer: SimpleBuffer, sync: dict) -> dict:
@@ -482,41 +618,52 @@ def producer_trickle(buffer: SimpleBuffer, sync: dict, seed: int, count: int) ->
     return count
 
 
-def _junk_frames(rng: random.Random) -> list[tuple[str, list[bytes]]]:
+def _junk_frames(rng: random.Random) -> list[tuple[str, list[bytes], str]]:
+    """Junk for the control port: (name, frames, the reason the producer must refuse it for)."""
     tokens = _tokens(1, 2, 3).numpy()
     roi = _ones(3).numpy()
-    valid = encode_request(ControlSigner(None), 77, tokens, roi, 0)
-    good = dict(type="select", v=PROTOCOL_VERSION, request_id=5, tokens=tokens.tobytes(), roi=roi.tobytes(), wait_ms=0)
+    session = bytes(SESSION_BYTES)  # never the producer's: it draws its session at random
+    valid = encode_request(ControlSigner(None), select_request(77, tokens, roi, 0, session=session, counter=1))
+    good = dict(type="select", v=PROTOCOL_VERSION, request_id=5, session=session, counter=1, tokens=tokens.tobytes(),
+                roi=roi.tobytes(), wait_ms=0)
 
-    def variant(**changes: Any) -> bytes:
+    def variant(**changes: Any) -> list[bytes]:
         fields = dict(good, **changes)
-        return msgspec.msgpack.encode({k: v for k, v in fields.items() if v is not _DROP})
+        return [msgspec.msgpack.encode({k: v for k, v in fields.items() if v is not _DROP})]
 
-    return [
+    malformed = [
         ("empty", [b""]),
         *[(f"random {n}", [rng.randbytes(n)]) for n in (1, 7, 64, 1000)],
         *[(f"truncated {n}", [valid[:n]]) for n in (1, len(valid) // 2, len(valid) - 1)],
         ("msgpack nil", [msgspec.msgpack.encode(None)]),
         ("msgpack array", [msgspec.msgpack.encode([1, 2, 3])]),
-        ("huge int", [msgspec.msgpack.encode({"v": 2**64 - 1})]),
-        ("unknown version", [variant(v=PROTOCOL_VERSION + 98)]),
-        ("string version", [variant(v="1")]),
-        ("no version", [variant(v=_DROP)]),
-        ("string request id", [variant(request_id="x")]),
-        ("negative request id", [variant(request_id=-1)]),
-        ("tokens as list", [variant(tokens=[1, 2, 3])]),
-        ("7 token bytes", [variant(tokens=b"\x01" * 7, roi=b"\x01")]),
-        ("roi too short", [variant(roi=b"\x01\x01")]),
-        ("roi byte 2", [variant(roi=b"\x01\x02\x01")]),
-        ("roi selects nothing", [variant(roi=b"\x00\x00\x00")]),
-        ("no tokens", [variant(tokens=b"", roi=b"")]),
-        ("negative wait", [variant(wait_ms=-5)]),
-        ("huge wait", [variant(wait_ms=10**12)]),
-        ("reply type", [variant(type="reply")]),
-        ("unknown type", [variant(type="drop_everything")]),
-        ("no type", [variant(type=_DROP)]),
+        ("string version", variant(v="1")),
+        ("no version", variant(v=_DROP)),
+        ("string request id", variant(request_id="x")),
+        ("negative request id", variant(request_id=-1)),
+        ("short session", variant(session=session[:-1])),
+        ("no session", variant(session=_DROP)),
+        ("counter 0", variant(counter=0)),
+        ("counter 2**63", variant(counter=2**63)),
+        ("tokens as list", variant(tokens=[1, 2, 3])),
+        ("7 token bytes", variant(tokens=b"\x01" * 7, roi=b"\x01")),
+        ("roi too short", variant(roi=b"\x01\x01")),
+        ("roi byte 2", variant(roi=b"\x01\x02\x01")),
+        ("roi selects nothing", variant(roi=b"\x00\x00\x00")),
+        ("no tokens", variant(tokens=b"", roi=b"")),
+        ("negative wait", variant(wait_ms=-5)),
+        ("huge wait", variant(wait_ms=10**12)),
+        ("refusal type", variant(type="refusal")),
+        ("unknown type", variant(type="drop_everything")),
+        ("no type", variant(type=_DROP)),
         ("multipart", [b"junk", valid, b"more"]),
         ("two valid frames", [valid, valid]),
+    ]
+    return [
+        *[(name, frames, "malformed") for name, frames in malformed],
+        ("unknown version", variant(v=PROTOCOL_VERSION + 98), "version"),
+        ("huge version", [msgspec.msgpack.encode({"v": 2**64 - 1})], "version"),
+        ("foreign session", [valid], "stale"),
     ]
 
 
@@ -532,20 +679,22 @@ def _attack(address: str, rounds: int, stop: threading.Event) -> dict:
     dealer.connect(address)
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     silent = None  # a half-open peer, kept open; made once the producer has answered (so it listens)
-    sent = sent_during_traffic = 0
-    replies = []
-    version_reply = None
+    sent = sent_during_traffic = answered = 0
+    wrong = []  # (name, reason) of refusals for another reason than expected
+    version_refusal = None
     try:
         for round_ in range(rounds):
-            for name, frames in _junk_frames(rng):
+            for name, frames, reason in _junk_frames(rng):
                 dealer.send_multipart(frames)
                 sent += 1
                 sent_during_traffic += not stop.is_set()
                 assert dealer.poll(int(BOUND * 1000)), f"no answer to {name!r}"
-                reply = decode_reply(ControlSigner(None), dealer.recv())
-                replies.append(reply.status)
+                refusal = decode_refusal(ControlSigner(None), dealer.recv())
+                answered += 1
+                if refusal.reason != reason:
+                    wrong.append((name, refusal.reason))
                 if name == "unknown version":
-                    version_reply = (reply.request_id, reply.message)
+                    version_refusal = (refusal.request_id, refusal.message)
                 if silent is None:
                     silent = socket.create_connection((host, int(port)), timeout=BOUND)
             # Junk below the message layer: no answer expected, the producer must shrug it off.
@@ -570,7 +719,8 @@ def _attack(address: str, rounds: int, stop: threading.Event) -> dict:
             silent.close()
         dealer.close()
         context.term()
-    return {"sent_during_traffic": sent_during_traffic, "answered": replies, "version_reply": version_reply}
+    return {"sent_during_traffic": sent_during_traffic, "answered": answered, "wrong": wrong,
+            "version_refusal": version_refusal}
 
 
 def consumer_under_attack(buffer: SimpleBuffer, sync: dict, seed: int, count: int, address: str) -> dict:

@@ -23,18 +23,21 @@ from lookup_buffer.control import Doorbell, control_address
 from lookup_buffer.matching import TOKEN_DTYPES, MatchKey, token_arrays
 from lookup_buffer.protocol import (
     PROTOCOL_VERSION,
+    SESSION_BYTES,
     ControlSigner,
     MessageError,
     Outcome,
     OutcomeStatus,
-    Reply,
-    decode_reply,
+    Refusal,
+    decode_refusal,
     decode_request,
-    encode_reply,
+    encode_refusal,
     encode_request,
     make_header,
     make_outcome,
+    make_session,
     parse_header,
+    select_request,
     stamp_header,
 )
 from lookup_buffer.store import Entry, EntryStore
@@ -110,54 +113,64 @@ def test_non_tensor_query_is_refused() -> None:
 
 def test_request_round_trip() -> None:
     tokens, roi = token_arrays(torch.tensor([5, -3, 1 << 40]), torch.tensor([True, False, True]))
-    request, got_tokens, got_roi = decode_request(UNSIGNED, encode_request(UNSIGNED, 123, tokens, roi, 4500))
+    session = os.urandom(SESSION_BYTES)
+    frame = encode_request(UNSIGNED, select_request(123, tokens, roi, 4500, session=session, counter=2**63 - 1))
+    request, got_tokens, got_roi = decode_request(UNSIGNED, frame)
     assert (request.request_id, request.wait_ms, request.v) == (123, 4500, PROTOCOL_VERSION)
+    assert (request.session, request.counter) == (session, 2**63 - 1)
     assert got_tokens.tolist() == [5, -3, 1 << 40] and got_roi.tolist() == [True, False, True]
     assert MatchKey(got_tokens, got_roi) == MatchKey(tokens, roi)
-    reply = decode_reply(UNSIGNED, encode_reply(UNSIGNED, 99, "miss", waited=True, message="x" * 5000))
-    assert (reply.request_id, reply.status, reply.waited, len(reply.message)) == (99, "miss", True, 1000)
-    # A hit answers on the data pipe: a "hit" reply is another protocol's, refused like any bad status.
-    with pytest.raises(MessageError, match="status"):
-        decode_reply(UNSIGNED, msgspec.msgpack.encode(Reply(v=PROTOCOL_VERSION, request_id=99, status="hit")))
+    refusal = decode_refusal(UNSIGNED, encode_refusal(UNSIGNED, 99, "stale", message="x" * 5000))
+    assert (refusal.request_id, refusal.reason, len(refusal.message)) == (99, "stale", 1000)
+    # Every outcome but a refusal goes on the data pipe: a refusal for any other reason is refused.
+    for reason in ("miss", "hit", "error", "closed"):
+        with pytest.raises(MessageError, match="reason"):
+            decode_refusal(UNSIGNED, msgspec.msgpack.encode(Refusal(v=PROTOCOL_VERSION, request_id=99, reason=reason)))
+    # Not valid on the wire until the consumer stamps the session and the counter.
+    with pytest.raises(MessageError, match="session"):
+        decode_request(UNSIGNED, encode_request(UNSIGNED, select_request(5, tokens, roi, 0)))
 
 
 def test_signed_frames_accept_only_the_same_secret_and_direction() -> None:
     tokens, roi = token_arrays(torch.tensor([7, 8, 9]), torch.tensor([True, True, False]))
     friend, stranger = ControlSigner("s3cret"), ControlSigner("guess")
-    frame = encode_request(friend, 5, tokens, roi, 0)
+    request = select_request(5, tokens, roi, 0, session=bytes(SESSION_BYTES), counter=1)
+    frame = encode_request(friend, request)
     assert decode_request(friend, frame)[0].request_id == 5
     tampered = bytearray(frame)
     tampered[len(tampered) // 2] ^= 1
     refusals = {
         "wrong secret": (stranger, frame),
-        "unsigned": (friend, encode_request(UNSIGNED, 5, tokens, roi, 0)),
+        "unsigned": (friend, encode_request(UNSIGNED, request)),
         "tampered": (friend, bytes(tampered)),
         "truncated": (friend, frame[:20]),
     }
     for what, (signer, candidate) in refusals.items():
-        with pytest.raises(MessageError, match="authentication failed"):
+        with pytest.raises(MessageError, match="authentication failed") as caught:
             decode_request(signer, candidate)
             pytest.fail(f"{what} was accepted")
-    reply = encode_reply(friend, 5, "miss")
-    assert decode_reply(friend, reply).status == "miss"
-    with pytest.raises(MessageError, match="authentication failed"):  # a reply never passes as a request
-        decode_request(friend, reply)
+        assert caught.value.reason == "unauthenticated"
+    refusal = encode_refusal(friend, 5, "stale", "")
+    assert decode_refusal(friend, refusal).reason == "stale"
+    with pytest.raises(MessageError, match="authentication failed"):  # a refusal never passes as a request
+        decode_request(friend, refusal)
 
 
 def test_every_junk_message_is_refused() -> None:
     rng = random.Random(0)
-    for name, frames in bodies._junk_frames(rng):
-        if len(frames) != 1:
-            continue  # refused by the server for its frame count
-        with pytest.raises(MessageError):
+    for name, frames, reason in bodies._junk_frames(rng):
+        if len(frames) != 1 or reason == "stale":
+            continue  # refused by the server: for its frame count, or as not fresh
+        with pytest.raises(MessageError) as caught:
             decode_request(UNSIGNED, frames[0])
             pytest.fail(f"{name} was accepted")
+        assert caught.value.reason == reason, (name, caught.value)
         with pytest.raises(MessageError):
-            decode_reply(UNSIGNED, frames[0])
+            decode_refusal(UNSIGNED, frames[0])
 
 
 def test_unknown_version_names_both_versions() -> None:
-    frame = dict(bodies._junk_frames(random.Random(0)))["unknown version"][0]
+    frame = {name: frames for name, frames, _ in bodies._junk_frames(random.Random(0))}["unknown version"][0]
     with pytest.raises(MessageError) as caught:
         decode_request(UNSIGNED, frame)
     assert caught.value.request_id == 5  # echoed, so the sender learns which request failed
@@ -185,11 +198,35 @@ def test_hit_header_round_trip(dtype: torch.dtype) -> None:
             assert got.status is OutcomeStatus.HIT
 
 
-@pytest.mark.parametrize("status", [status for status in OutcomeStatus if status is not OutcomeStatus.HIT])
+@pytest.mark.parametrize("status", [OutcomeStatus.MISS, OutcomeStatus.BUSY, OutcomeStatus.CLOSED])
 def test_outcome_header_round_trip(status: OutcomeStatus) -> None:
     for request_id, waited in ((0, False), (2**63 - 1, True), (12345, False)):
         got = parse_header(torch.from_numpy(make_outcome(request_id, status, waited)))
         assert got == Outcome(request_id, status, waited), got
+
+
+def test_session_header_round_trip_and_refusals() -> None:
+    session = os.urandom(SESSION_BYTES)
+    header = torch.from_numpy(make_session(session))
+    assert parse_header(header) == Outcome(0, OutcomeStatus.SESSION, False, session=session)
+
+    def changed(index: int, value: int) -> torch.Tensor:
+        bad = header.clone()
+        bad[index] = value
+        return bad
+
+    for bad in [
+        header[:-1],  # a short nonce
+        torch.cat([header, header[-1:]]),
+        changed(2, 7),  # a request id
+        changed(4, 1),  # a token count
+        changed(5, 1),  # a dtype code
+        changed(6, 4),  # the waited flag
+        changed(1, PROTOCOL_VERSION - 1),
+        changed(3, int(OutcomeStatus.MISS)),  # a miss with a nonce
+    ]:
+        with pytest.raises(KVProtocolError):
+            parse_header(bad)
 
 
 def test_bad_hit_headers_are_refused() -> None:
@@ -227,9 +264,10 @@ def test_bad_hit_headers_are_refused() -> None:
         changed(0, 12345),  # magic
         changed(1, PROTOCOL_VERSION + 1),
         changed(2, -1),  # request id
-        changed(3, 4),  # unknown status
+        changed(3, len(OutcomeStatus)),  # unknown status
         changed(3, -1),
         changed(3, int(OutcomeStatus.MISS)),  # a miss with a hit's tokens
+        changed(3, int(OutcomeStatus.SESSION)),  # a session header with a hit's tokens
         changed(4, 4),  # token count disagrees with the length
         changed(4, 0),
         changed(5, len(TOKEN_DTYPES)),  # dtype code
@@ -442,14 +480,52 @@ def test_miss_after_timeout_then_parked_select_hits() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_the_pipe_reader_role_passes_between_waiting_selects() -> None:
-    """The leader's select misses while another waits (the other must take over reading the data
-    pipe), and a select hits while the leader waits (the leader must hand it over)."""
-    producer, consumer = run_buffer_pair(bodies.producer_leader_changes, bodies.consumer_leader_changes)
-    assert consumer["result"] == {"missed": [None] * 5}
-    p, c = producer["result"], consumer["stats"]
-    assert (p["hits"], p["misses"], p["waits"], p["pending"]) == (3, 1, 3, 0)
-    assert (c["hits"], c["misses"], c["waits"], c["pending"]) == (3, 1, 3, 0)
+def test_a_waiting_select_is_served_while_others_come_and_go() -> None:
+    """One select waits for a late insert while others, from several threads at once, hit (each its
+    own entry, inserted as they wait) and miss; each gets exactly its own outcome."""
+    producer, consumer = run_buffer_pair(bodies.producer_serves_around_a_waiter, bodies.consumer_serves_around_a_waiter)
+    assert consumer["result"] == {
+        "verdicts": ["miss" if index % 2 else "hit" for index in range(bodies.PASSING)],
+        "still_waiting": True,
+    }
+    p, c = producer["result"]["stats"], consumer["stats"]
+    assert producer["result"]["pending_meanwhile"] == 1  # the first select stayed parked throughout
+    half = bodies.PASSING // 2
+    assert (p["hits"], p["misses"], p["pending"]) == (half + 1, half, 0)
+    assert (c["hits"], c["misses"], c["waits"], c["pending"]) == (half + 1, half, p["waits"], 0)
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(150)
+def test_concurrent_selects_never_get_each_others_entries() -> None:
+    """Sixteen threads select entries of varied sizes, inserted in another random order: outcomes of
+    different selects interleave on the data pipe, and each thread checks its own bit for bit."""
+    seed, count = 37, 240
+    producer, consumer = run_buffer_pair(
+        bodies.producer_shuffled, bodies.consumer_threads, (seed, count, False), (seed, count, False, 16, 30.0)
+    )
+    assert consumer["result"]["selected"] == list(range(count))
+    p, c = producer["stats"], consumer["stats"]
+    assert (p["hits"], c["hits"], p["entries"]) == (count, count, 0)
+    assert p["transferred_bytes"] == c["transferred_bytes"] == sum(entry_bytes(seed, count))
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(300)
+def test_thousands_of_short_lived_threads_leave_no_descriptors_behind() -> None:
+    """Each of 4000 threads does one drop_select and ends (half hit, half miss): the consumer's open
+    descriptors and threads are back where they were (a socket or doorbell per calling thread would
+    leave thousands behind)."""
+    seed, count = 43, 2000
+    producer, consumer = run_buffer_pair(
+        bodies.producer_small_entries, bodies.consumer_many_short_threads, (seed, count), (seed, count, 50), timeout=280
+    )
+    result = consumer["result"]
+    assert (result["hits"], result["misses"]) == (count, count)
+    fds_before, fds_after = result["fds"]
+    assert fds_after - fds_before <= 4, result["fds"]
+    assert result["threads"][1] == result["threads"][0], result["threads"]
+    assert (producer["stats"]["hits"], producer["stats"]["misses"]) == (count, count + 1)
     assert_clean(producer, consumer)
 
 
@@ -488,12 +564,12 @@ def test_garbage_on_the_control_port_while_real_traffic_runs() -> None:
         port=port,
     )
     attack = consumer["result"]
-    assert attack["answered"] and set(attack["answered"]) == {"error"}
-    request_id, message = attack["version_reply"]
+    assert attack["answered"] and attack["wrong"] == [], attack["wrong"]  # each refused, for the right reason
+    request_id, message = attack["version_refusal"]
     assert request_id == 5 and str(PROTOCOL_VERSION + 98) in message and str(PROTOCOL_VERSION) in message
     assert attack["sent_during_traffic"] > 0
     # Every DEALER message was refused and counted (raw TCP junk can parse as legacy ZMTP messages too).
-    assert producer["stats"]["bad_messages"] >= len(attack["answered"])
+    assert producer["stats"]["bad_messages"] >= attack["answered"]
     assert producer["stats"]["hits"] == consumer["stats"]["hits"] == count
     assert_clean(producer, consumer)
 
@@ -545,29 +621,33 @@ def test_consumer_close_wakes_its_waiting_select_and_the_producer_notices() -> N
     assert_clean(producer, consumer)
 
 
-class _SlowHitPipe:
-    """A consumer's data pipe that delivers one hit for whichever select is in flight: the header at
-    once, then each tensor ``pause`` seconds after the previous one."""
+class _ScriptedPipe:
+    """A consumer's data pipe that delivers a session header, then one hit for whichever select is in
+    flight: its header once a select is, then each tensor ``pause`` seconds after the previous one."""
 
     port_offset = 0
 
-    def __init__(self, tensors: list[torch.Tensor], pause: float) -> None:
+    def __init__(self, hit: list[torch.Tensor], pause: float) -> None:
         self.buffer: SimpleBuffer | None = None
-        self._tensors = tensors
+        self._session: torch.Tensor | None = torch.from_numpy(make_session(os.urandom(SESSION_BYTES)))
+        self._header: torch.Tensor | None = hit[0]
+        self._tensors = hit[1:]
         self._pause = pause
         self._closed = threading.Event()
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
-        if self._tensors:
+        if self._session is not None:
+            session, self._session = self._session, None
+            return session
+        if self._header is not None:
             while (self.buffer is None or not self.buffer._side._calls) and not self._closed.wait(0.001):
                 pass
             if not self._closed.is_set():
-                tensor = self._tensors.pop(0)
-                if tensor.dtype == torch.int64 and tensor.dim() == 1 and tensor.shape[0] > 6:  # the header
-                    stamp_header(tensor.numpy(), next(iter(self.buffer._side._calls)), waited=True)
-                else:
-                    self._closed.wait(self._pause)
-                return tensor
+                header, self._header = self._header, None
+                stamp_header(header.numpy(), next(iter(self.buffer._side._calls)), waited=True)
+                return header
+        if self._tensors and not self._closed.wait(self._pause):
+            return self._tensors.pop(0)
         if not self._closed.wait(timeout):
             raise KVTimeoutError(f"nothing arrived within {timeout:g} s")
         raise KVPipeClosedError("closed")
@@ -576,29 +656,51 @@ class _SlowHitPipe:
         self._closed.set()
 
 
-@pytest.mark.timeout(60)
-def test_a_hit_slower_than_the_answer_bound_is_still_delivered() -> None:
-    """A hit is announced by its header on the data pipe and has no control reply: once the header
-    is in, a select waits for its tensors while they keep coming, past the bound for an answer
-    (its wait + kv_timeout), and does not declare the producer lost."""
-    kv_timeout, pause = 0.5, 0.4
-    tokens, roi = torch.tensor([11, 12, 13]), torch.tensor([True, True, False])
-    key, value = torch.randn(4, 5), torch.randint(-9, 9, (7,), dtype=torch.int16)
-    header = torch.from_numpy(make_header(*token_arrays(tokens, roi), tokens.dtype, True, False))
-    pipe = _SlowHitPipe([header, key, value], pause)
+def _scripted_select(hit: list[torch.Tensor], pause: float, kv_timeout: float, query: list[torch.Tensor]) -> Any:
+    """Run one drop_select of ``query`` against a _ScriptedPipe delivering ``hit``; return (result or
+    error, seconds taken, stats)."""
+    pipe = _ScriptedPipe(hit, pause)
     cfg = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_port=procs.free_port(), kv_timeout=kv_timeout)
     buffer = pipe.buffer = SimpleBuffer(pipe, cfg)  # type: ignore[arg-type]
     try:
         started = time.monotonic()
-        got = buffer.drop_select(tokens, roi, timeout=0)
-        elapsed = time.monotonic() - started
-        stats = buffer.stats()
+        try:
+            got: Any = buffer.drop_select(query[0], query[1], timeout=0)
+        except KVProtocolError as exc:
+            got = exc
+        return got, time.monotonic() - started, buffer.stats()
     finally:
         buffer.close()
+
+
+def _hit_of(tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.from_numpy(make_header(*token_arrays(tokens, roi), tokens.dtype, True, False)), key, value]
+
+
+@pytest.mark.timeout(60)
+def test_a_hit_slower_than_the_answer_bound_is_still_delivered() -> None:
+    """A hit is announced by its header on the data pipe: once the header is in, a select waits for
+    its tensors while they keep coming, past the bound for an answer (its wait + kv_timeout), and
+    does not declare the producer lost."""
+    kv_timeout, pause = 0.5, 0.4
+    tokens, roi = torch.tensor([11, 12, 13]), torch.tensor([True, True, False])
+    key, value = torch.randn(4, 5), torch.randint(-9, 9, (7,), dtype=torch.int16)
+    got, elapsed, stats = _scripted_select(_hit_of(tokens, roi, key, value), pause, kv_timeout, [tokens, roi])
     assert elapsed > kv_timeout, "the tensors came within the bound: the test did not exercise the late path"
     assert bodies.same_bits(got[0], tokens) and bodies.same_bits(got[1], roi)
     assert bodies.same_bits(got[2], key) and bodies.same_bits(got[3], value) and got[4] is None
     assert (stats.hits, stats.waits, stats.misses) == (1, 1, 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_hit_routed_to_a_select_it_does_not_match_is_refused() -> None:
+    """The outcome routed to a select by its request id must also match the select's query: another
+    request's KV is never handed out."""
+    tokens, roi = torch.tensor([11, 12, 13]), torch.tensor([True, True, False])
+    hit = _hit_of(torch.tensor([11, 12, 14]), torch.tensor([True, True, True]), torch.randn(4), torch.randn(2))
+    got, _, stats = _scripted_select(hit, 0, 5.0, [tokens, roi])
+    assert isinstance(got, KVProtocolError) and "does not match the query" in str(got), got
+    assert (stats.hits, stats.misses, stats.transferred_bytes) == (0, 0, 0)
 
 
 @pytest.mark.timeout(120)
@@ -625,11 +727,42 @@ def test_shared_secret_refuses_a_stranger_and_serves_the_friend() -> None:
         changes={"kv_secret": "correct horse battery staple"},
         port=port,
     )
-    stranger = consumer["result"]["stranger"]
-    assert stranger["unsigned"] == ("error", "authentication failed")
-    assert stranger["wrong secret"] == ("error", "authentication failed")
-    assert stranger["first use"] == ("miss", "")
-    assert stranger["replayed"] == ("error", "replay refused")
+    assert consumer["result"]["stranger"] == {
+        "unsigned": "unauthenticated",
+        "wrong secret": "unauthenticated",
+        "signed, guessed session": "stale",  # the secret alone does not let a select through
+    }
     assert consumer["result"]["selected"] == count  # the stranger took nothing
     assert producer["stats"]["hits"] == count
+    assert producer["stats"]["bad_messages"] == 3
     assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(180)
+def test_a_captured_select_replayed_later_or_to_a_restarted_producer_is_refused() -> None:
+    """A sniffer holding the secret captures the consumer's signed selects and replays them: at once,
+    after many more selects, and to a restarted producer holding the same entries. Every replay is
+    refused as stale and takes nothing: the consumer then gets every entry, bit for bit."""
+    seed, count, later = 61, 6, 300
+    secret = {"kv_secret": "correct horse battery staple"}
+    verdicts = []
+    captured: list[bytes] = []
+    for _ in range(2):  # the second producer is the first one restarted
+        port = procs.free_port()
+        producer, consumer = run_buffer_pair(
+            bodies.producer_with_copies,
+            bodies.consumer_captures_and_replays,
+            (seed, count),
+            (seed, count, f"tcp://127.0.0.1:{port + 1}", captured, later),
+            changes=secret,
+            port=port,
+        )
+        verdicts.append(consumer["result"]["verdicts"])
+        captured = consumer["result"]["captured"]
+        assert (producer["result"]["hits"], producer["result"]["entries"]) == (count + 1, 0)
+        assert producer["result"]["bad_messages"] == 3 + len(verdicts[-1]["from an earlier producer"])
+        assert_clean(producer, consumer)
+    assert verdicts[0] == {"from an earlier producer": [], "at once": "stale", "later": "stale",
+                           "a miss's, later": "stale"}
+    assert verdicts[1] == {"from an earlier producer": ["stale", "stale"], "at once": "stale", "later": "stale",
+                           "a miss's, later": "stale"}

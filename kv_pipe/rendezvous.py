@@ -35,6 +35,8 @@ from kv_pipe.errors import KVPeerLostError, KVProtocolError, KVTransferError
 from kv_pipe.protocol import Hello
 
 _ARRIVALS_KEY = "kvbridge/arrivals"
+#: Starts a greeting that says why its side refused to pair.
+_REFUSAL = b"kvbridge-refused:"
 _AUTH_TAG = 7  # the tag of the challenge-response over the groups; frames use others
 
 
@@ -58,16 +60,19 @@ def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.dev
     """
     rank = config.kv_rank
     store = _open_store(config, port)
-    if store.add(_ARRIVALS_KEY, 1) > 2:
-        raise KVPeerLostError(
-            f"kvbridge pipe rank {rank}: the rendezvous at {config.kv_ip}:{port} already served a pair "
-            f"(or a stranger wrote to it); the other side must close its old pipe and create a new one "
-            f"before this side reconnects"
-        )
     try:
-        peer_hello = Hello.unpack(exchange(store, rank, "hello", hello.pack()))
+        if store.add(_ARRIVALS_KEY, 1) > 2:
+            _refuse(store, rank, config.kv_timeout,
+                    f"kvbridge pipe rank {rank}: the rendezvous at {config.kv_ip}:{port} already served a pair "
+                    f"(or a stranger wrote to it); the other side must close its old pipe and create a new one "
+                    f"before this side reconnects")
+        peer_greeting = exchange(store, rank, "hello", hello.pack())
+        if peer_greeting.startswith(_REFUSAL):
+            reason = peer_greeting[len(_REFUSAL):].decode(errors="replace")
+            raise KVPeerLostError(f"kvbridge pipe rank {rank}: the peer refused to pair: {reason}")
+        peer_hello = Hello.unpack(peer_greeting)
         authenticate_store(store, rank, config.kv_secret)
-    except KVProtocolError:
+    except (KVProtocolError, KVPeerLostError):
         raise
     except (RuntimeError, OSError) as exc:  # torch's store errors derive from RuntimeError
         raise KVPeerLostError(f"kvbridge pipe rank {rank}: rendezvous with the peer failed: {exc}") from exc
@@ -81,6 +86,18 @@ def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.dev
     if config.kv_secret:
         authenticate_groups(outgoing, incoming, rank, config.kv_secret, device)
     return Connection(store, outgoing, incoming, peer_hello)
+
+
+def _refuse(store: dist.Store, rank: int, kv_timeout: float, reason: str) -> None:
+    """Refuse to pair: publish ``reason`` where the peer reads this side's greeting, then raise.
+    Rank 0's store goes down with it, so rank 0 first waits (briefly) until the peer has read it."""
+    try:
+        store.set(f"kvbridge/hello/{rank}", _REFUSAL + reason.encode())
+        if rank == 0:
+            store.wait(["kvbridge/hello/1"], datetime.timedelta(seconds=min(kv_timeout, 5.0)))
+    except (RuntimeError, OSError):
+        pass  # the peer is gone or slow: the refusal stands either way
+    raise KVPeerLostError(reason)
 
 
 def _open_store(config: KVTransferConfig, port: int) -> dist.TCPStore:

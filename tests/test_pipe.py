@@ -570,6 +570,136 @@ def body_hostile_header(rank: int, port: int) -> str:
     return "refused"
 
 
+class _RecordingGroup:
+    """A process group that records which operations this side runs on it."""
+
+    def __init__(self, group, log: list[str], name: str) -> None:
+        self._group, self._log, self._name = group, log, name
+
+    def send(self, tensors, dst, tag):
+        self._log.append(f"{self._name}:send")
+        return self._group.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        self._log.append(f"{self._name}:recv")
+        return self._group.recv(tensors, src, tag)
+
+    def rank(self) -> int:
+        return self._group.rank()
+
+
+def body_one_group_per_direction(rank: int, port: int) -> list[str]:
+    """Traffic both ways, large and small: the operations each group of this side carried."""
+    from kv_pipe import rendezvous
+
+    log: list[str] = []
+    connect = rendezvous.connect
+
+    def recording_connect(*args, **kwargs):
+        connection = connect(*args, **kwargs)
+        assert connection.outgoing is not connection.incoming
+        connection.outgoing = _RecordingGroup(connection.outgoing, log, "outgoing")
+        connection.incoming = _RecordingGroup(connection.incoming, log, "incoming")
+        return connection
+
+    rendezvous.connect = recording_connect
+    generator = torch.Generator().manual_seed(rank)
+    with TorchDistributedPipe(config(rank, port, kv_timeout=1.0, kv_buffer_size=8 << 20)) as pipe:
+        for size in (3, 5000, INLINE_CAPACITY + 1, 3 << 20):
+            pipe.send_tensors([random_tensor(generator, torch.uint8, (size,)), None])
+            assert pipe.recv_tensor(timeout=30).numel() == size
+            assert pipe.recv_tensor(timeout=30) is None
+        time.sleep(0.6)  # keepalives too
+    return sorted(set(log))
+
+
+def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
+    """A bug in the receiver thread reaches the caller as itself, not as a lost peer, and fails the pipe."""
+    pipe = TorchDistributedPipe(config(rank, port))
+    if rank == 1:
+        def broken_read_inline(start, header):
+            raise TypeError("a bug in the pipe")
+
+        pipe._wire.read_inline = broken_read_inline
+        with pytest.raises(TypeError, match="a bug in the pipe"):
+            pipe.recv_tensor(timeout=30)
+        with pytest.raises(TypeError):  # the pipe is failed: every later call says so
+            pipe.send_tensor(torch.ones(2))
+        pipe.send_tensor  # noqa: B018 - the pipe object stays usable for close()
+        try:
+            pipe.close()
+        except TypeError:
+            pass
+        return "surfaced"
+    pipe.send_tensor(torch.ones(3))
+    pipe.flush(timeout=30)
+    with pytest.raises(KVTransferError):  # the failed side stops answering: the peer sees it go
+        pipe.recv_tensor(timeout=30)
+    _close_quietly(pipe)
+    return "peer saw it"
+
+
+def _close_quietly(pipe: TorchDistributedPipe) -> None:
+    try:
+        pipe.close()
+    except KVTransferError:
+        pass  # the failure was reported already
+
+
+def body_tampered_rendezvous(rank: int, port: int, secret: str | None) -> tuple[str, str]:
+    """Each rank tries to connect while a stranger tampers with the store; returns how it ended."""
+    from kv_pipe import rendezvous
+
+    if rank == 1:  # let the stranger win the race to the groups' store keys
+        create_groups = rendezvous._create_groups
+
+        def late_create_groups(*args):
+            time.sleep(1.5)
+            return create_groups(*args)
+
+        rendezvous._create_groups = late_create_groups
+    try:
+        with TorchDistributedPipe(config(rank, port, kv_secret=secret, kv_timeout=3.0, kv_connect_timeout=20.0)):
+            return ("connected", "")
+    except KVTransferError as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def stranger_tampering(port: int, how: str) -> str:
+    """A process without the secret that reaches the rendezvous store and tampers with it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from kv_pipe.config import local_address_towards
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=20))
+            break
+        except (RuntimeError, OSError):
+            assert time.monotonic() < deadline, "the rendezvous never listened"
+            time.sleep(0.05)
+    if how == "arrivals":
+        store.add("kvbridge/arrivals", 1)
+        return "bumped"
+    # Hijack the groups: take rank 1's place in them before rank 1 gets there.
+    store.wait(["kvbridge/hello/0"])
+    groups = []
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=10)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards("127.0.0.1"))]
+    for prefix in ("kvbridge/group/0to1", "kvbridge/group/1to0"):
+        try:
+            groups.append(dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 1, 2, options))
+        except RuntimeError as exc:
+            return f"hijack failed: {exc}"
+    time.sleep(5)  # hold the connections while rank 0 decides
+    return "hijacked"
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -854,3 +984,50 @@ def test_header_codec_round_trips_in_a_reused_frame():
     for header in headers:
         pack_header(header, frame)
         assert decode_header(frame, max_nbytes=1 << 62, inline_capacity=inline_capacity) == header
+
+
+@pytest.mark.timeout(60)
+def test_the_pipe_never_sends_on_a_group_it_receives_on():
+    """NCCL runs a communicator's sends and receives to one peer on one stream: a receive kept posted
+    would hold every later send behind it. Each side must send on one group and receive on another."""
+    port = procs.free_port()
+    logs = procs.run_pair(body_one_group_per_direction, (0, port), (1, port), timeout=50)
+    assert logs == (["incoming:recv", "outgoing:send"], ["incoming:recv", "outgoing:send"])
+
+
+@pytest.mark.timeout(60)
+def test_a_bug_in_a_transfer_thread_surfaces_as_itself():
+    port = procs.free_port()
+    assert procs.run_pair(body_bug_in_a_transfer_thread, (0, port), (1, port), timeout=50) == (
+        "peer saw it", "surfaced")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how, secret", [("arrivals", None), ("hijack groups", "s3cret")])
+def test_a_stranger_tampering_with_the_rendezvous_store_is_refused_clearly(how, secret):
+    """A stranger who reaches the store bumps its arrival counter, or takes rank 1's place in the
+    groups (their connection addresses travel through the unauthenticated store). Both ranks must
+    end with an error that names the cause within the bounds, never connected to the stranger."""
+    port = procs.free_port()
+    results = procs.new_queue()
+    started = time.monotonic()
+    processes = [procs.start(body_tampered_rendezvous, (0, port, secret), results, 0)]
+    try:
+        processes.append(procs.start(stranger_tampering, (port, how), results, 2))
+        if how == "arrivals":
+            time.sleep(1.0)  # the stranger's add lands before rank 1 arrives
+        processes.append(procs.start(body_tampered_rendezvous, (1, port, secret), results, 1))
+        outcomes = procs.collect(processes, results, timeout=80)
+    finally:
+        procs.reap(processes)
+    elapsed = time.monotonic() - started
+    (kind0, message0), (kind1, message1) = outcomes[0], outcomes[1]
+    assert kind0 != "connected" and kind1 != "connected", outcomes
+    if how == "arrivals":
+        assert outcomes[2] == "bumped"
+        assert kind1 == "KVPeerLostError" and "already served a pair" in message1, outcomes
+    else:
+        assert outcomes[2] == "hijacked", outcomes
+        assert kind0 == "KVProtocolError" and "authentication failed" in message0, outcomes
+        assert kind1 in ("KVPeerLostError", "KVProtocolError"), outcomes
+    assert elapsed < 80

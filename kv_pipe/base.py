@@ -24,7 +24,9 @@ class KVPipeBase(abc.ABC):
 
     Errors: every error is a :class:`kv_pipe.KVTransferError`. A dead or silent peer surfaces as
     :class:`kv_pipe.KVPeerLostError` within the configured ``kv_timeout``; an orderly close by the
-    peer as :class:`kv_pipe.KVPipeClosedError` once everything it sent has been received.
+    peer as :class:`kv_pipe.KVPipeClosedError` once everything it sent has been received. A bug in
+    the pipe itself (a ``TypeError``, say) is not dressed up as a transfer error: it fails the pipe
+    and every later call raises it as itself.
 
     Attributes every pipe has: ``config`` (its :class:`kv_pipe.KVTransferConfig`) and
     ``port_offset`` (added to ``kv_port``; layers above derive their own ports from it).
@@ -42,10 +44,6 @@ class KVPipeBase(abc.ABC):
     @abc.abstractmethod
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
         """Queue ``tensor`` (or ``None``) for sending and return; the transfer runs in the background.
-
-        A tensor small enough for one message may go out from the calling thread when nothing is
-        queued before it: that wait is bounded by the wire, never by the peer's user, since the
-        peer's pipe takes frames in whether or not its user is receiving (within milliseconds).
 
         Ownership: the pipe keeps a reference to ``tensor`` (a contiguous tensor is not copied)
         until it has been sent; the caller must not modify it in place before :meth:`flush`
@@ -81,9 +79,7 @@ class KVPipeBase(abc.ABC):
         alive; an idle, live peer is not an error). The returned tensor belongs to the caller. On
         the host its memory may come from the pipe rather than torch's allocator, so its storage
         cannot be resized (``resize_``); ``clone()`` gives one that can.
-        Thread-safe; each item goes to exactly one caller. A call that may wait longer than the
-        keepalive bound (``timeout`` None, or at least half the shorter ``kv_timeout`` of the two
-        sides) may receive in the calling thread, which saves a thread hand-off per message.
+        Thread-safe; each item goes to exactly one caller.
 
         Raises:
             KVTimeoutError: nothing arrived within ``timeout``; the pipe remains usable.

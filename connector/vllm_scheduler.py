@@ -1,8 +1,19 @@
 """Scheduler side of the vLLM connector: which blocks to save and to load, per engine step.
 
 It runs in vLLM's scheduler (EngineCore) process and never touches the network: the worker side
-owns the pipe. Its only output is :class:`KVBridgeMetadata`, which vLLM hands to every worker.
-What moves is stated in :mod:`connector.transfer_plan`.
+owns the pipe. Its output is :class:`KVBridgeMetadata`, which vLLM hands to every worker; the
+workers answer with :class:`KVBridgeWorkerMetadata` (which saves succeeded). What moves is stated
+in :mod:`connector.transfer_plan`.
+
+Announcing only what was saved: a prefill request (``max_tokens=1``) usually finishes in the very
+step whose worker saves its KV, and vLLM calls ``request_finished`` for it *before* it hands that
+step's worker outcomes to ``update_connector_output`` (both within one ``update_from_output``
+call, before the step's outputs leave the engine core). So ``request_finished`` returns an
+announcement of 0 tokens for a save still in flight and keeps it; :meth:`SchedulerSide.record_saves`
+then sets the saved prefix into that same announcement if, and only if, every worker saved its
+share. An outcome that comes later than that (vLLM defers ``wait_for_save`` past the step's
+output only for draft-model speculative decoding) leaves the announcement at 0: the decode
+instance then computes the prompt itself rather than wait for KV that may not exist.
 """
 
 from __future__ import annotations
@@ -12,7 +23,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
 
@@ -27,6 +38,31 @@ class KVBridgeMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
+    """The workers' save outcomes of one step; vLLM aggregates those of all TP ranks.
+
+    ``saved`` counts, per request id, the ranks that saved their share; ``failed`` holds the ids
+    that at least one rank could not save. Pickled by vLLM between its processes (never networked).
+    """
+
+    saved: dict[str, int] = dataclasses.field(default_factory=dict)
+    failed: set[str] = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def of_one_worker(cls, saved: set[str], failed: set[str]) -> KVBridgeWorkerMetadata:
+        """One rank's outcomes (:meth:`connector.vllm_worker.WorkerSide.take_save_outcomes`)."""
+        return cls(saved=dict.fromkeys(saved, 1), failed=set(failed))
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVBridgeWorkerMetadata:
+        if not isinstance(other, KVBridgeWorkerMetadata):
+            raise TypeError(f"cannot aggregate kvbridge worker metadata with {type(other).__name__}")
+        saved = dict(self.saved)
+        for req_id, ranks in other.saved.items():
+            saved[req_id] = saved.get(req_id, 0) + ranks
+        return KVBridgeWorkerMetadata(saved=saved, failed=self.failed | other.failed)
+
+
 class SchedulerSide:
     """Plans saves (producer role) or loads (consumer role).
 
@@ -38,11 +74,15 @@ class SchedulerSide:
     Not thread-safe: vLLM calls the scheduler hooks from one thread.
     """
 
-    def __init__(self, block_size: int, is_producer: bool, is_consumer: bool) -> None:
+    def __init__(self, block_size: int, is_producer: bool, is_consumer: bool, num_workers: int = 1) -> None:
         self.block_size = block_size
         self.is_producer = is_producer
         self.is_consumer = is_consumer
+        self.num_workers = num_workers  # TP ranks: a request is saved when all of them saved their share
         self._unsaved: dict[str, list[int]] = {}  # producer: req_id -> transfer prefix not saved yet
+        self._saving: dict[str, int] = {}  # producer: req_id -> prefix tokens handed to the workers
+        self._saved: dict[str, int] = {}  # producer: prefix tokens the workers saved (0: failed), still running
+        self._pending: dict[str, tuple[dict[str, int], int]] = {}  # producer: announcement, prefix in flight
         self._loads: dict[str, LoadSpec] = {}  # consumer: planned, not yet handed to the worker
         self._loaded: set[str] = set()  # consumer: requests that already had their one load attempt
         self._covered: set[str] = set()  # consumer: transfer prefix found in vLLM's prefix cache: drain
@@ -98,6 +138,10 @@ class SchedulerSide:
         the step of the chunk that crosses it); ``block_ids_of`` gives its current block ids.
         """
         meta = KVBridgeMetadata()
+        for req_id in self._pending:
+            logger.warning("kvbridge: the save outcome of request %s came after its announcement left the engine: "
+                           "announced 0 tokens (the decode instance computes the prompt)", req_id)
+        self._pending.clear()
         scheduled: Mapping[str, int] = scheduler_output.num_scheduled_tokens
         meta.loads = [spec for req_id, spec in self._loads.items() if req_id in scheduled]
         self._loads.clear()
@@ -127,8 +171,21 @@ class SchedulerSide:
                 continue  # chunked prefill: the prefix is not complete after this step
             blocks = list(block_ids_of(req_id)[: len(tokens) // self.block_size])
             meta.saves.append(SaveSpec(req_id=req_id, token_ids=tokens, block_ids=blocks))
+            self._saving[req_id] = len(tokens)
             del self._unsaved[req_id]
         return meta
+
+    def record_saves(self, outcomes: KVBridgeWorkerMetadata) -> None:
+        """Take in the workers' save outcomes of a step (see the module docstring)."""
+        for req_id in outcomes.failed | outcomes.saved.keys():
+            saved = req_id not in outcomes.failed and outcomes.saved.get(req_id, 0) >= self.num_workers
+            if req_id in self._pending:
+                announcement, prefix = self._pending.pop(req_id)
+                announcement["prefix_tokens"] = prefix if saved else 0
+            elif req_id in self._saving:
+                prefix = self._saving.pop(req_id)
+                self._saved[req_id] = prefix if saved else 0
+            # else: a late outcome of a request already announced (see build_meta) or aborted.
 
     def request_finished(self, request: Any) -> dict[str, Any] | None:
         """Forget a finished or aborted request; the producer announces the prefix it saved."""
@@ -136,11 +193,14 @@ class SchedulerSide:
         self._loads.pop(req_id, None)
         self._loaded.discard(req_id)
         self._covered.discard(req_id)
-        unsaved = self._unsaved.pop(req_id, None)
+        self._unsaved.pop(req_id, None)
+        in_flight = self._saving.pop(req_id, None)
+        announcement = {"prefix_tokens": self._saved.pop(req_id, 0)}
         if not self.is_producer:
             return None
-        prefix = transfer_prefix_len(request.num_prompt_tokens, self.block_size)
-        return {PARAMS_KEY: {"prefix_tokens": 0 if unsaved is not None else prefix}}
+        if in_flight is not None:
+            self._pending[req_id] = (announcement, in_flight)
+        return {PARAMS_KEY: announcement}
 
 
 def _announced_prefix(params: Mapping[str, Any] | None) -> int | None:

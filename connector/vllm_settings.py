@@ -16,8 +16,10 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
 ``kv_save_timeout`` (seconds, default 1)
     How long the producer waits for room in its lookup buffer before dropping a request's KV
     (the consumer then recomputes it). The engine step waits too, so keep it short.
-``kv_debug_corrupt_loads`` (bool, default false)
-    Negative control for tests: replace every loaded block with noise. Never set it in production.
+``kv_secret_file`` (path, default unset)
+    A file holding the shared secret (see :mod:`connector.secret`). The secret itself is never
+    a key here: vLLM's command line and logs would show it. ``KVBRIDGE_KV_SECRET`` /
+    ``KVBRIDGE_KV_SECRET_FILE`` in the instance's environment work too.
 
 Roles: ``kv_producer`` (prefill) or ``kv_consumer`` (decode); ``kv_both`` is refused, as a lookup
 buffer carries KV one way. The producer defaults to ``kv_rank`` 0 and hosts the rendezvous and the
@@ -32,6 +34,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from connector.secret import SECRET_FILE_KEY, refuse_inline_secret, resolve_secret
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError
 
@@ -39,7 +42,7 @@ from kv_pipe.errors import KVConfigError
 _OPTION_DEFAULTS: dict[str, Any] = {
     "kv_load_timeout": 5.0,
     "kv_save_timeout": 1.0,
-    "kv_debug_corrupt_loads": False,
+    SECRET_FILE_KEY: None,
 }
 
 
@@ -51,20 +54,20 @@ class ConnectorSettings:
         bridge: the kvbridge transport configuration (pipe and lookup buffer).
         load_timeout: see the module docstring (``kv_load_timeout``).
         save_timeout: see ``kv_save_timeout``.
-        corrupt_loads: see ``kv_debug_corrupt_loads``.
     """
 
     bridge: KVTransferConfig
     load_timeout: float
     save_timeout: float
-    corrupt_loads: bool
 
     @classmethod
     def from_vllm(cls, kv_role: str, kv_port: int, kv_buffer_device: str,
-                  extra: Mapping[str, Any]) -> ConnectorSettings:
-        """Merge vLLM's fields with ``kv_connector_extra_config``; raise KVConfigError naming a bad key."""
+                  extra: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ConnectorSettings:
+        """Merge vLLM's fields with ``kv_connector_extra_config`` and the secret's sources (``environ``,
+        default ``os.environ``); raise KVConfigError naming a bad key (never showing a secret)."""
         if not isinstance(extra, Mapping):
-            raise KVConfigError(f"kv_connector_extra_config must be a mapping, got {extra!r}")
+            raise KVConfigError(f"kv_connector_extra_config must be a mapping, got a {type(extra).__name__}")
+        refuse_inline_secret(extra, "kv_connector_extra_config")
         options = dict(_OPTION_DEFAULTS)
         bridge_values: dict[str, Any] = {}
         for name, value in extra.items():
@@ -84,17 +87,14 @@ class ConnectorSettings:
             raise KVConfigError(f"KVBridgeConnector needs kv_role 'kv_producer' (prefill instance) or 'kv_consumer' "
                                 f"(decode instance), got {kv_role!r}: a kvbridge lookup buffer carries KV one way")
         bridge_values.setdefault("kv_rank", 0 if kv_role == "kv_producer" else 1)
+        bridge_values["kv_secret"] = resolve_secret(environ, options[SECRET_FILE_KEY])
         bridge = KVTransferConfig.from_dict(bridge_values)
         for name in ("kv_load_timeout", "kv_save_timeout"):
             value = options[name]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise KVConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        corrupt = options["kv_debug_corrupt_loads"]
-        if not isinstance(corrupt, bool):
-            raise KVConfigError(f"kv_debug_corrupt_loads must be true or false, got {corrupt!r}")
         return cls(bridge=bridge, load_timeout=float(options["kv_load_timeout"]),
-                   save_timeout=float(options["kv_save_timeout"]),
-                   corrupt_loads=corrupt)
+                   save_timeout=float(options["kv_save_timeout"]))
 
 
 def pipe_port_offset(tp_rank: int) -> int:

@@ -19,6 +19,9 @@ How it works:
 * Producer: after the step that computes a prompt's transfer prefix (the whole blocks before its
   last token, :func:`connector.vllm_scheduler.transfer_prefix_len`), the worker gathers those
   blocks of every layer and inserts them into the lookup buffer, keyed by the prefix's tokens.
+  The request's ``kv_transfer_params`` announce the prefix only if every worker saved it (their
+  outcomes come back as worker metadata), so a decode instance never waits for KV that a full
+  buffer or a lost peer kept from being saved.
 * Consumer: the scheduler claims the transfer prefix of each new request (minus what vLLM's
   prefix cache already holds); the worker takes the entry with the same tokens out of the
   producer's buffer and writes it into the blocks vLLM allocated, before the forward pass
@@ -52,7 +55,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector import compat
 from connector.transfer_stats import TransferStats
-from connector.vllm_scheduler import KVBridgeMetadata, SchedulerSide
+from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings, pipe_port_offset
 from connector.vllm_stats import KVBridgeStats
 from connector.vllm_worker import WorkerSide, find_layout
@@ -66,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -86,7 +90,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._block_size, bridge.is_producer, bridge.is_consumer)
+            self._scheduler = SchedulerSide(self._block_size, bridge.is_producer, bridge.is_consumer,
+                                            num_workers=vllm_config.parallel_config.tensor_parallel_size)
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -131,6 +136,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._require_worker().save(self._metadata().saves)
 
+    def build_connector_worker_meta(self) -> KVBridgeWorkerMetadata | None:
+        saved, failed = self._require_worker().take_save_outcomes()
+        if not saved and not failed:
+            return None
+        return KVBridgeWorkerMetadata.of_one_worker(saved, failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
@@ -168,6 +179,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if manager is None:
             raise KVConfigError("kvbridge: vLLM did not bind its KV cache manager to the connector")
         return self._require_scheduler().build_meta(scheduler_output, lambda req_id: manager.get_block_ids(req_id)[0])
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        outcomes = connector_output.kv_connector_worker_meta
+        if isinstance(outcomes, KVBridgeWorkerMetadata):
+            self._require_scheduler().record_saves(outcomes)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return False, self._require_scheduler().request_finished(request)

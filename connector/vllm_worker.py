@@ -44,13 +44,10 @@ class _LoadTarget(PagedKV):
     """A request's transfer-prefix blocks, of which only those from ``skip_blocks`` on are written."""
 
     skip_blocks: int = 0
-    corrupt: bool = False
 
     def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
         block_dim = self.caches.layout.block_dim
         blocks = key.narrow(1 + block_dim, self.skip_blocks, len(self.block_ids) - self.skip_blocks)
-        if self.corrupt:
-            blocks = torch.randn(blocks.shape, dtype=torch.float32).to(blocks.dtype)
         scatter_blocks(self.caches.caches, self.caches.layout, self.block_ids[self.skip_blocks:], blocks)
 
 
@@ -96,6 +93,8 @@ class WorkerSide:
         self._buffer: KVLookupBufferBase | None = None
         self._broken: str | None = None  # why transfers stopped, once a transport error happened
         self._failed_blocks: set[int] = set()
+        self._saved: set[str] = set()  # request ids whose save succeeded / failed since the last report
+        self._unsaved: set[str] = set()
         self._interval = TransferStats()
         self._total = TransferStats()
         self._stats_lock = threading.Lock()  # stats are read by tests/loggers from other threads
@@ -146,32 +145,46 @@ class WorkerSide:
     def save(self, saves: Sequence[SaveSpec]) -> None:
         """Insert each request's transfer-prefix blocks into the lookup buffer.
 
-        Never raises for a transfer problem: a request that cannot be saved is logged and
-        counted; the consumer will miss and recompute it.
+        Never raises for a transfer problem: a request that cannot be saved is logged, counted
+        and reported by :meth:`take_save_outcomes`, so that the producer does not announce it.
         """
         for spec in saves:
-            if self._buffer is None or self._broken is not None:
-                self._add(save_failures=1)
-                continue
-            caches = self._require_caches()
-            start = time.perf_counter()
-            try:
-                # vLLM runs its steps under torch.inference_mode; the entry outlives the step and the
-                # buffer's threads handle it outside that mode, so it must be made of normal tensors.
-                with torch.inference_mode(False):
-                    request = _kv_request(spec.token_ids, PagedKV(caches, spec.block_ids))
-                    (result,) = send_kv_caches_and_hidden_states(self._buffer, [request],
-                                                                 timeout=self.settings.save_timeout)
-            except (KVBufferFullError, KVTimeoutError) as exc:
-                logger.warning("kvbridge: KV of request %s not saved: %s", spec.req_id, exc)
-                self._add(save_failures=1, save_seconds=time.perf_counter() - start)
-                continue
-            except KVTransferError as exc:
-                self._break(exc)
-                self._add(save_failures=1, save_seconds=time.perf_counter() - start)
-                continue
-            self._add(saved_requests=1, saved_blocks=len(spec.block_ids), saved_bytes=result.num_bytes,
-                      save_seconds=result.seconds)
+            if self._save_one(spec):
+                self._saved.add(spec.req_id)
+            else:
+                self._unsaved.add(spec.req_id)
+
+    def _save_one(self, spec: SaveSpec) -> bool:
+        """Save one request; return whether its entry is in the lookup buffer."""
+        if self._buffer is None or self._broken is not None:
+            self._add(save_failures=1)
+            return False
+        caches = self._require_caches()
+        start = time.perf_counter()
+        try:
+            # vLLM runs its steps under torch.inference_mode; the entry outlives the step and the
+            # buffer's threads handle it outside that mode, so it must be made of normal tensors.
+            with torch.inference_mode(False):
+                request = _kv_request(spec.token_ids, PagedKV(caches, spec.block_ids))
+                (result,) = send_kv_caches_and_hidden_states(self._buffer, [request],
+                                                             timeout=self.settings.save_timeout)
+        except (KVBufferFullError, KVTimeoutError) as exc:
+            logger.warning("kvbridge: KV of request %s not saved: %s", spec.req_id, exc)
+            self._add(save_failures=1, save_seconds=time.perf_counter() - start)
+            return False
+        except KVTransferError as exc:
+            self._break(exc)
+            self._add(save_failures=1, save_seconds=time.perf_counter() - start)
+            return False
+        self._add(saved_requests=1, saved_blocks=len(spec.block_ids), saved_bytes=result.num_bytes,
+                  save_seconds=result.seconds)
+        return True
+
+    def take_save_outcomes(self) -> tuple[set[str], set[str]]:
+        """Request ids saved, and not saved, since the last call (vLLM asks once per step)."""
+        outcomes = (self._saved, self._unsaved)
+        self._saved, self._unsaved = set(), set()
+        return outcomes
 
     # ------------------------------------------------------------------ consumer
 
@@ -197,8 +210,7 @@ class WorkerSide:
             self._add(load_errors=1)
             return self._broken or "the lookup buffer is not connected"
         caches = self._require_caches()
-        target = _LoadTarget(caches, spec.block_ids, skip_blocks=spec.skip_blocks,
-                             corrupt=self.settings.corrupt_loads)
+        target = _LoadTarget(caches, spec.block_ids, skip_blocks=spec.skip_blocks)
         request = _kv_request(spec.token_ids, target)
         try:
             timeout = self.settings.load_timeout if spec.wait else 0.0

@@ -9,12 +9,16 @@ option goes to torchrun unchanged, e.g. ``kvbridge pair --nnodes=2 --node-rank=0
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+import launch
+from launch.extras import MissingExtraError, require
 
 #: Option name -> environment variable read by launch.pair.
 _PAIR_OPTIONS = {
@@ -27,6 +31,7 @@ _PAIR_OPTIONS = {
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbridge", description="Move LLM KV caches from prefill to decode.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     pair = commands.add_parser(
         "pair",
@@ -45,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def version() -> str:
+    """The installed distribution's version; the source tree's when kvbridge is not installed."""
+    try:
+        return importlib.metadata.version("kvbridge")
+    except importlib.metadata.PackageNotFoundError:
+        return launch.__version__
+
+
 def torchrun_args(forwarded: Sequence[str]) -> list[str]:
     """torchrun's command line for the pair: 2 processes on one node, 1 per node on several."""
     if any(arg.split("=")[0] in ("--nproc-per-node", "--nproc_per_node") for arg in forwarded):
@@ -57,11 +70,22 @@ def torchrun_args(forwarded: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _run(argv)
+    except MissingExtraError as error:
+        print(f"kvbridge {argv[0]}: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["serve"]:
+        require("serve")
+        require("vllm")
         from launch import serve  # its options are its own
 
         return serve.main(argv[1:])
     args, forwarded = _parser().parse_known_args(argv)
+    require("pair")  # checked here: torchrun's workers would each fail with a traceback
     for name, (variable, _, _) in _PAIR_OPTIONS.items():
         if getattr(args, name) is not None:
             os.environ[variable] = str(getattr(args, name))

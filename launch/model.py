@@ -12,7 +12,11 @@ import dataclasses
 import hashlib
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from launch.extras import needs_extra
+
+with needs_extra("pair"):
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 #: The built-in model: a small Llama with seeded random weights (nothing is downloaded).
 BUILTIN_LLAMA = {

@@ -13,7 +13,9 @@ Configuration is environment only. From torchrun: ``RANK`` (0 = prefill, 1 = dec
 (must be 2), ``MASTER_ADDR``; kvbridge uses ports ``MASTER_PORT+1 .. MASTER_PORT+4`` (KV data pipe
 and its control channel, then this launcher's own small control pipe). ``KVBRIDGE_KV_*`` variables
 set transfer options (see :meth:`kv_pipe.KVTransferConfig.from_env`), e.g. ``KVBRIDGE_KV_TIMEOUT``,
-``KVBRIDGE_KV_BUFFER_SIZE``, ``KVBRIDGE_KV_CONNECT_TIMEOUT``, ``KVBRIDGE_KV_SECRET``. The workload:
+``KVBRIDGE_KV_BUFFER_SIZE``, ``KVBRIDGE_KV_CONNECT_TIMEOUT``; the shared secret comes from
+``KVBRIDGE_KV_SECRET`` or a file named by ``KVBRIDGE_KV_SECRET_FILE`` (:mod:`connector.secret`).
+The workload:
 
 =============================  =======  ==========================================================
 variable                       default  meaning
@@ -30,13 +32,7 @@ KVBRIDGE_SELECT_TIMEOUT        10       seconds the decode side waits for one re
 KVBRIDGE_PEER_TIMEOUT          600      seconds a rank waits for the other to finish a stage
 =============================  =======  ==========================================================
 
-Test hooks (negative controls for the test suite; never set them otherwise):
-``KVBRIDGE_TEST_CORRUPT_KV=1`` makes the decode side add noise to the KV it received, so the check
-must fail; ``KVBRIDGE_TEST_SKIP_REQUEST=<i>`` makes the prefill side not send request ``i``, which
-the decode side must report as a miss and recompute; ``KVBRIDGE_TEST_CRASH_RANK=<r>`` makes rank
-``r`` die abruptly after the handshake, which the other rank must report (and exit non-zero).
-
-Exit status: 0 every sequence matched and every sent request was a hit; 1 the check failed;
+Exit status: 0 every sequence matched and every request was a hit; 1 the check failed;
 2 the run failed (configuration, transfer, or the other rank failed or vanished).
 """
 
@@ -52,8 +48,6 @@ from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
 import torch
-from tqdm import tqdm
-from transformers import PreTrainedModel
 
 from connector import (
     ContiguousKV,
@@ -62,7 +56,9 @@ from connector import (
     recv_kv_caches_and_hidden_states,
     send_kv_caches_and_hidden_states,
 )
+from connector.secret import resolve_secret
 from kv_pipe import KVConfigError, KVProtocolError, KVTransferConfig, KVTransferError, TorchDistributedPipe
+from launch.extras import needs_extra
 from launch.model import (
     PrefillOutput,
     build_model,
@@ -74,13 +70,17 @@ from launch.model import (
 from launch.table import format_table
 from lookup_buffer import SimpleBuffer
 
+with needs_extra("pair"):
+    from tqdm import tqdm
+    from transformers import PreTrainedModel
+
 logger = logging.getLogger(__name__)
 
 #: Port offset of the launcher's control pipe; the KV pipe uses offsets 0 and 1.
 CONTROL_PORT_OFFSET = 2
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR = 0, 1, 2
-#: Per-request numbers the prefill side reports: seconds of prefill, seconds of send, bytes, sent.
-_STATS_COLUMNS = 4
+#: Per-request numbers the prefill side reports: seconds of prefill, seconds of send, bytes.
+_STATS_COLUMNS = 3
 _Closable = TypeVar("_Closable", TorchDistributedPipe, SimpleBuffer)
 
 
@@ -96,9 +96,6 @@ class PairSettings:
     max_prompt_len: int = 300
     select_timeout: float = 10.0
     peer_timeout: float = 600.0
-    test_corrupt_kv: bool = False
-    test_skip_request: int | None = None
-    test_crash_rank: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PairSettings:
@@ -117,20 +114,6 @@ class PairSettings:
                 raise KVConfigError(f"KVBRIDGE_{name} must be >= {minimum}, got {text!r}")
             return value
 
-        def optional(name: str, maximum: int | None = None) -> int | None:
-            if "KVBRIDGE_" + name not in env:
-                return None
-            value = int(number(name, 0, int, 0))
-            if maximum is not None and value > maximum:
-                raise KVConfigError(f"KVBRIDGE_{name} must be <= {maximum}, got {value}")
-            return value
-
-        def flag(name: str) -> bool:
-            text = env.get("KVBRIDGE_" + name, "0")
-            if text not in ("0", "1"):
-                raise KVConfigError(f"KVBRIDGE_{name} must be 0 or 1, got {text!r}")
-            return text == "1"
-
         settings = cls(
             num_prompts=number("NUM_PROMPTS", defaults.num_prompts, int, 1),
             max_new_tokens=number("MAX_NEW_TOKENS", defaults.max_new_tokens, int, 1),
@@ -140,15 +123,7 @@ class PairSettings:
             max_prompt_len=number("MAX_PROMPT_LEN", defaults.max_prompt_len, int, 1),
             select_timeout=number("SELECT_TIMEOUT", defaults.select_timeout, float, 0),
             peer_timeout=number("PEER_TIMEOUT", defaults.peer_timeout, float, 1),
-            test_corrupt_kv=flag("TEST_CORRUPT_KV"),
-            test_skip_request=optional("TEST_SKIP_REQUEST"),
-            test_crash_rank=optional("TEST_CRASH_RANK", maximum=1),
         )
-        if settings.test_skip_request is not None and settings.test_skip_request >= settings.num_prompts:
-            raise KVConfigError(
-                f"KVBRIDGE_TEST_SKIP_REQUEST must be < KVBRIDGE_NUM_PROMPTS ({settings.num_prompts}), "
-                f"got {settings.test_skip_request}"
-            )
         if settings.min_prompt_len > settings.max_prompt_len:
             raise KVConfigError(
                 f"KVBRIDGE_MIN_PROMPT_LEN ({settings.min_prompt_len}) exceeds "
@@ -241,23 +216,19 @@ def run_prefill(settings: PairSettings, config: KVTransferConfig, buffer: Simple
                 control: TorchDistributedPipe, model: PreTrainedModel, prompts: list[torch.Tensor]) -> int:
     _check_capacity(config, prefill(model, prompts[0][:1]), prompts)
     stats = torch.zeros(len(prompts), _STATS_COLUMNS, dtype=torch.float64)
-    requests, sent = [], []
+    requests = []
     for index, tokens in enumerate(tqdm(prompts, desc="rank 0 prefill", unit="req")):
         start = time.perf_counter()
         state = prefill(model, tokens)
         stats[index, 0] = time.perf_counter() - start
-        if index == settings.test_skip_request:
-            logger.warning("test hook: request %d is not sent", index)
-            continue
         requests.append(KVRequest(tokens, ContiguousKV(state.keys, state.values), state.hidden))
-        sent.append(index)
     with _stage("sending KV into the lookup buffer"):
         send_results = send_kv_caches_and_hidden_states(buffer, requests)
-    for index, result in zip(sent, send_results, strict=True):
-        stats[index, 1:] = torch.tensor([result.seconds, result.num_bytes, 1.0], dtype=torch.float64)
+    for index, result in enumerate(send_results):
+        stats[index, 1:] = torch.tensor([result.seconds, result.num_bytes], dtype=torch.float64)
     with _stage("sending the prefill results"):
         control.send_tensor(stats)
-    logger.info("prefill side: %d requests prefilled, %d sent; waiting for the decode side", len(prompts), len(sent))
+    logger.info("prefill side: %d requests prefilled and sent; waiting for the decode side", len(prompts))
     exit_code, matches, hits, misses = _receive(control, settings.peer_timeout, torch.int64, (4,), "result").tolist()
     if exit_code not in (EXIT_OK, EXIT_CHECK_FAILED) or not 0 <= min(matches, hits, misses) <= len(prompts):
         raise KVProtocolError(f"the decode side sent an invalid result {[exit_code, matches, hits, misses]}")
@@ -272,7 +243,6 @@ class _Outcome:
 
     index: int
     prompt_tokens: int
-    sent: bool  # the prefill side says it sent the KV
     prefill_seconds: float  # on the prefill side
     received: KVRecvResult
     generated: list[int]
@@ -287,16 +257,9 @@ class _Outcome:
         found = []
         if not self.match:
             found.append(f"request {self.index}: generated {self.generated}, reference {self.reference}")
-        if self.received.hit != self.sent:
-            found.append(f"request {self.index}: {'sent' if self.sent else 'not sent'} but "
-                         f"{'hit' if self.received.hit else 'missed: ' + str(self.received.reason)}")
+        if not self.received.hit:
+            found.append(f"request {self.index}: sent but missed: {self.received.reason}")
         return found
-
-
-def _corrupt(state: PrefillOutput, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for tensor in [*state.keys, *state.values]:
-        tensor.add_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 4 * tensor.std())
 
 
 def _receive_and_generate(settings: PairSettings, buffer: SimpleBuffer, model: PreTrainedModel,
@@ -312,15 +275,10 @@ def _receive_and_generate(settings: PairSettings, buffer: SimpleBuffer, model: P
                             strict=True))
     outcomes = {}
     for index in tqdm(order, desc="rank 1 decode", unit="req"):
-        if received[index].hit:
-            state = states[index]
-            if settings.test_corrupt_kv:
-                _corrupt(state, settings.seed + index)
-        else:
-            state = prefill(model, prompts[index])
-        outcomes[index] = _Outcome(index, len(prompts[index]), sent=bool(stats[index, 3]),
-                                   prefill_seconds=float(stats[index, 0]), received=received[index],
-                                   generated=greedy_continue(model, state, settings.max_new_tokens))
+        state = states[index] if received[index].hit else prefill(model, prompts[index])
+        generated = greedy_continue(model, state, settings.max_new_tokens)
+        outcomes[index] = _Outcome(index, len(prompts[index]), prefill_seconds=float(stats[index, 0]),
+                                   received=received[index], generated=generated)
     return [outcomes[i] for i in range(len(prompts))]
 
 
@@ -364,8 +322,7 @@ def run_decode(settings: PairSettings, buffer: SimpleBuffer, control: TorchDistr
                model: PreTrainedModel, prompts: list[torch.Tensor]) -> int:
     stats = _receive(control, settings.peer_timeout, torch.float64, (len(prompts), _STATS_COLUMNS),
                      "prefill results")
-    sent_flags = stats[:, 3]
-    if not (torch.isfinite(stats).all() and (stats >= 0).all() and ((sent_flags == 0) | (sent_flags == 1)).all()):
+    if not (torch.isfinite(stats).all() and (stats >= 0).all()):
         raise KVProtocolError("the prefill side sent invalid per-request numbers")
     outcomes = _receive_and_generate(settings, buffer, model, prompts, stats)
     _compute_references(settings, model, prompts, outcomes)
@@ -408,12 +365,15 @@ def run(settings: PairSettings, config: KVTransferConfig) -> int:
         buffer = stack.enter_context(_closing(SimpleBuffer(pipe, config)))
         control = stack.enter_context(_closing(TorchDistributedPipe(config, port_offset=CONTROL_PORT_OFFSET)))
         handshake(control, digest, settings)
-        if settings.test_crash_rank == config.kv_rank:
-            logger.warning("test hook: rank %d dies now", config.kv_rank)
-            os._exit(EXIT_ERROR)
         if config.kv_rank == 0:
             return run_prefill(settings, config, buffer, control, model, prompts)
         return run_decode(settings, buffer, control, model, prompts)
+
+
+def transfer_config(environ: Mapping[str, str] | None = None) -> KVTransferConfig:
+    """This rank's transfer configuration: :meth:`KVTransferConfig.from_env`, with the secret taken from
+    ``KVBRIDGE_KV_SECRET`` or the file ``KVBRIDGE_KV_SECRET_FILE`` names (:mod:`connector.secret`)."""
+    return KVTransferConfig.from_env(environ, kv_secret=resolve_secret(environ))
 
 
 def main() -> int:
@@ -423,9 +383,7 @@ def main() -> int:
     try:
         if os.environ.get("WORLD_SIZE", "2") != "2":
             raise KVConfigError(f"the pair needs exactly 2 ranks, WORLD_SIZE is {os.environ['WORLD_SIZE']}")
-        settings = PairSettings.from_env()
-        config = KVTransferConfig.from_env()
-        return run(settings, config)
+        return run(PairSettings.from_env(), transfer_config())
     except KVTransferError as error:
         logger.error("%s: %s", type(error).__name__, error)
         return EXIT_ERROR

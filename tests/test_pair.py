@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 from pathlib import Path
 
@@ -56,17 +57,16 @@ def test_weights_digest_follows_the_seed() -> None:
 
 def test_settings_prompts_and_order() -> None:
     settings = PairSettings.from_env({"KVBRIDGE_NUM_PROMPTS": "7", "KVBRIDGE_MIN_PROMPT_LEN": "3",
-                                      "KVBRIDGE_MAX_PROMPT_LEN": "9", "KVBRIDGE_TEST_SKIP_REQUEST": "2"})
-    assert (settings.num_prompts, settings.max_new_tokens, settings.test_skip_request) == (7, 16, 2)
+                                      "KVBRIDGE_MAX_PROMPT_LEN": "9"})
+    assert (settings.num_prompts, settings.max_new_tokens, settings.min_prompt_len) == (7, 16, 3)
     prompts = make_prompts(settings, vocab_size=50)
     assert [p.tolist() for p in prompts] == [p.tolist() for p in make_prompts(settings, vocab_size=50)]
     assert all(3 <= len(p) <= 9 and int(p.max()) < 50 for p in prompts)
     order = decode_order(settings)
     assert sorted(order) == list(range(7)) and order != list(range(7))
     assert decode_order(dataclasses.replace(settings, num_prompts=2)) == [1, 0]
-    for bad in ({"KVBRIDGE_NUM_PROMPTS": "0"}, {"KVBRIDGE_SEED": "x"}, {"KVBRIDGE_TEST_CORRUPT_KV": "yes"},
-                {"KVBRIDGE_MIN_PROMPT_LEN": "10", "KVBRIDGE_MAX_PROMPT_LEN": "9"},
-                {"KVBRIDGE_TEST_CRASH_RANK": "2"}, {"KVBRIDGE_SELECT_TIMEOUT": "-1"}):
+    for bad in ({"KVBRIDGE_NUM_PROMPTS": "0"}, {"KVBRIDGE_SEED": "x"},
+                {"KVBRIDGE_MIN_PROMPT_LEN": "10", "KVBRIDGE_MAX_PROMPT_LEN": "9"}, {"KVBRIDGE_SELECT_TIMEOUT": "-1"}):
         with pytest.raises(KVConfigError, match=next(iter(bad))):
             PairSettings.from_env(bad)
 
@@ -87,9 +87,14 @@ def run_processes(
     return procs.run_commands([(command, {**SMALL_RUN, **env}) for command, env in commands], tmp_path, timeout)
 
 
-def torchrun(port: int, *args: str) -> list[str]:
+def torchrun(port: int, *args: str, module: str = "launch.pair") -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={port}",
-            *args, "-m", "launch.pair"]
+            *args, "-m", module]
+
+
+def with_fault(port: int, fault: str) -> list[str]:
+    """The pair on one node under torchrun, with ``fault`` injected (:mod:`tests.fault_injection`)."""
+    return [*torchrun(port, "--nproc-per-node=2", module="tests.fault_injection"), fault]
 
 
 def table_rows(stdout: str, word: str) -> list[str]:
@@ -101,40 +106,49 @@ def explain(result: procs.Finished) -> str:
 
 
 @pytest.mark.timeout(150)
-def test_pair_under_torchrun_matches(tmp_path: Path) -> None:
+def test_console_script_pair_matches_with_a_secret_file(tmp_path: Path) -> None:
+    """The quick start, ``kvbridge pair``, through the installed console script; both ranks read the
+    shared secret from a file, so they authenticate each other."""
+    secret = tmp_path / "kv_secret"
+    secret.write_text("correct horse battery staple\n")
+    secret.chmod(0o600)
+    kvbridge = shutil.which("kvbridge")
+    assert kvbridge is not None, "the kvbridge console script is not installed (scripts/install.sh installs it)"
     port = procs.free_port(span=6)
-    [result] = run_processes([(torchrun(port, "--nproc-per-node=2"), {})], tmp_path, timeout=140)
+    command = [kvbridge, "pair", "--num-prompts", str(NUM_PROMPTS),
+               "--master-addr=127.0.0.1", f"--master-port={port}"]
+    [result] = run_processes([(command, {"KVBRIDGE_KV_SECRET_FILE": str(secret)})], tmp_path, timeout=140)
     assert result.returncode == 0, explain(result)
     assert len(table_rows(result.stdout, "yes")) == NUM_PROMPTS, explain(result)
     assert result.stdout.count("| transferred ") == NUM_PROMPTS
     assert "MISMATCH" not in result.stdout
     assert f"decode side reports {NUM_PROMPTS}/{NUM_PROMPTS} sequences matching, {NUM_PROMPTS} hits" in result.stdout
+    assert "correct horse" not in result.stdout + result.stderr
 
 
 @pytest.mark.timeout(150)
 def test_pair_negative_control_corrupt_kv_fails(tmp_path: Path) -> None:
     port = procs.free_port(span=6)
-    [result] = run_processes([(torchrun(port, "--nproc-per-node=2"), {"KVBRIDGE_TEST_CORRUPT_KV": "1"})],
-                             tmp_path, timeout=140)
+    [result] = run_processes([(with_fault(port, "corrupt-kv"), {})], tmp_path, timeout=140)
     assert result.returncode != 0, explain(result)
     assert len(table_rows(result.stdout, "MISMATCH")) >= 1, explain(result)
+    assert result.stdout.count("| transferred ") == NUM_PROMPTS  # every check but the tokens passed
     assert "[rank 1] FAILED" in result.stdout
     assert "check failed: request" in result.stderr
 
 
 @pytest.mark.timeout(150)
-def test_missing_request_is_a_miss_and_recomputed_via_cli(tmp_path: Path) -> None:
+def test_lost_entry_is_a_miss_recomputed_and_reported(tmp_path: Path) -> None:
     port = procs.free_port(span=6)
-    command = [sys.executable, "-m", "launch.cli", "pair", "--num-prompts", str(NUM_PROMPTS),
-               "--master-addr=127.0.0.1", f"--master-port={port}"]
-    env = {"KVBRIDGE_TEST_SKIP_REQUEST": "2", "KVBRIDGE_SELECT_TIMEOUT": "1"}
-    [result] = run_processes([(command, env)], tmp_path, timeout=140)
-    assert result.returncode == 0, explain(result)
+    [result] = run_processes([(with_fault(port, "lose-insert=2"), {"KVBRIDGE_SELECT_TIMEOUT": "1"})], tmp_path,
+                             timeout=140)
+    assert result.returncode == 1, explain(result)  # the check fails: an entry was lost
     [missed] = [line for line in result.stdout.splitlines() if "| miss, recomputed " in line]
     assert missed.startswith("|       2 |"), missed
-    assert len(table_rows(result.stdout, "yes")) == NUM_PROMPTS, explain(result)
+    assert len(table_rows(result.stdout, "yes")) == NUM_PROMPTS, explain(result)  # recomputed right
     assert result.stdout.count("| transferred ") == NUM_PROMPTS - 1
-    assert "no entry for these" in result.stderr
+    assert "check failed: request 2: sent but missed: no entry for these" in result.stderr, explain(result)
+    assert f"{NUM_PROMPTS}/{NUM_PROMPTS} sequences matching, {NUM_PROMPTS - 1} hits, 1 misses" in result.stdout
 
 
 @pytest.mark.timeout(150)
@@ -147,10 +161,10 @@ def test_pair_as_two_separate_launches(tmp_path: Path) -> None:
     assert f"{NUM_PROMPTS}/{NUM_PROMPTS} sequences matching" in prefill_side.stdout
 
 
-def plain_ranks(port: int, env: dict[str, str] | None = None,
-                per_rank: dict[int, dict[str, str]] | None = None) -> list[tuple[list[str], dict[str, str]]]:
+def plain_ranks(port: int, env: dict[str, str] | None = None, per_rank: dict[int, dict[str, str]] | None = None,
+                module: list[str] | None = None) -> list[tuple[list[str], dict[str, str]]]:
     """Both ranks as plain processes, configured as torchrun would (each survives the other's death)."""
-    return [([sys.executable, "-m", "launch.pair"],
+    return [([sys.executable, "-m", *(module or ["launch.pair"])],
              {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
               **(env or {}), **(per_rank or {}).get(rank, {})})
             for rank in (0, 1)]
@@ -160,12 +174,12 @@ def plain_ranks(port: int, env: dict[str, str] | None = None,
 @pytest.mark.parametrize("crashing", [0, 1])
 def test_survivor_reports_a_crashed_peer(tmp_path: Path, crashing: int) -> None:
     port = procs.free_port(span=6)
-    env = {"KVBRIDGE_TEST_CRASH_RANK": str(crashing), "KVBRIDGE_KV_TIMEOUT": "5"}
-    results = run_processes(plain_ranks(port, env), tmp_path, timeout=110)
+    ranks = plain_ranks(port, {"KVBRIDGE_KV_TIMEOUT": "5"}, module=["tests.fault_injection", f"crash-rank={crashing}"])
+    results = run_processes(ranks, tmp_path, timeout=110)
     crashed, survivor = results[crashing], results[1 - crashing]
-    assert crashed.returncode == 2 and "test hook: rank" in crashed.stderr, explain(crashed)
+    assert crashed.returncode == 2 and "fault injection: rank" in crashed.stderr, explain(crashed)
     assert survivor.returncode == 2, explain(survivor)
-    assert "ERROR __main__: failed while" in survivor.stderr, explain(survivor)
+    assert "ERROR launch.pair: failed while" in survivor.stderr, explain(survivor)
     assert "KVPeerLostError" in survivor.stderr or "KVPipeClosedError" in survivor.stderr
 
 
@@ -176,3 +190,20 @@ def test_ranks_with_different_weights_refuse_to_run(tmp_path: Path) -> None:
     for result in results:
         assert result.returncode == 2, explain(result)
         assert "KVConfigError: the two ranks hold different model weights" in result.stderr, explain(result)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_secret_files_refuse_each_other(tmp_path: Path) -> None:
+    files = {}
+    for rank in (0, 1):
+        files[rank] = tmp_path / f"secret{rank}"
+        files[rank].write_text(f"secret of rank {rank}")
+        files[rank].chmod(0o600)
+    port = procs.free_port(span=6)
+    env = {"KVBRIDGE_KV_CONNECT_TIMEOUT": "20"}
+    per_rank = {rank: {"KVBRIDGE_KV_SECRET_FILE": str(path)} for rank, path in files.items()}
+    results = run_processes(plain_ranks(port, env, per_rank), tmp_path, timeout=110)
+    for result in results:
+        assert result.returncode == 2, explain(result)
+        assert "authentication failed" in result.stderr, explain(result)
+        assert "secret of rank" not in result.stdout + result.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import pickle
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -19,11 +20,11 @@ from vllm.v1.request import Request
 from connector import compat
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
 from connector.transfer_stats import COUNTERS
-from connector.vllm_scheduler import KVBridgeMetadata, SchedulerSide
+from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings, pipe_port_offset
 from connector.vllm_stats import KVBridgeStats
 from connector.vllm_worker import find_layout
-from kv_pipe.errors import KVConfigError, KVProtocolError
+from kv_pipe.errors import KVBufferFullError, KVConfigError, KVPeerLostError, KVProtocolError
 from tests import _vllm_procs as vp
 from tests.procs import free_port
 
@@ -40,7 +41,7 @@ def test_settings_defaults_and_overrides() -> None:
     assert (producer.bridge.kv_rank, producer.bridge.kv_role, producer.bridge.kv_port) == (0, "kv_producer", 20000)
     assert producer.bridge.kv_ip == "10.1.2.3"
     assert (consumer.bridge.kv_rank, consumer.bridge.kv_port, consumer.bridge.kv_timeout) == (1, 21000, 7)
-    assert (consumer.load_timeout, consumer.save_timeout, consumer.corrupt_loads) == (2.0, 1.0, False)
+    assert (consumer.load_timeout, consumer.save_timeout) == (2.0, 1.0)
     assert [pipe_port_offset(r) for r in range(3)] == [0, 2, 4]
 
 
@@ -50,7 +51,7 @@ def test_settings_defaults_and_overrides() -> None:
     ("kv_consumer", {"kv_role": "kv_producer"}, "kv_role"),
     ("kv_consumer", {"kv_load_timeout": -1}, "kv_load_timeout"),
     ("kv_consumer", {"kv_save_timeout": True}, "kv_save_timeout"),
-    ("kv_consumer", {"kv_debug_corrupt_loads": "yes"}, "kv_debug_corrupt_loads"),
+    ("kv_consumer", {"kv_debug_corrupt_loads": True}, "kv_debug_corrupt_loads"),  # no test hooks in production
     ("kv_consumer", {"kv_timeout": 0}, "kv_timeout"),
 ])
 def test_settings_errors_name_the_key(role: str, extra: dict, named: str) -> None:
@@ -176,10 +177,59 @@ def test_producer_saves_once_the_prefix_is_computed_with_chunked_prefill() -> No
     assert step2.saves == []  # 160 of 192
     step3 = side.build_meta(scheduler_output([], {"r": 40}, cached_data(["r"], [160])), block_ids_of)
     assert step3.saves == [SaveSpec(req_id="r", token_ids=tokens[:192], block_ids=blocks[:6])]
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))  # the workers' outcome of step 3
     step4 = side.build_meta(scheduler_output([], {"r": 1}, cached_data(["r"], [200])), block_ids_of)
     assert step4.saves == []  # saved once
     request.num_computed_tokens = 201
     assert side.request_finished(request) == {PARAMS_KEY: {"prefix_tokens": 192}}
+
+
+def test_producer_announces_a_prefix_only_once_every_worker_saved_it() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False, num_workers=2)
+    requests = {name: make_request(name, list(range(start, start + 65))) for name, start in
+                (("saved", 0), ("full", 100), ("half", 200), ("short", 300))}
+    requests["short"] = make_request("short", list(range(300, 307)))  # within one block: nothing to save
+    new = [new_req_data(request, [index], 0) for index, request in enumerate(requests.values())]
+    meta = side.build_meta(scheduler_output(new, {name: 65 for name in requests}), lambda req_id: [1, 2, 3])
+    assert [spec.req_id for spec in meta.saves] == ["saved", "full", "half"]
+    # A prefill request (max_tokens=1) finishes in the step that saves it: vLLM calls
+    # request_finished before it hands over that step's worker outcomes...
+    announced = {name: side.request_finished(request) for name, request in requests.items()}
+    assert all(params == {PARAMS_KEY: {"prefix_tokens": 0}} for params in announced.values())
+    # ...then the outcomes of both TP ranks, aggregated by vLLM: rank 1 could not save "full" (buffer
+    # full) and did not report "half" at all.
+    rank0 = KVBridgeWorkerMetadata.of_one_worker({"saved", "full", "half"}, set())
+    rank1 = KVBridgeWorkerMetadata.of_one_worker({"saved"}, {"full"})
+    side.record_saves(pickle.loads(pickle.dumps(rank0.aggregate(rank1))))
+    assert {name: params[PARAMS_KEY]["prefix_tokens"] for name, params in announced.items()} == {
+        "saved": 64, "full": 0, "half": 0, "short": 0}
+
+
+def test_producer_announces_nothing_for_a_failed_save_known_before_the_finish() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    request = make_request("r", list(range(100)))
+    meta = side.build_meta(scheduler_output([new_req_data(request, [5, 6, 7, 8], 0)], {"r": 96}),
+                           lambda req_id: [5, 6, 7, 8])
+    assert [spec.req_id for spec in meta.saves] == ["r"]
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker(set(), {"r"}))  # e.g. the peer was lost
+    assert side.request_finished(request) == {PARAMS_KEY: {"prefix_tokens": 0}}
+
+
+def test_producer_keeps_zero_when_the_outcome_comes_after_the_announcement_left() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    request = make_request("r", list(range(65)))
+    side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 65}), lambda req_id: [1, 2, 3])
+    params = side.request_finished(request)
+    side.build_meta(scheduler_output([], {}), _no_blocks)  # the next step: the announcement is gone
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))
+    assert params == {PARAMS_KEY: {"prefix_tokens": 0}}
+
+
+def test_worker_metadata_aggregates_ranks() -> None:
+    one = KVBridgeWorkerMetadata.of_one_worker({"a", "b"}, {"c"})
+    two = KVBridgeWorkerMetadata.of_one_worker({"a"}, {"b"})
+    assert one.aggregate(two) == KVBridgeWorkerMetadata(saved={"a": 2, "b": 1}, failed={"b", "c"})
+    assert one == KVBridgeWorkerMetadata.of_one_worker({"a", "b"}, {"c"})  # inputs left intact
 
 
 def test_producer_saves_a_prefix_served_by_its_own_prefix_cache() -> None:
@@ -323,7 +373,60 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses() -> None:
     assert (stats["load_hits"], stats["load_misses"], stats["load_errors"], stats["drained"]) == (3, 1, 0, 1)
     assert stats["loaded_blocks"] == 5 and stats["loaded_bytes"] > 0
     assert producer["stats"]["saved_requests"] == 4 and producer["stats"]["saved_blocks"] == 7
+    assert producer["outcomes"] == ({"a", "b", "c", "d"}, set())
     assert producer["entries_left"] == 0
+
+
+class _ConsumerPeerPipe:
+    """Just enough of a pipe for the compatibility handshake with a matching consumer."""
+
+    def __init__(self, settings: ConnectorSettings, port_offset: int) -> None:
+        self.peer: compat.KVLayoutInfo | None = None
+
+    def send_tensor(self, tensor: torch.Tensor, timeout: float | None = None) -> None:
+        self.peer = msgspec.structs.replace(compat.decode(tensor), role="kv_consumer")
+
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
+        assert self.peer is not None
+        return compat.encode(self.peer)
+
+    def close(self) -> None:
+        self.peer = None
+
+
+class _FailingInserts:
+    """A producer's lookup buffer whose inserts raise ``failures[first token]``, others are kept."""
+
+    def __init__(self, failures: dict[int, Exception]) -> None:
+        self.failures = failures
+        self.inserted: list[list[int]] = []
+
+    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+               hidden: torch.Tensor | None, timeout: float | None = None) -> None:
+        failure = self.failures.get(int(input_tokens[0]))
+        if failure is not None:
+            raise failure
+        self.inserted.append(input_tokens.tolist())
+
+    def close(self) -> None:
+        self.inserted.clear()
+
+
+def test_worker_reports_which_saves_reached_the_buffer() -> None:
+    buffer = _FailingInserts({FAKE_TOKENS["b"][0]: KVBufferFullError("full"),
+                              FAKE_TOKENS["d"][0]: KVPeerLostError("the consumer is gone")})
+    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {},
+                            pipe_factory=_ConsumerPeerPipe, buffer_factory=lambda pipe, settings, offset: buffer)
+    worker.save([SaveSpec("a", FAKE_TOKENS["a"], [0, 1]), SaveSpec("b", FAKE_TOKENS["b"], [2, 3, 4]),
+                 SaveSpec("c", FAKE_TOKENS["c"], [5])])
+    assert worker.take_save_outcomes() == ({"a", "c"}, {"b"})
+    assert buffer.inserted == [FAKE_TOKENS["a"], FAKE_TOKENS["c"]]
+    # A lost peer stops every later save without trying it.
+    worker.save([SaveSpec("d", FAKE_TOKENS["d"], [3]), SaveSpec("x", FAKE_TOKENS["x"], [4])])
+    assert worker.take_save_outcomes() == (set(), {"d", "x"})
+    assert worker.take_save_outcomes() == (set(), set())
+    assert len(buffer.inserted) == 2
+    worker.close()
 
 
 @pytest.mark.timeout(120)
@@ -369,6 +472,11 @@ ABORTED = [1, 3]
 PRODUCER_ABORT = {"prompts": [vp.make_prompts(seed=6)[7]], "abort": [0], "abort_after_steps": 1}
 #: The consumer aborts two requests after their first step (in which all four were loaded).
 CONSUMER_ABORT = {"prompts": ABORT_PROMPTS, "abort": ABORTED, "abort_after_steps": 1}
+#: A 33-token prompt (its 1-block entry fits the producer's small buffer), a 100-token one (3 blocks:
+#: larger than the buffer), a 64-token one (1 block: the buffer is full by then) and a short one.
+ANNOUNCE_PROMPTS = [vp.make_prompts(seed=7)[i] for i in (3, 6, 4, 0)]
+#: Holds one 1-block entry (64 KiB of KV of the tiny model plus its tokens), not two.
+ONE_BLOCK_BUFFER = 100_000
 
 
 @pytest.fixture(scope="module")
@@ -379,26 +487,34 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def reference(tiny_model: str) -> dict[tuple[int, ...], list[int]]:
     """Greedy tokens of a plain engine for every prompt used below."""
-    prompts = vp.make_prompts() + [p for batch in KILL_BATCHES for p in batch] + ABORT_PROMPTS
+    prompts = vp.make_prompts() + [p for batch in KILL_BATCHES for p in batch] + ABORT_PROMPTS + ANNOUNCE_PROMPTS
     with vp.Engines() as engines:
         engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts)
         outputs = engines.wait(["reference"], timeout=240)["reference"]
     return {tuple(p): o["tokens"] for p, o in zip(prompts, outputs, strict=True)}
 
 
-def run_pair(model: str, producer_batches: list, consumer_batches: list, multiprocess: bool = False,
-             kill_producer: bool = False, timeout: float = 240, **consumer_extra: object) -> dict:
+def run_pair(model: str, producer_batches: list, consumer_batches: list,
+             multiprocess: tuple[bool, bool] = (False, False), kill_producer: bool = False, announce: bool = False,
+             timeout: float = 240, consumer_connector: tuple[str, str] = vp.KVBRIDGE_CONNECTOR,
+             producer_extra: dict | None = None) -> dict:
+    """A producer and a consumer engine; ``multiprocess`` per side (vLLM's default mode: the connector
+    is then found by its plugin); with ``announce``, the consumer's requests carry the producer's
+    kv_transfer_params, as behind a proxy."""
     port = free_port()
     with vp.Engines() as engines:
         prefilled, done = engines.event(), engines.event()
-        producer = engines.start("producer", vp.producer_body, vp.engine_env(0, multiprocess), model=model,
-                                 transfer=vp.kv_transfer_config("kv_producer", port, module_path=not multiprocess),
-                                 batches=producer_batches, prefilled=prefilled, consumer_done=done, timeout=timeout)
-        engines.start("consumer", vp.consumer_body, vp.engine_env(1, multiprocess), model=model,
-                      transfer=vp.kv_transfer_config("kv_consumer", port, module_path=not multiprocess,
-                                                     **consumer_extra),
+        announcements = engines.queue() if announce else None
+        producer = engines.start("producer", vp.producer_body, vp.engine_env(0, multiprocess[0]), model=model,
+                                 transfer=vp.kv_transfer_config("kv_producer", port, module_path=not multiprocess[0],
+                                                                **(producer_extra or {})),
+                                 batches=producer_batches, prefilled=prefilled, consumer_done=done, timeout=timeout,
+                                 announce=announcements)
+        engines.start("consumer", vp.consumer_body, vp.engine_env(1, multiprocess[1]), model=model,
+                      transfer=vp.kv_transfer_config("kv_consumer", port, module_path=not multiprocess[1],
+                                                     connector=consumer_connector),
                       batches=consumer_batches, prefilled=prefilled, consumer_done=done, timeout=timeout,
-                      kill_pid=producer.pid if kill_producer else None)
+                      kill_pid=producer.pid if kill_producer else None, announced=announcements)
         names = ["consumer"] if kill_producer else ["producer", "consumer"]
         return engines.wait(names, timeout=timeout)
 
@@ -436,7 +552,7 @@ def test_offline_pair_equals_a_single_engine(tiny_model: str, reference: dict) -
 @pytest.mark.timeout(300)
 def test_corrupted_kv_changes_exactly_the_outputs_served_from_it(tiny_model: str, reference: dict) -> None:
     prompts = vp.make_prompts()
-    results = run_pair(tiny_model, [prompts], [prompts], kv_debug_corrupt_loads=True)
+    results = run_pair(tiny_model, [prompts], [prompts], consumer_connector=vp.CORRUPTING_CONNECTOR)
     (outputs,) = results["consumer"]["outputs"]
     assert_loaded(prompts, outputs)
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -465,10 +581,26 @@ def test_consumer_recomputes_and_keeps_serving_after_the_producer_is_killed(tiny
 def test_multiprocess_engines_pinned_one_core_each(tiny_model: str, reference: dict) -> None:
     """vLLM's default mode: scheduler and worker in separate processes, connector found by its plugin."""
     prompts = vp.make_prompts()
-    results = run_pair(tiny_model, [prompts], [prompts], multiprocess=True, timeout=360)
+    results = run_pair(tiny_model, [prompts], [prompts], multiprocess=(True, True), timeout=360)
     (outputs,) = results["consumer"]["outputs"]
     assert [o["tokens"] for o in outputs] == [reference[tuple(p)] for p in prompts]
     assert_loaded(prompts, outputs)
+
+
+@pytest.mark.timeout(420)
+def test_producer_announces_only_what_it_saved(tiny_model: str, reference: dict) -> None:
+    """The producer in vLLM's default mode (scheduler and worker in separate processes), so that the
+    workers' outcomes travel as worker metadata; the consumer gets its announcements, as behind a proxy."""
+    results = run_pair(tiny_model, [ANNOUNCE_PROMPTS], [ANNOUNCE_PROMPTS], multiprocess=(True, False),
+                       announce=True, timeout=360, producer_extra={"kv_buffer_size": ONE_BLOCK_BUFFER})
+    (announced,) = results["producer"]["outputs"]
+    assert [o["params"][PARAMS_KEY]["prefix_tokens"] for o in announced] == [32, 0, 0, 0]
+    (outputs,) = results["consumer"]["outputs"]
+    assert [o["tokens"] for o in outputs] == [reference[tuple(p)] for p in ANNOUNCE_PROMPTS]
+    assert [o["cached"] for o in outputs] == [32, 0, 0, 0]
+    # Requests announced with 0 tokens are not even looked up: no miss, no wait.
+    stats = results["consumer"]["stats"]
+    assert (stats["load_hits"], stats["load_misses"], stats["load_errors"]) == (1, 0, 0)
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,40 @@
+"""A test-only vLLM connector: kvbridge's, except that every KV it loads is noise.
+
+vLLM loads it like any external connector::
+
+    kv_transfer_config={"kv_connector": "CorruptingKVBridgeConnector",
+                        "kv_connector_module_path": "tests.corrupting_connector", ...}
+
+It is the negative control of the engine tests: outputs served from transferred KV must change,
+and only those.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from connector.vllm_settings import ConnectorSettings
+from connector.vllm_v1 import KVBridgeConnector
+from connector.vllm_worker import WorkerSide
+from kv_pipe.base import KVPipeBase
+from lookup_buffer import KVLookupBufferBase, SimpleBuffer
+from tests.fault_injection import CorruptingBuffer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def corrupting_buffer(pipe: KVPipeBase, settings: ConnectorSettings, port_offset: int) -> KVLookupBufferBase:
+    return CorruptingBuffer(SimpleBuffer(pipe, settings.bridge))
+
+
+class CorruptingKVBridgeConnector(KVBridgeConnector):
+    """:class:`connector.vllm_v1.KVBridgeConnector` whose worker loads through a :class:`CorruptingBuffer`."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self._worker is not None:  # not connected yet: the worker connects in register_kv_caches
+            self._worker = WorkerSide(self._worker.settings, self._worker.identity, self._worker.port_offset,
+                                      buffer_factory=corrupting_buffer)

@@ -15,7 +15,7 @@ integer dtype). Tokens outside the selected positions, and the lengths of the to
 no part. Consequences:
 
 * A query whose selected tokens are a strict prefix of a buffered entry's does NOT match it, and
-  vice versa: a shorter request never takes a longer request's entry (the old vLLM rule did).
+  vice versa: a shorter request never takes a longer request's entry (a prefix rule would).
 * Two entries with equal positions and tokens are served first-in first-out.
 * Lookup is O(1) in the number of buffered entries (a hash of positions and tokens, then an exact
   comparison: the hash alone is never trusted).
@@ -133,7 +133,8 @@ class KVLookupBufferBase(abc.ABC):
             KVPipeClosedError: this buffer was closed (also wakes a waiting call), or the
                 producer closed its side.
             KVProtocolError: the producer refused the select (another protocol version or
-                ``kv_secret``, or too many selects waiting there) or sent something inconsistent.
+                ``kv_secret``, a select that is not of its session, or too many selects waiting
+                there) or sent something inconsistent; the message says which.
         """
 
     @abc.abstractmethod

@@ -33,7 +33,7 @@ from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
 from lookup_buffer.base import BufferStats, SelectResult
-from lookup_buffer.control import HIGH_WATER_MARK, Doorbell, open_socket
+from lookup_buffer.control import HIGH_WATER_MARK, Endpoint
 from lookup_buffer.errors import fresh_error
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
@@ -92,15 +92,8 @@ class BufferConsumer:
 
         # Calling threads -> control thread.
         self._outbox: collections.deque[_Call] = collections.deque()
-        self._doorbell = Doorbell()
         self._counter = 0  # of the last request sent (control thread)
-        self._context = zmq.Context(io_threads=1)
-        try:
-            self._dealer = open_socket(self._context, zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
-        except BaseException:
-            self._context.term()
-            self._doorbell.close()
-            raise
+        self._endpoint = Endpoint(zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
         self._control = threading.Thread(target=self._run_control, name="kvbuf-consumer-control", daemon=True)
         self._reader = threading.Thread(target=self._read_pipe, name="kvbuf-consumer-reader", daemon=True)
         self._control.start()
@@ -121,11 +114,12 @@ class BufferConsumer:
             call = self._calls[request_id] = _Call(request_id, select_request(request_id, tokens, roi_array, wait_ms))
         try:
             self._outbox.append(call)
-            self._doorbell.ring()
+            self._endpoint.doorbell.ring()
             query = MatchKey(tokens, roi_array)  # needed only to check a hit: built while the request travels
             self._await(call, wait_ms / 1000 + self._config.kv_timeout)
             return self._conclude(call, query)
         finally:
+            call.request = None  # unsent yet (no session so far): the control thread drops it
             with self._lock:
                 del self._calls[call.request_id]
 
@@ -149,7 +143,7 @@ class BufferConsumer:
             calls = list(self._calls.values())
         for call in calls:
             call.done.set()  # each raises KVPipeClosedError unless its outcome is in
-        self._doorbell.ring()  # the control thread stops
+        self._endpoint.doorbell.ring()  # the control thread stops
         pipe_error = None
         try:
             self._pipe.close()  # ends the reader's recv_tensor
@@ -161,8 +155,7 @@ class BufferConsumer:
         if self._control.is_alive():
             logger.error("lookup buffer control thread did not stop within %.1f s; its socket stays open", bound)
         else:
-            self._context.term()
-            self._doorbell.close()
+            self._endpoint.close()
         if self._reader.is_alive():
             logger.error("lookup buffer pipe reader did not stop within %.1f s after the pipe closed", bound)
         with self._lock:
@@ -252,20 +245,14 @@ class BufferConsumer:
     # ------------------------------------------------------------------ control thread
 
     def _run_control(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._dealer, zmq.POLLIN)
-        poller.register(self._doorbell.fileno(), zmq.POLLIN)
         try:
             while not self._closed:
-                poller.poll(_MAX_POLL_MS)
-                self._doorbell.clear()  # before reading what rang it: a later ring wakes the next poll
+                self._endpoint.wait(_MAX_POLL_MS)
                 self._send_queued()
                 self._take_refusals()
         except Exception as exc:  # a bug; fail loudly rather than leave calls waiting
             logger.exception("lookup buffer control thread failed")
             self._fail(KVTransferError(f"lookup buffer: the control thread failed: {exc!r}"))
-        finally:
-            self._dealer.close(linger=0)
 
     def _send_queued(self) -> None:
         session = self._session
@@ -274,13 +261,13 @@ class BufferConsumer:
         while self._outbox:
             call = self._outbox.popleft()
             request, call.request = call.request, None
-            if call.done.is_set():
-                continue  # the buffer stopped meanwhile
+            if request is None or call.done.is_set():
+                continue  # the select gave up, or the buffer stopped, meanwhile
             self._counter += 1
             stamped = msgspec.structs.replace(request, session=session, counter=self._counter)
             frame = encode_request(self._signer, stamped)
             try:
-                self._dealer.send(frame, zmq.NOBLOCK)
+                self._endpoint.socket.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 call.error = KVPeerLostError(
                     f"lookup buffer: {HIGH_WATER_MARK} selects queued unsent to {self._address}; "
@@ -291,7 +278,7 @@ class BufferConsumer:
     def _take_refusals(self) -> None:
         while True:
             try:
-                frames = self._dealer.recv_multipart(zmq.NOBLOCK)
+                frames = self._endpoint.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -325,7 +312,7 @@ class BufferConsumer:
                 raise KVProtocolError(f"lookup buffer: the producer's first header is a {first.status.name}, "
                                       f"not its session")
             self._session = first.session
-            self._doorbell.ring()  # the control thread sends what was queued meanwhile
+            self._endpoint.doorbell.ring()  # the control thread sends what was queued meanwhile
             while True:
                 self._route_one(self._next_tensor())
         except KVTransferError as exc:

@@ -1,4 +1,5 @@
-"""ZeroMQ plumbing of the control channel: its address, hardened sockets, and a pollable doorbell.
+"""ZeroMQ plumbing of the control channel: its address, hardened sockets, a pollable doorbell, and the
+endpoint each side's control thread owns.
 
 Port: the producer binds ``tcp://{kv_ip}:{kv_port + port_offset + 1}`` (the pipe of the same
 ``port_offset`` uses ``kv_port + port_offset``), on that address only.
@@ -100,3 +101,38 @@ class Doorbell:
                 self._closed = True
                 os.close(self._read_fd)
                 os.close(self._write_fd)
+
+
+class Endpoint:
+    """A control thread's end of the channel: one socket in a ZeroMQ context of its own, and a doorbell
+    other threads ring to wake the control thread's :meth:`wait`.
+
+    Only the owning thread uses the socket; :meth:`close` once that thread has stopped.
+
+    Raises:
+        KVConfigError: the address cannot be bound (see :func:`open_socket`).
+    """
+
+    def __init__(self, kind: int, address: str, max_message_bytes: int, bind: bool) -> None:
+        self.doorbell = Doorbell()
+        self._context = zmq.Context(io_threads=1)
+        try:
+            self.socket = open_socket(self._context, kind, address, max_message_bytes, bind)
+        except BaseException:
+            self._context.term()
+            self.doorbell.close()
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self.socket, zmq.POLLIN)
+        self._poller.register(self.doorbell.fileno(), zmq.POLLIN)
+
+    def wait(self, timeout_ms: int) -> None:
+        """Sleep until a message arrives or the doorbell rings, at most ``timeout_ms``. Clears the
+        doorbell before the caller looks at what rang it, so that a later ring wakes the next wait."""
+        self._poller.poll(timeout_ms)
+        self.doorbell.clear()
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self._context.term()
+        self.doorbell.close()

@@ -32,7 +32,7 @@ from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPipeClosedError, KVProtocolError, KVTransferError
 from lookup_buffer.base import BufferStats
-from lookup_buffer.control import Doorbell, open_socket
+from lookup_buffer.control import Endpoint
 from lookup_buffer.errors import KVInvalidRequestError, fresh_error
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
@@ -100,22 +100,13 @@ class BufferProducer:
         self._session = auth.new_nonce()
         self._last_counter = 0  # of the last select accepted (server thread)
         self._inserted: collections.deque[MatchKey] = collections.deque()  # insert() -> server thread
-        self._doorbell = Doorbell()
         self._stopping = threading.Event()
-        self._context = zmq.Context(io_threads=1)
-        try:
-            self._router = open_socket(self._context, zmq.ROUTER, address, MAX_REQUEST_BYTES, bind=True)
-        except BaseException:
-            self._context.term()
-            self._doorbell.close()
-            raise
+        self._endpoint = Endpoint(zmq.ROUTER, address, MAX_REQUEST_BYTES, bind=True)
         try:
             # Before any select can be answered: the consumer reads the session first.
             pipe.send_tensor(torch.from_numpy(make_session(self._session)), timeout=config.kv_timeout)
         except BaseException:
-            self._router.close(linger=0)
-            self._context.term()
-            self._doorbell.close()
+            self._endpoint.close()
             raise
         self._server = threading.Thread(target=self._serve, name="kvbuf-producer-server", daemon=True)
         self._watcher = threading.Thread(target=self._watch_consumer, name="kvbuf-producer-watch", daemon=True)
@@ -150,7 +141,7 @@ class BufferProducer:
         match_key = MatchKey(tokens, roi_array)
         self._store.put(match_key, entry, timeout)
         self._inserted.append(match_key)
-        self._doorbell.ring()
+        self._endpoint.doorbell.ring()
 
     def stats(self) -> BufferStats:
         store = self._store.counters()
@@ -182,7 +173,7 @@ class BufferProducer:
         entries, nbytes = self._store.stop(KVPipeClosedError("insert on a closed lookup buffer"))
         if entries:
             logger.warning("lookup buffer closed with %d unselected entries (%d bytes): dropped", entries, nbytes)
-        self._doorbell.ring()
+        self._endpoint.doorbell.ring()
         bound = self._config.kv_timeout
         self._server.join(bound)
         pipe_error = None
@@ -195,9 +186,7 @@ class BufferProducer:
         if self._server.is_alive():
             logger.error("lookup buffer server thread did not stop within %.1f s; its socket stays open", 2 * bound)
         else:
-            self._router.close(linger=0)
-            self._context.term()
-            self._doorbell.close()
+            self._endpoint.close()
         if pipe_error is not None:
             raise pipe_error
         with self._lock:
@@ -228,7 +217,7 @@ class BufferProducer:
         logger.log(
             level, "lookup buffer producer stops (%s); %d unselected entries (%d bytes) dropped", error, entries, nbytes
         )
-        self._doorbell.ring()
+        self._endpoint.doorbell.ring()
 
     def _watch_consumer(self) -> None:
         # Bounded by the pipe's liveness check (a dead consumer fails it within kv_timeout) and by close().
@@ -244,13 +233,9 @@ class BufferProducer:
     # ------------------------------------------------------------------ server thread
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._doorbell.fileno(), zmq.POLLIN)
         try:
             while not self._stopping.is_set():
-                poller.poll(self._poll_timeout_ms())
-                self._doorbell.clear()  # before reading what rang it: a later ring wakes the next poll
+                self._endpoint.wait(self._poll_timeout_ms())
                 self._receive_requests()
                 self._match_inserted()
                 self._expire(time.monotonic())
@@ -273,7 +258,7 @@ class BufferProducer:
     def _receive_requests(self) -> None:
         for _ in range(_MESSAGES_PER_ROUND):
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                frames = self._endpoint.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             identity = frames[0]
@@ -436,6 +421,6 @@ class BufferProducer:
         try:
             # A ROUTER drops (never blocks on) messages to unknown or saturated peers.
             frame = encode_refusal(self._signer, request_id, reason, message)
-            self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+            self._endpoint.socket.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.debug("lookup buffer: refusal to %s dropped: %s", identity.hex(), exc)

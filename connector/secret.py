@@ -26,8 +26,6 @@ SECRET_ENV = "KVBRIDGE_KV_SECRET"
 SECRET_FILE_ENV = "KVBRIDGE_KV_SECRET_FILE"
 #: The ``kv_connector_extra_config`` key naming a secret file (the path is not secret).
 SECRET_FILE_KEY = "kv_secret_file"
-#: Shown instead of a secret wherever a configuration or command line is logged.
-REDACTED = "<redacted>"
 #: A secret file is read whole; anything this large is not a secret file.
 _MAX_SECRET_FILE_BYTES = 1 << 16
 

@@ -11,25 +11,38 @@ OpenAI-compatible proxy (:mod:`launch.proxy`) on ``--port`` until SIGINT/SIGTERM
 instances. Arguments after ``--`` go to both ``vllm serve`` commands; ``--prefill-env`` /
 ``--decode-env KEY=VALUE`` set environment variables of one instance (e.g. CPU pinning with
 ``VLLM_CPU_OMP_THREADS_BIND``). On two hosts, run the instances and the proxy yourself with the
-same ``--kv-transfer-config`` this command prints, ``kv_ip`` being the prefill host.
+same ``--kv-transfer-config`` this command logs, ``kv_ip`` being the prefill host.
+
+Secrets: the shared ``kv_secret`` is read once, from ``KVBRIDGE_KV_SECRET``,
+``KVBRIDGE_KV_SECRET_FILE`` or ``kv_secret_file`` in ``--kv-extra`` (:mod:`connector.secret`), and
+reaches the instances through their environment, never their command lines. Logged command lines
+show ``--api-key`` values as redacted (``VLLM_API_KEY`` keeps the key out of ``ps`` too).
+
+Memory: on a CPU host, unless the vLLM arguments or an instance's environment size the KV cache,
+each instance gets a ``--kv-cache-memory-bytes`` chosen from the host's available memory
+(:mod:`launch.kv_memory`); the choice is logged.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from launch import proxy
+from connector.secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_FILE_KEY, refuse_inline_secret, resolve_secret
+from kv_pipe.errors import KVConfigError
+from launch import kv_memory, proxy
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +98,103 @@ def stop(processes: Sequence[subprocess.Popen], grace: float = 30.0) -> None:
             process.wait(timeout=10)
 
 
-def _env(pairs: Sequence[str]) -> dict[str, str]:
-    env = dict(os.environ)
+#: ``vllm serve`` options whose value is a secret: redacted wherever a command line is logged.
+SECRET_OPTIONS = ("--api-key",)
+REDACTED = "<redacted>"
+
+
+def redacted(command: Sequence[str]) -> str:
+    """``command`` as a shell line, with the values of :data:`SECRET_OPTIONS` replaced."""
+    shown = []
+    for index, arg in enumerate(command):
+        option, sep, _ = arg.partition("=")
+        if index > 0 and command[index - 1] in SECRET_OPTIONS:
+            shown.append(REDACTED)
+        elif sep and option in SECRET_OPTIONS:
+            shown.append(f"{option}={REDACTED}")
+        else:
+            shown.append(arg)
+    return shlex.join(shown)
+
+
+def instance_env(environ: Mapping[str, str], pairs: Sequence[str], secret: str | None) -> dict[str, str]:
+    """An instance's environment: serve's own, with its ``KEY=VALUE`` ``pairs``, and the secret as
+    ``KVBRIDGE_KV_SECRET`` (the secret file's path is not passed on: serve read it already)."""
+    env = {key: value for key, value in environ.items() if key not in (SECRET_ENV, SECRET_FILE_ENV)}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--prefill-env/--decode-env take KEY=VALUE, got {pair!r}")
+            raise KVConfigError(f"--prefill-env/--decode-env take KEY=VALUE, got a value without '=' ({key!r})")
+        if key in (SECRET_ENV, SECRET_FILE_ENV):
+            raise KVConfigError(f"{key} on the command line would be visible to every user of the host (ps): "
+                                "set it in the environment of kvbridge serve, once for both instances")
         env[key] = value
+    if secret is not None:
+        env[SECRET_ENV] = secret
     return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    """One ``vllm serve`` to start."""
+
+    name: str
+    port: int
+    command: list[str]
+    env: dict[str, str]
+
+
+def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[str, str],
+         kv_budget: int | None) -> list[Instance]:
+    """The prefill and decode instances: their command lines and environments.
+
+    ``kv_budget``: bytes of host memory to size KV caches from (:mod:`launch.kv_memory`) for the
+    instances the user did not size; None leaves vLLM's own default (e.g. on a GPU host).
+    """
+    refuse_inline_secret(args.kv_extra, "--kv-extra")
+    extra = dict(args.kv_extra)
+    secret = resolve_secret(environ, extra.pop(SECRET_FILE_KEY, None))
+    roles = (("prefill", "kv_producer", args.prefill_port, args.prefill_env),
+             ("decode", "kv_consumer", args.decode_port, args.decode_env))
+    instances = []
+    for name, role, port, pairs in roles:
+        env = instance_env(environ, pairs, secret)
+        vllm_args = list(serve_args)
+        if kv_budget is not None and not kv_memory.user_sized(serve_args, env):
+            kv_bytes = kv_memory.kv_cache_bytes(kv_budget, len(roles))
+            vllm_args += ["--kv-cache-memory-bytes", str(kv_bytes)]
+            logger.info("%s instance: --kv-cache-memory-bytes %d (%d MiB: %.0f%% of the %d MiB available, split "
+                        "over %d instances, at most %d MiB); give --kv-cache-memory-bytes after -- to choose",
+                        name, kv_bytes, kv_bytes // kv_memory.MIB, kv_memory.KV_FRACTION * 100,
+                        kv_budget // kv_memory.MIB, len(roles), kv_memory.KV_CAP_BYTES // kv_memory.MIB)
+        transfer = kv_transfer_config(role, args.kv_ip, args.kv_port, extra)
+        instances.append(Instance(name, port, vllm_serve_command(args.model, args.host, port, transfer, vllm_args),
+                                  env))
+    return instances
+
+
+def _kv_budget() -> int | None:
+    """The memory to size the instances' KV caches from on a CPU host; None on an accelerator host."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None  # --gpu-memory-utilization then means each instance's own device memory
+    available = kv_memory.available_memory()
+    if available is None:
+        logger.warning("cannot tell the host's available memory: vLLM's default KV cache size applies "
+                       "(give --kv-cache-memory-bytes after --)")
+    return available
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    # Never echo the text: a mistyped value may hold a secret.
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -105,39 +207,38 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-port", type=int, default=8200)
     parser.add_argument("--kv-ip", default="127.0.0.1", help="address of the prefill instance's kvbridge side")
     parser.add_argument("--kv-port", type=int, default=14579, help="first kvbridge port (uses 2 per TP rank)")
-    parser.add_argument("--kv-extra", type=json.loads, default={},
+    parser.add_argument("--kv-extra", type=_json_object, default={},
                         help='JSON object added to kv_connector_extra_config, e.g. \'{"kv_timeout": 10}\'')
     parser.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for both instances")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="proxy: seconds per upstream request")
+    proxy.add_timeout_options(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    args, extra = parser().parse_args(argv[:split]), argv[split + 1:]
+    args, serve_args = parser().parse_args(argv[:split]), argv[split + 1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        instances = plan(args, serve_args, os.environ, _kv_budget())
+    except KVConfigError as error:
+        logger.error("%s", error)
+        return 2
     # SIGTERM before the proxy runs (it installs its own handler) must still stop the instances.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    instances = {
-        "prefill": ("kv_producer", args.prefill_port, args.prefill_env),
-        "decode": ("kv_consumer", args.decode_port, args.decode_env),
-    }
     processes: list[subprocess.Popen] = []
     try:
-        for name, (role, port, env) in instances.items():
-            transfer = kv_transfer_config(role, args.kv_ip, args.kv_port, args.kv_extra)
-            command = vllm_serve_command(args.model, args.host, port, transfer, extra)
-            logger.info("starting the %s instance: %s", name, " ".join(command))
-            processes.append(subprocess.Popen(command, env=_env(env)))
-        for process, (name, (_, port, _)) in zip(processes, instances.items(), strict=True):
-            wait_healthy(f"http://{args.host}:{port}", process, args.ready_timeout)
-            logger.info("%s instance ready on port %d", name, port)
+        for instance in instances:
+            logger.info("starting the %s instance: %s", instance.name, redacted(instance.command))
+            processes.append(subprocess.Popen(instance.command, env=instance.env))
+        for process, instance in zip(processes, instances, strict=True):
+            wait_healthy(f"http://{args.host}:{instance.port}", process, args.ready_timeout)
+            logger.info("%s instance ready on port %d", instance.name, instance.port)
         logger.info("proxy on http://%s:%d", args.host, args.port)
         proxy.run(f"http://{args.host}:{args.prefill_port}", f"http://{args.host}:{args.decode_port}", args.host,
-                  args.port, args.request_timeout)
+                  args.port, proxy.Timeouts(args.connect_timeout, args.read_timeout))
         return 0
     finally:
         stop(processes)

@@ -1,0 +1,160 @@
+"""``kvbridge serve``'s plan without starting vLLM: command lines, environments, secrets, KV cache sizes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from kv_pipe.errors import KVConfigError
+from launch import kv_memory, serve
+
+GIB, MIB = 1 << 30, 1 << 20
+SECRET = "s3cret-Tr0ub4dor&3"
+SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512"]
+
+
+def args(*extra: str) -> object:
+    return serve.parser().parse_args(["/models/tiny", "--prefill-port", "8101", "--decode-port", "8201",
+                                      "--kv-port", "15000", *extra])
+
+
+def option(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def test_kv_cache_size_is_half_the_available_memory_split_and_capped() -> None:
+    assert kv_memory.kv_cache_bytes(8 * GIB, 2) == 2 * GIB
+    assert kv_memory.kv_cache_bytes(7 * GIB + 12345, 2) == 7 * GIB // 4 // MIB * MIB  # whole MiB
+    assert kv_memory.kv_cache_bytes(1 << 40, 2) == kv_memory.KV_CAP_BYTES
+
+
+def write(root: Path, relative: str, text: str) -> None:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_available_memory_is_the_tightest_of_host_numa_nodes_and_cgroup(tmp_path: Path) -> None:
+    assert kv_memory.available_memory(str(tmp_path)) is None  # a host that says nothing
+    write(tmp_path, "proc/meminfo", "MemTotal:       24000000 kB\nMemAvailable:   20971520 kB\n")  # 20 GiB
+    assert kv_memory.available_memory(str(tmp_path)) == 20 * GIB
+    node = "Node {n} MemFree: {free} kB\nNode {n} Active(file): 1048576 kB\nNode {n} Inactive(file): 524288 kB\n" \
+           "Node {n} SReclaimable: 524288 kB\nNode {n} Active(anon): 999999999 kB\n"
+    write(tmp_path, "sys/devices/system/node/node0/meminfo", node.format(n=0, free=6 * 1048576))  # 8 GiB
+    write(tmp_path, "sys/devices/system/node/node1/meminfo", node.format(n=1, free=10 * 1048576))  # 12 GiB
+    assert kv_memory.available_memory(str(tmp_path)) == 8 * GIB
+    write(tmp_path, "sys/fs/cgroup/memory.max", "max\n")  # cgroup v2 without a limit
+    write(tmp_path, "sys/fs/cgroup/memory.current", str(GIB))
+    assert kv_memory.available_memory(str(tmp_path)) == 8 * GIB
+    write(tmp_path, "sys/fs/cgroup/memory.max", str(6 * GIB))
+    assert kv_memory.available_memory(str(tmp_path)) == 5 * GIB
+
+
+def test_cgroup_v1_limit_counts_unless_it_is_the_no_limit_value(tmp_path: Path) -> None:
+    write(tmp_path, "proc/meminfo", "MemAvailable:   20971520 kB\n")
+    write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n")
+    write(tmp_path, "sys/fs/cgroup/memory/memory.usage_in_bytes", str(GIB))
+    assert kv_memory.available_memory(str(tmp_path)) == 20 * GIB
+    write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(4 * GIB))
+    assert kv_memory.available_memory(str(tmp_path)) == 3 * GIB
+
+
+def test_each_cpu_instance_gets_a_kv_cache_size_and_the_choice_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="launch.serve"):
+        prefill, decode = serve.plan(args(), SERVE_ARGS, {}, kv_budget=8 * GIB)
+    assert (prefill.name, prefill.port, decode.name, decode.port) == ("prefill", 8101, "decode", 8201)
+    for instance, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+        command = instance.command
+        assert command[command.index("--model") + 1] == "/models/tiny"
+        assert option(command, "--port") == str(instance.port)
+        assert command[-len(SERVE_ARGS) - 2:] == [*SERVE_ARGS, "--kv-cache-memory-bytes", str(2 * GIB)]
+        transfer = json.loads(option(command, "--kv-transfer-config"))
+        assert (transfer["kv_role"], transfer["kv_port"], transfer["kv_connector"]) == (role, 15000,
+                                                                                        "KVBridgeConnector")
+    assert json.loads(option(decode.command, "--kv-transfer-config"))["kv_load_failure_policy"] == "recompute"
+    logged = [r.getMessage() for r in caplog.records if "--kv-cache-memory-bytes" in r.getMessage()]
+    assert len(logged) == 2 and "2048 MiB" in logged[0] and "8192 MiB available" in logged[0]
+
+
+@pytest.mark.parametrize(("serve_args", "env_option", "sized"), [
+    (["--kv-cache-memory-bytes", "123456789"], [], {"prefill", "decode"}),
+    (["--kv-cache-memory-bytes=123456789"], [], {"prefill", "decode"}),
+    (["--gpu-memory-utilization", "0.3"], [], {"prefill", "decode"}),
+    ([], ["--decode-env", "VLLM_CPU_KVCACHE_SPACE=2"], {"decode"}),
+])
+def test_the_users_kv_cache_size_stands(serve_args: list[str], env_option: list[str], sized: set[str]) -> None:
+    for instance in serve.plan(args(*env_option), serve_args, {}, kv_budget=8 * GIB):
+        chosen = instance.command.count("--kv-cache-memory-bytes") - serve_args.count("--kv-cache-memory-bytes")
+        assert chosen == (0 if instance.name in sized else 1), instance.name
+
+
+def test_no_kv_cache_size_without_a_budget() -> None:
+    for instance in serve.plan(args(), SERVE_ARGS, {}, kv_budget=None):  # an accelerator host
+        assert "--kv-cache-memory-bytes" not in instance.command
+
+
+# ---------------------------------------------------------------------------------------------- secrets
+
+
+def test_the_secret_reaches_the_instances_through_their_environment(tmp_path: Path) -> None:
+    path = tmp_path / "kv_secret"
+    path.write_text(SECRET)
+    path.chmod(0o600)
+    plans = {
+        "env": serve.plan(args(), SERVE_ARGS, {"KVBRIDGE_KV_SECRET": SECRET, "HOME": "/h"}, None),
+        "file env": serve.plan(args(), SERVE_ARGS, {"KVBRIDGE_KV_SECRET_FILE": str(path), "HOME": "/h"}, None),
+        "file key": serve.plan(args("--kv-extra", json.dumps({"kv_secret_file": str(path), "kv_timeout": 7})),
+                               SERVE_ARGS, {"HOME": "/h"}, None),
+    }
+    for how, instances in plans.items():
+        for instance in instances:
+            assert instance.env == {"HOME": "/h", "KVBRIDGE_KV_SECRET": SECRET}, how
+            assert not any(SECRET in arg or str(path) in arg for arg in instance.command), how
+    extra = json.loads(option(plans["file key"][0].command, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra == {"kv_ip": "127.0.0.1", "kv_timeout": 7}
+
+
+@pytest.mark.parametrize("given", [
+    ["--kv-extra", json.dumps({"kv_secret": SECRET})],
+    ["--prefill-env", f"KVBRIDGE_KV_SECRET={SECRET}"],
+    ["--decode-env", "KVBRIDGE_KV_SECRET_FILE=/run/secret"],
+])
+def test_a_secret_on_the_command_line_is_refused(given: list[str]) -> None:
+    with pytest.raises(KVConfigError, match="visible to every user") as error:
+        serve.plan(args(*given), SERVE_ARGS, {}, None)
+    assert SECRET not in str(error.value)
+
+
+def test_serve_refuses_before_starting_anything_and_logs_no_secret(caplog: pytest.LogCaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve.subprocess, "Popen", None)  # nothing may be started
+    with caplog.at_level(logging.INFO):
+        assert serve.main(["/models/tiny", "--kv-extra", json.dumps({"kv_secret": SECRET})]) == 2
+    assert "kv_secret in --kv-extra would be visible" in caplog.text and SECRET not in caplog.text
+
+
+def test_bad_kv_extra_is_reported_without_echoing_it(capsys: pytest.CaptureFixture) -> None:
+    for text in ('{"kv_secret": "' + SECRET, json.dumps([SECRET])):
+        with pytest.raises(SystemExit):
+            args("--kv-extra", text)
+        error = capsys.readouterr().err
+        assert "--kv-extra" in error and SECRET not in error
+
+
+def test_logged_command_lines_hide_api_keys() -> None:
+    shown = serve.redacted(["vllm", "--api-key", "sk-one", "--api-key=sk-two", "--port", "8000"])
+    assert "sk-one" not in shown and "sk-two" not in shown
+    assert shown == "vllm --api-key '<redacted>' '--api-key=<redacted>' --port 8000"
+
+
+def test_instance_environment_keeps_the_callers_and_adds_its_own() -> None:
+    env = serve.instance_env({"PATH": "/bin", "KVBRIDGE_KV_SECRET_FILE": "/f"}, ["VLLM_CPU_OMP_THREADS_BIND=1"], None)
+    assert env == {"PATH": "/bin", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    with pytest.raises(KVConfigError, match="KEY=VALUE"):
+        serve.instance_env({}, ["NOVALUE"], None)

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe import KVTransferConfig, TorchDistributedPipe, rendezvous
 from kv_pipe.errors import KVTransferError
 from lookup_buffer import SimpleBuffer
 from tests import _buffer_procs as buffer_bodies
@@ -134,13 +134,13 @@ def _close(buffer: SimpleBuffer) -> dict:
 
 #: Where a side kills itself during setup: on entering this method.
 SETUP_STAGES = {
-    "rendezvous": (TorchDistributedPipe, "_authenticate"),  # the store is up, the greetings exchanged
-    "group": (TorchDistributedPipe, "_create_group"),  # authenticated, gloo not connected yet
+    "rendezvous": (rendezvous, "authenticate_store"),  # the store is up, the greetings exchanged
+    "group": (rendezvous, "_create_groups"),  # authenticated, gloo not connected yet
     "buffer": (SimpleBuffer, "__init__"),  # the pipe is up, the buffer not built yet
 }
 
 
-def _die_on_entry(owner: type, name: str) -> None:
+def _die_on_entry(owner: Any, name: str) -> None:
     def sigkill_self(*args: Any, **kwargs: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 

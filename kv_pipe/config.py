@@ -17,6 +17,7 @@ from kv_pipe.errors import KVConfigError
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_BUFFER_DEVICES = ("cpu", "cuda")
+SHARED_MEMORY_MODES = ("auto", "on", "off")
 
 #: Environment variables read by :meth:`KVTransferConfig.from_env` (``KVBRIDGE_*`` beat torchrun's).
 ENV_PREFIX = "KVBRIDGE_"
@@ -41,6 +42,9 @@ class KVTransferConfig:
             on the wire.
         kv_connect_timeout: seconds to wait for the peer to appear when the pipe is created.
         kv_secret: optional shared secret; when set, both sides must hold the same one.
+        kv_shared_memory: ``auto`` (payloads go through shared memory when both sides prove they
+            share a host and network namespace, else over the transport), ``on`` (refuse to connect
+            without it) or ``off`` (always over the transport). CUDA pipes always use NCCL.
     """
 
     kv_role: str = "kv_both"
@@ -53,6 +57,7 @@ class KVTransferConfig:
     kv_timeout: float = 30.0
     kv_connect_timeout: float = 300.0
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
+    kv_shared_memory: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +94,10 @@ class KVTransferConfig:
                 raise KVConfigError(f"{name} must be a positive, finite number of seconds, got {value!r}")
         if self.kv_secret is not None and (not isinstance(self.kv_secret, str) or not self.kv_secret):
             raise KVConfigError("kv_secret must be a non-empty string or None")
+        if self.kv_shared_memory not in SHARED_MEMORY_MODES:
+            raise KVConfigError(
+                f"kv_shared_memory must be one of {SHARED_MEMORY_MODES}, got {self.kv_shared_memory!r}"
+            )
 
     @property
     def is_producer(self) -> bool:
@@ -128,7 +137,7 @@ class KVTransferConfig:
         ========================  =====================================================
 
         Every other field (``kv_buffer_size``, ``kv_buffer_device``, ``kv_timeout``,
-        ``kv_connect_timeout``, ``kv_secret``) is read from ``KVBRIDGE_<FIELD>`` or keeps its
+        ``kv_connect_timeout``, ``kv_secret``, ``kv_shared_memory``) is read from ``KVBRIDGE_<FIELD>`` or keeps its
         default. Keyword ``overrides`` beat the environment.
         """
         env = os.environ if environ is None else environ

@@ -10,6 +10,10 @@ and the item's inline bytes, the next starting at the following ``RECORD_ALIGN``
 header's ``more`` word says whether another record follows. Payloads of the frame's records follow
 the frame in record order. So a small header and the large tensors it describes cost one frame.
 
+A payload may instead travel through shared memory (:mod:`kv_pipe.shared_memory`): its record then
+names the region of the sender's segment that holds it (``place``), and a ``FREED`` record, first in
+a frame, gives regions whose tensors have died back to their owner.
+
 Every frame reports, in its first record, the bytes its sender's user has consumed (credit, see
 :mod:`kv_pipe.credit`) and whether its sender is waiting for credit.
 
@@ -40,6 +44,12 @@ HOST_FRAME_BYTES = HEADER_BYTES + (1 << 20)
 DEVICE_FRAME_BYTES = 8192
 CHUNK_BYTES = 64 << 20
 MAX_NDIM = 48
+#: Shared-memory regions start at multiples of this (page-aligned copies run fastest; every dtype is
+#: aligned), after the segment's first page, which holds the nonce that proves the mapping.
+SHARED_REGION_ALIGN = 4096
+SHARED_DATA_START = SHARED_REGION_ALIGN
+#: Most regions one FREED record gives back.
+MAX_FREED_PER_RECORD = 1024
 #: Records in a frame start at multiples of this, so every dtype's inline bytes are aligned.
 RECORD_ALIGN = 64
 #: Bytes charged against the in-flight budget per message on top of its payload, so that floods of
@@ -53,10 +63,13 @@ class FrameKind(enum.IntEnum):
     KEEPALIVE = 3  # carries credit and proves liveness; nothing for the user
     CLOSE = 4  # the sender will send nothing more
     CLOSE_ACK = 5  # answer to CLOSE: the sender will send nothing more either
+    FREED = 6  # int64 offsets of shared-memory regions whose tensors died; first in its frame
 
 
 #: Kinds of records that carry an item for the user (and a sequence number).
 ITEM_KINDS = (FrameKind.TENSOR, FrameKind.NONE)
+#: Kinds of records that carry tensor fields.
+_TENSOR_KINDS = (FrameKind.TENSOR, FrameKind.FREED)
 
 
 # Stable wire codes: append only, never renumber. Quantized dtypes are absent on purpose (their
@@ -79,7 +92,7 @@ for _code, _name in enumerate(_DTYPE_NAMES, start=1):
 
 # Header word positions.
 _W_MAGIC, _W_VERSION, _W_KIND, _W_SEQ, _W_CONSUMED, _W_WANT_CREDIT = 0, 1, 2, 3, 4, 5
-_W_DTYPE, _W_NDIM, _W_NBYTES, _W_INLINE, _W_MORE, _W_SHAPE = 6, 7, 8, 9, 10, 11
+_W_DTYPE, _W_NDIM, _W_NBYTES, _W_INLINE, _W_MORE, _W_PLACE, _W_SHAPE = 6, 7, 8, 9, 10, 11, 12
 
 # Headers are packed with struct straight into the frame's memory: per message this costs a third
 # of building and reading lists of words, which a small tensor's whole trip would notice.
@@ -102,6 +115,7 @@ class FrameHeader:
     nbytes: int = 0
     inline: bool = False  # the tensor's bytes are inside the frame
     more: bool = False  # another record follows in this frame
+    place: int = 0  # where the payload is in the sender's shared-memory segment; 0: not there
 
 
 def record_inline_capacity(frame_bytes: int, offset: int) -> int:
@@ -121,11 +135,11 @@ def message_cost(nbytes: int) -> int:
 
 def pack_header(header: FrameHeader, buffer: memoryview | bytearray) -> None:
     """Write ``header`` as the first HEADER_BYTES of ``buffer`` (writable, byte-addressed)."""
-    tensor = header.kind is FrameKind.TENSOR
+    tensor = header.kind in _TENSOR_KINDS
     ndim = len(header.shape) if tensor else 0
     _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, header.kind, header.seq, header.consumed,
                      header.want_credit, DTYPE_TO_CODE[header.dtype] if tensor else 0, ndim, header.nbytes,
-                     header.inline, header.more)
+                     header.inline, header.more, header.place)
     _SHAPES[ndim].pack_into(buffer, _FIXED.size, *header.shape)
     end = _FIXED.size + 8 * ndim
     buffer[end:HEADER_BYTES] = _ZEROS[end:]  # frames are reused: no word may stay from an earlier header
@@ -144,16 +158,18 @@ def _all_zero(buffer: memoryview, start: int) -> bool:
     return buffer[start:HEADER_BYTES].tobytes() == _ZERO_BYTES[start:]
 
 
-def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int) -> FrameHeader:
+def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int, shared_bytes: int = 0) -> FrameHeader:
     """Parse and validate a received header; raise KVProtocolError on anything off.
 
     ``buffer`` holds the record's HEADER_BYTES, byte-addressed. ``max_nbytes`` is the largest
     payload this side agreed to accept: a header claiming more is refused before any memory is
     allocated or any receive is posted. ``inline_capacity`` is what the record's inline area can
     hold (:func:`record_inline_capacity`): the header's inline flag must say exactly whether the
-    tensor fits it. Only records of items (TENSOR, NONE) may say that another record follows.
+    tensor fits it. ``shared_bytes`` is the size of the peer's shared-memory segment as mapped on
+    this side (0: none): a place outside it is refused before anything is read there. Only records
+    of items (TENSOR, NONE) and FREED may say that another record follows.
     """
-    magic, version, kind_code, seq, consumed, want_credit, dtype_code, ndim, nbytes, inline_word, more = (
+    magic, version, kind_code, seq, consumed, want_credit, dtype_code, ndim, nbytes, inline_word, more, place = (
         _FIXED.unpack_from(buffer))
     if magic != MAGIC:
         raise KVProtocolError(f"peer sent a frame with bad magic {magic:#x}: not a kvbridge pipe")
@@ -167,10 +183,10 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int) -> 
         raise KVProtocolError(f"peer sent an unknown frame kind {kind_code}")
     if consumed < 0 or want_credit not in (0, 1) or seq < 0 or more not in (0, 1):
         raise KVProtocolError(f"peer sent a malformed {kind.name} header: {list(_FIXED.unpack_from(buffer))}")
-    if more and kind not in ITEM_KINDS:
+    if more and kind not in ITEM_KINDS and kind is not FrameKind.FREED:
         raise KVProtocolError(f"peer sent a {kind.name} record that claims another record follows it")
-    if kind is not FrameKind.TENSOR:
-        if dtype_code or ndim or nbytes or inline_word or not _all_zero(buffer, _FIXED.size):
+    if kind not in _TENSOR_KINDS:
+        if dtype_code or ndim or nbytes or inline_word or place or not _all_zero(buffer, _FIXED.size):
             raise KVProtocolError(f"peer sent a {kind.name} frame with tensor fields set")
         return FrameHeader(kind, seq, consumed, bool(want_credit), more=bool(more))
     dtype = CODE_TO_DTYPE.get(dtype_code)
@@ -194,7 +210,16 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int) -> 
     inline = nbytes <= inline_capacity
     if inline_word != inline:
         raise KVProtocolError(f"peer's inline flag {inline_word} disagrees with size {nbytes}")
-    return FrameHeader(kind, seq, consumed, bool(want_credit), dtype, shape, nbytes, inline, bool(more))
+    if kind is FrameKind.FREED and (dtype is not torch.int64 or ndim != 1 or not inline or place or not nbytes
+                                    or shape[0] > MAX_FREED_PER_RECORD):
+        raise KVProtocolError(f"peer sent a malformed FREED record: {list(_FIXED.unpack_from(buffer))}")
+    if place and (inline or place < SHARED_DATA_START or place % SHARED_REGION_ALIGN
+                  or place + nbytes > shared_bytes):
+        raise KVProtocolError(
+            f"peer placed a {nbytes}-byte payload at byte {place} of its shared-memory segment, outside the "
+            f"{shared_bytes} bytes mapped here (or not at a region start); refused before reading it"
+        )
+    return FrameHeader(kind, seq, consumed, bool(want_credit), dtype, shape, nbytes, inline, bool(more), place)
 
 
 def check_sendable(tensor: torch.Tensor) -> None:

@@ -202,9 +202,9 @@ def authenticate_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup
     peer = 1 - rank
     nonce = auth.new_nonce()
     try:
-        peer_nonce = _swap(outgoing, incoming, peer, nonce, device)
+        peer_nonce = swap_bytes(outgoing, incoming, peer, nonce, device, _AUTH_TAG)
         proof = auth.sign(key, bytes([rank]), nonce, peer_nonce)
-        peer_proof = _swap(outgoing, incoming, peer, proof, device)
+        peer_proof = swap_bytes(outgoing, incoming, peer, proof, device, _AUTH_TAG)
     except (RuntimeError, OSError) as exc:
         raise KVProtocolError(
             f"authentication failed: the peer connected to this side's groups did not complete the "
@@ -217,15 +217,15 @@ def authenticate_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup
         )
 
 
-def _swap(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer: int, data: bytes,
-          device: torch.device) -> bytes:
-    """Send ``data`` to the peer and receive the same number of bytes from it."""
+def swap_bytes(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer: int, data: bytes,
+               device: torch.device, tag: int) -> bytes:
+    """Send ``data`` to the peer on ``tag`` and receive the same number of bytes from it."""
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     theirs = torch.zeros_like(mine)
     # Both posted before either is waited on: gloo completes a send only once the peer's receive is
     # posted, and both sides send first.
-    sent = outgoing.send([mine], peer, _AUTH_TAG)
-    received = incoming.recv([theirs], peer, _AUTH_TAG)
+    sent = outgoing.send([mine], peer, tag)
+    received = incoming.recv([theirs], peer, tag)
     sent.wait()
     received.wait()
     return theirs.cpu().numpy().tobytes()

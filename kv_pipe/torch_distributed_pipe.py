@@ -16,6 +16,8 @@
   flight would exceed the budget both sides agreed on, so the receiver can take frames in whether or
   not its user is receiving. A sender therefore waits in the transport for the wire only, never for
   the peer's user.
+* On one host, payloads travel through shared memory (:mod:`kv_pipe.shared_memory`): one copy into
+  the sender's segment, the receiver's tensor a view of it. Frames stay on the transport.
 * Headers are validated before any payload receive is posted (:mod:`kv_pipe.protocol`): gloo
   aborts the process if a message is larger than the receive buffer.
 * Only the transport's errors mean a lost peer. A bug in the pipe's own threads fails the pipe and
@@ -32,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kv_pipe import rendezvous
+from kv_pipe import rendezvous, shared_memory
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.credit import CreditLedger
@@ -46,6 +48,7 @@ from kv_pipe.errors import (
 from kv_pipe.protocol import (
     HEADER_BYTES,
     ITEM_KINDS,
+    MAX_FREED_PER_RECORD,
     FrameHeader,
     FrameKind,
     Hello,
@@ -63,6 +66,8 @@ logger = logging.getLogger(__name__)
 TAG_FRAME = 0
 TAG_PAYLOAD = 1
 _FINAL_KINDS = (FrameKind.CLOSE, FrameKind.CLOSE_ACK)
+#: Kinds that count as the user's messages for flush(): items, and the final frame close() queues.
+_COUNTED_KINDS = (*ITEM_KINDS, *_FINAL_KINDS)
 
 
 class _TransportError(Exception):
@@ -117,8 +122,16 @@ class TorchDistributedPipe(KVPipeBase):
         # A posted receive fails after the receiving side's kv_timeout: keepalives go often enough
         # for the shorter of the two.
         self._keepalive_interval = min(config.kv_timeout, peer_hello.timeout_ms / 1000) / 4
+        try:
+            self._shared = shared_memory.establish(self._outgoing_group, self._incoming_group, self.rank,
+                                                   config.kv_shared_memory, self._credit.budget, self.device)
+        except (RuntimeError, OSError) as exc:
+            raise KVPeerLostError(f"pipe rank {self.rank}: the peer vanished during setup: {exc}") from exc
+        self._freed: list[int] = []  # regions of the peer's segment whose tensors died, to give back
 
-        lock = threading.Lock()
+        # Reentrant: a received tensor over shared memory may die, and tell the pipe, in any thread
+        # at any moment, including inside the pipe's own critical sections (garbage collection).
+        lock = threading.RLock()
         self._cond = threading.Condition(lock)  # callers wait here for items, room and transmissions
         self._sender_wakeup = threading.Condition(lock)  # the sender thread waits here for work
         self._error: BaseException | None = None  # the first fatal error; the pipe is dead after it
@@ -139,14 +152,20 @@ class TorchDistributedPipe(KVPipeBase):
         self._receiver = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
         self._sender.start()
         self._receiver.start()
-        logger.info("pipe rank %d <-> %d up on %s:%d (%s, in-flight budget %d bytes)", self.rank,
-                    self.peer_rank, config.kv_ip, self.port, self.device, self._credit.budget)
+        logger.info("pipe rank %d <-> %d up on %s:%d (%s, in-flight budget %d bytes, payloads %s)", self.rank,
+                    self.peer_rank, config.kv_ip, self.port, self.device, self._credit.budget,
+                    "through shared memory" if self.uses_shared_memory else "over the transport")
 
     # ------------------------------------------------------------------ public API
 
     @property
     def max_tensor_bytes(self) -> int:
         return self._credit.budget - message_cost(0)
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether payloads go through shared memory in both directions (see ``kv_shared_memory``)."""
+        return self._shared is not None and self._shared.own is not None and self._shared.peer is not None
 
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
         self._queue_unit([self._outgoing(tensor)], timeout, _deadline(timeout))
@@ -206,6 +225,7 @@ class TorchDistributedPipe(KVPipeBase):
         else:
             self._outgoing_group = self._incoming_group = None
             self._store = None
+            self._shared = None  # received tensors keep the peer's segment mapped while they live
         with self._cond:
             unsent = self._queued_messages - self._sent_messages
             if self._error is not None and not self._error_raised and unsent > 0:
@@ -275,7 +295,7 @@ class TorchDistributedPipe(KVPipeBase):
                 return
             with self._cond:
                 self._last_sent = time.monotonic()
-                self._sent_messages += sum(message.kind is not FrameKind.KEEPALIVE for message in unit)
+                self._sent_messages += sum(message.kind in _COUNTED_KINDS for message in unit)
                 self._cond.notify_all()
             if unit[0].kind in _FINAL_KINDS:
                 return
@@ -283,13 +303,31 @@ class TorchDistributedPipe(KVPipeBase):
     def _next_unit(self) -> list[_Outgoing] | None:
         """Wait for the next unit to send, or a keepalive's turn (hold ``_cond``); None once failed."""
         while self._error is None:
+            freed = self._freed_record()
+            if freed is not None and (not self._send_queue or self._send_queue[0][0].kind in _FINAL_KINDS):
+                return [freed]  # a final frame goes alone: nothing may share its frame
             if self._send_queue:
-                return self._send_queue.popleft()
+                unit = self._send_queue.popleft()
+                return unit if freed is None else [freed, *unit]
             quiet_left = self._last_sent + self._keepalive_interval - time.monotonic()
             if quiet_left <= 0 or self._credit.frame_due():
                 return [_Outgoing(FrameKind.KEEPALIVE)]
             self._sender_wakeup.wait(quiet_left)
         return None
+
+    def _freed_record(self) -> _Outgoing | None:
+        """A FREED record for regions of the peer's segment whose tensors died, if any (hold ``_cond``)."""
+        if not self._freed:
+            return None
+        places = self._freed[:MAX_FREED_PER_RECORD]
+        del self._freed[:MAX_FREED_PER_RECORD]
+        return _Outgoing(FrameKind.FREED, torch.tensor(places, dtype=torch.int64))
+
+    def _region_freed(self, place: int) -> None:
+        """A received tensor over the peer's segment died: give its region back."""
+        with self._cond:
+            self._freed.append(place)
+            self._sender_wakeup.notify()
 
     def _frame_headers(self, unit: list[_Outgoing]) -> list[FrameHeader]:
         """The records' headers of ``unit`` (hold ``_cond``).
@@ -307,6 +345,8 @@ class TorchDistributedPipe(KVPipeBase):
             if message.data is not None:
                 header.dtype, header.shape = message.data.dtype, tuple(message.data.shape)
                 header.inline = message.nbytes <= record_inline_capacity(frame_bytes, offset)
+                if not header.inline and self._shared is not None:
+                    header.place = self._shared.place(message.nbytes)
             if message.kind in ITEM_KINDS:
                 self._next_send_seq += 1
             if index < len(unit) - 1:
@@ -322,7 +362,9 @@ class TorchDistributedPipe(KVPipeBase):
         payloads = []  # tensors of this frame's records that do not fit inside it
         for header, message in zip(headers, unit, strict=True):
             self._wire.write_record(offset, header, message.data)
-            if header.kind is FrameKind.TENSOR and not header.inline:
+            if header.place:
+                self._shared.write(header.place, flat_bytes(message.data))
+            elif header.kind is FrameKind.TENSOR and not header.inline:
                 payloads.append(flat_bytes(message.data))
             message.data = None  # the caller's tensor is released as soon as it is on the wire
             if header.more:
@@ -381,18 +423,24 @@ class TorchDistributedPipe(KVPipeBase):
         """
         frame_bytes = self._wire.frame_bytes
         max_nbytes = self._credit.budget
+        shared_bytes = self._shared.peer_bytes if self._shared is not None else 0
         offset = 0
         items = []
         while True:
             header = decode_header(self._wire.read_header(offset), max_nbytes=max_nbytes,
-                                   inline_capacity=record_inline_capacity(frame_bytes, offset))
+                                   inline_capacity=record_inline_capacity(frame_bytes, offset),
+                                   shared_bytes=shared_bytes)
             if not offset:
                 first = header
             elif header.consumed != first.consumed or header.want_credit != first.want_credit:
                 raise KVProtocolError("peer sent a frame whose records disagree on credit")
             elif header.kind not in ITEM_KINDS:
                 raise KVProtocolError(f"peer sent a {header.kind.name} record after another record in one frame")
-            if header.kind in ITEM_KINDS:
+            if header.kind is FrameKind.FREED:
+                if self._shared is None or self._shared.allocator is None:
+                    raise KVProtocolError("peer freed shared-memory regions, but this side gave it none")
+                self._shared.release(self._wire.read_inline(offset + HEADER_BYTES, header).numpy())
+            elif header.kind in ITEM_KINDS:
                 if header.seq != self._next_recv_seq:
                     raise KVProtocolError(f"peer's message {header.seq} arrived where {self._next_recv_seq} was due")
                 self._next_recv_seq += 1
@@ -410,6 +458,8 @@ class TorchDistributedPipe(KVPipeBase):
             return torch.empty(header.shape, dtype=header.dtype, device=self.device)
         if header.inline:
             return self._wire.read_inline(offset + HEADER_BYTES, header)
+        if header.place:
+            return self._shared.view(header.place, header.dtype, header.shape, self._region_freed)
         data = self._wire.allocate(header.nbytes)
         for start, end in chunk_bounds(header.nbytes):
             self._recv(data[start:end], TAG_PAYLOAD)

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from kv_pipe import KVTransferConfig, rendezvous
+from kv_pipe import KVTransferConfig, rendezvous, shared_memory
 from kv_pipe.protocol import HEADER_BYTES, HOST_FRAME_BYTES, Hello
 from kv_pipe.torch_distributed_pipe import TAG_FRAME
 
 
 def connect_as_forger(config: KVTransferConfig, port_offset: int = 0) -> rendezvous.Connection:
-    """The connection a real host pipe with ``config`` would have, with no pipe threads behind it."""
+    """The connection a real host pipe with ``config`` would have, shared-memory segments included
+    (the peer maps the forger's), with no pipe threads behind it."""
     hello = Hello(frame_bytes=HOST_FRAME_BYTES, max_in_flight=config.kv_buffer_size, device="cpu",
                   timeout_ms=round(config.kv_timeout * 1000))
-    return rendezvous.connect(config, config.kv_port + port_offset, hello, torch.device("cpu"))
+    device = torch.device("cpu")
+    connection = rendezvous.connect(config, config.kv_port + port_offset, hello, device)
+    connection.shared = shared_memory.establish(connection.outgoing, connection.incoming, config.kv_rank,
+                                                config.kv_shared_memory, config.kv_buffer_size, device)
+    return connection
 
 
 def send_records(connection: rendezvous.Connection, records: dict[int, list[int]]) -> None:

@@ -611,6 +611,13 @@ def _keepalive(consumed: int) -> list[int]:
 _SECOND_RECORD = P.next_record_offset(0, _BASE.nbytes)  # where a record after _BASE starts
 
 
+def _freed() -> list[int]:
+    """A FREED record giving back one region (offset 0, as the frame's zeroed inline bytes say)."""
+    return pipe_protocol.encode_header(pipe_protocol.FrameHeader(
+        kind=pipe_protocol.FrameKind.FREED, seq=0, consumed=0, want_credit=False, dtype=torch.int64, shape=(1,),
+        nbytes=8, inline=True))
+
+
 def _close(seq: int = 0) -> list[int]:
     return pipe_protocol.encode_header(pipe_protocol.FrameHeader(
         kind=pipe_protocol.FrameKind.CLOSE, seq=seq, consumed=0, want_credit=False))
@@ -653,6 +660,21 @@ HOSTILE_HEADERS: dict[str, tuple[list[list[int] | dict[int, list[int]]], str]] =
     "bad second record": ([{0: _header(more=True), _SECOND_RECORD: _edit(_header(seq=1), magic=7)}], "bad magic"),
     "second record out of sequence": ([{0: _header(more=True), _SECOND_RECORD: _header(seq=3)}],
                                       "arrived where 1 was due"),
+    # The forger's shared-memory segment, which the victim maps, holds PIPE_BUDGET bytes after its first page.
+    "payload placed past the segment": ([_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,),
+                                                 nbytes=_INLINE_CAPACITY + 1, inline=False, place=PIPE_BUDGET)],
+                                        "refused before reading it"),
+    "payload placed off a region start": ([_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,),
+                                                   nbytes=_INLINE_CAPACITY + 1, inline=False,
+                                                   place=P.SHARED_DATA_START + 8)],
+                                          "refused before reading it"),
+    "payload placed in the proof page": ([_edit(_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,),
+                                                        nbytes=_INLINE_CAPACITY + 1, inline=False),
+                                               place=-P.SHARED_DATA_START)],
+                                         "refused before reading it"),
+    "inline tensor with a place": ([_edit(_header(), place=P.SHARED_DATA_START)], "refused before reading it"),
+    "freeing a region never given": ([_freed()], "never gave it"),
+    "FREED record of floats": ([_edit(_freed(), dtype=P.DTYPE_TO_CODE[torch.float64])], "malformed FREED"),
 }
 
 

@@ -33,9 +33,20 @@ OLD_VLLM_NONE_SENTINEL = -150886311
 INLINE_CAPACITY = HOST_FRAME_BYTES - HEADER_BYTES  # tensors up to this size travel inside their frame
 
 
+#: Set by the ``payload_path`` fixture; the pair's processes inherit it.
+_PATH_VARIABLE = "PIPE_TEST_SHARED_MEMORY"
+
+
+@pytest.fixture(autouse=True, params=["on", "off"], ids=["shared-memory", "transport"])
+def payload_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both payload paths: through shared memory, and over the transport."""
+    monkeypatch.setenv(_PATH_VARIABLE, request.param)
+    return request.param
+
+
 def config(rank: int, port: int, **changes) -> KVTransferConfig:
     values = dict(kv_rank=rank, kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_port=port,
-                  kv_timeout=5.0, kv_connect_timeout=30.0)
+                  kv_timeout=5.0, kv_connect_timeout=30.0, kv_shared_memory=os.environ.get(_PATH_VARIABLE, "auto"))
     values.update(changes)
     return KVTransferConfig(**values)
 
@@ -179,10 +190,12 @@ def body_frame_boundaries(rank: int, port: int) -> int:
         payload_bytes = sum(got.nbytes for got in large if got.nbytes > INLINE_CAPACITY)
         received = len(kept)
         del kept, large, got
-        # Payload buffers go back to the pool once the caller drops them.
-        assert pipe._wire._memory.idle_bytes >= payload_bytes, "received buffers were not recycled"
-        pipe.send_tensor(None)
+        if not pipe.uses_shared_memory:  # payload buffers go back to the pool once the caller drops them
+            assert pipe._wire._memory.idle_bytes >= payload_bytes, "received buffers were not recycled"
+        pipe.send_tensor(None)  # with shared memory, behind the regions the dropped tensors held
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
+        if pipe.uses_shared_memory:  # every region this side filled came back
+            assert pipe._shared.allocator.used_bytes == 0, "shared-memory regions were not given back"
     return received
 
 
@@ -971,19 +984,23 @@ def test_header_codec_round_trips_in_a_reused_frame():
     inline_capacity = HOST_FRAME_BYTES - HEADER_BYTES
     headers = [FrameHeader(kind, seq=generator.randrange(1 << 40), consumed=generator.randrange(1 << 50),
                            want_credit=generator.random() < 0.5)
-               for kind in FrameKind if kind is not FrameKind.TENSOR]
+               for kind in FrameKind if kind not in (FrameKind.TENSOR, FrameKind.FREED)]
+    headers.append(FrameHeader(FrameKind.FREED, seq=0, consumed=5, want_credit=False, dtype=torch.int64,
+                               shape=(3,), nbytes=24, inline=True, more=True))
     for dtype in DTYPE_TO_CODE:
         for ndim in (MAX_NDIM, 0, 7, 1, 3):  # long before short: stale shape words would be caught
             shape = tuple(generator.choice((1, 1, 2, 3)) for _ in range(ndim))
             if ndim == 7:
                 shape = (0,) + shape[1:]
             nbytes = math.prod(shape) * dtype.itemsize
+            inline = nbytes <= inline_capacity
             headers.append(FrameHeader(FrameKind.TENSOR, seq=generator.randrange(1 << 40), consumed=0,
-                                       want_credit=True, dtype=dtype, shape=shape, nbytes=nbytes,
-                                       inline=nbytes <= inline_capacity))
+                                       want_credit=True, dtype=dtype, shape=shape, nbytes=nbytes, inline=inline,
+                                       place=0 if inline or not nbytes else 4096 * generator.randrange(1, 9)))
     for header in headers:
         pack_header(header, frame)
-        assert decode_header(frame, max_nbytes=1 << 62, inline_capacity=inline_capacity) == header
+        assert decode_header(frame, max_nbytes=1 << 62, inline_capacity=inline_capacity,
+                             shared_bytes=1 << 62) == header
 
 
 @pytest.mark.timeout(60)
@@ -1013,9 +1030,10 @@ def test_a_stranger_tampering_with_the_rendezvous_store_is_refused_clearly(how, 
     started = time.monotonic()
     processes = [procs.start(body_tampered_rendezvous, (0, port, secret), results, 0)]
     try:
-        processes.append(procs.start(stranger_tampering, (port, how), results, 2))
-        if how == "arrivals":
-            time.sleep(1.0)  # the stranger's add lands before rank 1 arrives
+        if how == "arrivals":  # from this process, so that it lands before rank 1 arrives
+            stranger = stranger_tampering(port, how)
+        else:
+            processes.append(procs.start(stranger_tampering, (port, how), results, 2))
         processes.append(procs.start(body_tampered_rendezvous, (1, port, secret), results, 1))
         outcomes = procs.collect(processes, results, timeout=80)
     finally:
@@ -1024,7 +1042,7 @@ def test_a_stranger_tampering_with_the_rendezvous_store_is_refused_clearly(how, 
     (kind0, message0), (kind1, message1) = outcomes[0], outcomes[1]
     assert kind0 != "connected" and kind1 != "connected", outcomes
     if how == "arrivals":
-        assert outcomes[2] == "bumped"
+        assert stranger == "bumped"
         assert kind1 == "KVPeerLostError" and "already served a pair" in message1, outcomes
     else:
         assert outcomes[2] == "hijacked", outcomes

@@ -88,6 +88,8 @@ def pipe_stream(seed: int) -> list[torch.Tensor | None]:
 def body_pipe(rank: int, ip: str) -> dict:
     """Both sides send their stream at once and check the other's, bit for bit."""
     with TorchDistributedPipe(config(rank, ip, kv_buffer_size=96 << 20)) as pipe:
+        # Another network namespace counts as another host: the same-host path is not taken.
+        assert pipe.config.kv_shared_memory == "auto" and not pipe.uses_shared_memory
         theirs = pipe_stream(1 - rank)
         received = exchange_both_ways(pipe, pipe_stream(rank), theirs, timeout=60)
         pipe.send_tensor(None)  # both sides finished checking before either closes
@@ -179,6 +181,16 @@ def body_cut_buffer(rank: int, ip: str) -> dict:
     return outcome
 
 
+def body_shared_memory_required(rank: int, ip: str) -> str:
+    """kv_shared_memory='on' across namespaces: both sides refuse, saying why."""
+    try:
+        TorchDistributedPipe(config(rank, ip, kv_shared_memory="on"))
+    except KVTransferError as exc:
+        assert "same-host path could not be set up" in str(exc), exc
+        return "refused"
+    return "connected"
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -188,6 +200,13 @@ def test_pipe_across_hosts_both_ways_bit_exact(hosts: netns.TwoHosts, tmp_path: 
     first, second = run_both(hosts, tmp_path, "body_pipe", ([0, ip], [1, ip]), timeout=100)
     assert first["items"] == len(pipe_stream(1)) and second["items"] == len(pipe_stream(0))
     assert min(first["bytes"], second["bytes"]) > 64 << 20
+
+
+@pytest.mark.timeout(120)
+def test_shared_memory_required_across_hosts_is_refused(hosts: netns.TwoHosts, tmp_path: Path) -> None:
+    ip = hosts.addresses[0]
+    assert run_both(hosts, tmp_path, "body_shared_memory_required", ([0, ip], [1, ip]), timeout=100) == (
+        "refused", "refused")
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,247 @@
+"""The same-host payload path: payloads through shared memory, frames still over the transport.
+
+Two pipe ends on one host need not push their bytes through the kernel's TCP stack. Each side owns
+an *outgoing segment*: an anonymous shared-memory file (``memfd_create``) that only it writes. A
+payload is copied once into a free region of the sender's segment; its frame, still sent over the
+transport, names the region (``place``), and the receiver's tensor is a view of that region, with no
+second copy. When the receiver's last reference to the tensor dies, the region's offset goes back
+to the sender in a ``FREED`` record and is reused. Frames, credit, keepalives, ordering and every
+error path stay on the transport, so the pipe's guarantees do not change.
+
+Establishing it (:func:`establish`, collective, after the groups are connected and authenticated):
+
+1. Each side creates its segment, writes a fresh random nonce at its start, and sends over its
+   outgoing group what the peer needs to map it: the kernel's boot id, its network namespace, its
+   pid, the file descriptor and the size.
+2. A side whose peer reports the same boot id and network namespace opens ``/proc/PID/fd/FD``
+   (only the same user can, and only while the owner keeps the descriptor open), checks that it is a
+   regular file of the announced size, maps it, and sends back the nonce it read there. A different
+   network namespace counts as another host: containers on one machine are kept apart on purpose.
+3. Each side compares the echo with its nonce: only a peer that really mapped this segment can
+   know it. Then both close their descriptors. The segments have no name anywhere: a SIGKILL of
+   either side at any moment leaves nothing behind, and nobody else can open them any more.
+
+A peer can write into its own segment at any time, so it can change only bytes it was allowed to
+send; everything that steers the receiver (offsets, sizes, dtypes) arrives in frames that are
+validated before use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import stat
+import threading
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kv_pipe import auth
+from kv_pipe.errors import KVProtocolError, KVTransferError
+from kv_pipe.protocol import SHARED_DATA_START, SHARED_REGION_ALIGN
+from kv_pipe.rendezvous import swap_bytes
+
+logger = logging.getLogger(__name__)
+
+#: The largest segment a pipe end creates (address space only: pages are touched as they are used).
+MAX_SEGMENT_BYTES = 1 << 30
+_SEGMENT_NAME = "kvbridge-pipe"
+_TAG = 8  # the tag of the exchange over the groups; frames and authentication use others
+_DESCRIPTOR_WORDS = 8
+
+
+def _boot_id() -> int:
+    """This kernel's boot id, as a number: equal on both sides only on one host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as file:
+            return int.from_bytes(hashlib.blake2b(file.read().strip(), digest_size=7).digest(), "little")
+    except OSError:
+        return 0
+
+
+def _net_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+class Segment:
+    """An anonymous shared-memory file mapped into this process, as a uint8 numpy array.
+
+    The mapping holds no descriptor (Python's ``mmap`` would keep a duplicate open, through which
+    the segment could be opened again): it is made by torch's file mapping, which closes its
+    descriptor once mapped, and is unmapped when the last array or tensor over it has died.
+    """
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        self.nbytes = nbytes
+        mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        self.array = mapped.numpy()  # keeps ``mapped``, and so the mapping, alive
+        self.address = mapped.data_ptr()
+
+    @classmethod
+    def create(cls, nbytes: int) -> tuple[Segment, int]:
+        """A new segment of ``nbytes`` and its open descriptor (the caller closes it)."""
+        fd = os.memfd_create(_SEGMENT_NAME, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            return cls(f"/proc/self/fd/{fd}", nbytes), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def open_peer(cls, pid: int, fd: int, nbytes: int) -> Segment:
+        """Map the peer's segment through ``/proc``; raise OSError if it is not what was announced."""
+        path = f"/proc/{pid}/fd/{fd}"
+        # Only a kvbridge segment of the announced size is ever mapped, never another file (or a
+        # FIFO, whose open would block) that the announced process has open.
+        status = os.stat(path)
+        if (not os.readlink(path).startswith(f"/memfd:{_SEGMENT_NAME}") or not stat.S_ISREG(status.st_mode)
+                or status.st_size != nbytes):
+            raise OSError(f"{path} is not a kvbridge shared-memory segment of {nbytes} bytes")
+        try:
+            return cls(path, nbytes)
+        except RuntimeError as exc:  # torch reports a failed open or mmap so
+            raise OSError(f"cannot map {path}: {exc}") from exc
+
+
+class RegionAllocator:
+    """First-fit allocation of aligned regions of a segment. Thread-safe."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self._free: list[tuple[int, int]] = [(start, end)]  # sorted, disjoint [start, end) runs
+        self._used: dict[int, int] = {}  # start -> end of every region handed out
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The start of a free region of at least ``nbytes``, or None if none is free."""
+        size = -(-nbytes // SHARED_REGION_ALIGN) * SHARED_REGION_ALIGN
+        with self._lock:
+            for index, (start, end) in enumerate(self._free):
+                if end - start >= size:
+                    if end - start == size:
+                        del self._free[index]
+                    else:
+                        self._free[index] = (start + size, end)
+                    self._used[start] = start + size
+                    return start
+        return None
+
+    def release(self, start: int) -> None:
+        """Give a region back; KVProtocolError if ``start`` is not a region handed out."""
+        with self._lock:
+            end = self._used.pop(start, None)
+            if end is None:
+                raise KVProtocolError(f"peer freed shared-memory offset {start}, which this side never gave it")
+            index = 0
+            while index < len(self._free) and self._free[index][0] < start:
+                index += 1
+            self._free.insert(index, (start, end))
+            # Merge with the neighbours so that large regions stay available.
+            if index + 1 < len(self._free) and self._free[index][1] == self._free[index + 1][0]:
+                self._free[index] = (start, self._free.pop(index + 1)[1])
+            if index > 0 and self._free[index - 1][1] == self._free[index][0]:
+                self._free[index - 1] = (self._free[index - 1][0], self._free.pop(index)[1])
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(end - start for start, end in self._used.items())
+
+
+@dataclasses.dataclass
+class SharedMemoryLink:
+    """One pipe end's view of both segments: its own (written) and the peer's (read through views)."""
+
+    own: Segment | None  # None: payloads towards the peer go over the transport
+    peer: Segment | None  # None: the peer's payloads come over the transport
+    allocator: RegionAllocator | None
+
+    @property
+    def peer_bytes(self) -> int:
+        """Size of the peer's segment as mapped here (0: none): bounds every place a frame names."""
+        return self.peer.nbytes if self.peer else 0
+
+    def place(self, nbytes: int) -> int:
+        """Where a payload of ``nbytes`` goes in this side's segment, or 0 if it goes over the transport."""
+        if self.allocator is None:
+            return 0
+        return self.allocator.allocate(nbytes) or 0
+
+    def write(self, place: int, flat: torch.Tensor) -> None:
+        """Copy a contiguous host payload into this side's segment at ``place``."""
+        # One C memcpy, outside the GIL: torch's copy may start OpenMP threads that spin against the
+        # peer's on a small host.
+        ctypes.memmove(self.own.address + place, flat.data_ptr(), flat.numel())
+
+    def release(self, places: np.ndarray) -> None:
+        for place in places.tolist():
+            self.allocator.release(place)
+
+    def view(self, place: int, dtype: torch.dtype, shape: tuple[int, ...], on_free: Callable[[int], None]
+             ) -> torch.Tensor:
+        """A tensor over the peer's segment at ``place``; ``on_free(place)`` runs once it has died."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        region = self.peer.array[place : place + nbytes]
+        # torch.from_numpy keeps ``region`` alive exactly as long as the tensor's storage, so the
+        # finalizer runs when the last tensor, view or array over it has gone.
+        weakref.finalize(region, on_free, place).atexit = False  # nobody to tell at exit
+        return torch.from_numpy(region).view(dtype).reshape(shape)
+
+
+def establish(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, mode: str, budget: int,
+              device: torch.device) -> SharedMemoryLink | None:
+    """Set up the same-host path with the peer, over the connected groups (both sides call this).
+
+    Returns None when the path is off or not possible (another host, a CUDA pipe, no /proc access);
+    ``mode="on"`` turns that into a :class:`KVTransferError`. Transport errors propagate as
+    RuntimeError, like any other operation on the groups.
+    """
+    peer = 1 - rank
+    own = nonce = fd = None
+    wanted = mode != "off" and device.type == "cpu"
+    if wanted:
+        try:
+            own, fd = Segment.create(min(budget + SHARED_DATA_START, MAX_SEGMENT_BYTES))
+            nonce = auth.new_nonce()
+            own.array[: len(nonce)] = np.frombuffer(nonce, dtype=np.uint8)
+        except OSError as exc:
+            logger.info("pipe rank %d: no shared-memory segment (%s): payloads go over the transport", rank, exc)
+            own = None
+    try:
+        mine = np.zeros(_DESCRIPTOR_WORDS, dtype=np.int64)
+        mine[:6] = (1 if own else 0, _boot_id(), _net_namespace(), os.getpid(), fd if own else -1,
+                    own.nbytes if own else 0)
+        theirs = np.frombuffer(swap_bytes(outgoing, incoming, peer, mine.tobytes(), device, _TAG), dtype=np.int64)
+        offered, boot_id, namespace, pid, peer_fd, peer_nbytes = (int(word) for word in theirs[:6])
+        peer_segment, echo = None, bytes(auth.NONCE_BYTES)
+        if wanted and offered and (boot_id, namespace) == (_boot_id(), _net_namespace()) and \
+                SHARED_DATA_START < peer_nbytes <= MAX_SEGMENT_BYTES:
+            try:
+                peer_segment = Segment.open_peer(pid, peer_fd, peer_nbytes)
+                echo = peer_segment.array[: auth.NONCE_BYTES].tobytes()
+            except OSError as exc:
+                logger.info("pipe rank %d: cannot map the peer's segment (%s)", rank, exc)
+        peer_echo = swap_bytes(outgoing, incoming, peer, echo, device, _TAG)
+    finally:
+        if fd is not None:
+            os.close(fd)  # mapped on both sides by now, or never going to be
+    sends_shared = own is not None and hmac.compare_digest(peer_echo, nonce)
+    if mode == "on" and not (sends_shared and peer_segment is not None):
+        raise KVTransferError(
+            f"pipe rank {rank}: kv_shared_memory='on' but the same-host path could not be set up "
+            f"(the peer is on another host or network namespace, or /proc/PID/fd is not accessible)"
+        )
+    if not sends_shared and peer_segment is None:
+        return None
+    allocator = RegionAllocator(SHARED_DATA_START, own.nbytes) if sends_shared else None
+    return SharedMemoryLink(own if sends_shared else None, peer_segment, allocator)

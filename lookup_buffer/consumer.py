@@ -63,9 +63,9 @@ class _Call:
 
     __slots__ = ("request_id", "request", "done", "announced", "items", "outcome", "error")
 
-    def __init__(self, request_id: int, request: SelectRequest) -> None:
+    def __init__(self, request_id: int) -> None:
         self.request_id = request_id
-        self.request: SelectRequest | None = request  # until the control thread has sent it
+        self.request: SelectRequest | None = None  # from the calling thread until the control thread sends it
         self.done = threading.Event()
         self.announced = False
         self.items: tuple[torch.Tensor | None, ...] = ()
@@ -110,16 +110,17 @@ class BufferConsumer:
             request_id = secrets.randbits(63)
             while request_id in self._calls:
                 request_id = secrets.randbits(63)
-            # The request copies the tokens: the caller's tensors are theirs again once this call returns.
-            call = self._calls[request_id] = _Call(request_id, select_request(request_id, tokens, roi_array, wait_ms))
+            call = self._calls[request_id] = _Call(request_id)
         try:
+            # A copy of the tokens: the caller's tensors are theirs again once this call returns.
+            call.request = select_request(request_id, tokens, roi_array, wait_ms)
             self._outbox.append(call)
             self._endpoint.doorbell.ring()
             query = MatchKey(tokens, roi_array)  # needed only to check a hit: built while the request travels
             self._await(call, wait_ms / 1000 + self._config.kv_timeout)
             return self._conclude(call, query)
         finally:
-            call.request = None  # unsent yet (no session so far): the control thread drops it
+            call.request = None  # if still unsent (no session yet), the control thread drops it
             with self._lock:
                 del self._calls[call.request_id]
 
@@ -178,9 +179,12 @@ class BufferConsumer:
         pipe_progress = -1
         while not call.done.wait(max(0.0, deadline - time.monotonic())):
             if not call.announced:
+                unstarted = "" if self._session is not None else (
+                    "; its session header never came on the data pipe: is its lookup buffer running?"
+                )
                 raise KVPeerLostError(
                     f"lookup buffer: the producer at {self._address} did not answer a select within "
-                    f"{bound:g} s (its wait + kv_timeout)"
+                    f"{bound:g} s (its wait + kv_timeout){unstarted}"
                 )
             # A hit larger than the bound is still on its way: wait while the pipe makes progress.
             stall = 2 * self._config.kv_timeout

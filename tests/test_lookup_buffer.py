@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from kv_pipe import KVTransferConfig
-from kv_pipe.errors import KVBufferFullError, KVConfigError, KVPipeClosedError, KVProtocolError, KVTimeoutError
+from kv_pipe.errors import (
+    KVBufferFullError,
+    KVConfigError,
+    KVPeerLostError,
+    KVPipeClosedError,
+    KVProtocolError,
+    KVTimeoutError,
+)
 from lookup_buffer import KVInvalidRequestError, SimpleBuffer, matching
 from lookup_buffer.control import Doorbell, control_address
 from lookup_buffer.matching import TOKEN_DTYPES, MatchKey, token_arrays
@@ -690,6 +697,35 @@ def test_a_hit_slower_than_the_answer_bound_is_still_delivered() -> None:
     assert bodies.same_bits(got[0], tokens) and bodies.same_bits(got[1], roi)
     assert bodies.same_bits(got[2], key) and bodies.same_bits(got[3], value) and got[4] is None
     assert (stats.hits, stats.waits, stats.misses) == (1, 1, 0)
+
+
+class _SilentPipe:
+    """A consumer's data pipe on which nothing ever arrives, not even the producer's session."""
+
+    port_offset = 0
+
+    def __init__(self) -> None:
+        self._closed = threading.Event()
+
+    def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
+        if not self._closed.wait(timeout):
+            raise KVTimeoutError(f"nothing arrived within {timeout:g} s")
+        raise KVPipeClosedError("closed")
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+@pytest.mark.timeout(60)
+def test_a_select_without_a_producer_session_fails_within_its_bound_and_says_why() -> None:
+    cfg = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_port=procs.free_port(), kv_timeout=0.5)
+    buffer = SimpleBuffer(_SilentPipe(), cfg)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(KVPeerLostError, match="session header never came"):
+            buffer.drop_select(torch.tensor([1, 2]), torch.ones(2, dtype=torch.bool), timeout=0.2)
+        assert buffer.stats().pending == 0
+    finally:
+        buffer.close()
 
 
 @pytest.mark.timeout(60)

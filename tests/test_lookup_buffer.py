@@ -28,6 +28,7 @@ from kv_pipe.errors import (
 from lookup_buffer import KVInvalidRequestError, SimpleBuffer, matching
 from lookup_buffer.control import Doorbell, control_address
 from lookup_buffer.matching import TOKEN_DTYPES, MatchKey, token_arrays
+from lookup_buffer.producer import BufferProducer
 from lookup_buffer.protocol import (
     PROTOCOL_VERSION,
     SESSION_BYTES,
@@ -174,6 +175,28 @@ def test_every_junk_message_is_refused() -> None:
         assert caught.value.reason == reason, (name, caught.value)
         with pytest.raises(MessageError):
             decode_refusal(UNSIGNED, frames[0])
+
+
+def test_a_select_is_accepted_once_whatever_number_of_selects_follow() -> None:
+    """Freshness holds past any window of remembered ids: a select is refused once a later one was
+    accepted, after 70,000 later ones as at once, and a select of another session is refused."""
+    session = os.urandom(SESSION_BYTES)
+    producer = types.SimpleNamespace(_session=session, _last_counter=0)  # the state _check_fresh uses
+    tokens, roi = token_arrays(torch.tensor([-4, -5]), torch.ones(2, dtype=torch.bool))
+
+    def fresh(counter: int, of: bytes = session) -> bool:
+        try:
+            BufferProducer._check_fresh(producer, select_request(counter, tokens, roi, 0, of, counter))
+            return True
+        except MessageError as exc:
+            assert exc.reason == "stale" and exc.request_id == counter, exc
+            return False
+
+    assert fresh(1) and not fresh(1)
+    assert all(fresh(counter) for counter in range(2, 70_002))
+    assert not any(fresh(counter) for counter in (1, 2, 65_537, 70_001))
+    assert not fresh(70_002, of=os.urandom(SESSION_BYTES))  # a restarted producer has another session
+    assert fresh(70_002) and fresh(10**18)  # counters may skip (requests lost on the way)
 
 
 def test_unknown_version_names_both_versions() -> None:

@@ -1,4 +1,4 @@
-"""README.md's quick start is what CI runs, its links resolve, and the repository speaks of the product only.
+"""README.md's quick start is what CI runs, its links and cited tests exist, and no file speaks of history.
 
 CI (.ci/run) installs with ``bash scripts/install.sh``, then runs the line after the
 ``<!-- test command -->`` marker in README.md that starts with ``python -m pytest``. These tests
@@ -110,6 +110,26 @@ def test_links_between_docs_pages_exist() -> None:
             if "://" not in target and not (page.parent / target).is_file():
                 missing.append(f"{page.name} -> {target}")
     assert not missing, missing
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """The failure tables name the test behind each row: a renamed or deleted test must not leave a
+    row citing nothing."""
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    cited = {match for page in pages
+             for match in re.findall(r"(test_\w+\.py)::(test_\w+)", page.read_text(encoding="utf-8"))}
+    assert cited, "no page cites a test"
+    defined: dict[str, set[str]] = {}
+    missing = []
+    for file_name, test_name in sorted(cited):
+        if file_name not in defined:
+            path = ROOT / "tests" / file_name
+            tree = ast.parse(path.read_text(encoding="utf-8")) if path.is_file() else ast.Module(body=[])
+            defined[file_name] = {node.name for node in ast.walk(tree)
+                                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        if test_name not in defined[file_name]:
+            missing.append(f"{file_name}::{test_name}")
+    assert not missing, f"the docs cite tests that do not exist: {missing}"
 
 
 @pytest.mark.parametrize("text, is_history", [

@@ -71,6 +71,11 @@ class KVPipeBase(abc.ABC):
         of :meth:`send_tensor`; every item is checked before any is queued.
         """
 
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor to fill and then send, in memory the pipe sends fastest (see the
+        implementation); a plain ``torch.empty`` here. Once sent, do not modify it. Thread-safe."""
+        return torch.empty(tuple(shape), dtype=dtype)
+
     @abc.abstractmethod
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
         """Return the next tensor (or ``None``) the peer sent, on this pipe's device.

@@ -28,11 +28,12 @@ validated before use.
 
 from __future__ import annotations
 
+import collections
 import ctypes
-import dataclasses
 import hashlib
 import hmac
 import logging
+import math
 import os
 import stat
 import threading
@@ -53,6 +54,9 @@ logger = logging.getLogger(__name__)
 #: The largest segment a pipe end creates (address space only: pages are touched as they are used).
 MAX_SEGMENT_BYTES = 1 << 30
 _SEGMENT_NAME = "kvbridge-pipe"
+# States of a lent region: not sent yet; sent; sent and given back by the peer while the caller's
+# tensor lives; sent and the caller's tensor died while the peer holds it.
+_LENT_UNSENT, _LENT_SENT, _LENT_PEER_DONE, _LENT_CALLER_DONE = range(4)
 _TAG = 8  # the tag of the exchange over the groups; frames and authentication use others
 _DESCRIPTOR_WORDS = 8
 
@@ -152,19 +156,35 @@ class RegionAllocator:
             if index > 0 and self._free[index - 1][1] == self._free[index][0]:
                 self._free[index - 1] = (self._free[index - 1][0], self._free.pop(index)[1])
 
+    def region_bytes(self, start: int) -> int:
+        """The size of the region handed out at ``start`` (0 if none was)."""
+        with self._lock:
+            return self._used.get(start, start) - start
+
     @property
     def used_bytes(self) -> int:
         with self._lock:
             return sum(end - start for start, end in self._used.items())
 
 
-@dataclasses.dataclass
 class SharedMemoryLink:
-    """One pipe end's view of both segments: its own (written) and the peer's (read through views)."""
+    """One pipe end's view of both segments: its own (written) and the peer's (read through views).
 
-    own: Segment | None  # None: payloads towards the peer go over the transport
-    peer: Segment | None  # None: the peer's payloads come over the transport
-    allocator: RegionAllocator | None
+    A region of this side's segment is either *placed*: filled by a copy when its payload is sent,
+    and free again once the peer gives it back; or *lent*: handed to the caller as a tensor to fill
+    (:meth:`lend`), sent without a copy, and free again once the peer has given it back AND the
+    caller's tensor has died, so that neither side ever sees the region reused under its tensor.
+    """
+
+    def __init__(self, own: Segment | None, peer: Segment | None) -> None:
+        self.own = own  # None: payloads towards the peer go over the transport
+        self.peer = peer  # None: the peer's payloads come over the transport
+        self.allocator = RegionAllocator(SHARED_DATA_START, own.nbytes) if own is not None else None
+        self._lent: dict[int, int] = {}  # place of a lent region -> its _LENT_* state
+        # Finalizers only append here (atomic): they may run inside any critical section, even this
+        # class's own, so they take no lock; the regions are settled at the next call.
+        self._died: collections.deque[int] = collections.deque()
+        self._lock = threading.Lock()
 
     @property
     def peer_bytes(self) -> int:
@@ -175,6 +195,7 @@ class SharedMemoryLink:
         """Where a payload of ``nbytes`` goes in this side's segment, or 0 if it goes over the transport."""
         if self.allocator is None:
             return 0
+        self._settle_deaths()
         return self.allocator.allocate(nbytes) or 0
 
     def write(self, place: int, flat: torch.Tensor) -> None:
@@ -183,14 +204,64 @@ class SharedMemoryLink:
         # peer's on a small host.
         ctypes.memmove(self.own.address + place, flat.data_ptr(), flat.numel())
 
+    def lend(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor over a free region of this side's segment, or None if none is free."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        place = self.place(nbytes)
+        if not place:
+            return None
+        region = self.own.array[place : place + nbytes]
+        with self._lock:
+            self._lent[place] = _LENT_UNSENT
+        weakref.finalize(region, self._died.append, place).atexit = False
+        return torch.from_numpy(region).view(dtype).reshape(shape)
+
+    def take_lent(self, data: torch.Tensor) -> int:
+        """The place of ``data`` if it is exactly a lent region not sent yet (now marked sent), else 0."""
+        place = data.data_ptr() - self.own.address
+        self._settle_deaths()
+        with self._lock:
+            if self._lent.get(place) != _LENT_UNSENT or data.nbytes > self.allocator.region_bytes(place):
+                return 0
+            self._lent[place] = _LENT_SENT
+        return place
+
     def release(self, places: np.ndarray) -> None:
+        """The peer gave these regions back (a FREED record); KVProtocolError for one it never had."""
+        self._settle_deaths()
         for place in places.tolist():
+            with self._lock:
+                state = self._lent.get(place)
+                if state == _LENT_UNSENT or state == _LENT_PEER_DONE:
+                    raise KVProtocolError(f"peer freed shared-memory offset {place}, which it does not hold")
+                if state == _LENT_SENT:
+                    self._lent[place] = _LENT_PEER_DONE  # free once the caller's tensor dies too
+                    continue
+                if state == _LENT_CALLER_DONE:
+                    del self._lent[place]
+            self.allocator.release(place)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of this side's segment in use: placed or lent, and not given back yet."""
+        self._settle_deaths()
+        return self.allocator.used_bytes if self.allocator is not None else 0
+
+    def _settle_deaths(self) -> None:
+        """Free, or mark, the lent regions whose local tensors have died since the last call."""
+        while self._died:
+            place = self._died.popleft()
+            with self._lock:
+                if self._lent[place] == _LENT_SENT:
+                    self._lent[place] = _LENT_CALLER_DONE  # free once the peer gives it back too
+                    continue
+                del self._lent[place]
             self.allocator.release(place)
 
     def view(self, place: int, dtype: torch.dtype, shape: tuple[int, ...], on_free: Callable[[int], None]
              ) -> torch.Tensor:
         """A tensor over the peer's segment at ``place``; ``on_free(place)`` runs once it has died."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         region = self.peer.array[place : place + nbytes]
         # torch.from_numpy keeps ``region`` alive exactly as long as the tensor's storage, so the
         # finalizer runs when the last tensor, view or array over it has gone.
@@ -243,5 +314,4 @@ def establish(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: in
         )
     if not sends_shared and peer_segment is None:
         return None
-    allocator = RegionAllocator(SHARED_DATA_START, own.nbytes) if sends_shared else None
-    return SharedMemoryLink(own if sends_shared else None, peer_segment, allocator)
+    return SharedMemoryLink(own if sends_shared else None, peer_segment)

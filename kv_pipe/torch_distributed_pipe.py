@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -78,13 +79,14 @@ class _Outgoing:
     """One queued item: a frame kind and, for tensors, the contiguous data on the pipe's device.
     The send queue holds units: lists of items that go out back to back."""
 
-    __slots__ = ("kind", "data", "nbytes", "cost")
+    __slots__ = ("kind", "data", "nbytes", "cost", "in_place")
 
     def __init__(self, kind: FrameKind, data: torch.Tensor | None = None) -> None:
         self.kind = kind
         self.data = data
         self.nbytes = 0 if data is None else data.nbytes
         self.cost = message_cost(self.nbytes)
+        self.in_place = False  # the data already lies in this side's shared-memory segment
 
 
 class TorchDistributedPipe(KVPipeBase):
@@ -127,7 +129,9 @@ class TorchDistributedPipe(KVPipeBase):
                                                    config.kv_shared_memory, self._credit.budget, self.device)
         except (RuntimeError, OSError) as exc:
             raise KVPeerLostError(f"pipe rank {self.rank}: the peer vanished during setup: {exc}") from exc
-        self._freed: list[int] = []  # regions of the peer's segment whose tensors died, to give back
+        # Regions of the peer's segment whose tensors died, to give back. Appended to by finalizers,
+        # which may run in any thread at any moment: a deque's append and popleft are atomic.
+        self._freed: collections.deque[int] = collections.deque()
 
         # Reentrant: a received tensor over shared memory may die, and tell the pipe, in any thread
         # at any moment, including inside the pipe's own critical sections (garbage collection).
@@ -161,6 +165,23 @@ class TorchDistributedPipe(KVPipeBase):
     @property
     def max_tensor_bytes(self) -> int:
         return self._credit.budget - message_cost(0)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor to fill and send: on the same-host path it lies in this side's shared-memory
+        segment, and :meth:`send_tensor` hands it to the peer without copying it; otherwise it is
+        pooled memory of the pipe's device (warm pages: fresh ones cost more than the wire).
+
+        Once sent, its memory is also the peer's tensor: do not modify it after sending. Its region
+        is reused only once both the peer's tensor and every local reference to it have died.
+        Thread-safe.
+        """
+        shape = tuple(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._shared is not None and self._shared.own is not None and nbytes > self._wire.inline_capacity:
+            lent = self._shared.lend(shape, dtype)
+            if lent is not None:
+                return lent
+        return self._wire.allocate(nbytes).view(dtype).reshape(shape)
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -319,14 +340,13 @@ class TorchDistributedPipe(KVPipeBase):
         """A FREED record for regions of the peer's segment whose tensors died, if any (hold ``_cond``)."""
         if not self._freed:
             return None
-        places = self._freed[:MAX_FREED_PER_RECORD]
-        del self._freed[:MAX_FREED_PER_RECORD]
+        places = [self._freed.popleft() for _ in range(min(len(self._freed), MAX_FREED_PER_RECORD))]
         return _Outgoing(FrameKind.FREED, torch.tensor(places, dtype=torch.int64))
 
     def _region_freed(self, place: int) -> None:
         """A received tensor over the peer's segment died: give its region back."""
+        self._freed.append(place)
         with self._cond:
-            self._freed.append(place)
             self._sender_wakeup.notify()
 
     def _frame_headers(self, unit: list[_Outgoing]) -> list[FrameHeader]:
@@ -345,8 +365,10 @@ class TorchDistributedPipe(KVPipeBase):
             if message.data is not None:
                 header.dtype, header.shape = message.data.dtype, tuple(message.data.shape)
                 header.inline = message.nbytes <= record_inline_capacity(frame_bytes, offset)
-                if not header.inline and self._shared is not None:
-                    header.place = self._shared.place(message.nbytes)
+                if not header.inline and self._shared is not None and self._shared.own is not None:
+                    header.place = self._shared.take_lent(message.data)
+                    message.in_place = bool(header.place)
+                    header.place = header.place or self._shared.place(message.nbytes)
             if message.kind in ITEM_KINDS:
                 self._next_send_seq += 1
             if index < len(unit) - 1:
@@ -363,7 +385,8 @@ class TorchDistributedPipe(KVPipeBase):
         for header, message in zip(headers, unit, strict=True):
             self._wire.write_record(offset, header, message.data)
             if header.place:
-                self._shared.write(header.place, flat_bytes(message.data))
+                if not message.in_place:
+                    self._shared.write(header.place, flat_bytes(message.data))
             elif header.kind is FrameKind.TENSOR and not header.inline:
                 payloads.append(flat_bytes(message.data))
             message.data = None  # the caller's tensor is released as soon as it is on the wire

@@ -195,7 +195,7 @@ def body_frame_boundaries(rank: int, port: int) -> int:
         pipe.send_tensor(None)  # with shared memory, behind the regions the dropped tensors held
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
         if pipe.uses_shared_memory:  # every region this side filled came back
-            assert pipe._shared.allocator.used_bytes == 0, "shared-memory regions were not given back"
+            assert pipe._shared.used_bytes == 0, "shared-memory regions were not given back"
     return received
 
 

@@ -94,7 +94,59 @@ def body_watched(rank: int, port: int, events) -> None:
     events.put(("outcome", rank, outcome))
 
 
+def body_lent(rank: int, port: int, mode: str) -> dict:
+    """Rank 0 fills tensors the pipe lent it and sends them; rank 1 checks them and reports where they lie."""
+    pipe = TorchDistributedPipe(config(rank, port, mode))
+    report = {}
+    with pipe:
+        shape, dtype = (3, 1 << 18), torch.float32  # 3 MiB: a payload
+        want = random_tensor(torch.Generator().manual_seed(9), dtype, shape)
+        if rank == 0:
+            lent = pipe.empty(shape, dtype)
+            lent.copy_(want)
+            report["offset"] = lent.data_ptr() - pipe._shared.own.address if pipe.uses_shared_memory else None
+            pipe.send_tensor(lent)
+            assert pipe.recv_tensor(timeout=30) is None  # the peer dropped its tensor (FREED went first)
+            if pipe.uses_shared_memory:
+                # Still held here: its region must not be lent again.
+                again = pipe.empty(shape, dtype)
+                report["held_region_reused"] = again.data_ptr() == lent.data_ptr()
+                del lent, again
+                third = pipe.empty(shape, dtype)  # now both are gone: the first region is free again
+                report["freed_region_reused"] = third.data_ptr() - pipe._shared.own.address == report["offset"]
+                unsent = pipe.empty((5 << 20,), torch.uint8)
+                used = pipe._shared.used_bytes
+                del unsent  # never sent: its region comes back at once
+                report["unsent_released"] = pipe._shared.used_bytes == used - (5 << 20)
+                del third
+            pipe.send_tensor(None)
+            return report
+        got = pipe.recv_tensor(timeout=30)
+        assert same_bits(got, want)
+        report["offset"] = got.data_ptr() - pipe._shared.peer.address if pipe.uses_shared_memory else None
+        del got
+        pipe.send_tensor(None)
+        assert pipe.recv_tensor(timeout=30) is None
+        return report
+
+
 # ---------------------------------------------------------------- tests
+
+
+@pytest.mark.timeout(120)
+def test_a_lent_tensor_is_sent_without_a_copy_and_its_region_comes_back_only_when_both_sides_dropped_it():
+    port = procs.free_port()
+    sender, receiver = procs.run_pair(body_lent, (0, port, "on"), (1, port, "on"), timeout=100)
+    assert sender["offset"] == receiver["offset"] is not None, (sender, receiver)  # the peer's view is the lent region
+    assert sender["held_region_reused"] is False and sender["freed_region_reused"] is True, sender
+    assert sender["unsent_released"] is True, sender
+
+
+@pytest.mark.timeout(120)
+def test_empty_gives_sendable_memory_on_the_transport_path_too():
+    port = procs.free_port()
+    sender, receiver = procs.run_pair(body_lent, (0, port, "off"), (1, port, "off"), timeout=100)
+    assert sender == {"offset": None} and receiver == {"offset": None}
 
 
 @pytest.mark.timeout(120)

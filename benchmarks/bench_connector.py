@@ -1,0 +1,161 @@
+"""A vLLM-shaped transfer end to end against the pipe alone, measured in the same run.
+
+Two spawned processes, a producer (rank 0) and a consumer (rank 1), each with paged KV caches in
+vLLM's CPU layout (``[num_blocks, kv_heads, block_size, 2 * head_size]`` per layer) and two pipes:
+
+* **pipe alone**: the consumer asks with a one-element tensor; the producer sends a tensor of the
+  transfer's size that it gathered once beforehand; the consumer has it as soon as it arrives.
+* **connector**: the consumer asks the same way; the producer gathers the request's blocks out of
+  its caches and inserts them into a lookup buffer (``send_kv_caches_and_hidden_states``); the
+  consumer selects them and scatters them into other blocks of its own caches
+  (``recv_kv_caches_and_hidden_states``).
+
+Both are timed on the consumer, from the ask to the data being usable (received, or written into
+its caches), alternating request by request, and both pipes use the same payload path (shared
+memory, or the transport with ``--path transport``). The consumer checks its caches bit for bit
+after the first connector transfer of each size. The last column is the connector's rate as a
+fraction of the pipe's.
+
+    python benchmarks/bench_connector.py [--mib 16,64] [--repeats 7] [--path shared-memory|transport]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import queue
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connector import (  # noqa: E402
+    VLLM_CPU_LAYOUT,
+    KVRequest,
+    PagedKV,
+    PagedKVCaches,
+    gather_blocks,
+    recv_kv_caches_and_hidden_states,
+    send_kv_caches_and_hidden_states,
+)
+from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
+from lookup_buffer import SimpleBuffer  # noqa: E402
+from tests.procs import free_port  # noqa: E402
+
+LAYERS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE = 8, 8, 32, 128
+BLOCK_BYTES = KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 4  # fp32: 256 KiB per block and layer
+PATHS = {"shared-memory": "on", "transport": "off"}
+
+
+def caches(num_blocks: int, seed: int) -> PagedKVCaches:
+    generator = torch.Generator().manual_seed(seed)
+    layers = [torch.randn(num_blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE, generator=generator) for _ in range(LAYERS)]
+    return PagedKVCaches(layers, VLLM_CPU_LAYOUT)
+
+
+def request_blocks(nbytes: int, num_blocks: int, seed: int) -> torch.Tensor:
+    """Distinct, shuffled block ids of a request of ``nbytes`` (over all layers)."""
+    count = nbytes // (BLOCK_BYTES * LAYERS)
+    return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:count]
+
+
+def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, results) -> None:
+    torch.set_num_threads(1)
+    largest = max(mib) << 20
+    config = KVTransferConfig(kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_rank=rank, kv_port=port,
+                              kv_buffer_size=2 * largest + (64 << 20), kv_timeout=60.0, kv_connect_timeout=60.0,
+                              kv_shared_memory=PATHS[path])
+    raw = TorchDistributedPipe(config, port_offset=2)
+    buffer = SimpleBuffer(TorchDistributedPipe(config), config)
+    num_blocks = 2 * largest // (BLOCK_BYTES * LAYERS)
+    paged = caches(num_blocks, seed=rank)
+    rows = []
+    try:
+        for size in mib:
+            nbytes = size << 20
+            producer_ids = request_blocks(nbytes, num_blocks, seed=size)
+            consumer_ids = request_blocks(nbytes, num_blocks, seed=size + 1)
+            tokens = torch.arange(len(producer_ids) * BLOCK_SIZE, dtype=torch.int64) + size
+            gathered = gather_blocks(paged.caches, VLLM_CPU_LAYOUT, producer_ids)
+            alone, connected = [], []
+            for index in range(repeats + 1):  # the first of each is a warm-up
+                if rank == 0:
+                    raw.recv_tensor(timeout=120)
+                    raw.send_tensor(gathered)
+                    raw.recv_tensor(timeout=120)
+                    send_kv_caches_and_hidden_states(buffer, [KVRequest(tokens, PagedKV(paged, producer_ids))],
+                                                     timeout=120)
+                    continue
+                start = time.perf_counter()
+                raw.send_tensor(torch.ones(1))
+                received = raw.recv_tensor(timeout=120)
+                alone.append(time.perf_counter() - start)
+                del received  # gives its shared-memory region back
+                start = time.perf_counter()
+                raw.send_tensor(torch.ones(1))
+                [result] = recv_kv_caches_and_hidden_states(buffer, [KVRequest(tokens, PagedKV(paged, consumer_ids))],
+                                                            timeout=120)
+                connected.append(time.perf_counter() - start)
+                assert result.hit, result.reason
+                if index == 0:  # the producer's caches were seeded with rank 0: rebuild its blocks here
+                    expected = gather_blocks(caches(num_blocks, seed=0).caches, VLLM_CPU_LAYOUT, producer_ids)
+                    assert torch.equal(gather_blocks(paged.caches, VLLM_CPU_LAYOUT, consumer_ids), expected)
+            if rank == 1:
+                rows.append((nbytes, statistics.median(alone[1:]), statistics.median(connected[1:])))
+        if rank == 1:
+            results.put((raw.uses_shared_memory, rows))
+            raw.send_tensor(None)  # done: the producer closes only after the last select
+        else:
+            assert raw.recv_tensor(timeout=120) is None
+    finally:
+        buffer.close()
+        raw.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", default="16,64", help="transfer sizes in MiB (multiples of 2)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--path", choices=sorted(PATHS), default="shared-memory")
+    args = parser.parse_args()
+    mib = [int(size) for size in args.mib.split(",")]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port(span=4)
+    processes = [ctx.Process(target=worker, args=(rank, port, mib, args.repeats, args.path, results))
+                 for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    try:
+        deadline = time.monotonic() + 1800
+        while True:
+            try:
+                shared, rows = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if any(process.exitcode not in (None, 0) for process in processes):
+                    raise SystemExit("a benchmark process failed; see its traceback above") from None
+                if time.monotonic() > deadline:
+                    raise SystemExit("the benchmark did not finish within 1800 s") from None
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    print(f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
+          f"layout; payloads {'through shared memory' if shared else 'over the transport'}; medians of "
+          f"{args.repeats}, one way, timed by the consumer")
+    print(f"{'size':>8} | {'pipe alone ms':>13} | {'connector ms':>12} | {'pipe GB/s':>9} | "
+          f"{'connector GB/s':>14} | {'connector/pipe':>14}")
+    print("-" * 86)
+    for nbytes, alone, connected in rows:
+        print(f"{nbytes >> 20:>4} MiB | {alone * 1e3:13.2f} | {connected * 1e3:12.2f} | {nbytes / alone / 1e9:9.2f} | "
+              f"{nbytes / connected / 1e9:14.2f} | {alone / connected:13.2f}x")
+
+
+if __name__ == "__main__":
+    main()

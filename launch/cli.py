@@ -1,5 +1,7 @@
 """The ``kvbridge`` command. ``kvbridge pair`` is ``torchrun --nproc-per-node=2 -m launch.pair``;
-``kvbridge serve ...`` is ``python -m launch.serve ...`` (prefill + decode vLLM servers and the proxy).
+``kvbridge serve ...`` is ``python -m launch.serve ...`` (prefill + decode vLLM servers and the proxy);
+``kvbridge --version`` prints the version. A missing optional dependency is reported with the extra
+that provides it (``pip install 'kvbridge[pair]'``, ``[serve]``, ``[vllm]``).
 
 Workload options set the matching ``KVBRIDGE_*`` variables (see :mod:`launch.pair`); every other
 option goes to torchrun unchanged, e.g. ``kvbridge pair --nnodes=2 --node-rank=0 --master-addr=HOST

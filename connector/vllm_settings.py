@@ -15,7 +15,8 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
     (see :mod:`connector.transfer_plan`) before recomputing it. Unannounced requests never wait.
 ``kv_save_timeout`` (seconds, default 1)
     How long the producer waits for room in its lookup buffer before dropping a request's KV
-    (the consumer then recomputes it). The engine step waits too, so keep it short.
+    (the request is then announced with 0 tokens and the consumer computes it at once). The
+    engine step waits too, so keep it short.
 ``kv_secret_file`` (path, default unset)
     A file holding the shared secret (see :mod:`connector.secret`). The secret itself is never
     a key here: vLLM's command line and logs would show it. ``KVBRIDGE_KV_SECRET`` /

@@ -39,6 +39,9 @@ How it works:
   moves its own heads' share of the KV. Pipeline parallelism is not supported.
 * Both instances must start within ``kv_connect_timeout`` of each other: a worker's start blocks
   until its peer is there.
+* The shared secret comes from the instance's environment (``KVBRIDGE_KV_SECRET`` or
+  ``KVBRIDGE_KV_SECRET_FILE``) or from ``kv_secret_file``, never from ``kv_secret`` in the
+  transfer config, which ``ps`` and vLLM's logs would show (:mod:`connector.secret`).
 """
 
 from __future__ import annotations

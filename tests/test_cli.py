@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import shutil
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -15,10 +16,15 @@ from launch import cli
 from launch.extras import MissingExtraError, needs_extra
 
 
+def console_script() -> str:
+    """The ``kvbridge`` command pip installed into this Python's environment."""
+    path = Path(sysconfig.get_path("scripts")) / "kvbridge"
+    assert path.is_file(), f"no kvbridge console script in {path.parent} (scripts/install.sh installs it)"
+    return str(path)
+
+
 def test_console_script_prints_the_version() -> None:
-    kvbridge = shutil.which("kvbridge")
-    assert kvbridge is not None, "the kvbridge console script is not installed (scripts/install.sh installs it)"
-    done = subprocess.run([kvbridge, "--version"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([console_script(), "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"kvbridge {importlib.metadata.version('kvbridge')}\n"
 

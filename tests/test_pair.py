@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from launch.cli import torchrun_args
 from launch.model import build_model, greedy_continue, greedy_generate, prefill, weights_digest
 from launch.pair import PairSettings, decode_order, make_prompts
 from tests import procs
+from tests.test_cli import console_script
 
 NUM_PROMPTS = 5
 #: A small workload: the pair then runs in a few seconds on 2 cores.
@@ -112,10 +112,8 @@ def test_console_script_pair_matches_with_a_secret_file(tmp_path: Path) -> None:
     secret = tmp_path / "kv_secret"
     secret.write_text("correct horse battery staple\n")
     secret.chmod(0o600)
-    kvbridge = shutil.which("kvbridge")
-    assert kvbridge is not None, "the kvbridge console script is not installed (scripts/install.sh installs it)"
     port = procs.free_port(span=6)
-    command = [kvbridge, "pair", "--num-prompts", str(NUM_PROMPTS),
+    command = [console_script(), "pair", "--num-prompts", str(NUM_PROMPTS),
                "--master-addr=127.0.0.1", f"--master-port={port}"]
     [result] = run_processes([(command, {"KVBRIDGE_KV_SECRET_FILE": str(secret)})], tmp_path, timeout=140)
     assert result.returncode == 0, explain(result)

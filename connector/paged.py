@@ -1,7 +1,7 @@
 """Paged KV caches: a request's KV is a list of whole blocks inside one cache tensor per layer.
 
 Blocks are moved whole and their interior is never interpreted: vLLM's CPU layout stores K
-transposed inside a block (see shared/notes/vllm-cpu.md), and other backends use other interiors, so
+transposed inside a block (see docs/architecture.md), and other backends use other interiors, so
 slicing single tokens out of a block would corrupt K. All that is assumed is which dimension counts
 blocks and which one counts the tokens of a block.
 

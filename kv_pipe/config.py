@@ -34,7 +34,7 @@ class KVTransferConfig:
             rendezvous (TCPStore) and, in a lookup buffer, the producer's control server.
         kv_parallel_size: members of the transfer group; kvbridge pipes are point-to-point, so 2.
         kv_ip: address of rank 0, where the rendezvous and control channel listen.
-        kv_port: first port used (see README, "Ports").
+        kv_port: first port used (see docs/configuration.md, "Ports").
         kv_buffer_size: byte budget: bytes a pipe keeps in flight, and bytes a lookup buffer holds.
         kv_buffer_device: ``cpu`` (gloo) or ``cuda`` (NCCL; tensors received on the current device).
         kv_timeout: seconds after which a silent peer is declared lost; also the default bound of

@@ -40,10 +40,18 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kv_pipe.errors import KVConfigError
+
+#: Makes a new host tensor of a shape and dtype, as :func:`host_empty` does.
+EmptyTensor = Callable[[Sequence[int], torch.dtype], torch.Tensor]
+
+
+def host_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype)
 
 
 class KVStorage(abc.ABC):
@@ -58,8 +66,10 @@ class KVStorage(abc.ABC):
         """Raise :class:`KVConfigError` if this storage cannot hold the KV of ``num_tokens`` tokens."""
 
     @abc.abstractmethod
-    def pack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The request's KV as the (key, value) pair stored in the lookup buffer; new tensors."""
+    def pack(self, empty: EmptyTensor = host_empty) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The request's KV as the (key, value) pair stored in the lookup buffer: new tensors, made
+        with ``empty(shape, dtype)`` (the buffer's :meth:`~lookup_buffer.KVLookupBufferBase.empty`,
+        so that they need no further copy on their way)."""
 
     @abc.abstractmethod
     def mismatch(self, key: torch.Tensor | None, value: torch.Tensor | None) -> str | None:

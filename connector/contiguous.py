@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from connector.base import KVStorage
+from connector.base import EmptyTensor, KVStorage, host_empty
 from kv_pipe.errors import KVConfigError
 
 
@@ -59,8 +59,12 @@ class ContiguousKV(KVStorage):
         # shape check covers it.
         return None
 
-    def pack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.stack(list(self.keys)), torch.stack(list(self.values))
+    def pack(self, empty: EmptyTensor = host_empty) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.keys[0].device.type != "cpu":  # a buffer's memory is host memory
+            return torch.stack(list(self.keys)), torch.stack(list(self.values))
+        key = empty((len(self.keys), *self.keys[0].shape), self.keys[0].dtype)
+        value = empty((len(self.values), *self.values[0].shape), self.values[0].dtype)
+        return torch.stack(list(self.keys), out=key), torch.stack(list(self.values), out=value)
 
     def mismatch(self, key: torch.Tensor | None, value: torch.Tensor | None) -> str | None:
         return _mismatch("key", key, self.keys) or _mismatch("value", value, self.values)

@@ -28,7 +28,7 @@ def send_kv_caches_and_hidden_states(
     results = []
     for request in requests:
         start = time.perf_counter()
-        key, value = request.kv.pack()
+        key, value = request.kv.pack(buffer.empty)
         roi = request.roi
         buffer.insert(request.input_tokens, roi, key, value, request.hidden, timeout=timeout)
         num_bytes = _nbytes(request.input_tokens, roi, key, value, request.hidden)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from connector.base import KVStorage
+from connector.base import EmptyTensor, KVStorage, host_empty
 from kv_pipe.errors import KVConfigError
 
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -74,15 +74,19 @@ def _runs(block_ids: torch.Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
-def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_ids: torch.Tensor) -> torch.Tensor:
+def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_ids: torch.Tensor,
+                  empty: EmptyTensor | None = None) -> torch.Tensor:
     """Copy the blocks ``block_ids`` (in that order) of every layer into one new tensor.
 
     Returns a tensor of shape ``[num_layers, *layout.block_shape(cache, len(block_ids))]`` with the
-    caches' dtype, on the caches' device.
+    caches' dtype, made by ``empty(shape, dtype)`` (default: ``torch.empty`` on the caches' device).
     """
     first = caches[0]
-    out = torch.empty((len(caches), *layout.block_shape(first, len(block_ids))), dtype=first.dtype,
-                      device=first.device)
+    shape = (len(caches), *layout.block_shape(first, len(block_ids)))
+    if empty is None:
+        out = torch.empty(shape, dtype=first.dtype, device=first.device)
+    else:
+        out = empty(shape, first.dtype)
     runs = _runs(block_ids)
     dim = layout.block_dim
     # A run of consecutive blocks is one strided copy: 3-6x faster here than index_select's
@@ -175,8 +179,11 @@ class PagedKV(KVStorage):
                 f"got {len(self.block_ids)} block ids"
             )
 
-    def pack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return gather_blocks(self.caches.caches, self.caches.layout, self.block_ids), None
+    def pack(self, empty: EmptyTensor = host_empty) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = self.caches.caches[0].device
+        # A buffer's memory is host memory: a device cache gathers on its device (the pipe moves it).
+        maker = empty if device.type == "cpu" else None
+        return gather_blocks(self.caches.caches, self.caches.layout, self.block_ids, maker), None
 
     def mismatch(self, key: torch.Tensor | None, value: torch.Tensor | None) -> str | None:
         if key is None:

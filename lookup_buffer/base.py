@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Sequence
 from types import TracebackType
 
 import torch
@@ -115,6 +116,11 @@ class KVLookupBufferBase(abc.ABC):
             KVPeerLostError / KVPipeClosedError / KVProtocolError: the consumer died or closed,
                 or the buffer was closed (also wakes an insert blocked on a full buffer).
         """
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Producer: a new tensor to fill and then :meth:`insert` (as key, value or hidden), in
+        memory the buffer sends fastest; a plain ``torch.empty`` here. Do not modify it once inserted."""
+        return torch.empty(tuple(shape), dtype=dtype)
 
     @abc.abstractmethod
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:

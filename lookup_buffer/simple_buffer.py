@@ -9,6 +9,8 @@ travel on the pipe. The contract is in :mod:`lookup_buffer.base`, the wire forma
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kv_pipe.base import KVPipeBase
@@ -41,6 +43,7 @@ class SimpleBuffer(KVLookupBufferBase):
         config.validate()
         address = control_address(config, data_pipe.port_offset)
         self.config = config
+        self._data_pipe = data_pipe
         self._side: BufferProducer | BufferConsumer
         if config.kv_role == "kv_producer":
             self._side = BufferProducer(data_pipe, config, address)
@@ -65,6 +68,11 @@ class SimpleBuffer(KVLookupBufferBase):
             raise KVConfigError(f"insert() needs kv_role='kv_producer'; this buffer is {self.config.kv_role!r}")
         seconds = self.config.kv_timeout if timeout is None else _seconds(timeout)
         self._side.insert(input_tokens, roi, key, value, hidden, seconds)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor in the data pipe's fastest memory (:meth:`kv_pipe.KVPipeBase.empty`): on one host,
+        a hit's tensors made here go to the consumer without a copy."""
+        return self._data_pipe.empty(shape, dtype)
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:
         if not isinstance(self._side, BufferConsumer):

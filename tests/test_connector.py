@@ -336,3 +336,48 @@ def test_send_recv_over_pipe_and_buffer() -> None:
     # Every byte the producer inserted for a hit arrived.
     assert outcome["a"][2] == sent_bytes[0] and outcome["contiguous"][2] == sent_bytes[len(PAGED_REQUESTS)]
     assert outcome["absent"][2] == 0
+
+
+class _RecordingBuffer(_FixedEntryBuffer):
+    """Keeps what was inserted, and hands out every tensor to fill from memory it remembers."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.made: list[torch.Tensor] = []
+        self.inserted: list[tuple] = []
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        tensor = torch.full(tuple(shape), 7, dtype=dtype)  # not what the gather writes
+        self.made.append(tensor)
+        return tensor
+
+    def insert(self, input_tokens, roi, key, value, hidden, timeout=None) -> None:
+        self.inserted.append((key, value))
+
+
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_send_fills_tensors_the_buffer_made(kind: str) -> None:
+    """The producer gathers straight into the buffer's memory (on one host, the pipe's shared
+    memory), so the payload needs no copy on its way to the pipe."""
+    generator = torch.Generator().manual_seed(4)
+    if kind == "paged":
+        caches = random_caches(VLLM_CPU_LAYOUT, 6, torch.bfloat16, seed=4)
+        ids = torch.tensor([4, 1, 2])
+        kv = PagedKV(PagedKVCaches(caches, VLLM_CPU_LAYOUT), ids)
+        expected = (gather_blocks(caches, VLLM_CPU_LAYOUT, ids), None)
+        tokens = torch.arange(3 * BLOCK_SIZE)
+    else:
+        keys = [random_tensor((2, 3), torch.float16, generator) for _ in range(3)]
+        values = [random_tensor((2, 3), torch.float16, generator) for _ in range(3)]
+        kv = ContiguousKV(keys, values)
+        expected = (torch.stack(keys), torch.stack(values))
+        tokens = torch.arange(2)
+    buffer = _RecordingBuffer()
+    send_kv_caches_and_hidden_states(buffer, [KVRequest(tokens, kv)])
+    [(key, value)] = buffer.inserted
+    assert any(key is made for made in buffer.made), "the key was not made by the buffer"
+    assert same_bits(key, expected[0])
+    if expected[1] is None:
+        assert value is None
+    else:
+        assert any(value is made for made in buffer.made) and same_bits(value, expected[1])

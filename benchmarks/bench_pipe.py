@@ -1,17 +1,19 @@
-"""Pipe throughput and latency against raw ProcessGroupGloo send/recv, measured in the same run.
+"""Pipe throughput and latency on both payload paths against raw ProcessGroupGloo send/recv, in one run.
 
 Two processes ping-pong a random tensor of each size; one-way time = round trip / 2 (median over
 iterations, after warm-up). The raw baseline receives into a pre-allocated, reused buffer on its
-own ProcessGroupGloo, which is the best gloo can do; the pipe adds framing, credit, background
-threads and hands the caller a tensor it owns. Raw and pipe alternate in rounds, so that a noisy
-neighbour slows both alike and the ratio stays meaningful on a shared machine.
+own ProcessGroupGloo, which is the best gloo can do. Two pipes run beside it: one with
+``kv_shared_memory="off"`` (payloads over the transport, as between two hosts) and one with
+``kv_shared_memory="on"`` (payloads through a shared-memory segment, frames over the transport). Both
+add framing, credit and background threads and hand the caller a tensor it owns. Raw and the pipes
+alternate in rounds, so that a noisy neighbour slows all alike and the ratios stay meaningful on a
+shared machine.
 
 For tensors that travel inside a frame (up to 1 MiB) the same rounds also time the one-copy floor:
 the least any pipe that sends a header and its tensor as one gloo message can do. It copies the
 tensor behind a header-sized gap in a reused frame, sends that prefix on the raw group, receives
 into a reused frame and makes a tensor over the received bytes; no header is written or read, no
-lock taken, no thread involved. The pipe's distance from it is its Python; the floor's distance
-from raw is the copy that one message costs.
+lock taken, no thread involved. (Such tensors travel inside their frame on both paths.)
 
     python benchmarks/bench_pipe.py [--iters 7] [--rounds 5] [--sizes 4K,64K,1M,4M,16M,128M,512M]
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
+import functools
 import multiprocessing as mp
 import queue
 import statistics
@@ -32,62 +34,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.measure import label, parse_sizes, raw_group, timed, timed_round_trips, warmup_count  # noqa: E402
 from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
-from kv_pipe.config import local_address_towards  # noqa: E402
 from kv_pipe.protocol import HEADER_BYTES, HOST_FRAME_BYTES  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+#: The pipes' payload paths: kv_shared_memory and the port offset of each pipe (the raw group has port).
+PIPES = {"transport": ("off", 2), "shared": ("on", 4)}
 
 
-def parse_size(text: str) -> int:
-    return int(text[:-1]) * UNITS[text[-1].upper()] if text[-1].upper() in UNITS else int(text)
-
-
-def label(nbytes: int) -> str:
-    for suffix, unit in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= unit:
-            return f"{nbytes // unit} {suffix}"
-    return f"{nbytes} B"
-
-
-def raw_group(rank: int, port: int) -> tuple[torch.distributed.ProcessGroup, torch.distributed.TCPStore]:
-    store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
-    options = torch.distributed.ProcessGroupGloo._Options()
-    options._timeout = datetime.timedelta(seconds=120)
-    options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=local_address_towards("127.0.0.1"))]
-    return torch.distributed.ProcessGroupGloo(store, rank, 2, options), store
-
-
-def timed_round_trips(nbytes: int, iters: int) -> int:
-    """Round trips per round: small sizes get many more (up to 64 MiB moved per round, at most 1,000),
-    since a median of a few 50-us samples on a shared machine is mostly noise."""
-    if nbytes > 128 << 20:
-        return max(3, iters // 2)
-    return max(iters, min(1000, (64 << 20) // nbytes))
-
-
-def one_way_times(rank: int, iters: int, warmup: int, round_trip) -> list[float]:
-    times = []
-    for index in range(warmup + iters):
-        start = time.perf_counter()
-        round_trip()
-        if index >= warmup:
-            times.append((time.perf_counter() - start) / 2)
-    return times
+def open_pipes(rank: int, port: int, max_bytes: int) -> dict[str, TorchDistributedPipe]:
+    pipes = {}
+    for name, (mode, offset) in PIPES.items():
+        config = KVTransferConfig(kv_rank=rank, kv_port=port + offset, kv_buffer_size=max_bytes * 2 + (1 << 20),
+                                  kv_timeout=60.0, kv_connect_timeout=60.0, kv_shared_memory=mode)
+        pipes[name] = TorchDistributedPipe(config)
+        assert pipes[name].uses_shared_memory == (mode == "on"), f"{name} pipe took the wrong payload path"
+    return pipes
 
 
 def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, results) -> None:
     torch.set_num_threads(1)
     group, _store = raw_group(rank, port)  # the store must outlive the group
-    config = KVTransferConfig(
-        kv_rank=rank,
-        kv_port=port + 2,
-        kv_buffer_size=max(sizes) * 2 + (1 << 20),
-        kv_timeout=60.0,
-        kv_connect_timeout=60.0,
-    )
-    pipe = TorchDistributedPipe(config)
+    pipes = open_pipes(rank, port, max(sizes))
     peer = 1 - rank
     send_frame = torch.zeros(HOST_FRAME_BYTES, dtype=torch.uint8)
     recv_frame = torch.zeros(HOST_FRAME_BYTES, dtype=torch.uint8)
@@ -101,7 +70,6 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
     for nbytes in sizes:
         data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
         reused = torch.empty_like(data)
-        warmup = 2 if nbytes <= 64 << 20 else 1
         count = timed_round_trips(nbytes, iters)
 
         def raw_round_trip(data: torch.Tensor = data, reused: torch.Tensor = reused) -> None:
@@ -112,7 +80,7 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
                 group.recv([reused], peer, 0).wait()
                 group.send([reused], peer, 0).wait()
 
-        def pipe_round_trip(data: torch.Tensor = data) -> None:
+        def pipe_round_trip(pipe: TorchDistributedPipe, data: torch.Tensor = data) -> None:
             if rank == 0:
                 pipe.send_tensor(data)
                 pipe.recv_tensor(timeout=120)
@@ -136,18 +104,20 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
             else:
                 one_copy_send(one_copy_recv())
 
-        modes = {"raw": raw_round_trip, "pipe": pipe_round_trip}
+        modes = {"raw": raw_round_trip}
+        modes.update((name, functools.partial(pipe_round_trip, pipe)) for name, pipe in pipes.items())
         if HEADER_BYTES + nbytes <= HOST_FRAME_BYTES:
             modes["floor"] = floor_round_trip
         times = {mode: [] for mode in modes}
         for _ in range(rounds if nbytes <= 128 << 20 else 1):
             for mode, round_trip in modes.items():
-                times[mode] += one_way_times(rank, count, warmup, round_trip)
-        floor = statistics.median(times["floor"]) if "floor" in times else None
-        rows.append((nbytes, statistics.median(times["raw"]), statistics.median(times["pipe"]), floor))
+                times[mode] += timed(round_trip, count, warmup_count(nbytes), per_step=0.5)
+        medians = {mode: statistics.median(samples) for mode, samples in times.items()}
+        rows.append((nbytes, medians["raw"], medians["transport"], medians["shared"], medians.get("floor")))
         if progress is not None:
             progress.update()
-    pipe.close()
+    for pipe in pipes.values():
+        pipe.close()
     if rank == 0:
         results.put(rows)
 
@@ -171,12 +141,12 @@ def main() -> None:
     parser.add_argument("--sizes", default="4K,64K,1M,4M,16M,128M,512M")
     parser.add_argument("--iters", type=int, default=7,
                         help="timed round trips per round, at least (small sizes get more, see timed_round_trips)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternations of raw and pipe (1 above 128 MiB)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternations of raw and the pipes (1 above 128 MiB)")
     args = parser.parse_args()
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = parse_sizes(args.sizes)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port(span=4)
+    port = free_port(span=6)
     processes = [ctx.Process(target=worker, args=(rank, port, sizes, args.iters, args.rounds, results))
                  for rank in (0, 1)]
     for process in processes:
@@ -188,18 +158,21 @@ def main() -> None:
             process.join(timeout=60)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=10)
     counts = ", ".join(str(timed_round_trips(nbytes, args.iters)) for nbytes in sizes)
-    print(f"torch {torch.__version__}, gloo over loopback, ping-pong one-way time (median of "
-          f"{args.rounds} alternating rounds; round trips per round: {counts}); floor: one copy into a "
-          f"frame, one gloo message (sizes that fit a frame)")
-    print(f"{'size':>9} | {'raw GB/s':>8} | {'pipe GB/s':>9} | {'pipe/raw':>8} | {'raw us':>9} | {'pipe us':>9} | "
-          f"{'floor us':>9} | {'floor/raw':>9}")
-    print("-" * 92)
-    for nbytes, raw, piped, floor in rows:
+    print(f"torch {torch.__version__}, two processes on one host, ping-pong one-way time (median of "
+          f"{args.rounds} alternating rounds; round trips per round: {counts})")
+    print("raw: gloo send/recv into a reused buffer; transport: the pipe with kv_shared_memory='off'; shm: with "
+          "'on'; floor: one copy into a frame, one gloo message (sizes that fit a frame)")
+    print(f"{'size':>9} | {'raw GB/s':>8} | {'transp GB/s':>11} | {'shm GB/s':>8} | {'transp/raw':>10} | "
+          f"{'shm/raw':>7} | {'raw us':>9} | {'transp us':>9} | {'shm us':>9} | {'floor us':>9} | {'floor/raw':>9}")
+    print("-" * 129)
+    for nbytes, raw, transport, shared, floor in rows:
         floor_columns = f"{floor * 1e6:9.1f} | {raw / floor:8.2f}x" if floor is not None else f"{'-':>9} | {'-':>9}"
         print(
-            f"{label(nbytes):>9} | {nbytes / raw / 1e9:8.2f} | {nbytes / piped / 1e9:9.2f} | "
-            f"{raw / piped:7.2f}x | {raw * 1e6:9.1f} | {piped * 1e6:9.1f} | {floor_columns}"
+            f"{label(nbytes):>9} | {nbytes / raw / 1e9:8.2f} | {nbytes / transport / 1e9:11.2f} | "
+            f"{nbytes / shared / 1e9:8.2f} | {raw / transport:9.2f}x | {raw / shared:6.2f}x | {raw * 1e6:9.1f} | "
+            f"{transport * 1e6:9.1f} | {shared * 1e6:9.1f} | {floor_columns}"
         )
 
 

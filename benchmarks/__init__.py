@@ -1,0 +1,1 @@
+"""Benchmarks: the pipe against raw gloo, the lookup buffer, and kvbridge beside its peers."""

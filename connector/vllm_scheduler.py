@@ -143,7 +143,8 @@ class SchedulerSide:
                            "announced 0 tokens (the decode instance computes the prompt)", req_id)
         self._pending.clear()
         scheduled: Mapping[str, int] = scheduler_output.num_scheduled_tokens
-        meta.loads = [spec for req_id, spec in self._loads.items() if req_id in scheduled]
+        # Loads are asynchronous: their requests wait for them unscheduled.
+        meta.loads = list(self._loads.values())
         self._loads.clear()
         for new_req in scheduler_output.scheduled_new_reqs:
             if new_req.req_id in self._covered and new_req.req_id not in self._loaded:

@@ -23,10 +23,11 @@ How it works:
   outcomes come back as worker metadata), so a decode instance never waits for KV that a full
   buffer or a lost peer kept from being saved.
 * Consumer: the scheduler claims the transfer prefix of each new request (minus what vLLM's
-  prefix cache already holds); the worker takes the entry with the same tokens out of the
-  producer's buffer and writes it into the blocks vLLM allocated, before the forward pass
-  (synchronous load). Requests are matched by token content: vLLM gives each engine's copy of a
-  request its own id.
+  prefix cache already holds) as an asynchronous load; a load thread of the worker takes the
+  entry with the same tokens out of the producer's buffer (waiting for it if it is not there
+  yet) and writes it into the blocks vLLM allocated, while the engine keeps stepping its other
+  requests; ``get_finished`` then reports the request and vLLM schedules it. Requests are
+  matched by token content: vLLM gives each engine's copy of a request its own id.
 * Failures (no entry in time, a bad entry, a dead peer) are reported as failed blocks: vLLM
   recomputes them under ``kv_load_failure_policy="recompute"`` or fails the request under
   ``"fail"`` (vLLM's default). Nothing waits longer than ``kv_load_timeout``.
@@ -127,10 +128,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return f"{name}/{isa}" if isa else name
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._require_worker().load(self._metadata().loads)
+        self._require_worker().start_loads(self._metadata().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous: start_load_kv has written every layer
+        return  # loads are asynchronous: vLLM schedules a request only once get_finished reported it
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recving = self._require_worker().take_finished_loads(finished_req_ids)
+        return None, recving or None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -171,7 +176,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._require_scheduler().num_new_matched_tokens(request, num_computed_tokens), False
+        tokens = self._require_scheduler().num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, tokens > 0  # loaded asynchronously: vLLM keeps stepping its other requests
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:

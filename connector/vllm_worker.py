@@ -3,9 +3,13 @@
 It runs in each vLLM worker (one per TP rank) and needs no vLLM import: vLLM-specific plumbing
 lives in :mod:`connector.vllm_v1`, so this class can be driven directly by tests.
 
+Loads are asynchronous: each runs in a load thread (:mod:`connector.vllm_loads`) while vLLM keeps
+stepping its other requests, and writes straight into the blocks vLLM allocated.
+
 Failure policy: a load that cannot complete (no entry within ``kv_load_timeout``, an entry that
 fails the checks, a dead peer) writes nothing vLLM could trust and reports the request's blocks
-through :meth:`WorkerSide.take_failed_blocks`; vLLM then recomputes them
+through :meth:`WorkerSide.take_failed_blocks`, in the step that reports the request finished
+receiving; vLLM then recomputes them
 (``kv_load_failure_policy="recompute"``) or fails the request (``"fail"``). After a transport error
 the connection is not retried: every later load fails at once (no waiting) and saves are skipped,
 so the engine keeps serving without transfers. Restart both instances to reconnect.
@@ -17,7 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 import torch
@@ -28,6 +32,7 @@ from connector.kv_transfer import recv_kv_caches_and_hidden_states, send_kv_cach
 from connector.paged import PagedKV, PagedKVCaches, PagedKVLayout, scatter_blocks
 from connector.transfer_plan import LoadSpec, SaveSpec
 from connector.transfer_stats import TransferStats
+from connector.vllm_loads import LoadTicket, LoadTracker
 from connector.vllm_settings import ConnectorSettings
 from kv_pipe.base import KVPipeBase
 from kv_pipe.errors import KVBufferFullError, KVConfigError, KVTimeoutError, KVTransferError
@@ -44,8 +49,13 @@ class _LoadTarget(PagedKV):
     """A request's transfer-prefix blocks, of which only those from ``skip_blocks`` on are written."""
 
     skip_blocks: int = 0
+    cancelled: threading.Event | None = None  # set once vLLM no longer holds the blocks: write nothing
 
     def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
+        # vLLM keeps a waiting request's blocks until its load is reported finished, so a write
+        # that started before the abort became known still lands in blocks the request owns.
+        if self.cancelled is not None and self.cancelled.is_set():
+            return
         block_dim = self.caches.layout.block_dim
         blocks = key.narrow(1 + block_dim, self.skip_blocks, len(self.block_ids) - self.skip_blocks)
         scatter_blocks(self.caches.caches, self.caches.layout, self.block_ids[self.skip_blocks:], blocks)
@@ -92,7 +102,7 @@ class WorkerSide:
         self._caches: PagedKVCaches | None = None
         self._buffer: KVLookupBufferBase | None = None
         self._broken: str | None = None  # why transfers stopped, once a transport error happened
-        self._failed_blocks: set[int] = set()
+        self._loads = LoadTracker()
         self._saved: set[str] = set()  # request ids whose save succeeded / failed since the last report
         self._unsaved: set[str] = set()
         self._interval = TransferStats()
@@ -130,12 +140,14 @@ class WorkerSide:
         return peer
 
     def close(self) -> None:
+        self._loads.cancel_all()
         buffer, self._buffer = self._buffer, None
         if buffer is not None:
             try:
-                buffer.close()
+                buffer.close()  # in-flight loads fail at once rather than wait for their entries
             except KVTransferError as exc:
                 logger.warning("kvbridge: closing the lookup buffer: %s", exc)
+        self._loads.close()
         total = self.total_stats()
         if not total.is_empty():
             logger.info("kvbridge totals: %s", total.reduce())
@@ -188,29 +200,45 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ consumer
 
-    def load(self, loads: Sequence[LoadSpec]) -> None:
-        """Fetch each request's entry and write its blocks; failures go to :meth:`take_failed_blocks`."""
+    def start_loads(self, loads: Sequence[LoadSpec]) -> None:
+        """Start each request's load in a load thread (see :mod:`connector.vllm_loads`); drains
+        (entries whose blocks vLLM already holds) are done here, without waiting."""
         for spec in loads:
             if spec.drain:
                 self._drain(spec)
-                continue
-            start = time.perf_counter()
-            reason = self._load_one(spec)
-            seconds = time.perf_counter() - start
-            if reason is None:
-                continue
-            self._failed_blocks.update(spec.block_ids[spec.skip_blocks:])
-            logger.warning("kvbridge: KV of request %s (%d tokens) not loaded, vLLM recomputes it: %s",
-                           spec.req_id, len(spec.token_ids), reason)
-            self._add(load_seconds=seconds)
+            else:
+                self._loads.start(spec.req_id, spec.block_ids[spec.skip_blocks:],
+                                  lambda ticket, spec=spec: self._load_job(spec, ticket))
 
-    def _load_one(self, spec: LoadSpec) -> str | None:
-        """Load one request; return why it failed, or None on success."""
+    def take_finished_loads(self, finished_req_ids: Iterable[str] = ()) -> set[str]:
+        """Requests whose load completed (hit or not) since the last call, each once; their failed
+        blocks go to :meth:`take_failed_blocks` in the same call. ``finished_req_ids``: requests
+        vLLM finished since the last call, whose in-flight loads must not write any more."""
+        return self._loads.take_finished(finished_req_ids)
+
+    def take_failed_blocks(self) -> set[int]:
+        """Block ids of failed loads reported by :meth:`take_finished_loads`, each once."""
+        return self._loads.take_failed_blocks()
+
+    def _load_job(self, spec: LoadSpec, ticket: LoadTicket) -> set[int]:
+        """One request's load, in a load thread; returns the blocks that failed."""
+        start = time.perf_counter()
+        reason = self._load_one(spec, ticket)
+        if reason is None or ticket.cancelled.is_set():
+            # A finished request's blocks are not reported: vLLM may give them to another request.
+            return set()
+        logger.warning("kvbridge: KV of request %s (%d tokens) not loaded, vLLM recomputes it: %s",
+                       spec.req_id, len(spec.token_ids), reason)
+        self._add(load_seconds=time.perf_counter() - start)
+        return set(spec.block_ids[spec.skip_blocks:])
+
+    def _load_one(self, spec: LoadSpec, ticket: LoadTicket) -> str | None:
+        """Load one request; return why it failed, or None on success (or when cancelled)."""
         if self._buffer is None or self._broken is not None:
             self._add(load_errors=1)
             return self._broken or "the lookup buffer is not connected"
         caches = self._require_caches()
-        target = _LoadTarget(caches, spec.block_ids, skip_blocks=spec.skip_blocks)
+        target = _LoadTarget(caches, spec.block_ids, skip_blocks=spec.skip_blocks, cancelled=ticket.cancelled)
         request = _kv_request(spec.token_ids, target)
         try:
             timeout = self.settings.load_timeout if spec.wait else 0.0
@@ -219,6 +247,11 @@ class WorkerSide:
             self._break(exc)
             self._add(load_errors=1)
             return str(exc)
+        if ticket.cancelled.is_set():
+            # vLLM finished the request meanwhile; its entry, if any, was taken and dropped.
+            if result.hit:
+                self._add(drained=1)
+            return None
         if not result.hit:
             self._add(load_misses=1)
             return result.reason
@@ -238,11 +271,6 @@ class WorkerSide:
             return
         if entry[0] is not None:
             self._add(drained=1)
-
-    def take_failed_blocks(self) -> set[int]:
-        """Block ids whose load failed since the last call (vLLM polls this once per step)."""
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
 
     # ------------------------------------------------------------------ stats
 

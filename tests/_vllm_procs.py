@@ -93,13 +93,15 @@ CORRUPTING_CONNECTOR = ("CorruptingKVBridgeConnector", "tests.corrupting_connect
 
 
 def kv_transfer_config(role: str, port: int, module_path: bool = True,
-                       connector: tuple[str, str] = KVBRIDGE_CONNECTOR, **extra: Any) -> dict[str, Any]:
-    """``module_path=False`` leaves the module out: vLLM then finds the class through kvbridge's plugin."""
+                       connector: tuple[str, str] = KVBRIDGE_CONNECTOR, failure_policy: str = "recompute",
+                       **extra: Any) -> dict[str, Any]:
+    """``module_path=False`` leaves the module out: vLLM then finds the class through kvbridge's plugin.
+    ``failure_policy="fail"`` makes vLLM fail a request whose load failed, rather than recompute it."""
     config: dict[str, Any] = {
         "kv_connector": connector[0],
         "kv_role": role,
         "kv_port": port,
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": failure_policy,
         "kv_connector_extra_config": {"kv_ip": "127.0.0.1", "kv_timeout": 5.0, "kv_connect_timeout": 120.0,
                                       "kv_buffer_size": 64 << 20, "kv_load_timeout": 5.0, **extra},
     }
@@ -264,6 +266,67 @@ def consumer_body(model: str, transfer: dict[str, Any], batches: list[Any], pref
         _shutdown(llm)
 
 
+def late_producer_body(model: str, transfer: dict[str, Any], prompt: list[int], go: Flag, consumer_done: Flag,
+                       timeout: float) -> dict[str, Any]:
+    """Start, wait for ``go``, then prefill ``prompt`` (its entry reaches the buffer late); stay up
+    until the consumer is done."""
+    llm = _llm(engine_kwargs(model, transfer))
+    try:
+        if not go.wait(timeout):
+            raise TimeoutError(f"the consumer did not ask for the prefill within {timeout} s")
+        (output,) = _generate(llm, [prompt], 1)
+        if not consumer_done.wait(timeout):
+            raise TimeoutError(f"the consumer did not finish within {timeout} s")
+        return {"output": output, "stats": _connector_totals(), "entries_left": _entries_left()}
+    finally:
+        _shutdown(llm)
+
+
+def late_consumer_body(model: str, transfer: dict[str, Any], streams: list[list[int]], stream_tokens: int,
+                       prompt: list[int], waiting_steps: int, go: Flag, consumer_done: Flag,
+                       timeout: float) -> dict[str, Any]:
+    """Decode ``streams``; once each has a token, add ``prompt`` announced as saved although the
+    producer has not prefilled it yet; step ``waiting_steps`` times, then set ``go`` (the producer
+    prefills) and step until everything finished. Returns the output token counts after each step
+    since the late request came (streams first, the late request last) and the outputs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = _llm(engine_kwargs(model, transfer))
+    try:
+        engine = llm.llm_engine
+        stream_params = SamplingParams(temperature=0, max_tokens=stream_tokens, ignore_eos=True, detokenize=False)
+        ids = [f"stream-{index}" for index in range(len(streams))]
+        for request_id, stream in zip(ids, streams, strict=True):
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=stream), stream_params)
+        announced = {"kvbridge": {"prefix_tokens": transfer_prefix(prompt)}}
+        late_params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
+                                     extra_args={"kv_transfer_params": announced})
+        counts = dict.fromkeys([*ids, "late"], 0)
+        finished: dict[str, Any] = {}
+        history: list[list[int]] = []
+        deadline = time.monotonic() + timeout
+        while engine.has_unfinished_requests():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests not finished within {timeout} s")
+            for output in engine.step():
+                counts[output.request_id] = len(output.outputs[0].token_ids)
+                if output.finished:
+                    finished[output.request_id] = _summary(output)
+            if not history:
+                if not all(counts[i] for i in ids):
+                    continue  # the streams are not decoding yet
+                engine.add_request("late", TokensPrompt(prompt_token_ids=prompt), late_params)
+            history.append([counts[i] for i in ids] + [counts["late"]])
+            if len(history) == waiting_steps + 1:
+                go.set()
+        return {"history": history, "late": finished["late"], "streams": [finished[i] for i in ids],
+                "stats": _connector_totals()}
+    finally:
+        consumer_done.set()
+        _shutdown(llm)
+
+
 # ---------------------------------------------------------------------- process management
 
 
@@ -392,6 +455,28 @@ def fake_worker(role: str, port: int, block_size: int, caches: list[Any], option
     return worker
 
 
+def load_and_wait(worker: Any, specs: list[Any], timeout: float) -> set[int]:
+    """Start ``specs`` and poll the worker as vLLM does, each step, until every load (drains
+    excepted) was reported finished; return the failed blocks, checking that each load's failed
+    blocks came no later than its report and that nothing is reported twice."""
+    waiting = {spec.req_id for spec in specs if not spec.drain}
+    worker.start_loads(specs)
+    failed: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while waiting:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"loads {sorted(waiting)} not reported within {timeout} s")
+        finished = worker.take_finished_loads()
+        failed |= worker.take_failed_blocks()
+        if not finished <= waiting:
+            raise AssertionError(f"loads reported twice or unknown: {sorted(finished - waiting)}")
+        waiting -= finished
+        time.sleep(0.01)
+    if worker.take_finished_loads() or worker.take_failed_blocks():
+        raise AssertionError("a load was reported after every load had finished")
+    return failed
+
+
 def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, timeout: float) -> dict[str, Any]:
     """Save ``saves`` from :func:`fake_caches` (seed 1) under inference mode, as vLLM does; set
     ``saved``; serve until ``done``."""
@@ -433,8 +518,7 @@ def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, do
         failed = []
         for kind, arg in steps:
             if kind == "load":
-                worker.load(arg)
-                failed.append(sorted(worker.take_failed_blocks()))
+                failed.append(sorted(load_and_wait(worker, arg, timeout)))
             else:
                 buffers[0].enabled = arg
         return {"failed": failed, "stats": worker.total_stats().data, "caches": [c.numpy() for c in worker.caches]}
@@ -474,8 +558,7 @@ def worker_orphan_consumer_body(port: int, specs: list[Any], connected: Any, kil
         kill.set()
         failed = []
         for spec in specs:
-            worker.load([spec])
-            failed.append(sorted(worker.take_failed_blocks()))
+            failed.append(sorted(load_and_wait(worker, [spec], timeout)))
         return {"failed": failed, "stats": worker.total_stats().data, "caches": [c.numpy() for c in worker.caches]}
     finally:
         worker.close()

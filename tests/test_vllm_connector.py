@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import pickle
+import threading
+import time
 
 import msgspec
 import numpy as np
@@ -20,6 +22,7 @@ from vllm.v1.request import Request
 from connector import compat
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
 from connector.transfer_stats import COUNTERS
+from connector.vllm_loads import LoadTicket, LoadTracker
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings, pipe_port_offset
 from connector.vllm_stats import KVBridgeStats
@@ -106,7 +109,8 @@ def test_consumer_claims_the_block_aligned_prefix_and_plans_its_load() -> None:
     assert side.num_new_matched_tokens(request, 0) == 96  # asking again changes nothing
     assert side.num_new_matched_tokens(request, 32) == 64  # vLLM's prefix cache holds the first block
     side.after_alloc(request, [7, 3, 9, 11], 64)
-    meta = side.build_meta(scheduler_output([new_req_data(request, [7, 3, 9, 11], 32)], {"r1": 4}), _no_blocks)
+    # The load is asynchronous: the request waits for it, unscheduled.
+    meta = side.build_meta(scheduler_output([], {}), _no_blocks)
     assert meta.loads == [LoadSpec(req_id="r1", token_ids=tokens[:96], block_ids=[7, 3, 9], skip_blocks=1)]
     assert meta.saves == []
     # Loaded once: never claimed again (e.g. after a preemption or a failed load).
@@ -377,14 +381,15 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses() -> None:
     assert producer["entries_left"] == 0
 
 
-class _ConsumerPeerPipe:
-    """Just enough of a pipe for the compatibility handshake with a matching consumer."""
+class _PeerPipe:
+    """Just enough of a pipe for the compatibility handshake with a matching peer of the other role."""
 
     def __init__(self, settings: ConnectorSettings, port_offset: int) -> None:
+        self.peer_role = "kv_consumer" if settings.bridge.is_producer else "kv_producer"
         self.peer: compat.KVLayoutInfo | None = None
 
     def send_tensor(self, tensor: torch.Tensor, timeout: float | None = None) -> None:
-        self.peer = msgspec.structs.replace(compat.decode(tensor), role="kv_consumer")
+        self.peer = msgspec.structs.replace(compat.decode(tensor), role=self.peer_role)
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor:
         assert self.peer is not None
@@ -408,6 +413,9 @@ class _FailingInserts:
             raise failure
         self.inserted.append(input_tokens.tolist())
 
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
     def close(self) -> None:
         self.inserted.clear()
 
@@ -416,7 +424,7 @@ def test_worker_reports_which_saves_reached_the_buffer() -> None:
     buffer = _FailingInserts({FAKE_TOKENS["b"][0]: KVBufferFullError("full"),
                               FAKE_TOKENS["d"][0]: KVPeerLostError("the consumer is gone")})
     worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {},
-                            pipe_factory=_ConsumerPeerPipe, buffer_factory=lambda pipe, settings, offset: buffer)
+                            pipe_factory=_PeerPipe, buffer_factory=lambda pipe, settings, offset: buffer)
     worker.save([SaveSpec("a", FAKE_TOKENS["a"], [0, 1]), SaveSpec("b", FAKE_TOKENS["b"], [2, 3, 4]),
                  SaveSpec("c", FAKE_TOKENS["c"], [5])])
     assert worker.take_save_outcomes() == ({"a", "c"}, {"b"})
@@ -427,6 +435,159 @@ def test_worker_reports_which_saves_reached_the_buffer() -> None:
     assert worker.take_save_outcomes() == (set(), set())
     assert len(buffer.inserted) == 2
     worker.close()
+
+
+# ====================================================================== asynchronous loads
+
+
+class _ScriptedSelects:
+    """A consumer's lookup buffer answering each select by the request's first token: with the
+    blocks in ``hits``, a miss, or by raising ``errors``; a select whose token has a gate in
+    ``gates`` waits for it first (as for an entry the producer inserts late)."""
+
+    def __init__(self, hits: dict[int, torch.Tensor], errors: dict[int, Exception] | None = None,
+                 gates: dict[int, threading.Event] | None = None) -> None:
+        self.hits, self.errors, self.gates = hits, errors or {}, gates or {}
+        self.selected: list[int] = []  # first tokens of the selects that reached the buffer
+
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> list:
+        first = int(input_tokens[0])
+        self.selected.append(first)
+        gate = self.gates.get(first)
+        if gate is not None and not gate.wait(60):
+            raise AssertionError("the test never opened the gate")
+        if first in self.errors:
+            raise self.errors[first]
+        blocks = self.hits.pop(first, None)  # taken: a second select misses
+        if blocks is None:
+            return [None] * 5
+        return [input_tokens.clone(), roi.clone(), blocks, None, None]
+
+    def close(self) -> None:
+        for gate in self.gates.values():
+            gate.set()
+
+
+def _blocks(seed: int, count: int) -> torch.Tensor:
+    """Random KV blocks for ``count`` blocks of :func:`tests._vllm_procs.fake_caches`."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (vp.FAKE_LAYERS, count, vp.FAKE_HEADS, vp.FAKE_BLOCK_SIZE, 2 * vp.FAKE_HEAD_SIZE)
+    return torch.randn(shape, generator=generator)
+
+
+def _consumer(buffer: _ScriptedSelects):
+    return vp.fake_worker("kv_consumer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 1.0},
+                          pipe_factory=_PeerPipe, buffer_factory=lambda pipe, settings, offset: buffer)
+
+
+def _poll(worker, until: set[str], finished_req_ids: set[str] | None = None) -> list[tuple[set[str], set[int]]]:
+    """Poll as vLLM does each step (finished loads, then failed blocks) until ``until`` were all
+    reported; return each poll's reports (a hang guard only: no timing is asserted)."""
+    polls: list[tuple[set[str], set[int]]] = []
+    deadline = time.monotonic() + 60
+    while not until <= set().union(*(f for f, _ in polls)):
+        assert time.monotonic() < deadline, f"{until} not reported; got {polls}"
+        polls.append((worker.take_finished_loads(finished_req_ids or set()), worker.take_failed_blocks()))
+        time.sleep(0.005)
+    return polls
+
+
+def _same_bits(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
+    return all(torch.equal(g.view(torch.int32), e.view(torch.int32)) for g, e in zip(got, expected, strict=True))
+
+
+def test_async_loads_report_each_request_once_and_its_errors_no_later() -> None:
+    a, b = _blocks(1, 2), _blocks(2, 3)
+    buffer = _ScriptedSelects({FAKE_TOKENS["a"][0]: a, FAKE_TOKENS["b"][0]: b})
+    worker = _consumer(buffer)
+    worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0), LoadSpec("x", FAKE_TOKENS["x"], [3], 0),
+                        LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 1)])  # block 2 is held locally
+    polls = _poll(worker, {"a", "x", "b"})
+    reported = [req_id for finished, _ in polls for req_id in finished]
+    assert sorted(reported) == ["a", "b", "x"]  # each exactly once
+    (miss_poll,) = [index for index, (finished, _) in enumerate(polls) if "x" in finished]
+    assert polls[miss_poll][1] == {3}  # the miss's blocks in the very poll that reports it
+    assert all(not failed for index, (_, failed) in enumerate(polls) if index != miss_poll)
+    for _ in range(3):
+        assert worker.take_finished_loads() == set() and worker.take_failed_blocks() == set()
+    expected = vp.fake_caches(2)
+    for layer in range(vp.FAKE_LAYERS):
+        expected[layer][[5, 0]] = a[layer]
+        expected[layer][[1, 6]] = b[layer][1:]
+    assert _same_bits(worker.caches, expected)
+    stats = worker.total_stats().data
+    assert (stats["load_hits"], stats["load_misses"], stats["loaded_blocks"]) == (2, 1, 4)
+    worker.close()
+
+
+def test_a_waiting_load_holds_neither_the_caller_nor_other_loads() -> None:
+    late = threading.Event()
+    a, b = _blocks(1, 2), _blocks(2, 3)
+    buffer = _ScriptedSelects({FAKE_TOKENS["a"][0]: a, FAKE_TOKENS["b"][0]: b}, gates={FAKE_TOKENS["a"][0]: late})
+    worker = _consumer(buffer)
+    worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0, wait=True)])  # returns while "a" waits
+    worker.start_loads([LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 0)])
+    polls = _poll(worker, {"b"})
+    assert "a" not in set().union(*(f for f, _ in polls))  # still waiting for its entry
+    late.set()  # the producer inserts the entry
+    _poll(worker, {"a"})
+    expected = vp.fake_caches(2)
+    for layer in range(vp.FAKE_LAYERS):
+        expected[layer][[5, 0]] = a[layer]
+        expected[layer][[2, 1, 6]] = b[layer]
+    assert _same_bits(worker.caches, expected)
+    worker.close()
+
+
+def test_an_aborted_load_writes_nothing_yet_takes_its_entry() -> None:
+    late = threading.Event()
+    buffer = _ScriptedSelects({FAKE_TOKENS["a"][0]: _blocks(1, 2)}, gates={FAKE_TOKENS["a"][0]: late})
+    worker = _consumer(buffer)
+    worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0, wait=True)])
+    # vLLM aborts the waiting request: the abort reaches the worker before the entry does.
+    assert worker.take_finished_loads({"a"}) == set()
+    late.set()
+    polls = _poll(worker, {"a"})
+    assert all(not failed for _, failed in polls)  # the blocks may belong to another request by now
+    assert _same_bits(worker.caches, vp.fake_caches(2))  # nothing written
+    assert buffer.selected == [FAKE_TOKENS["a"][0]] and buffer.hits == {}  # the entry was taken: no leak
+    stats = worker.total_stats().data
+    assert (stats["load_hits"], stats["drained"]) == (0, 1)
+    worker.close()
+
+
+def test_a_peer_lost_mid_load_fails_it_and_every_later_load_at_once() -> None:
+    late = threading.Event()
+    buffer = _ScriptedSelects({FAKE_TOKENS["b"][0]: _blocks(2, 3)}, gates={FAKE_TOKENS["a"][0]: late},
+                              errors={FAKE_TOKENS["a"][0]: KVPeerLostError("the producer is gone")})
+    worker = _consumer(buffer)
+    worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0, wait=True)])
+    assert worker.take_finished_loads() == set()
+    late.set()  # the peer dies while the load waits
+    polls = _poll(worker, {"a"})
+    (poll,) = [p for p in polls if "a" in p[0]]
+    assert poll[1] == {5, 0}
+    worker.start_loads([LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 0, wait=True)])
+    polls = _poll(worker, {"b"})
+    (poll,) = [p for p in polls if "b" in p[0]]
+    assert poll[1] == {2, 1, 6}
+    assert buffer.selected == [FAKE_TOKENS["a"][0]]  # "b" never reached the dead peer
+    assert _same_bits(worker.caches, vp.fake_caches(2))
+    assert worker.total_stats().data["load_errors"] == 2
+    worker.close()
+
+
+def test_a_load_that_raises_fails_all_its_blocks() -> None:
+    tracker = LoadTracker(threads=1)
+
+    def broken(ticket: LoadTicket) -> set[int]:
+        raise RuntimeError("a bug")
+
+    tracker.start("r", [4, 7], broken)
+    with pytest.raises(ValueError, match="already"):  # in flight or not reported yet
+        tracker.start("r", [1], lambda ticket: set())
+    tracker.close()  # waits for the job
+    assert tracker.take_finished() == {"r"} and tracker.take_failed_blocks() == {4, 7}
 
 
 @pytest.mark.timeout(120)
@@ -475,6 +636,12 @@ CONSUMER_ABORT = {"prompts": ABORT_PROMPTS, "abort": ABORTED, "abort_after_steps
 #: A 33-token prompt (its 1-block entry fits the producer's small buffer), a 100-token one (3 blocks:
 #: larger than the buffer), a 64-token one (1 block: the buffer is full by then) and a short one.
 ANNOUNCE_PROMPTS = [vp.make_prompts(seed=7)[i] for i in (3, 6, 4, 0)]
+#: Requested from the decode instance before the prefill instance has prefilled it (100 tokens).
+LATE_PROMPT = vp.make_prompts(seed=8)[6]
+#: Short prompts (nothing to load) that the decode instance decodes meanwhile, and their length.
+STREAMS, STREAM_TOKENS = [vp.make_prompts(seed=9)[i] for i in (0, 1, 2)], 300
+#: Steps the decode instance takes with the late request waiting before the prefill starts.
+WAITING_STEPS = 5
 #: Holds one 1-block entry (64 KiB of KV of the tiny model plus its tokens), not two.
 ONE_BLOCK_BUFFER = 100_000
 
@@ -487,7 +654,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def reference(tiny_model: str) -> dict[tuple[int, ...], list[int]]:
     """Greedy tokens of a plain engine for every prompt used below."""
-    prompts = vp.make_prompts() + [p for batch in KILL_BATCHES for p in batch] + ABORT_PROMPTS + ANNOUNCE_PROMPTS
+    prompts = (vp.make_prompts() + [p for batch in KILL_BATCHES for p in batch] + ABORT_PROMPTS + ANNOUNCE_PROMPTS
+               + [LATE_PROMPT])
     with vp.Engines() as engines:
         engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts)
         outputs = engines.wait(["reference"], timeout=240)["reference"]
@@ -497,10 +665,11 @@ def reference(tiny_model: str) -> dict[tuple[int, ...], list[int]]:
 def run_pair(model: str, producer_batches: list, consumer_batches: list,
              multiprocess: tuple[bool, bool] = (False, False), kill_producer: bool = False, announce: bool = False,
              timeout: float = 240, consumer_connector: tuple[str, str] = vp.KVBRIDGE_CONNECTOR,
-             producer_extra: dict | None = None) -> dict:
+             producer_extra: dict | None = None, consumer_policy: str = "fail") -> dict:
     """A producer and a consumer engine; ``multiprocess`` per side (vLLM's default mode: the connector
     is then found by its plugin); with ``announce``, the consumer's requests carry the producer's
-    kv_transfer_params, as behind a proxy."""
+    kv_transfer_params, as behind a proxy. The consumer fails a request whose load failed
+    (``consumer_policy``), so that equal tokens prove the loads succeeded."""
     port = free_port()
     with vp.Engines() as engines:
         prefilled, done = engines.event(), engines.event()
@@ -512,7 +681,7 @@ def run_pair(model: str, producer_batches: list, consumer_batches: list,
                                  announce=announcements)
         engines.start("consumer", vp.consumer_body, vp.engine_env(1, multiprocess[1]), model=model,
                       transfer=vp.kv_transfer_config("kv_consumer", port, module_path=not multiprocess[1],
-                                                     connector=consumer_connector),
+                                                     connector=consumer_connector, failure_policy=consumer_policy),
                       batches=consumer_batches, prefilled=prefilled, consumer_done=done, timeout=timeout,
                       kill_pid=producer.pid if kill_producer else None, announced=announcements)
         names = ["consumer"] if kill_producer else ["producer", "consumer"]
@@ -545,7 +714,7 @@ def test_offline_pair_equals_a_single_engine(tiny_model: str, reference: dict) -
     assert consumer["load_hits"] + consumer["drained"] == len(moved)
     assert consumer["load_misses"] == consumer["load_errors"] == 0
     assert consumer["loaded_bytes"] > 0 and consumer["loaded_bytes"] <= producer["saved_bytes"]
-    # Every entry was taken: the aborted consumer requests had loaded theirs in their first step.
+    # Every entry was taken, also those of the consumer requests aborted while their loads ran.
     assert results["producer"]["entries_left"] == 0
 
 
@@ -564,7 +733,8 @@ def test_corrupted_kv_changes_exactly_the_outputs_served_from_it(tiny_model: str
 def test_consumer_recomputes_and_keeps_serving_after_the_producer_is_killed(tiny_model: str,
                                                                            reference: dict) -> None:
     prompts = vp.make_prompts()
-    results = run_pair(tiny_model, [prompts], [prompts, *KILL_BATCHES], kill_producer=True)
+    results = run_pair(tiny_model, [prompts], [prompts, *KILL_BATCHES], kill_producer=True,
+                       consumer_policy="recompute")
     first, *after_kill = results["consumer"]["outputs"]
     assert [o["tokens"] for o in first] == [reference[tuple(p)] for p in prompts]
     assert_loaded(prompts, first)
@@ -601,6 +771,35 @@ def test_producer_announces_only_what_it_saved(tiny_model: str, reference: dict)
     # Requests announced with 0 tokens are not even looked up: no miss, no wait.
     stats = results["consumer"]["stats"]
     assert (stats["load_hits"], stats["load_misses"], stats["load_errors"]) == (1, 0, 0)
+
+
+@pytest.mark.timeout(300)
+def test_a_late_entry_is_waited_for_while_the_other_requests_decode(tiny_model: str, reference: dict) -> None:
+    """The decode request comes before its prefill: it waits for the entry off the engine step."""
+    port = free_port()
+    transfer = {"kv_load_timeout": 60.0}
+    with vp.Engines() as engines:
+        go, done = engines.event(), engines.event()
+        engines.start("producer", vp.late_producer_body, vp.engine_env(0), model=tiny_model,
+                      transfer=vp.kv_transfer_config("kv_producer", port, **transfer), prompt=LATE_PROMPT, go=go,
+                      consumer_done=done, timeout=240)
+        engines.start("consumer", vp.late_consumer_body, vp.engine_env(1), model=tiny_model,
+                      transfer=vp.kv_transfer_config("kv_consumer", port, failure_policy="fail", **transfer),
+                      streams=STREAMS, stream_tokens=STREAM_TOKENS, prompt=LATE_PROMPT, waiting_steps=WAITING_STEPS,
+                      go=go, consumer_done=done, timeout=240)
+        results = engines.wait(["producer", "consumer"], timeout=280)
+    consumer = results["consumer"]
+    history = consumer["history"]
+    # The producer prefilled only after WAITING_STEPS steps, all taken while the late request waited
+    # for its entry: every stream gained a token in each of them.
+    before, waited = history[0], history[WAITING_STEPS]
+    assert waited[-1] == 0
+    assert [after - start for start, after in zip(before[:-1], waited[:-1], strict=True)] == [WAITING_STEPS] * 3
+    late = consumer["late"]
+    assert late["tokens"] == reference[tuple(LATE_PROMPT)] and late["finish"] == "length"
+    assert late["cached"] == vp.transfer_prefix(LATE_PROMPT)  # loaded, under the "fail" policy
+    assert all(s["finish"] == "length" and len(s["tokens"]) == STREAM_TOKENS for s in consumer["streams"])
+    assert consumer["stats"]["load_hits"] == 1 and results["producer"]["entries_left"] == 0
 
 
 @pytest.mark.timeout(300)

@@ -59,6 +59,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector import compat
 from connector.transfer_stats import TransferStats
+from connector.vllm_prom import KVBridgePromMetrics
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings, pipe_port_offset
 from connector.vllm_stats import KVBridgeStats
@@ -68,6 +69,7 @@ from lookup_buffer.base import BufferStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -155,11 +157,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         interval = self._worker.take_stats() if self._worker is not None else None
-        return KVBridgeStats.from_data(interval.data) if interval is not None else None
+        return KVBridgeStats.of_worker(*interval) if interval is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats.from_data(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVBridgePromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def total_stats(self) -> TransferStats:
         """Worker: every counter since the start (for tests and tools; vLLM uses the interval stats)."""

@@ -61,6 +61,18 @@ class _LoadTarget(PagedKV):
         scatter_blocks(self.caches.caches, self.caches.layout, self.block_ids[self.skip_blocks:], blocks)
 
 
+@dataclasses.dataclass
+class Observations:
+    """Per-event values since the last report (histograms), and the change in open connections."""
+
+    transfer_seconds: list[float] = dataclasses.field(default_factory=list)  # per save or load
+    load_wait_seconds: list[float] = dataclasses.field(default_factory=list)  # claim to blocks written
+    connections: int = 0
+
+    def is_empty(self) -> bool:
+        return not (self.transfer_seconds or self.load_wait_seconds or self.connections)
+
+
 def find_layout(cache: torch.Tensor, num_blocks: int, block_size: int, name: str) -> PagedKVLayout:
     """The paged layout of a per-layer cache tensor: its first dimension of ``num_blocks`` entries
     counts blocks, the next one of ``block_size`` entries counts tokens.
@@ -106,6 +118,7 @@ class WorkerSide:
         self._saved: set[str] = set()  # request ids whose save succeeded / failed since the last report
         self._unsaved: set[str] = set()
         self._interval = TransferStats()
+        self._observed = Observations()
         self._total = TransferStats()
         self._stats_lock = threading.Lock()  # stats are read by tests/loggers from other threads
 
@@ -135,6 +148,8 @@ class WorkerSide:
             except KVTransferError as exc:  # keep the original error, which says more
                 logger.warning("kvbridge: closing the pipe after a failed start: %s", exc)
             raise
+        with self._stats_lock:
+            self._observed.connections += 1
         logger.info("kvbridge %s (TP rank %d) connected to a %s peer: %d layers, blocks of %s %s",
                     self.identity.role, self.identity.tp_rank, peer.role, len(caches), block_shape, first.dtype)
         return peer
@@ -190,6 +205,7 @@ class WorkerSide:
             return False
         self._add(saved_requests=1, saved_blocks=len(spec.block_ids), saved_bytes=result.num_bytes,
                   save_seconds=result.seconds)
+        self._observe(transfer_seconds=result.seconds)
         return True
 
     def take_save_outcomes(self) -> tuple[set[str], set[str]]:
@@ -207,8 +223,9 @@ class WorkerSide:
             if spec.drain:
                 self._drain(spec)
             else:
+                claimed = time.perf_counter()
                 self._loads.start(spec.req_id, spec.block_ids[spec.skip_blocks:],
-                                  lambda ticket, spec=spec: self._load_job(spec, ticket))
+                                  lambda ticket, spec=spec, claimed=claimed: self._load_job(spec, ticket, claimed))
 
     def take_finished_loads(self, finished_req_ids: Iterable[str] = ()) -> set[str]:
         """Requests whose load completed (hit or not) since the last call, each once; their failed
@@ -220,10 +237,12 @@ class WorkerSide:
         """Block ids of failed loads reported by :meth:`take_finished_loads`, each once."""
         return self._loads.take_failed_blocks()
 
-    def _load_job(self, spec: LoadSpec, ticket: LoadTicket) -> set[int]:
+    def _load_job(self, spec: LoadSpec, ticket: LoadTicket, claimed: float) -> set[int]:
         """One request's load, in a load thread; returns the blocks that failed."""
         start = time.perf_counter()
         reason = self._load_one(spec, ticket)
+        if not ticket.cancelled.is_set():
+            self._observe(load_wait_seconds=time.perf_counter() - claimed)
         if reason is None or ticket.cancelled.is_set():
             # A finished request's blocks are not reported: vLLM may give them to another request.
             return set()
@@ -257,6 +276,7 @@ class WorkerSide:
             return result.reason
         self._add(load_hits=1, loaded_blocks=len(spec.block_ids) - spec.skip_blocks, loaded_bytes=result.num_bytes,
                   load_seconds=result.seconds)
+        self._observe(transfer_seconds=result.seconds)
         return None
 
     def _drain(self, spec: LoadSpec) -> None:
@@ -274,13 +294,14 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ stats
 
-    def take_stats(self) -> TransferStats | None:
-        """Counters since the last call, or None when nothing happened."""
+    def take_stats(self) -> tuple[TransferStats, Observations] | None:
+        """Counters and observations since the last call, or None when nothing happened."""
         with self._stats_lock:
-            if self._interval.is_empty():
+            if self._interval.is_empty() and self._observed.is_empty():
                 return None
             interval, self._interval = self._interval, TransferStats()
-            return interval
+            observed, self._observed = self._observed, Observations()
+            return interval, observed
 
     def buffer_stats(self) -> BufferStats | None:
         """The lookup buffer's own counters (e.g. entries still held by the producer), if connected."""
@@ -296,6 +317,13 @@ class WorkerSide:
             self._interval.add(**counts)
             self._total.add(**counts)
 
+    def _observe(self, transfer_seconds: float | None = None, load_wait_seconds: float | None = None) -> None:
+        with self._stats_lock:
+            if transfer_seconds is not None:
+                self._observed.transfer_seconds.append(transfer_seconds)
+            if load_wait_seconds is not None:
+                self._observed.load_wait_seconds.append(load_wait_seconds)
+
     # ------------------------------------------------------------------ helpers
 
     @property
@@ -309,9 +337,12 @@ class WorkerSide:
         return self._caches
 
     def _break(self, error: KVTransferError) -> None:
-        if self._broken is None:
+        with self._stats_lock:  # load threads may break at the same time: the connection is lost once
+            if self._broken is not None:
+                return
             self._broken = "kvbridge transfers are stopped after a transport error"
-            logger.error("%s (%s); the engine keeps serving and computes every prompt itself", self._broken, error)
+            self._observed.connections -= 1
+        logger.error("%s (%s); the engine keeps serving and computes every prompt itself", self._broken, error)
 
 
 def _kv_request(token_ids: Sequence[int], kv: PagedKV) -> KVRequest:

@@ -6,15 +6,18 @@ Llama made here (no downloads), and compare the consumer's greedy tokens with a 
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import pickle
 import threading
 import time
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
@@ -23,6 +26,7 @@ from connector import compat
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
 from connector.transfer_stats import COUNTERS
 from connector.vllm_loads import LoadTicket, LoadTracker
+from connector.vllm_prom import KVBridgePromMetrics
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings, pipe_port_offset
 from connector.vllm_stats import KVBridgeStats
@@ -311,16 +315,44 @@ def test_handshake_rejects_another_version() -> None:
 
 
 def test_stats_aggregate_reduce_and_reset() -> None:
-    a, b = KVBridgeStats(), KVBridgeStats.from_data({"load_hits": 2, "loaded_bytes": 10})
+    a, b = KVBridgeStats(), KVBridgeStats.from_data({"load_hits": 2, "loaded_bytes": 10, "transfer_seconds": [0.5],
+                                                     "connections": 1})
     assert a.is_empty() and not b.is_empty()
     a.add(load_hits=1, load_seconds=0.25)
-    total = a.aggregate(b).reduce()
-    assert set(total) == set(COUNTERS)
-    assert (total["load_hits"], total["loaded_bytes"], total["load_seconds"]) == (3, 10, 0.25)
+    a.data["transfer_seconds"].append(0.125)
+    total = a.aggregate(b)
+    assert total.data["transfer_seconds"] == [0.125, 0.5] and total.data["connections"] == 1
+    reduced = total.reduce()
+    assert set(reduced) == {*COUNTERS, "connections", "transfers"}
+    assert (reduced["load_hits"], reduced["loaded_bytes"], reduced["load_seconds"], reduced["transfers"]) == (3, 10,
+                                                                                                           0.25, 2)
     with pytest.raises(KeyError):
         a.add(nonsense=1)
     a.reset()
     assert a.is_empty()
+    assert not KVBridgeStats.from_data({"connections": -1}).is_empty()  # a lost connection is news
+    assert pickle.loads(pickle.dumps(total)).data == total.data  # travels between vLLM's processes
+
+
+def test_prometheus_metrics_carry_vllms_labels() -> None:
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    labels = {0: ["tiny", "0"], 1: ["tiny", "1"]}
+    metrics = KVBridgePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], labels)
+    data = KVBridgeStats.from_data({"load_hits": 2, "loaded_bytes": 4096, "load_errors": 1,
+                                    "transfer_seconds": [0.002, 0.3], "load_wait_seconds": [1.5],
+                                    "connections": 1}).data
+    metrics.observe(data, engine_idx=1)
+    metrics.observe(KVBridgeStats.from_data({"load_hits": 1, "transfer_seconds": [0.01]}).data, engine_idx=1)
+
+    def value(name: str, engine: str = "1", **extra: str) -> float | None:
+        return registry.get_sample_value(f"vllm:kvbridge_{name}", {"model_name": "tiny", "engine": engine, **extra})
+
+    assert (value("load_hits_total"), value("loaded_bytes_total"), value("load_errors_total")) == (3, 4096, 1)
+    assert value("load_misses_total") == 0 and value("load_hits_total", engine="0") == 0
+    assert value("transfer_seconds_count") == 3 and value("transfer_seconds_bucket", le="0.005") == 1
+    assert value("load_wait_seconds_count") == 1 and value("load_wait_seconds_sum") == 1.5
+    assert value("connections") == 1
 
 
 def test_find_layout_cpu_and_flash_shapes() -> None:
@@ -517,6 +549,10 @@ def test_async_loads_report_each_request_once_and_its_errors_no_later() -> None:
     assert _same_bits(worker.caches, expected)
     stats = worker.total_stats().data
     assert (stats["load_hits"], stats["load_misses"], stats["loaded_blocks"]) == (2, 1, 4)
+    counters, observed = worker.take_stats()
+    assert counters.data["load_hits"] == 2 and observed.connections == 1
+    assert len(observed.transfer_seconds) == 2 and len(observed.load_wait_seconds) == 3  # the miss waited too
+    assert worker.take_stats() is None
     worker.close()
 
 
@@ -574,6 +610,8 @@ def test_a_peer_lost_mid_load_fails_it_and_every_later_load_at_once() -> None:
     assert buffer.selected == [FAKE_TOKENS["a"][0]]  # "b" never reached the dead peer
     assert _same_bits(worker.caches, vp.fake_caches(2))
     assert worker.total_stats().data["load_errors"] == 2
+    _, observed = worker.take_stats()
+    assert observed.connections == 0  # opened, then lost
     worker.close()
 
 

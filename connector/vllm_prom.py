@@ -1,0 +1,75 @@
+"""kvbridge's Prometheus metrics in vLLM's ``/metrics``, with vLLM's labels (model name, engine).
+
+vLLM builds them once per API server through ``KVBridgeConnector.build_prom_metrics`` and feeds
+them each interval's aggregated stats ``data`` (:class:`connector.vllm_stats.KVBridgeStats`).
+
+Series (``vllm:kvbridge_*``): every counter of :data:`connector.transfer_stats.COUNTERS` as a
+Prometheus counter (``_total``); ``transfer_seconds`` (one save or load: gather and insert, or
+select and write) and ``load_wait_seconds`` (from the claim of a request's KV to its blocks being
+written, waiting for a late entry included) as histograms; ``connections``, the open connections
+to the peer instance, as a gauge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from connector.transfer_stats import COUNTERS
+from connector.vllm_stats import CONNECTIONS, SAMPLES
+
+PREFIX = "vllm:kvbridge_"
+
+_COUNTER_HELP = {
+    "saved_requests": "Requests whose KV the prefill instance inserted into its lookup buffer.",
+    "saved_blocks": "KV blocks inserted into the lookup buffer.",
+    "saved_bytes": "Bytes of KV inserted into the lookup buffer.",
+    "save_failures": "Requests whose KV could not be inserted (buffer full, peer lost).",
+    "save_seconds": "Seconds spent gathering and inserting KV.",
+    "load_hits": "Requests whose KV the decode instance loaded.",
+    "load_misses": "Loads without a usable entry within kv_load_timeout.",
+    "load_errors": "Loads failed by a transport error (peer lost, protocol).",
+    "loaded_blocks": "KV blocks written into vLLM's cache.",
+    "loaded_bytes": "Bytes of KV received for hits.",
+    "load_seconds": "Seconds spent waiting for, receiving and writing KV.",
+    "drained": "Entries taken and dropped (vLLM held their blocks, or the request was aborted).",
+}
+
+_HISTOGRAM_HELP = {
+    "transfer_seconds": "Seconds of one transfer: a save (gather and insert) or a load (select and write).",
+    "load_wait_seconds": "Seconds from the claim of a request's KV to its blocks being written.",
+}
+
+#: From 1 ms to 60 s: a hit on one host takes milliseconds, a late entry up to kv_load_timeout.
+_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """Registers kvbridge's series and records each interval's stats into them."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {name: self._per_engine(self._counter_cls, name, _COUNTER_HELP[name]) for name in COUNTERS}
+        self._histograms = {name: self._per_engine(self._histogram_cls, name, _HISTOGRAM_HELP[name],
+                                                   buckets=_BUCKETS) for name in SAMPLES}
+        self._connections = self._per_engine(self._gauge_cls, CONNECTIONS,
+                                             "Open kvbridge connections to the peer instance (one per TP rank).")
+
+    def _per_engine(self, cls: type[PromMetric], name: str, documentation: str, **kwargs: Any) -> dict[int, Any]:
+        metric = cls(name=PREFIX + name, documentation=documentation, labelnames=self._labelnames, **kwargs)
+        return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, counter in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                counter[engine_idx].inc(value)
+        for name, histogram in self._histograms.items():
+            for value in transfer_stats_data.get(name, ()):
+                histogram[engine_idx].observe(value)
+        change = transfer_stats_data.get(CONNECTIONS, 0)
+        if change:
+            self._connections[engine_idx].inc(change)

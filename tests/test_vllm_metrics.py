@@ -1,0 +1,81 @@
+"""kvbridge's series in the ``/metrics`` of real ``vllm serve`` instances, after traffic."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests import _vllm_procs as vp
+from tests import test_vllm_serving as serving
+
+# The stack of the serving tests (launch.serve: prefill and decode instances and the proxy), started
+# anew for this module, with the fixtures it needs.
+model, reference, stack = serving.model, serving.reference, serving.stack
+NAME = serving.NAME
+PROMPTS = vp.make_prompts(seed=11)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of kvbridge's series at ``url``/metrics, by name and labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:kvbridge_"):
+                samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def values(samples: dict, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(dict(labels), value) for (sample, labels), value in samples.items() if sample == name]
+
+
+def total(samples: dict, *names: str) -> float:
+    return sum(value for name in names for _, value in values(samples, "vllm:kvbridge_" + name))
+
+
+def wait_for(url: str, names: tuple[str, ...], expected: float) -> dict[str, Any]:
+    """Scrape until the series ``names`` add up to ``expected`` (vLLM records a step's stats after it)."""
+    deadline = time.monotonic() + 60
+    while True:
+        samples = scrape(url)
+        if total(samples, *names) >= expected:
+            return samples
+        assert time.monotonic() < deadline, f"{names} at {url} stayed below {expected}: {samples}"
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(600)
+def test_both_instances_export_kvbridge_series_after_traffic(stack: dict[str, str]) -> None:
+    openai = serving.client(stack["proxy"])
+    for prompt in PROMPTS:
+        openai.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    moved = sum(1 for p in PROMPTS[:-1] if vp.transfer_prefix(p))  # the last one duplicates a prompt
+    # The duplicate is saved again, and loaded or found in the decode instance's prefix cache (drained).
+    decode = wait_for(stack["decode"], ("load_hits_total", "drained_total"), moved + 1)
+    prefill = wait_for(stack["prefill"], ("saved_requests_total",), moved + 1)
+    for samples in (decode, prefill):
+        for name in ("vllm:kvbridge_load_hits_total", "vllm:kvbridge_connections"):
+            ((labels, _),) = values(samples, name)
+            assert labels["model_name"] == NAME and labels["engine"] == "0"  # vLLM's labels
+        ((_, connections),) = values(samples, "vllm:kvbridge_connections")
+        assert connections == 1
+    positive = {
+        "decode": ["load_hits_total", "loaded_bytes_total", "loaded_blocks_total", "load_seconds_total",
+                   "transfer_seconds_count", "transfer_seconds_sum", "load_wait_seconds_count"],
+        "prefill": ["saved_requests_total", "saved_bytes_total", "saved_blocks_total", "save_seconds_total",
+                    "transfer_seconds_count"],
+    }
+    for instance, samples in (("decode", decode), ("prefill", prefill)):
+        for name in positive[instance]:
+            ((_, value),) = values(samples, "vllm:kvbridge_" + name)
+            assert value > 0, f"{instance}: {name}"
+    assert total(decode, "load_hits_total", "drained_total") == moved + 1
+    assert total(decode, "load_misses_total", "load_errors_total") == 0
+    assert total(prefill, "saved_requests_total") == moved + 1

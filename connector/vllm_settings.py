@@ -13,10 +13,12 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
 ``kv_load_timeout`` (seconds, default 5)
     How long the consumer waits for the producer's entry of a request the producer announced
     (see :mod:`connector.transfer_plan`) before recomputing it. Unannounced requests never wait.
-``kv_save_timeout`` (seconds, default 1)
+``kv_save_timeout`` (seconds, default 0)
     How long the producer waits for room in its lookup buffer before dropping a request's KV
     (the request is then announced with 0 tokens and the consumer computes it at once). The
-    engine step waits too, so keep it short.
+    engine step waits too: by default it holds only for the copy out of the paged cache, and a
+    full buffer (a decode instance that is behind) costs that request its transfer, not every
+    running request its next token.
 ``kv_secret_file`` (path, default unset)
     A file holding the shared secret (see :mod:`connector.secret`). The secret itself is never
     a key here: vLLM's command line and logs would show it. ``KVBRIDGE_KV_SECRET`` /
@@ -42,7 +44,7 @@ from kv_pipe.errors import KVConfigError
 #: Extra config keys owned by the connector; every other key must be a kvbridge config field.
 _OPTION_DEFAULTS: dict[str, Any] = {
     "kv_load_timeout": 5.0,
-    "kv_save_timeout": 1.0,
+    "kv_save_timeout": 0.0,
     SECRET_FILE_KEY: None,
 }
 

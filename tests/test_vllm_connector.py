@@ -48,7 +48,7 @@ def test_settings_defaults_and_overrides() -> None:
     assert (producer.bridge.kv_rank, producer.bridge.kv_role, producer.bridge.kv_port) == (0, "kv_producer", 20000)
     assert producer.bridge.kv_ip == "10.1.2.3"
     assert (consumer.bridge.kv_rank, consumer.bridge.kv_port, consumer.bridge.kv_timeout) == (1, 21000, 7)
-    assert (consumer.load_timeout, consumer.save_timeout) == (2.0, 1.0)
+    assert (consumer.load_timeout, consumer.save_timeout) == (2.0, 0.0)
     assert [pipe_port_offset(r) for r in range(3)] == [0, 2, 4]
 
 
@@ -626,6 +626,26 @@ def test_a_load_that_raises_fails_all_its_blocks() -> None:
         tracker.start("r", [1], lambda ticket: set())
     tracker.close()  # waits for the job
     assert tracker.take_finished() == {"r"} and tracker.take_failed_blocks() == {4, 7}
+
+
+class _FullBuffer(_FailingInserts):
+    """A producer's lookup buffer that stays full: an insert allowed to wait for room would wait
+    for ever (here: fails the test), one that may not is refused at once."""
+
+    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+               hidden: torch.Tensor | None, timeout: float | None = None) -> None:
+        if timeout != 0:
+            raise AssertionError(f"the engine step would wait up to {timeout} s for room in the buffer")
+        raise KVBufferFullError("no room")
+
+
+def test_by_default_a_save_holds_the_step_only_for_the_copy() -> None:
+    buffer = _FullBuffer({})
+    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {},
+                            pipe_factory=_PeerPipe, buffer_factory=lambda pipe, settings, offset: buffer)
+    worker.save([SaveSpec("a", FAKE_TOKENS["a"], [0, 1])])
+    assert worker.take_save_outcomes() == (set(), {"a"})  # announced with 0 tokens: the consumer computes it
+    worker.close()
 
 
 @pytest.mark.timeout(120)

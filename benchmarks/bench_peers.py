@@ -48,8 +48,10 @@ def start_workers(log_dir: Path, args: argparse.Namespace, hosts: netns.TwoHosts
     port = free_port(span=6)
     ip = hosts.addresses[0] if hosts else "127.0.0.1"
     # The caller's PYTHONPATH stays (after the repository): it may decide which peers can be imported.
+    # UCX (NIXL) would otherwise also use the host's other interfaces: only loopback on one host, and
+    # TCP between the namespaces (which have nothing but their veth and loopback).
     env = netns.child_env({"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                           **({"UCX_TLS": "tcp"} if hosts else {})})
+                           **({"UCX_TLS": "tcp"} if hosts else {"UCX_NET_DEVICES": "lo"})})
     children = []
     for rank in (0, 1):
         tag = f"rank{rank}"

@@ -47,15 +47,18 @@ class CreditLedger:
         self._asking = True
         return True
 
-    def on_frame(self, consumed: int, waiting: bool) -> None:
-        """Take in the credit fields of a frame from the peer; refuse impossible values."""
+    def on_frame(self, consumed: int, waiting: bool) -> bool:
+        """Take in the credit fields of a frame from the peer; refuse impossible values. True if
+        the peer's user took more since the last frame (a waiting sender may have room now)."""
         if not self._peer_consumed <= consumed <= self._queued:
             raise KVProtocolError(
                 f"peer claims to have consumed {consumed} bytes; it had consumed {self._peer_consumed} "
                 f"and was sent at most {self._queued}"
             )
+        grew = consumed > self._peer_consumed
         self._peer_consumed = consumed
         self._peer_waiting = self._peer_waiting or waiting
+        return grew
 
     def take(self, cost: int) -> None:
         """This side's user took a message of ``cost`` from the pipe."""

@@ -48,6 +48,9 @@ MAX_NDIM = 48
 #: aligned), after the segment's first page, which holds the nonce that proves the mapping.
 SHARED_REGION_ALIGN = 4096
 SHARED_DATA_START = SHARED_REGION_ALIGN
+#: Tensors from this size up go through shared memory when it is set up, even those that would fit a
+#: frame: the frame then carries only the header, and the receiver's tensor is a view (no copy).
+SHARED_MIN_BYTES = 256 << 10
 #: Most regions one FREED record gives back.
 MAX_FREED_PER_RECORD = 1024
 #: Records in a frame start at multiples of this, so every dtype's inline bytes are aligned.
@@ -165,9 +168,10 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int, sha
     payload this side agreed to accept: a header claiming more is refused before any memory is
     allocated or any receive is posted. ``inline_capacity`` is what the record's inline area can
     hold (:func:`record_inline_capacity`): the header's inline flag must say exactly whether the
-    tensor fits it. ``shared_bytes`` is the size of the peer's shared-memory segment as mapped on
-    this side (0: none): a place outside it is refused before anything is read there. Only records
-    of items (TENSOR, NONE) and FREED may say that another record follows.
+    tensor fits it, and is never set for a tensor in shared memory. ``shared_bytes`` is the size of
+    the peer's shared-memory segment as mapped on this side (0: none): a place outside it is refused
+    before anything is read there. Only records of items (TENSOR, NONE) and FREED may say that
+    another record follows.
     """
     magic, version, kind_code, seq, consumed, want_credit, dtype_code, ndim, nbytes, inline_word, more, place = (
         _FIXED.unpack_from(buffer))
@@ -207,7 +211,7 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int, sha
         raise KVProtocolError(
             f"peer announced {nbytes} bytes for a {dtype} tensor of shape {shape}: inconsistent header"
         )
-    inline = nbytes <= inline_capacity
+    inline = nbytes <= inline_capacity and not place
     if inline_word != inline:
         raise KVProtocolError(f"peer's inline flag {inline_word} disagrees with size {nbytes}")
     if kind is FrameKind.FREED and (dtype is not torch.int64 or ndim != 1 or not inline or place or not nbytes

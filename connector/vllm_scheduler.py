@@ -36,6 +36,9 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     saves: list[SaveSpec] = dataclasses.field(default_factory=list)
+    #: Claimed requests this connector cannot load (an allocation it does not plan for): vLLM waits
+    #: for them all the same, so the worker reports them finished at once with these blocks failed.
+    refused: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -84,6 +87,7 @@ class SchedulerSide:
         self._saved: dict[str, int] = {}  # producer: prefix tokens the workers saved (0: failed), still running
         self._pending: dict[str, tuple[dict[str, int], int]] = {}  # producer: announcement, prefix in flight
         self._loads: dict[str, LoadSpec] = {}  # consumer: planned, not yet handed to the worker
+        self._refused: dict[str, list[int]] = {}  # consumer: claimed but not loadable, not yet handed over
         self._loaded: set[str] = set()  # consumer: requests that already had their one load attempt
         self._covered: set[str] = set()  # consumer: transfer prefix found in vLLM's prefix cache: drain
 
@@ -116,9 +120,11 @@ class SchedulerSide:
         prefix = transfer_prefix_len(request.num_prompt_tokens, self.block_size)
         local = prefix - num_external_tokens
         if local < 0 or local % self.block_size or len(block_ids) < prefix // self.block_size:
-            # vLLM adjusted the claim in a way this connector does not plan for: recompute.
+            # vLLM adjusted the claim in a way this connector does not plan for: its blocks fail.
             logger.warning("kvbridge: unexpected allocation for %s (%d external tokens, prefix %d, %d blocks)",
                            request.request_id, num_external_tokens, prefix, len(block_ids))
+            self._refused[request.request_id] = list(block_ids)
+            self._loaded.add(request.request_id)
             return
         self._loads[request.request_id] = LoadSpec(
             req_id=request.request_id,
@@ -146,6 +152,7 @@ class SchedulerSide:
         # Loads are asynchronous: their requests wait for them unscheduled.
         meta.loads = list(self._loads.values())
         self._loads.clear()
+        meta.refused, self._refused = self._refused, {}
         for new_req in scheduler_output.scheduled_new_reqs:
             if new_req.req_id in self._covered and new_req.req_id not in self._loaded:
                 prompt = new_req.prompt_token_ids or []
@@ -192,6 +199,7 @@ class SchedulerSide:
         """Forget a finished or aborted request; the producer announces the prefix it saved."""
         req_id = request.request_id
         self._loads.pop(req_id, None)
+        self._refused.pop(req_id, None)
         self._loaded.discard(req_id)
         self._covered.discard(req_id)
         self._unsaved.pop(req_id, None)

@@ -130,7 +130,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return f"{name}/{isa}" if isa else name
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._require_worker().start_loads(self._metadata().loads)
+        meta, worker = self._metadata(), self._require_worker()
+        worker.start_loads(meta.loads)
+        worker.refuse_loads(meta.refused)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: vLLM schedules a request only once get_finished reported it

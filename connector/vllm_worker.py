@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
 import torch
@@ -226,6 +226,13 @@ class WorkerSide:
                 claimed = time.perf_counter()
                 self._loads.start(spec.req_id, spec.block_ids[spec.skip_blocks:],
                                   lambda ticket, spec=spec, claimed=claimed: self._load_job(spec, ticket, claimed))
+
+    def refuse_loads(self, refused: Mapping[str, Sequence[int]]) -> None:
+        """Report each request in ``refused`` finished at once, its blocks failed: vLLM waits for
+        every request it was told is loaded asynchronously, loadable or not."""
+        for req_id, block_ids in refused.items():
+            self._add(load_misses=1)
+            self._loads.start(req_id, block_ids, lambda ticket, failed=frozenset(block_ids): failed)
 
     def take_finished_loads(self, finished_req_ids: Iterable[str] = ()) -> set[str]:
         """Requests whose load completed (hit or not) since the last call, each once; their failed

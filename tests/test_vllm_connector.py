@@ -164,6 +164,19 @@ def test_consumer_drains_entries_its_prefix_cache_already_holds() -> None:
     assert side.build_meta(scheduler_output([], {"dup": 1}), _no_blocks).loads == []
 
 
+def test_consumer_hands_an_unplanned_allocation_to_the_worker_to_fail() -> None:
+    """vLLM waits for every asynchronously claimed request: one the connector cannot load must be
+    reported failed by the worker, not forgotten."""
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    request = make_request("odd", list(range(100)))
+    assert side.num_new_matched_tokens(request, 0) == 96
+    side.after_alloc(request, [4, 5], 96)  # fewer blocks than the claim needs
+    meta = side.build_meta(scheduler_output([], {}), _no_blocks)
+    assert meta.loads == [] and meta.refused == {"odd": [4, 5]}
+    assert side.build_meta(scheduler_output([], {}), _no_blocks).refused == {}
+    assert side.num_new_matched_tokens(request, 0) == 0  # never claimed again
+
+
 def test_consumer_forgets_aborted_requests() -> None:
     side = SchedulerSide(B, is_producer=False, is_consumer=True)
     request = make_request("gone", list(range(70)))
@@ -612,6 +625,16 @@ def test_a_peer_lost_mid_load_fails_it_and_every_later_load_at_once() -> None:
     assert worker.total_stats().data["load_errors"] == 2
     _, observed = worker.take_stats()
     assert observed.connections == 0  # opened, then lost
+    worker.close()
+
+
+def test_a_refused_load_is_reported_at_once_with_its_blocks_failed() -> None:
+    buffer = _ScriptedSelects({})
+    worker = _consumer(buffer)
+    worker.refuse_loads({"odd": [4, 5]})
+    (poll,) = [p for p in _poll(worker, {"odd"}) if "odd" in p[0]]
+    assert poll[1] == {4, 5} and buffer.selected == []
+    assert _same_bits(worker.caches, vp.fake_caches(2))
     worker.close()
 
 

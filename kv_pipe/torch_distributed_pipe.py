@@ -182,7 +182,7 @@ class TorchDistributedPipe(KVPipeBase):
         """
         shape = tuple(shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        if self._shared is not None and self._shared.own is not None and nbytes > self._wire.inline_capacity:
+        if self._shared is not None and self._shared.own is not None and nbytes >= SHARED_MIN_BYTES:
             lent = self._shared.lend(shape, dtype)
             if lent is not None:
                 return lent

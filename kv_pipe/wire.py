@@ -31,11 +31,6 @@ class Wire(abc.ABC):
 
     frame_bytes: int
 
-    @property
-    def inline_capacity(self) -> int:
-        """The most bytes a tensor can have and still travel inside a frame of its own."""
-        return self.frame_bytes - HEADER_BYTES
-
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.send_frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=device)

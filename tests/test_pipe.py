@@ -1027,7 +1027,6 @@ def test_a_stranger_tampering_with_the_rendezvous_store_is_refused_clearly(how, 
     end with an error that names the cause within the bounds, never connected to the stranger."""
     port = procs.free_port()
     results = procs.new_queue()
-    started = time.monotonic()
     processes = [procs.start(body_tampered_rendezvous, (0, port, secret), results, 0)]
     try:
         if how == "arrivals":  # from this process, so that it lands before rank 1 arrives
@@ -1038,7 +1037,6 @@ def test_a_stranger_tampering_with_the_rendezvous_store_is_refused_clearly(how, 
         outcomes = procs.collect(processes, results, timeout=80)
     finally:
         procs.reap(processes)
-    elapsed = time.monotonic() - started
     (kind0, message0), (kind1, message1) = outcomes[0], outcomes[1]
     assert kind0 != "connected" and kind1 != "connected", outcomes
     if how == "arrivals":
@@ -1048,4 +1046,3 @@ def test_a_stranger_tampering_with_the_rendezvous_store_is_refused_clearly(how, 
         assert outcomes[2] == "hijacked", outcomes
         assert kind0 == "KVProtocolError" and "authentication failed" in message0, outcomes
         assert kind1 in ("KVPeerLostError", "KVProtocolError"), outcomes
-    assert elapsed < 80

@@ -42,6 +42,9 @@ class KVTransferConfig:
             on the wire.
         kv_connect_timeout: seconds to wait for the peer to appear when the pipe is created.
         kv_secret: optional shared secret; when set, both sides must hold the same one.
+        kv_entry_timeout: seconds a producer keeps an entry that no consumer selects (its client
+            went away, or a router sent the request elsewhere) before dropping it and freeing its
+            bytes.
         kv_shared_memory: ``auto`` (payloads go through shared memory when both sides prove they
             share a host and network namespace, else over the transport), ``on`` (refuse to connect
             without it) or ``off`` (always over the transport). CUDA pipes always use NCCL.
@@ -58,6 +61,7 @@ class KVTransferConfig:
     kv_connect_timeout: float = 300.0
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
     kv_shared_memory: str = "auto"
+    kv_entry_timeout: float = 480.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,8 +79,8 @@ class KVTransferConfig:
             raise KVConfigError(f"kv_rank must be 0 or 1, got {self.kv_rank!r}")
         if not isinstance(self.kv_ip, str) or not self.kv_ip:
             raise KVConfigError(f"kv_ip must be a host name or IP address, got {self.kv_ip!r}")
-        if not _is_int(self.kv_port) or not 1 <= self.kv_port <= 65535 - 8:
-            raise KVConfigError(f"kv_port must be an integer in [1, 65527], got {self.kv_port!r}")
+        if not _is_int(self.kv_port) or not 1 <= self.kv_port <= 65535:
+            raise KVConfigError(f"kv_port must be an integer in [1, 65535], got {self.kv_port!r}")
         if not _is_int(self.kv_buffer_size) or self.kv_buffer_size < 1 << 16:
             raise KVConfigError(
                 f"kv_buffer_size must be an integer number of bytes >= 65536, "
@@ -86,7 +90,7 @@ class KVTransferConfig:
             raise KVConfigError(
                 f"kv_buffer_device must be one of {KV_BUFFER_DEVICES}, got {self.kv_buffer_device!r}"
             )
-        for name in ("kv_timeout", "kv_connect_timeout"):
+        for name in ("kv_timeout", "kv_connect_timeout", "kv_entry_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise KVConfigError(f"{name} must be a number of seconds, got {value!r}")
@@ -137,8 +141,8 @@ class KVTransferConfig:
         ========================  =====================================================
 
         Every other field (``kv_buffer_size``, ``kv_buffer_device``, ``kv_timeout``,
-        ``kv_connect_timeout``, ``kv_secret``, ``kv_shared_memory``) is read from ``KVBRIDGE_<FIELD>`` or keeps its
-        default. Keyword ``overrides`` beat the environment.
+        ``kv_connect_timeout``, ``kv_secret``, ``kv_shared_memory``, ``kv_entry_timeout``) is read
+        from ``KVBRIDGE_<FIELD>`` or keeps its default. Keyword ``overrides`` beat the environment.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -172,7 +176,7 @@ def _parse_int(key: str, text: str) -> int:
 def _parse_field(field: dataclasses.Field, key: str, text: str) -> Any:
     if field.name in ("kv_rank", "kv_parallel_size", "kv_port", "kv_buffer_size"):
         return _parse_int(key, text)
-    if field.name in ("kv_timeout", "kv_connect_timeout"):
+    if field.name in ("kv_timeout", "kv_connect_timeout", "kv_entry_timeout"):
         try:
             return float(text)
         except ValueError:

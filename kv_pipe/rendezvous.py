@@ -50,8 +50,12 @@ class Connection:
     peer_hello: Hello
 
 
-def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.device) -> Connection:
+def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.device,
+            listener: socket.socket | None = None) -> Connection:
     """Run the rendezvous at ``config.kv_ip:port`` and return the connected groups.
+
+    ``listener``: rank 0 only, a socket already listening at ``port`` for the store (it is taken
+    over); without it rank 0 binds ``kv_ip:port`` itself.
 
     Raises:
         KVPeerLostError: no peer within ``kv_connect_timeout``, the rendezvous already served a pair,
@@ -59,7 +63,7 @@ def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.dev
         KVProtocolError: the peer is incompatible or failed authentication.
     """
     rank = config.kv_rank
-    store = _open_store(config, port)
+    store = _open_store(config, port, listener)
     try:
         if store.add(_ARRIVALS_KEY, 1) > 2:
             _refuse(store, rank, config.kv_timeout,
@@ -100,10 +104,12 @@ def _refuse(store: dist.Store, rank: int, kv_timeout: float, reason: str) -> Non
     raise KVPeerLostError(reason)
 
 
-def _open_store(config: KVTransferConfig, port: int) -> dist.TCPStore:
+def _open_store(config: KVTransferConfig, port: int, listener: socket.socket | None) -> dist.TCPStore:
     rank = config.kv_rank
     # TCPStore listens on every interface by itself; hand it a socket bound to kv_ip only.
-    listen_fd = _listen_on(config.kv_ip, port) if rank == 0 else None
+    listen_fd = None
+    if rank == 0:
+        listen_fd = listener.detach() if listener is not None else _listen_on(config.kv_ip, port)
     try:
         return dist.TCPStore(config.kv_ip, port, world_size=2, is_master=rank == 0,
                              timeout=datetime.timedelta(seconds=config.kv_connect_timeout),
@@ -116,12 +122,16 @@ def _open_store(config: KVTransferConfig, port: int) -> dist.TCPStore:
 
 
 def _listen_on(host: str, port: int) -> int:
+    return listen(host, port).detach()  # the TCPStore owns the descriptor from here on
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` only (port 0: one the kernel picks), for a rank 0's store."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        server = socket.create_server((host, port), family=family)
+        return socket.create_server((host, port), family=family)
     except OSError as exc:
         raise KVTransferError(f"kvbridge pipe rank 0 cannot listen on {host}:{port}: {exc}") from exc
-    return server.detach()  # the TCPStore owns the descriptor from here on
 
 
 def exchange(store: dist.Store, rank: int, name: str, value: bytes) -> bytes:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.credit import CreditLedger
 from kv_pipe.errors import (
+    KVConfigError,
     KVPeerLostError,
     KVPipeClosedError,
     KVProtocolError,
@@ -103,20 +105,27 @@ class TorchDistributedPipe(KVPipeBase):
         port_offset: added to ``kv_port``, so one process can hold several pipes. A pipe uses port
             ``kv_port + port_offset`` and reserves the next one for a lookup buffer's control
             channel: give pipes offsets that differ by at least 2.
+        listener: rank 0 only: a socket already listening for the rendezvous (from
+            :func:`kv_pipe.rendezvous.listen`, e.g. on a port the kernel picked); the pipe takes it
+            over and its port replaces ``kv_port + port_offset``.
     """
 
-    def __init__(self, config: KVTransferConfig, port_offset: int = 0) -> None:
+    def __init__(self, config: KVTransferConfig, port_offset: int = 0, listener: socket.socket | None = None) -> None:
         config.validate()
+        if listener is not None and config.kv_rank != 0:
+            raise KVConfigError("only rank 0 listens for the rendezvous: a listener needs kv_rank 0")
         self.config = config
         self.port_offset = port_offset
         self.rank = config.kv_rank
         self.peer_rank = 1 - config.kv_rank
-        self.port = config.kv_port + port_offset
+        self.port = config.kv_port + port_offset if listener is None else listener.getsockname()[1]
+        if not 1 <= self.port <= 65535:
+            raise KVConfigError(f"the pipe's port kv_port + port_offset = {self.port} is not a valid port")
         self.device = _select_device(config.kv_buffer_device)
         self._wire = wire_for(self.device, max_idle_bytes=config.kv_buffer_size)
         hello = Hello(frame_bytes=self._wire.frame_bytes, max_in_flight=config.kv_buffer_size,
                       device=config.kv_buffer_device, timeout_ms=max(1, round(config.kv_timeout * 1000)))
-        connection = rendezvous.connect(config, self.port, hello, self.device)
+        connection = rendezvous.connect(config, self.port, hello, self.device, listener)
         self._store = connection.store
         self._outgoing_group = connection.outgoing
         self._incoming_group = connection.incoming

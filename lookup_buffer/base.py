@@ -65,6 +65,8 @@ class BufferStats:
     inserts_blocked: int = 0
     #: Inserts refused with KVBufferFullError: too large, or the buffer stayed full (producer).
     rejected: int = 0
+    #: Entries dropped because no consumer selected them within ``kv_entry_timeout`` (producer).
+    expired: int = 0
     #: Selects answered with an entry.
     hits: int = 0
     #: Selects answered "not there" after their wait.

@@ -25,13 +25,17 @@ def control_address(config: KVTransferConfig, port_offset: int) -> str:
     port = config.kv_port + port_offset + 1
     if not 1 <= port <= 65535:
         raise KVConfigError(f"control port kv_port + port_offset + 1 = {port} is not a valid port")
-    host = config.kv_ip
+    return f"tcp://{control_host(config.kv_ip)}:{port}"
+
+
+def control_host(host: str) -> str:
+    """``host`` as it goes into a ZeroMQ tcp address (an IPv6 address in brackets)."""
     try:
         if ipaddress.ip_address(host).version == 6:
-            host = f"[{host}]"
+            return f"[{host}]"
     except ValueError:
         pass  # a host name
-    return f"tcp://{host}:{port}"
+    return host
 
 
 def open_socket(context: zmq.Context, kind: int, address: str, max_message_bytes: int, bind: bool) -> zmq.Socket:
@@ -122,6 +126,8 @@ class Endpoint:
             self._context.term()
             self.doorbell.close()
             raise
+        #: The address bound or connected, with the port the kernel chose for a ``*`` port.
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT) if bind else address
         self._poller = zmq.Poller()
         self._poller.register(self.socket, zmq.POLLIN)
         self._poller.register(self.doorbell.fileno(), zmq.POLLIN)

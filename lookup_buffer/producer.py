@@ -62,6 +62,12 @@ _MAX_POLL_MS = 1000
 _LOGGED_REFUSALS = 20
 
 
+def log_expired(entries: int, nbytes: int) -> None:
+    if entries:
+        logger.warning("lookup buffer: %d entries (%d bytes) that no consumer selected within kv_entry_timeout "
+                       "were dropped", entries, nbytes)
+
+
 @dataclasses.dataclass(eq=False)
 class _Waiter:
     """A select parked until its entry is inserted or its deadline passes."""
@@ -74,15 +80,42 @@ class _Waiter:
     done: bool = False
 
 
-class BufferProducer:
-    """Serves a :class:`lookup_buffer.SimpleBuffer` with ``kv_role='kv_producer'``."""
+def make_entry(input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
+               hidden: torch.Tensor | None) -> tuple[MatchKey, Entry]:
+    """Check an insert's arguments (KVInvalidRequestError) and build its entry and match key."""
+    tokens, roi_array = token_arrays(input_tokens, roi)
+    if not isinstance(key, torch.Tensor):
+        raise KVInvalidRequestError(f"key must be a tensor, got {type(key).__name__}")
+    for name, item in (("value", value), ("hidden", hidden)):
+        if item is not None and not isinstance(item, torch.Tensor):
+            raise KVInvalidRequestError(f"{name} must be a tensor or None, got {type(item).__name__}")
+    header = make_header(tokens, roi_array, input_tokens.dtype, value is not None, hidden is not None)
+    given = (input_tokens, roi, key, value, hidden)
+    entry = Entry(
+        (torch.from_numpy(header), *(item for item in (key, value, hidden) if item is not None)),
+        nbytes=sum(item.nbytes for item in given if item is not None),
+    )
+    return MatchKey(tokens, roi_array), entry
 
-    def __init__(self, pipe: KVPipeBase, config: KVTransferConfig, address: str) -> None:
+
+class BufferProducer:
+    """Serves a :class:`lookup_buffer.SimpleBuffer` with ``kv_role='kv_producer'``, or one consumer's
+    connection of a :class:`lookup_buffer.BufferListener`.
+
+    Args:
+        address: where to bind the control channel, or an endpoint already bound (a ROUTER).
+        store: the entries to serve, shared with other connections; the connection then neither
+            expires nor drops them (their owner does), and a failure of this connection leaves
+            them to the others. Without it the producer has a store of its own.
+    """
+
+    def __init__(self, pipe: KVPipeBase, config: KVTransferConfig, address: str | Endpoint,
+                 store: EntryStore | None = None) -> None:
         self._pipe = pipe
         self._config = config
-        self._address = address
+        self._owns_store = store is None
         # An entry whose tensors the pipe would refuse is refused at insert, not halfway through a hit.
-        self._store = EntryStore(config.kv_buffer_size, pipe.max_tensor_bytes)
+        self._store = store or EntryStore(config.kv_buffer_size, pipe.max_tensor_bytes, config.kv_entry_timeout)
         self._lock = threading.Lock()  # guards the counters and the failure state below
         self._hits = self._misses = self._waits = self._bad_messages = self._sent_bytes = 0
         self._failure: KVTransferError | None = None
@@ -101,7 +134,9 @@ class BufferProducer:
         self._last_counter = 0  # of the last select accepted (server thread)
         self._inserted: collections.deque[MatchKey] = collections.deque()  # insert() -> server thread
         self._stopping = threading.Event()
-        self._endpoint = Endpoint(zmq.ROUTER, address, MAX_REQUEST_BYTES, bind=True)
+        self._endpoint = (address if isinstance(address, Endpoint)
+                          else Endpoint(zmq.ROUTER, address, MAX_REQUEST_BYTES, bind=True))
+        self.address = self._endpoint.address
         try:
             # Before any select can be answered: the consumer reads the session first.
             pipe.send_tensor(torch.from_numpy(make_session(self._session)), timeout=config.kv_timeout)
@@ -112,7 +147,7 @@ class BufferProducer:
         self._watcher = threading.Thread(target=self._watch_consumer, name="kvbuf-producer-watch", daemon=True)
         self._server.start()
         self._watcher.start()
-        logger.info("lookup buffer producer serving selects on %s (%d bytes)", address, config.kv_buffer_size)
+        logger.info("lookup buffer producer serving selects on %s (%d bytes)", self.address, config.kv_buffer_size)
 
     # ------------------------------------------------------------------ caller API
 
@@ -125,23 +160,21 @@ class BufferProducer:
         hidden: torch.Tensor | None,
         timeout: float,
     ) -> None:
-        tokens, roi_array = token_arrays(input_tokens, roi)
-        if not isinstance(key, torch.Tensor):
-            raise KVInvalidRequestError(f"key must be a tensor, got {type(key).__name__}")
-        for name, item in (("value", value), ("hidden", hidden)):
-            if item is not None and not isinstance(item, torch.Tensor):
-                raise KVInvalidRequestError(f"{name} must be a tensor or None, got {type(item).__name__}")
+        match_key, entry = make_entry(input_tokens, roi, key, value, hidden)
         self._raise_if_unusable()
-        header = make_header(tokens, roi_array, input_tokens.dtype, value is not None, hidden is not None)
-        given = (input_tokens, roi, key, value, hidden)
-        entry = Entry(
-            (torch.from_numpy(header), *(item for item in (key, value, hidden) if item is not None)),
-            nbytes=sum(item.nbytes for item in given if item is not None),
-        )
-        match_key = MatchKey(tokens, roi_array)
         self._store.put(match_key, entry, timeout)
-        self._inserted.append(match_key)
+        self.notify_inserted(match_key)
+
+    def notify_inserted(self, key: MatchKey) -> None:
+        """An entry under ``key`` was stored: serve the selects waiting for it. Any thread."""
+        self._inserted.append(key)
         self._endpoint.doorbell.ring()
+
+    @property
+    def failure(self) -> KVTransferError | None:
+        """Why this producer stopped serving (its consumer died or closed), or None."""
+        with self._lock:
+            return self._failure
 
     def stats(self) -> BufferStats:
         store = self._store.counters()
@@ -156,6 +189,7 @@ class BufferProducer:
                 insert_waits=store.insert_waits,
                 inserts_blocked=store.inserts_blocked,
                 rejected=store.rejected,
+                expired=store.expired,
                 hits=self._hits,
                 misses=self._misses,
                 waits=self._waits,
@@ -170,9 +204,10 @@ class BufferProducer:
                 return
             self._closed = True
         self._stopping.set()
-        entries, nbytes = self._store.stop(KVPipeClosedError("insert on a closed lookup buffer"))
-        if entries:
-            logger.warning("lookup buffer closed with %d unselected entries (%d bytes): dropped", entries, nbytes)
+        if self._owns_store:
+            entries, nbytes = self._store.stop(KVPipeClosedError("insert on a closed lookup buffer"))
+            if entries:
+                logger.warning("lookup buffer closed with %d unselected entries (%d bytes): dropped", entries, nbytes)
         self._endpoint.doorbell.ring()
         bound = self._config.kv_timeout
         self._server.join(bound)
@@ -211,6 +246,10 @@ class BufferProducer:
             if self._failure is not None or self._closed:
                 return
             self._failure = error
+        if not self._owns_store:
+            logger.info("lookup buffer: the connection to a consumer ends (%s); its entries stay for others", error)
+            self._endpoint.doorbell.ring()
+            return
         entries, nbytes = self._store.stop(error)
         # The consumer closing its side is orderly; anything else is a failure.
         level = logging.INFO if isinstance(error, KVPipeClosedError) and not entries else logging.ERROR
@@ -239,6 +278,8 @@ class BufferProducer:
                 self._receive_requests()
                 self._match_inserted()
                 self._expire(time.monotonic())
+                if self._owns_store:
+                    log_expired(*self._store.expire())
                 if self._failure is not None:
                     self._refuse_all(f"the producer's data pipe failed: {self._failure}")
         except Exception as exc:  # a bug; answer everyone rather than leave them waiting

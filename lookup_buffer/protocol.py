@@ -22,6 +22,12 @@ Exchange:
   swap data.
 * What cannot go on the data pipe is a :class:`Refusal` from the ROUTER: a request the producer
   could not parse, authenticate or accept as fresh, or any request once the data pipe is broken.
+
+Connections (a producer serving many consumers, :mod:`lookup_buffer.listener`): a consumer sends a
+:class:`ConnectRequest` with a fresh nonce to the producer's listening ROUTER; the producer answers
+with a :class:`ConnectReply` echoing the nonce and naming two ports it just bound for this consumer
+alone (the data pipe's rendezvous and the control channel), or with a :class:`Refusal`. Everything
+after that is the exchange above, on that connection's own pipe and control channel.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from kv_pipe import auth
 from kv_pipe.errors import KVProtocolError
 from lookup_buffer.matching import MAX_TOKENS, TOKEN_DTYPES, TOKEN_WIRE_DTYPE, MatchKey
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 #: Longest a producer holds a select waiting for an insert.
 MAX_WAIT_MS = 3_600_000
 MAX_MESSAGE_CHARS = 1000
@@ -61,7 +67,7 @@ RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 #: Why a request was refused: unparseable or inconsistent, another protocol version, no valid
 #: kv_secret signature, not fresh (another session, or a counter already used), or the producer's
 #: data pipe or server failed.
-Reason = Literal["malformed", "version", "unauthenticated", "stale", "failed"]
+Reason = Literal["malformed", "version", "unauthenticated", "stale", "failed", "busy"]
 
 
 class OutcomeStatus(enum.IntEnum):
@@ -104,6 +110,27 @@ class Refusal(msgspec.Struct, tag="refusal", tag_field="type", frozen=True):
     message: Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE_CHARS)] = ""
 
 
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=auth.NONCE_BYTES, max_length=auth.NONCE_BYTES)]
+
+
+class ConnectRequest(msgspec.Struct, tag="connect", tag_field="type", frozen=True):
+    """Consumer -> producer's listener: open a connection of this consumer's own. ``nonce``: fresh,
+    echoed by the reply, so that a reply is never taken for another request's."""
+
+    v: int
+    nonce: Nonce
+
+
+class ConnectReply(msgspec.Struct, tag="accept", tag_field="type", frozen=True):
+    """Producer's listener -> consumer: the ports bound for this connection on the producer's kv_ip."""
+
+    v: int
+    nonce: Nonce
+    store_port: Port
+    control_port: Port
+
+
 class _Envelope(msgspec.Struct):
     """The fields read before the schema, so that another version's message gets a clear answer."""
 
@@ -130,7 +157,7 @@ class ControlSigner:
         self.enabled = secret is not None
         self._keys = {
             what: auth.derive_key(secret, f"lookup-buffer/{what}") if secret else b""
-            for what in ("select request", "refusal")
+            for what in ("select request", "refusal", "connect request", "connect reply")
         }
 
     def seal(self, body: bytes, what: str) -> bytes:
@@ -151,7 +178,7 @@ class ControlSigner:
 
 
 #: Every control message. Decoding the union (not one Struct) makes the ``type`` tag mandatory.
-Message = SelectRequest | Refusal
+Message = SelectRequest | Refusal | ConnectRequest | ConnectReply
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -244,6 +271,35 @@ def encode_refusal(signer: ControlSigner, request_id: int, reason: Reason, messa
 def decode_refusal(signer: ControlSigner, frame: bytes) -> Refusal:
     """Raises MessageError for anything unauthenticated, malformed or of another version."""
     return _decode(signer.open(frame, "refusal"), Refusal, "refusal")
+
+
+def encode_connect_request(signer: ControlSigner, nonce: bytes) -> bytes:
+    return signer.seal(_encoder.encode(ConnectRequest(v=PROTOCOL_VERSION, nonce=nonce)), "connect request")
+
+
+def decode_connect_request(signer: ControlSigner, frame: bytes) -> ConnectRequest:
+    """Raises MessageError for anything unauthenticated, malformed or of another version."""
+    return _decode(signer.open(frame, "connect request"), ConnectRequest, "connect request")
+
+
+def encode_connect_reply(signer: ControlSigner, nonce: bytes, store_port: int, control_port: int) -> bytes:
+    reply = ConnectReply(v=PROTOCOL_VERSION, nonce=nonce, store_port=store_port, control_port=control_port)
+    return signer.seal(_encoder.encode(reply), "connect reply")
+
+
+def decode_connect_answer(signer: ControlSigner, frame: bytes) -> ConnectReply | Refusal:
+    """The listener's answer to a connect request: a reply (signed as such) or a refusal.
+
+    Raises:
+        MessageError: anything unauthenticated, malformed or of another version.
+    """
+    try:
+        return _decode(signer.open(frame, "connect reply"), ConnectReply, "connect reply")
+    except MessageError as as_reply:
+        try:
+            return decode_refusal(signer, frame)
+        except MessageError:
+            raise as_reply from None
 
 
 class Outcome(NamedTuple):

@@ -34,14 +34,16 @@ class SimpleBuffer(KVLookupBufferBase):
         config: ``kv_role`` is ``kv_producer`` or ``kv_consumer`` (``kv_both`` is refused: one
             pipe carries entries one way); ``kv_buffer_size`` bounds the bytes the producer holds;
             ``kv_timeout`` bounds waits on a silent peer and is the default insert timeout.
+        address: the control channel's ZeroMQ address (default: ``kv_port + port_offset + 1`` on
+            ``kv_ip``, see :mod:`lookup_buffer.control`).
 
     Raises:
         KVConfigError: the role is not supported, or the control address cannot be bound.
     """
 
-    def __init__(self, data_pipe: KVPipeBase, config: KVTransferConfig) -> None:
+    def __init__(self, data_pipe: KVPipeBase, config: KVTransferConfig, address: str | None = None) -> None:
         config.validate()
-        address = control_address(config, data_pipe.port_offset)
+        address = address or control_address(config, data_pipe.port_offset)
         self.config = config
         self._data_pipe = data_pipe
         self._side: BufferProducer | BufferConsumer

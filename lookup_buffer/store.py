@@ -1,9 +1,14 @@
-"""The producer's entries: first-in first-out per match key, bounded in bytes, thread-safe."""
+"""The producer's entries: first-in first-out per match key, bounded in bytes and in age, thread-safe.
+
+One store may serve several connections (a producer with many consumers): :meth:`EntryStore.pop`
+is atomic, so an entry goes to exactly one select.
+"""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 
@@ -17,12 +22,14 @@ from lookup_buffer.matching import MatchKey
 class Entry:
     """One inserted request: the tensors a hit sends, and the bytes it is charged for."""
 
-    __slots__ = ("items", "nbytes", "largest")
+    __slots__ = ("items", "nbytes", "largest", "expires", "taken")
 
     def __init__(self, items: tuple[torch.Tensor, ...], nbytes: int) -> None:
         self.items = items
         self.nbytes = nbytes
         self.largest = max(item.nbytes for item in items)
+        self.expires = math.inf  # set when stored
+        self.taken = False  # popped (or expired): no longer in the store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +42,7 @@ class StoreCounters:
     insert_waits: int
     inserts_blocked: int
     rejected: int
+    expired: int
 
 
 class EntryStore:
@@ -42,13 +50,19 @@ class EntryStore:
 
     ``max_item_bytes`` bounds each single tensor (what the data pipe can carry in one message).
     Waiting inserts are woken in no particular order (a large entry may wait behind small ones).
+    An entry not popped within ``entry_timeout`` seconds is dropped by the next :meth:`expire`.
     """
 
-    def __init__(self, capacity_bytes: int, max_item_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, max_item_bytes: int, entry_timeout: float = math.inf) -> None:
         self._capacity = capacity_bytes
         self._max_item = max_item_bytes
+        self._entry_timeout = entry_timeout
         self._cond = threading.Condition()
         self._entries: dict[MatchKey, collections.deque[Entry]] = {}
+        # Every stored entry in insertion order, which is also expiry order (one timeout for all);
+        # popped ones are skipped when they reach the front.
+        self._by_age: collections.deque[tuple[MatchKey, Entry]] = collections.deque()
+        self._expired = 0
         self._count = 0
         self._bytes = 0
         self._peak = 0
@@ -91,7 +105,9 @@ class EntryStore:
                     self._blocked -= 1
             if self._error is not None:
                 raise fresh_error(self._error)
+            entry.expires = time.monotonic() + self._entry_timeout
             self._entries.setdefault(key, collections.deque()).append(entry)
+            self._by_age.append((key, entry))
             self._count += 1
             self._bytes += entry.nbytes
             self._peak = max(self._peak, self._bytes)
@@ -105,12 +121,36 @@ class EntryStore:
             if not queue:
                 return None
             entry = queue.popleft()
-            if not queue:
-                del self._entries[key]
-            self._count -= 1
-            self._bytes -= entry.nbytes
-            self._cond.notify_all()
+            self._forget(key, queue, entry)
             return entry
+
+    def expire(self, now: float | None = None) -> tuple[int, int]:
+        """Drop every entry stored longer than ``entry_timeout``; return the entries and bytes dropped."""
+        now = time.monotonic() if now is None else now
+        entries = nbytes = 0
+        with self._cond:
+            while self._by_age and (self._by_age[0][1].taken or self._by_age[0][1].expires <= now):
+                key, entry = self._by_age.popleft()
+                if entry.taken:
+                    continue
+                queue = self._entries[key]
+                # One timeout for all: the oldest entry of the store is the oldest of its key.
+                if queue.popleft() is not entry:
+                    raise AssertionError("lookup buffer store: entries of one key out of insertion order")
+                self._forget(key, queue, entry)
+                self._expired += 1
+                entries += 1
+                nbytes += entry.nbytes
+        return entries, nbytes
+
+    def _forget(self, key: MatchKey, queue: collections.deque[Entry], entry: Entry) -> None:
+        """Account for ``entry`` just taken off ``queue`` (under the lock)."""
+        entry.taken = True
+        if not queue:
+            del self._entries[key]
+        self._count -= 1
+        self._bytes -= entry.nbytes
+        self._cond.notify_all()
 
     def stop(self, error: KVTransferError) -> tuple[int, int]:
         """Refuse further puts with ``error``, wake waiting ones, drop every entry.
@@ -122,6 +162,7 @@ class EntryStore:
                 self._error = error
             dropped = self._count, self._bytes
             self._entries.clear()
+            self._by_age.clear()
             self._count = 0
             self._bytes = 0
             self._cond.notify_all()
@@ -138,4 +179,5 @@ class EntryStore:
                 insert_waits=self._insert_waits,
                 inserts_blocked=self._blocked,
                 rejected=self._rejected,
+                expired=self._expired,
             )

@@ -1,0 +1,83 @@
+"""The consumer's end of a connection to a producer's :class:`lookup_buffer.BufferListener`."""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from kv_pipe import TorchDistributedPipe, auth
+from kv_pipe.config import KVTransferConfig
+from kv_pipe.errors import KVPeerLostError, KVProtocolError, KVTransferError
+from lookup_buffer.control import control_host, open_socket
+from lookup_buffer.listener import OnConnect, PipeFactory
+from lookup_buffer.protocol import (
+    MAX_REFUSAL_BYTES,
+    ConnectReply,
+    ControlSigner,
+    decode_connect_answer,
+    encode_connect_request,
+)
+from lookup_buffer.simple_buffer import SimpleBuffer
+
+logger = logging.getLogger(__name__)
+
+
+def dial(config: KVTransferConfig, host: str, port: int, on_connect: OnConnect | None = None,
+         timeout: float | None = None, pipe_factory: PipeFactory = TorchDistributedPipe) -> SimpleBuffer:
+    """Connect to the producer listening at ``host:port`` and return this consumer's buffer
+    (``drop_select`` from it; closing it ends the connection, the producer's entries stay).
+
+    ``config`` gives the consumer's settings (``kv_buffer_size``, ``kv_timeout``, ``kv_secret``,
+    ``kv_shared_memory``); its ``kv_ip``, ``kv_port``, ``kv_rank`` and ``kv_role`` are replaced.
+    ``on_connect`` runs on the new pipe before the buffer starts (raising refuses the producer).
+    Blocks at most about twice ``timeout`` (default ``kv_timeout``): once for the producer's
+    answer, once for the pipe.
+
+    Raises:
+        KVPeerLostError: no producer answered at ``host:port`` in time, or it vanished while the
+            connection was set up, or it is busy.
+        KVProtocolError: the producer refused (another protocol version or ``kv_secret``) or
+            answered something invalid.
+    """
+    timeout = config.kv_timeout if timeout is None else timeout
+    reply = _ask_for_connection(config, host, port, timeout)
+    consumer = config.replace(kv_role="kv_consumer", kv_rank=1, kv_ip=host, kv_port=reply.store_port,
+                              kv_connect_timeout=timeout)
+    pipe = pipe_factory(consumer)
+    try:
+        if on_connect is not None:
+            on_connect(pipe)
+        return SimpleBuffer(pipe, consumer, address=f"tcp://{control_host(host)}:{reply.control_port}")
+    except BaseException:
+        try:
+            pipe.close()
+        except KVTransferError as exc:  # keep the original error, which says more
+            logger.debug("lookup buffer: closing a connection that failed to start: %s", exc)
+        raise
+
+
+def _ask_for_connection(config: KVTransferConfig, host: str, port: int, timeout: float) -> ConnectReply:
+    signer = ControlSigner(config.kv_secret)
+    nonce = auth.new_nonce()
+    address = f"tcp://{control_host(host)}:{port}"
+    context = zmq.Context(io_threads=1)
+    try:
+        sock = open_socket(context, zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
+        try:
+            sock.send(encode_connect_request(signer, nonce), zmq.NOBLOCK)
+            if not sock.poll(max(1, round(timeout * 1000))):
+                raise KVPeerLostError(f"lookup buffer: no producer answered at {address} within {timeout:g} s "
+                                      f"(not started, restarting, or not listening there)")
+            answer = decode_connect_answer(signer, sock.recv(zmq.NOBLOCK))
+        finally:
+            sock.close(linger=0)
+    finally:
+        context.term()
+    if not isinstance(answer, ConnectReply):
+        error = KVPeerLostError if answer.reason in ("busy", "failed") else KVProtocolError
+        raise error(f"lookup buffer: the producer at {address} refused the connection ({answer.reason}): "
+                    f"{answer.message}")
+    if answer.nonce != nonce:
+        raise KVProtocolError(f"lookup buffer: the producer at {address} answered another connect request")
+    return answer

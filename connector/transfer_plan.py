@@ -6,12 +6,14 @@ alone, so the producer's entry and the consumer's lookup agree, including for pr
 ``k * block_size + 1`` tokens. The last prompt token is never loaded: vLLM must compute at least
 one token to sample from, and a prompt that fits in one block transfers nothing.
 
-Matching: by token content. A producer's ``request_finished`` announces the prefix it saved as
-``kv_transfer_params = {"kvbridge": {"prefix_tokens": N}}`` (0 when its save failed or never
-happened); a proxy passes that on to the decode request, which then claims exactly that prefix
-(nothing when N is 0) and waits for the entry.
+Matching: by token content. A producer's ``request_finished`` announces the prefix it saved and
+where it waits as ``kv_transfer_params = {"kvbridge": {"prefix_tokens": N, "host": H, "port": P,
+"engine_id": E}}`` (N is 0 when its save failed or never happened; ``H:P`` is the producer's
+``kv_ip:kv_port``, where its TP rank r listens at ``P + r``; ``E`` its vLLM engine id, for logs). A
+router passes that on to the decode request, which then claims exactly that prefix (nothing when N
+is 0), connects to ``H:P`` if it is not connected yet, and waits for the entry there.
 Without an announcement (offline use) the consumer claims the transfer prefix but only takes an
-entry that is already in the producer's buffer.
+entry that is already in the buffer of its configured producer (``kv_ip:kv_port``).
 
 This module does not import vLLM (the worker side and its tests stay light).
 """
@@ -47,6 +49,8 @@ class LoadSpec:
     ``wait``: the producer announced this entry (``kv_transfer_params``), so it is worth waiting
     up to ``kv_load_timeout`` for it; otherwise only an entry already in the buffer is taken, and
     a request sent to the decode instance alone never stalls its engine.
+
+    ``producer``: the (host, port) the announcement named, or None for the configured producer.
     """
 
     req_id: str
@@ -54,6 +58,7 @@ class LoadSpec:
     block_ids: list[int]
     skip_blocks: int
     wait: bool = False
+    producer: tuple[str, int] | None = None
 
     @property
     def drain(self) -> bool:

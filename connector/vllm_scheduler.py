@@ -29,6 +29,9 @@ from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_pre
 
 logger = logging.getLogger(__name__)
 
+#: Longest host name accepted in ``kv_transfer_params`` (DNS names are at most 253 characters).
+MAX_HOST_CHARS = 255
+
 
 @dataclasses.dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
@@ -77,11 +80,14 @@ class SchedulerSide:
     Not thread-safe: vLLM calls the scheduler hooks from one thread.
     """
 
-    def __init__(self, block_size: int, is_producer: bool, is_consumer: bool, num_workers: int = 1) -> None:
+    def __init__(self, block_size: int, is_producer: bool, is_consumer: bool, num_workers: int = 1,
+                 address: tuple[str, int] = ("127.0.0.1", 14579), engine_id: str = "") -> None:
         self.block_size = block_size
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.num_workers = num_workers  # TP ranks: a request is saved when all of them saved their share
+        self.address = address  # producer: where its workers listen (kv_ip, kv_port), announced with each prefix
+        self.engine_id = engine_id
         self._unsaved: dict[str, list[int]] = {}  # producer: req_id -> transfer prefix not saved yet
         self._saving: dict[str, int] = {}  # producer: req_id -> prefix tokens handed to the workers
         self._saved: dict[str, int] = {}  # producer: prefix tokens the workers saved (0: failed), still running
@@ -89,7 +95,8 @@ class SchedulerSide:
         self._loads: dict[str, LoadSpec] = {}  # consumer: planned, not yet handed to the worker
         self._refused: dict[str, list[int]] = {}  # consumer: claimed but not loadable, not yet handed over
         self._loaded: set[str] = set()  # consumer: requests that already had their one load attempt
-        self._covered: set[str] = set()  # consumer: transfer prefix found in vLLM's prefix cache: drain
+        # consumer: transfer prefix found in vLLM's prefix cache: drain it at the producer named here
+        self._covered: dict[str, tuple[str, int] | None] = {}
 
     # ------------------------------------------------------------------ consumer
 
@@ -107,10 +114,15 @@ class SchedulerSide:
         if prefix == 0 or (announced is not None and announced != prefix):
             # The producer said it saved another prefix (nothing, or another block size): no entry.
             return 0
-        if num_computed_tokens >= prefix:
-            self._covered.add(request.request_id)  # idempotent: asking again changes nothing
+        try:
+            producer = announced_producer(request.kv_transfer_params)
+        except ValueError as exc:
+            logger.warning("kvbridge: request %s loads nothing: %s", request.request_id, exc)
             return 0
-        self._covered.discard(request.request_id)
+        if num_computed_tokens >= prefix:
+            self._covered[request.request_id] = producer  # idempotent: asking again changes nothing
+            return 0
+        self._covered.pop(request.request_id, None)
         return prefix - num_computed_tokens
 
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -132,6 +144,7 @@ class SchedulerSide:
             block_ids=list(block_ids[: prefix // self.block_size]),
             skip_blocks=local // self.block_size,
             wait=_announced_prefix(request.kv_transfer_params) == prefix,
+            producer=announced_producer(request.kv_transfer_params),
         )
         self._loaded.add(request.request_id)
 
@@ -159,9 +172,10 @@ class SchedulerSide:
                 prefix = transfer_prefix_len(len(prompt), self.block_size)
                 num_blocks = prefix // self.block_size
                 meta.loads.append(LoadSpec(req_id=new_req.req_id, token_ids=list(prompt[:prefix]),
-                                           block_ids=list(new_req.block_ids[0][:num_blocks]), skip_blocks=num_blocks))
+                                           block_ids=list(new_req.block_ids[0][:num_blocks]), skip_blocks=num_blocks,
+                                           producer=self._covered[new_req.req_id]))
                 self._loaded.add(new_req.req_id)
-            self._covered.discard(new_req.req_id)
+            self._covered.pop(new_req.req_id, None)
         if not self.is_producer:
             return meta
         computed: dict[str, int] = {}
@@ -201,10 +215,12 @@ class SchedulerSide:
         self._loads.pop(req_id, None)
         self._refused.pop(req_id, None)
         self._loaded.discard(req_id)
-        self._covered.discard(req_id)
+        self._covered.pop(req_id, None)
         self._unsaved.pop(req_id, None)
         in_flight = self._saving.pop(req_id, None)
-        announcement = {"prefix_tokens": self._saved.pop(req_id, 0)}
+        host, port = self.address
+        announcement = {"prefix_tokens": self._saved.pop(req_id, 0), "host": host, "port": port,
+                        "engine_id": self.engine_id}
         if not self.is_producer:
             return None
         if in_flight is not None:
@@ -212,14 +228,32 @@ class SchedulerSide:
         return {PARAMS_KEY: announcement}
 
 
+def _announcement(params: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    entry = params.get(PARAMS_KEY) if isinstance(params, Mapping) else None
+    return entry if isinstance(entry, Mapping) else {}
+
+
 def _announced_prefix(params: Mapping[str, Any] | None) -> int | None:
     """The prefix length a producer announced in ``kv_transfer_params``, if any and well-formed."""
-    if not isinstance(params, Mapping):
-        return None
-    entry = params.get(PARAMS_KEY)
-    if not isinstance(entry, Mapping):
-        return None
-    value = entry.get("prefix_tokens")
+    value = _announcement(params).get("prefix_tokens")
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return value
+
+
+def announced_producer(params: Mapping[str, Any] | None) -> tuple[str, int] | None:
+    """The (host, port) of the producer that announced ``kv_transfer_params``, if named and well-formed.
+
+    Raises:
+        ValueError: the parameters (from a client or a router) name a malformed address; the
+            request then loads nothing, rather than wait at a producer that does not hold it.
+    """
+    announcement = _announcement(params)
+    host, port = announcement.get("host"), announcement.get("port")
+    if host is None and port is None:
+        return None
+    if (isinstance(host, str) and 0 < len(host) <= MAX_HOST_CHARS and host.isprintable() and " " not in host
+            and isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535):
+        return host, port
+    raise ValueError(f"malformed producer address in kv_transfer_params: host {str(host)[:80]!r}, "
+                     f"port {str(port)[:20]!r}")

@@ -25,9 +25,9 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
     ``KVBRIDGE_KV_SECRET_FILE`` in the instance's environment work too.
 
 Roles: ``kv_producer`` (prefill) or ``kv_consumer`` (decode); ``kv_both`` is refused, as a lookup
-buffer carries KV one way. The producer defaults to ``kv_rank`` 0 and hosts the rendezvous and the
-buffer's control channel on ``kv_ip`` (so ``kv_ip`` is the producer's address); the consumer
-defaults to 1.
+buffer carries KV one way. A producer listens at its ``kv_ip:kv_port`` (an address of its own host,
+which it announces in ``kv_transfer_params``); a consumer loads from the producer a request's
+``kv_transfer_params`` name, and from its own ``kv_ip:kv_port`` for requests that name none.
 """
 
 from __future__ import annotations
@@ -100,11 +100,8 @@ class ConnectorSettings:
                    save_timeout=float(options["kv_save_timeout"]))
 
 
-def pipe_port_offset(tp_rank: int) -> int:
-    """Port offset of the pipe between TP rank ``tp_rank`` of both instances.
-
-    Each TP rank owns a pipe to the same TP rank of the other instance (equal TP sizes on both
-    sides): rank r uses ``kv_port + 2r`` for the pipe and ``kv_port + 2r + 1`` for the lookup
-    buffer's control channel, so an instance with TP size t uses ports ``kv_port .. kv_port + 2t - 1``.
-    """
-    return 2 * tp_rank
+def listen_port_offset(tp_rank: int) -> int:
+    """Port offset of TP rank ``tp_rank``: a producer's rank r listens at ``kv_port + r``, and a
+    consumer's rank r connects there (equal TP sizes on both sides), so an instance with TP size t
+    uses ports ``kv_port .. kv_port + t - 1``; each connection adds two ports the kernel picks."""
+    return tp_rank

@@ -2,11 +2,11 @@
 
 Use it by changing only vLLM's ``--kv-transfer-config``::
 
-    # prefill instance
+    # prefill instance (each one with its own kv_ip:kv_port)
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "connector.vllm_v1", "kv_role": "kv_producer", "kv_port": 14579,
         "kv_connector_extra_config": {"kv_ip": "PREFILL_HOST"}}'
-    # decode instance
+    # decode instance (PREFILL_HOST:14579 serves requests whose kv_transfer_params name no producer)
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "connector.vllm_v1", "kv_role": "kv_consumer", "kv_port": 14579,
         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kv_ip": "PREFILL_HOST"}}'
@@ -18,28 +18,33 @@ How it works:
 
 * Producer: after the step that computes a prompt's transfer prefix (the whole blocks before its
   last token, :func:`connector.vllm_scheduler.transfer_prefix_len`), the worker gathers those
-  blocks of every layer and inserts them into the lookup buffer, keyed by the prefix's tokens.
-  The request's ``kv_transfer_params`` announce the prefix only if every worker saved it (their
-  outcomes come back as worker metadata), so a decode instance never waits for KV that a full
-  buffer or a lost peer kept from being saved.
+  blocks of every layer and inserts them into its lookup buffer, keyed by the prefix's tokens.
+  The request's ``kv_transfer_params`` announce the prefix, and this producer's address, only if
+  every worker saved it (their outcomes come back as worker metadata), so a decode instance
+  never waits for KV that a full buffer kept from being saved. Any number of decode instances
+  connect to it; entries nobody takes expire after ``kv_entry_timeout``.
 * Consumer: the scheduler claims the transfer prefix of each new request (minus what vLLM's
-  prefix cache already holds) as an asynchronous load; a load thread of the worker takes the
-  entry with the same tokens out of the producer's buffer (waiting for it if it is not there
-  yet) and writes it into the blocks vLLM allocated, while the engine keeps stepping its other
-  requests; ``get_finished`` then reports the request and vLLM schedules it. Requests are
-  matched by token content: vLLM gives each engine's copy of a request its own id.
+  prefix cache already holds) as an asynchronous load; a load thread of the worker connects to
+  the producer the request's ``kv_transfer_params`` name (once; the connection is kept), takes
+  the entry with the same tokens out of its buffer (waiting for it if it is not there yet) and
+  writes it into the blocks vLLM allocated, while the engine keeps stepping its other requests;
+  ``get_finished`` then reports the request and vLLM schedules it. Requests are matched by token
+  content: vLLM gives each engine's copy of a request its own id. So any router that forwards
+  ``kv_transfer_params`` (vllm-router's P/D mode, kvbridge's proxy) routes xPyD.
 * Failures (no entry in time, a bad entry, a dead peer) are reported as failed blocks: vLLM
   recomputes them under ``kv_load_failure_policy="recompute"`` or fails the request under
   ``"fail"`` (vLLM's default). Nothing waits longer than ``kv_load_timeout``.
-* Before any KV moves, both sides exchange their model, KV dtype, block size, block shape, layer
-  count, cache layout and TP size (:mod:`connector.compat`); engine start fails with an error
-  naming every difference.
-* Only workers open connections. With tensor parallelism each TP rank has its own pipe and buffer
-  to the same TP rank of the other instance (equal TP sizes required), on ports
-  ``kv_port + 2 * tp_rank`` and ``+ 1`` (:func:`connector.vllm_settings.pipe_port_offset`); each rank
-  moves its own heads' share of the KV. Pipeline parallelism is not supported.
-* Both instances must start within ``kv_connect_timeout`` of each other: a worker's start blocks
-  until its peer is there.
+* On every new connection, before any KV moves, both sides exchange their model, KV dtype, block
+  size, block shape, layer count, cache layout and TP size (:mod:`connector.compat`); a mismatch
+  refuses that connection with an error naming every difference (logged on both sides; the
+  consumer's loads from that producer fail).
+* Only workers open connections. With tensor parallelism each TP rank has its own connection
+  to the same TP rank of the producer (equal TP sizes required): a producer's rank r listens at
+  ``kv_port + r`` (:func:`connector.vllm_settings.listen_port_offset`); each rank moves its own
+  heads' share of the KV. Pipeline parallelism is not supported.
+* Instances start in any order and may restart: a producer listens without waiting for anyone; a
+  consumer connects when a request first needs a producer, and connects again after a connection
+  failed (requests in between are recomputed or failed, per ``kv_load_failure_policy``).
 * The shared secret comes from the instance's environment (``KVBRIDGE_KV_SECRET`` or
   ``KVBRIDGE_KV_SECRET_FILE``) or from ``kv_secret_file``, never from ``kv_secret`` in the
   transfer config, which ``ps`` and vLLM's logs would show (:mod:`connector.secret`).
@@ -61,7 +66,7 @@ from connector import compat
 from connector.transfer_stats import TransferStats
 from connector.vllm_prom import KVBridgePromMetrics
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
-from connector.vllm_settings import ConnectorSettings, pipe_port_offset
+from connector.vllm_settings import ConnectorSettings, listen_port_offset
 from connector.vllm_stats import KVBridgeStats
 from connector.vllm_worker import WorkerSide, find_layout
 from kv_pipe.errors import KVConfigError
@@ -97,7 +102,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self._block_size, bridge.is_producer, bridge.is_consumer,
-                                            num_workers=vllm_config.parallel_config.tensor_parallel_size)
+                                            num_workers=vllm_config.parallel_config.tensor_parallel_size,
+                                            address=(bridge.kv_ip, bridge.kv_port), engine_id=str(transfer.engine_id))
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -109,7 +115,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 version=compat.VERSION, role=bridge.kv_role, model=vllm_config.model_config.model, dtype="",
                 block_size=self._block_size, num_layers=0, block_shape=(), layout="",
                 tp_size=get_tensor_model_parallel_world_size(), tp_rank=tp_rank)
-            self._worker = WorkerSide(self._settings, identity, pipe_port_offset(tp_rank))
+            self._worker = WorkerSide(self._settings, identity, listen_port_offset(tp_rank))
 
     # ------------------------------------------------------------------ worker side
 
@@ -176,7 +182,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self._require_worker().total_stats()
 
     def buffer_stats(self) -> BufferStats | None:
-        """Worker: the lookup buffer's counters (entries held, hits, misses), for tests and tools."""
+        """Worker: the producer's lookup buffer counters (entries held, hits, misses), for tests and tools."""
         return self._require_worker().buffer_stats()
 
     def shutdown(self) -> None:

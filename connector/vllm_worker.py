@@ -1,18 +1,25 @@
-"""Worker side of the vLLM connector: the pipe, the lookup buffer, and the block copies.
+"""Worker side of the vLLM connector: the connections, the lookup buffers, and the block copies.
 
 It runs in each vLLM worker (one per TP rank) and needs no vLLM import: vLLM-specific plumbing
 lives in :mod:`connector.vllm_v1`, so this class can be driven directly by tests.
+
+Connections: a producer worker listens (:class:`lookup_buffer.BufferListener`) at its
+``kv_ip:kv_port + tp_rank`` and serves every consumer that connects, all from one set of entries.
+A consumer worker connects to a producer when a load first names it
+(:class:`lookup_buffer.ProducerConnections`), in the load thread, and keeps the connection for
+later requests. Each new connection first exchanges both sides' KV layouts
+(:mod:`connector.compat`): an incompatible pair is refused with an error naming every difference.
 
 Loads are asynchronous: each runs in a load thread (:mod:`connector.vllm_loads`) while vLLM keeps
 stepping its other requests, and writes straight into the blocks vLLM allocated.
 
 Failure policy: a load that cannot complete (no entry within ``kv_load_timeout``, an entry that
-fails the checks, a dead peer) writes nothing vLLM could trust and reports the request's blocks
-through :meth:`WorkerSide.take_failed_blocks`, in the step that reports the request finished
-receiving; vLLM then recomputes them
-(``kv_load_failure_policy="recompute"``) or fails the request (``"fail"``). After a transport error
-the connection is not retried: every later load fails at once (no waiting) and saves are skipped,
-so the engine keeps serving without transfers. Restart both instances to reconnect.
+fails the checks, a producer that cannot be reached or died) writes nothing vLLM could trust and
+reports the request's blocks through :meth:`WorkerSide.take_failed_blocks`, in the step that
+reports the request finished receiving; vLLM then recomputes them
+(``kv_load_failure_policy="recompute"``) or fails the request (``"fail"``). A connection that
+fails is dropped; the next load that names its producer connects again (after a backoff when
+connecting keeps failing), so a restarted producer is used again without restarting the consumer.
 """
 
 from __future__ import annotations
@@ -36,12 +43,18 @@ from connector.vllm_loads import LoadTicket, LoadTracker
 from connector.vllm_settings import ConnectorSettings
 from kv_pipe.base import KVPipeBase
 from kv_pipe.errors import KVBufferFullError, KVConfigError, KVTimeoutError, KVTransferError
+from lookup_buffer import BufferListener, ProducerConnections, dial
 from lookup_buffer.base import BufferStats, KVLookupBufferBase
+from lookup_buffer.connections import Address
+from lookup_buffer.errors import KVInvalidRequestError
+from lookup_buffer.listener import OnConnect
 
 logger = logging.getLogger(__name__)
 
-PipeFactory = Callable[[ConnectorSettings, int], KVPipeBase]
-BufferFactory = Callable[[KVPipeBase, ConnectorSettings, int], KVLookupBufferBase]
+#: Opens the producer's listener: (settings, port offset, on_connect) -> its buffer.
+ListenerFactory = Callable[[ConnectorSettings, int, OnConnect], KVLookupBufferBase]
+#: Connects a consumer to the producer at (host, port): (settings, host, port, on_connect) -> its buffer.
+Dialer = Callable[[ConnectorSettings, str, int, OnConnect | None], KVLookupBufferBase]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,21 +112,24 @@ class WorkerSide:
         settings: transport and connector settings.
         identity: this instance's KV description; :meth:`connect` fills in ``num_layers``,
             ``block_shape``, ``dtype`` and ``layout`` from the real caches.
-        port_offset: the TP rank's port offset (:func:`connector.vllm_settings.pipe_port_offset`).
-        pipe_factory / buffer_factory: how to open the transport (the defaults are kvbridge's
-            TorchDistributedPipe and SimpleBuffer).
+        port_offset: the TP rank's port offset (:func:`connector.vllm_settings.listen_port_offset`):
+            a producer listens at ``kv_port + port_offset``, a consumer connects to the named
+            producer's port plus it.
+        listener_factory / dialer: how to open the transport (the defaults are kvbridge's
+            BufferListener and dial, over TorchDistributedPipe).
     """
 
     def __init__(self, settings: ConnectorSettings, identity: compat.KVLayoutInfo, port_offset: int,
-                 pipe_factory: PipeFactory | None = None, buffer_factory: BufferFactory | None = None) -> None:
+                 listener_factory: ListenerFactory | None = None, dialer: Dialer | None = None) -> None:
         self.settings = settings
         self.identity = identity
         self.port_offset = port_offset
-        self._pipe_factory = pipe_factory or _default_pipe
-        self._buffer_factory = buffer_factory or _default_buffer
+        self._listener_factory = listener_factory or _default_listener
+        self._dialer = dialer or _default_dialer
         self._caches: PagedKVCaches | None = None
-        self._buffer: KVLookupBufferBase | None = None
-        self._broken: str | None = None  # why transfers stopped, once a transport error happened
+        self._buffer: KVLookupBufferBase | None = None  # the producer's listener
+        self._producers: ProducerConnections | None = None  # the consumer's connections
+        self._reported_connections = 0
         self._loads = LoadTracker()
         self._saved: set[str] = set()  # request ids whose save succeeded / failed since the last report
         self._unsaved: set[str] = set()
@@ -124,44 +140,51 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ setup
 
-    def connect(self, caches: Sequence[torch.Tensor], layout: PagedKVLayout) -> compat.KVLayoutInfo:
-        """Open the pipe to the peer's matching TP rank, check compatibility, start the buffer.
-
-        Blocks until the peer is there (at most ``kv_connect_timeout``). Returns the peer's info.
+    def connect(self, caches: Sequence[torch.Tensor], layout: PagedKVLayout) -> None:
+        """Register the caches and open the transport: a producer starts listening (returns at
+        once), a consumer gets ready to connect to producers as loads name them.
 
         Raises:
-            KVConfigError: the peer is incompatible (the message names the difference).
-            KVTransferError: the peer did not come, or the connection failed.
+            KVConfigError: the listening address cannot be bound.
         """
         self._caches = PagedKVCaches(list(caches), layout)
         first = self._caches.caches[0]
         block_shape = layout.block_shape(first, 1)
         self.identity = msgspec.structs.replace(self.identity, num_layers=len(caches), block_shape=block_shape,
                                                 dtype=str(first.dtype), layout=layout.name)
-        pipe = self._pipe_factory(self.settings, self.port_offset)
-        try:
-            peer = compat.exchange(pipe, self.identity, timeout=self.settings.bridge.kv_connect_timeout)
-            self._buffer = self._buffer_factory(pipe, self.settings, self.port_offset)
-        except BaseException:
-            try:
-                pipe.close()
-            except KVTransferError as exc:  # keep the original error, which says more
-                logger.warning("kvbridge: closing the pipe after a failed start: %s", exc)
-            raise
-        with self._stats_lock:
-            self._observed.connections += 1
-        logger.info("kvbridge %s (TP rank %d) connected to a %s peer: %d layers, blocks of %s %s",
-                    self.identity.role, self.identity.tp_rank, peer.role, len(caches), block_shape, first.dtype)
+        if self.settings.bridge.is_producer:
+            self._buffer = self._listener_factory(self.settings, self.port_offset, self._check_peer)
+        else:
+            settings = self.settings
+            self._producers = ProducerConnections(
+                settings.bridge, self._check_peer,
+                connect=lambda config, host, port, on_connect: self._dialer(settings, host, port, on_connect))
+        logger.info("kvbridge %s (TP rank %d) ready: %d layers, blocks of %s %s", self.identity.role,
+                    self.identity.tp_rank, len(caches), block_shape, first.dtype)
+
+    def _check_peer(self, pipe: KVPipeBase) -> compat.KVLayoutInfo:
+        """On each new connection: exchange layouts; KVConfigError names every difference."""
+        peer = compat.exchange(pipe, self.identity, timeout=self.settings.bridge.kv_timeout)
+        logger.info("kvbridge %s (TP rank %d) connected to a %s peer", self.identity.role, self.identity.tp_rank,
+                    peer.role)
         return peer
+
+    def producer_address(self, named: Address | None) -> Address:
+        """Where this TP rank loads from: the producer a request names (its listener's base address),
+        else the configured ``kv_ip:kv_port``; plus this rank's port offset."""
+        host, port = named or (self.settings.bridge.kv_ip, self.settings.bridge.kv_port)
+        return host, port + self.port_offset
 
     def close(self) -> None:
         self._loads.cancel_all()
         buffer, self._buffer = self._buffer, None
         if buffer is not None:
             try:
-                buffer.close()  # in-flight loads fail at once rather than wait for their entries
+                buffer.close()
             except KVTransferError as exc:
                 logger.warning("kvbridge: closing the lookup buffer: %s", exc)
+        if self._producers is not None:
+            self._producers.close()  # in-flight loads fail at once rather than wait for their entries
         self._loads.close()
         total = self.total_stats()
         if not total.is_empty():
@@ -183,7 +206,7 @@ class WorkerSide:
 
     def _save_one(self, spec: SaveSpec) -> bool:
         """Save one request; return whether its entry is in the lookup buffer."""
-        if self._buffer is None or self._broken is not None:
+        if self._buffer is None:
             self._add(save_failures=1)
             return False
         caches = self._require_caches()
@@ -195,12 +218,9 @@ class WorkerSide:
                 request = _kv_request(spec.token_ids, PagedKV(caches, spec.block_ids))
                 (result,) = send_kv_caches_and_hidden_states(self._buffer, [request],
                                                              timeout=self.settings.save_timeout)
-        except (KVBufferFullError, KVTimeoutError) as exc:
-            logger.warning("kvbridge: KV of request %s not saved: %s", spec.req_id, exc)
-            self._add(save_failures=1, save_seconds=time.perf_counter() - start)
-            return False
-        except KVTransferError as exc:
-            self._break(exc)
+        except KVTransferError as exc:  # a full buffer, or a closed one
+            level = logging.WARNING if isinstance(exc, (KVBufferFullError, KVTimeoutError)) else logging.ERROR
+            logger.log(level, "kvbridge: KV of request %s not saved: %s", spec.req_id, exc)
             self._add(save_failures=1, save_seconds=time.perf_counter() - start)
             return False
         self._add(saved_requests=1, saved_blocks=len(spec.block_ids), saved_bytes=result.num_bytes,
@@ -260,17 +280,23 @@ class WorkerSide:
 
     def _load_one(self, spec: LoadSpec, ticket: LoadTicket) -> str | None:
         """Load one request; return why it failed, or None on success (or when cancelled)."""
-        if self._buffer is None or self._broken is not None:
+        if self._producers is None:
             self._add(load_errors=1)
-            return self._broken or "the lookup buffer is not connected"
+            return "the consumer is not connected"
         caches = self._require_caches()
+        address = self.producer_address(spec.producer)
+        try:
+            buffer = self._producers.get(address)
+        except KVTransferError as exc:
+            self._add(load_errors=1)
+            return str(exc)
         target = _LoadTarget(caches, spec.block_ids, skip_blocks=spec.skip_blocks, cancelled=ticket.cancelled)
         request = _kv_request(spec.token_ids, target)
         try:
             timeout = self.settings.load_timeout if spec.wait else 0.0
-            (result,) = recv_kv_caches_and_hidden_states(self._buffer, [request], timeout=timeout)
+            (result,) = recv_kv_caches_and_hidden_states(buffer, [request], timeout=timeout)
         except KVTransferError as exc:
-            self._break(exc)
+            self._drop(address, buffer, exc)
             self._add(load_errors=1)
             return str(exc)
         if ticket.cancelled.is_set():
@@ -287,14 +313,18 @@ class WorkerSide:
         return None
 
     def _drain(self, spec: LoadSpec) -> None:
-        """Take and drop the entry of a request vLLM already holds, without waiting for it."""
-        if self._buffer is None or self._broken is not None:
+        """Take and drop the entry of a request vLLM already holds, without waiting for it; only over
+        a connection that is open (the engine's thread never waits to connect: an entry left behind
+        expires at the producer)."""
+        address = self.producer_address(spec.producer)
+        buffer = self._producers.connected(address) if self._producers is not None else None
+        if buffer is None:
             return
         tokens = torch.tensor(spec.token_ids, dtype=torch.int64)
         try:
-            entry = self._buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0)
+            entry = buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0)
         except KVTransferError as exc:
-            self._break(exc)
+            self._drop(address, buffer, exc)
             return
         if entry[0] is not None:
             self._add(drained=1)
@@ -303,7 +333,10 @@ class WorkerSide:
 
     def take_stats(self) -> tuple[TransferStats, Observations] | None:
         """Counters and observations since the last call, or None when nothing happened."""
+        connections = self.connections
         with self._stats_lock:
+            self._observed.connections += connections - self._reported_connections
+            self._reported_connections = connections
             if self._interval.is_empty() and self._observed.is_empty():
                 return None
             interval, self._interval = self._interval, TransferStats()
@@ -311,8 +344,17 @@ class WorkerSide:
             return interval, observed
 
     def buffer_stats(self) -> BufferStats | None:
-        """The lookup buffer's own counters (e.g. entries still held by the producer), if connected."""
+        """The producer's lookup buffer counters (e.g. entries still held); None on a consumer."""
         return self._buffer.stats() if self._buffer is not None else None
+
+    @property
+    def connections(self) -> int:
+        """Connections open now: consumers connected to this producer, or producers this consumer uses."""
+        if self._producers is not None:
+            return self._producers.count
+        if isinstance(self._buffer, BufferListener):
+            return self._buffer.connections
+        return 0
 
     def total_stats(self) -> TransferStats:
         """Counters since the start (a copy)."""
@@ -343,26 +385,22 @@ class WorkerSide:
             raise KVConfigError("kvbridge: KV caches were not registered")
         return self._caches
 
-    def _break(self, error: KVTransferError) -> None:
-        with self._stats_lock:  # load threads may break at the same time: the connection is lost once
-            if self._broken is not None:
-                return
-            self._broken = "kvbridge transfers are stopped after a transport error"
-            self._observed.connections -= 1
-        logger.error("%s (%s); the engine keeps serving and computes every prompt itself", self._broken, error)
+    def _drop(self, address: Address, buffer: KVLookupBufferBase, error: KVTransferError) -> None:
+        """A connection failed: drop it (a later load connects again); a refused select leaves it."""
+        if isinstance(error, (KVTimeoutError, KVBufferFullError, KVInvalidRequestError)):
+            return
+        if self._producers is not None:
+            self._producers.discard(address, buffer, error)
 
 
 def _kv_request(token_ids: Sequence[int], kv: PagedKV) -> KVRequest:
     return KVRequest(input_tokens=torch.tensor(token_ids, dtype=torch.int64), kv=kv)
 
 
-def _default_pipe(settings: ConnectorSettings, port_offset: int) -> KVPipeBase:
-    from kv_pipe import TorchDistributedPipe
-
-    return TorchDistributedPipe(settings.bridge, port_offset=port_offset)
+def _default_listener(settings: ConnectorSettings, port_offset: int, on_connect: OnConnect) -> KVLookupBufferBase:
+    return BufferListener(settings.bridge, port_offset, on_connect)
 
 
-def _default_buffer(pipe: KVPipeBase, settings: ConnectorSettings, port_offset: int) -> KVLookupBufferBase:
-    from lookup_buffer import SimpleBuffer
-
-    return SimpleBuffer(pipe, settings.bridge)
+def _default_dialer(settings: ConnectorSettings, host: str, port: int,
+                    on_connect: OnConnect | None) -> KVLookupBufferBase:
+    return dial(settings.bridge, host, port, on_connect)

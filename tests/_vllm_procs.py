@@ -7,6 +7,7 @@ connector, so every engine gets its own process). Everything here is bounded by 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -14,7 +15,7 @@ import random
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -439,8 +440,8 @@ def fake_caches(seed: int, block_size: int = FAKE_BLOCK_SIZE) -> list[Any]:
 
 
 def fake_worker(role: str, port: int, block_size: int, caches: list[Any], options: dict[str, Any],
-                pipe_factory: Callable[..., Any] | None = None, buffer_factory: Callable[..., Any] | None = None):
-    """A connected WorkerSide over ``caches`` (by default over a real pipe and lookup buffer)."""
+                listener_factory: Callable[..., Any] | None = None, dialer: Callable[..., Any] | None = None):
+    """A connected WorkerSide over ``caches`` (by default over kvbridge's listener and dialer)."""
     from connector import compat
     from connector.vllm_settings import ConnectorSettings
     from connector.vllm_worker import WorkerSide, find_layout
@@ -450,7 +451,7 @@ def fake_worker(role: str, port: int, block_size: int, caches: list[Any], option
     settings = ConnectorSettings.from_vllm(role, port, "cpu", extra)
     identity = compat.KVLayoutInfo(version=compat.VERSION, role=role, model="fake", dtype="", block_size=block_size,
                                    num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
-    worker = WorkerSide(settings, identity, port_offset=0, pipe_factory=pipe_factory, buffer_factory=buffer_factory)
+    worker = WorkerSide(settings, identity, port_offset=0, listener_factory=listener_factory, dialer=dialer)
     worker.connect(caches, find_layout(caches[0], FAKE_BLOCKS, block_size, "CPU_ATTN/fake"))
     return worker
 
@@ -501,17 +502,17 @@ def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, do
     """Run ``steps`` on caches :func:`fake_caches` (seed 2): ``("load", [LoadSpec...])`` records the
     failed blocks; ``("corrupt", bool)`` makes the worker's lookup buffer hand out noise from then on
     (the negative control, :class:`tests.fault_injection.CorruptingBuffer`). Returns the caches."""
-    from lookup_buffer import SimpleBuffer
+    from lookup_buffer import dial
     from tests.fault_injection import CorruptingBuffer
 
     buffers: list[CorruptingBuffer] = []
 
-    def corruptible(pipe: Any, settings: Any, port_offset: int) -> CorruptingBuffer:
-        buffers.append(CorruptingBuffer(SimpleBuffer(pipe, settings.bridge), enabled=False))
+    def corruptible(settings: Any, host: str, producer_port: int, on_connect: Any) -> CorruptingBuffer:
+        buffers.append(CorruptingBuffer(dial(settings.bridge, host, producer_port, on_connect), enabled=False))
         return buffers[-1]
 
     worker = fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 0.5},
-                         buffer_factory=corruptible)
+                         dialer=corruptible)
     try:
         if not saved.wait(timeout):
             raise TimeoutError(f"the producer did not save within {timeout} s")
@@ -527,20 +528,88 @@ def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, do
         worker.close()
 
 
-def worker_mismatch_body(role: str, port: int, block_size: int) -> str:
-    """Connect with ``block_size``; return the error (the peer uses another block size)."""
-    from kv_pipe.errors import KVConfigError
+def worker_mismatch_producer_body(port: int, block_size: int, done: Any, timeout: float) -> list[str]:
+    """Listen with ``block_size`` until ``done``; return the warnings logged about refused consumers."""
+    with _captured_warnings() as warnings:
+        worker = fake_worker("kv_producer", port, block_size, fake_caches(1, block_size), {})
+        try:
+            if not done.wait(timeout):
+                raise TimeoutError(f"the consumer did not finish within {timeout} s")
+        finally:
+            worker.close()
+    return warnings
 
+
+def worker_mismatch_consumer_body(port: int, block_size: int, done: Any, timeout: float) -> dict[str, Any]:
+    """Load once with ``block_size`` from a producer using another; return the failed blocks and warnings."""
+    from connector.transfer_plan import LoadSpec
+
+    with _captured_warnings() as warnings:
+        worker = fake_worker("kv_consumer", port, block_size, fake_caches(2, block_size), {"kv_load_timeout": 1.0})
+        try:
+            failed = load_and_wait(worker, [LoadSpec("m", list(range(1, 1 + block_size)), [0], 0, wait=True)],
+                                   timeout)
+        finally:
+            done.set()
+            worker.close()
+    return {"failed": sorted(failed), "warnings": warnings}
+
+
+@contextlib.contextmanager
+def _captured_warnings() -> Iterator[list[str]]:
+    """The messages of WARNING and above logged in this process meanwhile."""
+    import logging
+
+    messages: list[str] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Capture(logging.WARNING)
+    logging.getLogger().addHandler(handler)
     try:
-        worker = fake_worker(role, port, block_size, fake_caches(1, block_size), {})
-    except KVConfigError as exc:
-        return str(exc)
-    worker.close()
-    return "connected"
+        yield messages
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def worker_reconnecting_consumer_body(port: int, first: Any, lost: Any, second: Any, first_saved: Any,
+                                      first_loaded: Any, killed: Any, second_saved: Any,
+                                      timeout: float) -> dict[str, Any]:
+    """Load ``first`` (saved by the first producer), then, once that producer was killed, ``lost``
+    (fails: nothing listens, or the connection is found dead), then, once a restarted producer saved it,
+    ``second``, retrying while the connection is being made again. No restart of this worker."""
+    worker = fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 5.0})
+    try:
+        if not first_saved.wait(timeout):
+            raise TimeoutError(f"the first producer did not save within {timeout} s")
+        failed_first = sorted(load_and_wait(worker, [first], timeout))
+        connections_before = worker.connections
+        first_loaded.set()
+        if not killed.wait(timeout):
+            raise TimeoutError(f"the first producer was not killed within {timeout} s")
+        failed_lost = sorted(load_and_wait(worker, [lost], timeout))
+        if not second_saved.wait(timeout):
+            raise TimeoutError(f"the restarted producer did not save within {timeout} s")
+        attempts = 0
+        deadline = time.monotonic() + timeout
+        while True:  # loads fail at once while the backoff of the failed attempts lasts
+            attempts += 1
+            if not load_and_wait(worker, [second], timeout):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no load from the restarted producer within {timeout} s ({attempts} attempts)")
+            time.sleep(0.2)
+        return {"failed": [failed_first, failed_lost], "attempts": attempts, "connections_before": connections_before,
+                "connections_after": worker.connections, "stats": worker.total_stats().data,
+                "caches": [c.numpy() for c in worker.caches]}
+    finally:
+        worker.close()
 
 
 def worker_killed_producer_body(port: int, connected: Any, kill: Any, timeout: float) -> None:
-    """Connect, then SIGKILL this process when told: a producer dying without a goodbye."""
+    """Listen, then SIGKILL this process when told: a producer dying without a goodbye."""
     fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, fake_caches(1), {})
     connected.set()
     if kill.wait(timeout):
@@ -550,11 +619,18 @@ def worker_killed_producer_body(port: int, connected: Any, kill: Any, timeout: f
 
 def worker_orphan_consumer_body(port: int, specs: list[Any], connected: Any, kill: Any,
                                 timeout: float) -> dict[str, Any]:
-    """Connect, have the producer killed, then load ``specs`` one by one; report what failed."""
+    """Connect (a load of an entry nobody saved: a miss), have the producer killed, then load ``specs``
+    one by one; report what failed."""
+    from connector.transfer_plan import LoadSpec
+
     worker = fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 10.0})
     try:
         if not connected.wait(timeout):
-            raise TimeoutError(f"the producer did not connect within {timeout} s")
+            raise TimeoutError(f"the producer did not start within {timeout} s")
+        if load_and_wait(worker, [LoadSpec("unsaved", [7] * FAKE_BLOCK_SIZE, [0], 0)], timeout) != {0}:
+            raise AssertionError("the connecting load did not miss")
+        if worker.connections != 1:
+            raise AssertionError(f"{worker.connections} connections after the first load")
         kill.set()
         failed = []
         for spec in specs:

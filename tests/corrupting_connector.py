@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from connector.vllm_settings import ConnectorSettings
 from connector.vllm_v1 import KVBridgeConnector
 from connector.vllm_worker import WorkerSide
-from kv_pipe.base import KVPipeBase
-from lookup_buffer import KVLookupBufferBase, SimpleBuffer
+from lookup_buffer import KVLookupBufferBase, dial
+from lookup_buffer.listener import OnConnect
 from tests.fault_injection import CorruptingBuffer
 
 if TYPE_CHECKING:
@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def corrupting_buffer(pipe: KVPipeBase, settings: ConnectorSettings, port_offset: int) -> KVLookupBufferBase:
-    return CorruptingBuffer(SimpleBuffer(pipe, settings.bridge))
+def corrupting_dialer(settings: ConnectorSettings, host: str, port: int,
+                      on_connect: OnConnect | None) -> KVLookupBufferBase:
+    return CorruptingBuffer(dial(settings.bridge, host, port, on_connect))
 
 
 class CorruptingKVBridgeConnector(KVBridgeConnector):
@@ -37,4 +38,4 @@ class CorruptingKVBridgeConnector(KVBridgeConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         if self._worker is not None:  # not connected yet: the worker connects in register_kv_caches
             self._worker = WorkerSide(self._worker.settings, self._worker.identity, self._worker.port_offset,
-                                      buffer_factory=corrupting_buffer)
+                                      dialer=corrupting_dialer)

@@ -145,6 +145,13 @@ class KVLookupBufferBase(abc.ABC):
                 there) or sent something inconsistent; the message says which.
         """
 
+    @property
+    def failure(self) -> Exception | None:
+        """Why this buffer can no longer serve (its peer died or closed, or it was closed), once it
+        knows; None while it is usable. Thread-safe, never blocks. A pool of connections uses it to
+        replace a dead connection before a request finds it dead."""
+        return None
+
     @abc.abstractmethod
     def stats(self) -> BufferStats:
         """A snapshot of this side's counters. Thread-safe, never blocks on the peer."""

@@ -68,7 +68,10 @@ class ProducerConnections:
         producer = self._producer(address)
         with producer.lock:
             if producer.buffer is not None:
-                return producer.buffer
+                if producer.buffer.failure is None:
+                    return producer.buffer
+                # Found dead before any request used it (e.g. the producer restarted): replace it.
+                self._drop(address, producer, producer.buffer.failure)
             wait = producer.retry_at - time.monotonic()
             if wait > 0:
                 raise KVPeerLostError(f"lookup buffer: the producer at {_name(address)} is unreachable "
@@ -103,9 +106,13 @@ class ProducerConnections:
         to a few ``kv_timeout``). Doing it twice, or for a connection replaced since, does nothing."""
         producer = self._producer(address)
         with producer.lock:
-            if producer.buffer is not buffer:
-                return
-            producer.buffer = None
+            if producer.buffer is buffer:
+                self._drop(address, producer, error)
+
+    @staticmethod
+    def _drop(address: Address, producer: _Producer, error: BaseException) -> None:
+        """Forget ``producer``'s connection and close it in the background (under its lock)."""
+        buffer, producer.buffer = producer.buffer, None
         logger.warning("lookup buffer: the connection to the producer at %s is dropped: %s", _name(address), error)
         threading.Thread(target=_close_quietly, args=(buffer,), name="kvbuf-close", daemon=True).start()
 
@@ -139,7 +146,9 @@ def _name(address: Address) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _close_quietly(buffer: KVLookupBufferBase) -> None:
+def _close_quietly(buffer: KVLookupBufferBase | None) -> None:
+    if buffer is None:
+        return
     try:
         buffer.close()
     except KVTransferError as exc:

@@ -124,6 +124,13 @@ class BufferConsumer:
             with self._lock:
                 del self._calls[call.request_id]
 
+    @property
+    def failure(self) -> KVTransferError | None:
+        with self._lock:
+            if self._failure is None and self._closed:
+                return KVPipeClosedError("the lookup buffer was closed")
+            return self._failure
+
     def stats(self) -> BufferStats:
         with self._lock:
             return BufferStats(

@@ -172,8 +172,10 @@ class BufferProducer:
 
     @property
     def failure(self) -> KVTransferError | None:
-        """Why this producer stopped serving (its consumer died or closed), or None."""
+        """Why this producer stopped serving (its consumer died or closed, or it was closed), or None."""
         with self._lock:
+            if self._failure is None and self._closed:
+                return KVPipeClosedError("the lookup buffer was closed")
             return self._failure
 
     def stats(self) -> BufferStats:

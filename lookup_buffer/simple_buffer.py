@@ -82,6 +82,10 @@ class SimpleBuffer(KVLookupBufferBase):
         seconds = 0.0 if timeout is None else _seconds(timeout)
         return self._side.drop_select(input_tokens, roi, seconds)
 
+    @property
+    def failure(self) -> Exception | None:
+        return self._side.failure
+
     def stats(self) -> BufferStats:
         return self._side.stats()
 

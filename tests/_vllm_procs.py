@@ -213,21 +213,6 @@ def reference_body(model: str, prompts: list[list[int]]) -> list[dict[str, Any]]
         _shutdown(llm)
 
 
-def failing_engine_body(model: str, transfer: dict[str, Any], block_size: int) -> str:
-    """Start an engine that must fail; return its error message (raise if it starts)."""
-    kwargs = {**engine_kwargs(model, transfer), "block_size": block_size}
-    try:
-        llm = _llm(kwargs)
-    except Exception as exc:  # vLLM may wrap the connector's error: keep the whole chain
-        messages = []
-        while exc is not None:
-            messages.append(f"{type(exc).__name__}: {exc}")
-            exc = exc.__cause__ or exc.__context__
-        return " <- ".join(messages)
-    _shutdown(llm)
-    raise AssertionError("the engine started although its peer is incompatible")
-
-
 def producer_body(model: str, transfer: dict[str, Any], batches: list[Any], prefilled: Flag,
                   consumer_done: Flag, timeout: float, announce: Any = None) -> dict[str, Any]:
     """Prefill each batch (max_tokens=1), put the outputs' kv_transfer_params (per batch) into the

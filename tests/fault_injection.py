@@ -41,6 +41,10 @@ class _Wrapper(KVLookupBufferBase):
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:
         return self.inner.drop_select(input_tokens, roi, timeout)
 
+    @property
+    def failure(self) -> Exception | None:
+        return self.inner.failure
+
     def stats(self) -> BufferStats:
         return self.inner.stats()
 

@@ -152,6 +152,44 @@ def test_consumer_skips_preempted_requests_and_announced_mismatches() -> None:
     assert side.num_new_matched_tokens(malformed, 0) == 64  # ignored: defaults apply
 
 
+def test_consumer_loads_from_the_producer_its_announcement_names() -> None:
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    tokens = list(range(65))
+    named = make_request("n", tokens, {PARAMS_KEY: {"prefix_tokens": 64, "host": "10.0.0.7", "port": 9000,
+                                                    "engine_id": "p1"}})
+    unnamed = make_request("u", tokens, {PARAMS_KEY: {"prefix_tokens": 64}})
+    for request in (named, unnamed):
+        assert side.num_new_matched_tokens(request, 0) == 64
+        side.after_alloc(request, [1, 2, 3], 64)
+    meta = side.build_meta(scheduler_output([], {}), _no_blocks)
+    assert {spec.req_id: spec.producer for spec in meta.loads} == {"n": ("10.0.0.7", 9000), "u": None}
+    # A drain goes to the named producer too.
+    covered = make_request("c", list(range(100, 165)), {PARAMS_KEY: {"prefix_tokens": 64, "host": "h", "port": 7}})
+    assert side.num_new_matched_tokens(covered, 64) == 0
+    (drain,) = side.build_meta(scheduler_output([new_req_data(covered, [4, 5, 6], 64)], {"c": 1}), _no_blocks).loads
+    assert drain.drain and drain.producer == ("h", 7)
+
+
+@pytest.mark.parametrize("address", [{"host": "", "port": 9000}, {"host": "h", "port": 0},
+                                     {"host": "h", "port": 70000}, {"host": "h", "port": "9000"},
+                                     {"host": "h", "port": True}, {"host": 5, "port": 9000}, {"host": "h"},
+                                     {"host": "a b", "port": 1}, {"host": "h\n", "port": 1},
+                                     {"host": "h" * 300, "port": 1}])
+def test_a_malformed_producer_address_claims_nothing(address: dict) -> None:
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    request = make_request("m", list(range(65)), {PARAMS_KEY: {"prefix_tokens": 64, **address}})
+    assert side.num_new_matched_tokens(request, 0) == 0
+
+
+def test_producer_announces_its_address_and_engine() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False, address=("10.0.0.5", 14579), engine_id="e7")
+    request = make_request("r", list(range(65)))
+    side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 65}), lambda req_id: [1, 2, 3])
+    params = side.request_finished(request)
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))
+    assert params == {PARAMS_KEY: {"prefix_tokens": 64, "host": "10.0.0.5", "port": 14579, "engine_id": "e7"}}
+
+
 def test_consumer_drains_entries_its_prefix_cache_already_holds() -> None:
     side = SchedulerSide(B, is_producer=False, is_consumer=True)
     tokens = list(range(500, 565))  # prefix 64

@@ -1,0 +1,199 @@
+"""Helpers of the xPyD serving tests: real ``vllm serve`` instances (prefill and decode) with
+kvbridge's connector, started one after another, killed and restarted on the same ports; the P/D
+flow by hand; an OpenAI-compatible request with its cached-token count; vllm-router."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from launch import proxy, serve
+from tests import _vllm_procs as vp
+from tests.procs import free_port
+from tests.test_vllm_serving import NAME, SERVE_ARGS, Server
+
+READY_TIMEOUT = 240.0
+#: Bound of one HTTP request to an instance or a router (the longest here generates 8 tokens).
+REQUEST_TIMEOUT = 120.0
+#: Connector options of every instance: short waits, so a failed load fails fast.
+KV_EXTRA = {"kv_timeout": 5, "kv_load_timeout": 8}
+HIT_METRIC = "vllm:external_prefix_cache_hits_total"
+
+
+@dataclasses.dataclass
+class Instance:
+    """One ``vllm serve`` with kvbridge's connector; ``kv_port`` is the producer's own listening port
+    (prefill) or the producer used for requests whose params name none (decode)."""
+
+    name: str
+    role: str
+    port: int
+    kv_port: int
+    core: int
+    command: list[str]
+    env: dict[str, str]
+    logs: Path
+    server: Server | None = None
+    starts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start (again, on the same ports) and wait until ``/health`` answers."""
+        self.starts += 1
+        self.server = Server(self.command, self.logs / f"{self.name}-{self.starts}.log", env=self.env)
+        self.server.wait_ready(self.url)
+
+    def kill(self) -> None:
+        """SIGKILL the instance's whole process group (API server, engine core, workers)."""
+        assert self.server is not None
+        try:
+            os.killpg(self.server.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.server.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        assert self.server is not None
+        return self.server.log.read_text(errors="replace")[-chars:]
+
+
+def instance(model: str, name: str, role: str, kv_port: int, core: int, logs: Path,
+             multiprocess: bool = False) -> Instance:
+    """A prefill (``kv_producer``) or decode (``kv_consumer``) instance pinned to ``core``. Decode
+    instances fail a request whose load failed (``kv_load_failure_policy: fail``), so a load that
+    silently failed cannot pass as a hit."""
+    port = free_port(1)
+    transfer = serve.kv_transfer_config(role, "127.0.0.1", kv_port, dict(KV_EXTRA))
+    if role == "kv_consumer":
+        transfer["kv_load_failure_policy"] = "fail"
+    command = serve.vllm_serve_command(model, "127.0.0.1", port, transfer, SERVE_ARGS)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    return Instance(name, role, port, kv_port, core, command, env, logs)
+
+
+# ---------------------------------------------------------------------- requests
+
+
+def post(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+    """POST a JSON body; the JSON answer, or the answer of a server-sent event stream merged into
+    one (text joined, token ids joined, the last usage). Raises on an HTTP error or an error event."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        if not body.get("stream"):
+            return json.loads(response.read())
+        text, token_ids, usage, finish = [], [], None, None
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data:"):])
+            if "error" in event:
+                raise RuntimeError(f"the stream of {url} ended with an error event: {event['error']}")
+            for choice in event.get("choices", []):
+                text.append(choice.get("text") or "")
+                token_ids.extend(choice.get("token_ids") or [])
+                finish = choice.get("finish_reason") or finish
+            usage = event.get("usage") or usage
+        return {"choices": [{"text": "".join(text), "token_ids": token_ids, "finish_reason": finish}],
+                "usage": usage}
+
+
+def completion_body(prompt: list[int], stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": NAME, "prompt": prompt, "max_tokens": vp.MAX_TOKENS, "temperature": 0,
+                            "ignore_eos": True, "return_token_ids": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    text: str
+    token_ids: list[int]
+    cached: int | None
+
+    @property
+    def tokens(self) -> tuple[str, list[int]]:
+        return self.text, self.token_ids
+
+
+def answer(payload: dict[str, Any]) -> Answer:
+    choice = payload["choices"][0]
+    details = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
+    return Answer(choice["text"], list(choice.get("token_ids") or []), details.get("cached_tokens"))
+
+
+def ask(base_url: str, prompt: list[int], stream: bool = False) -> Answer:
+    return answer(post(base_url + "/v1/completions", completion_body(prompt, stream)))
+
+
+def prefill(prefill_url: str, prompt: list[int]) -> dict[str, Any] | None:
+    """The prefill step of the P/D flow: the kv_transfer_params the prefill instance returns."""
+    payload = post(prefill_url + "/v1/completions", proxy.prefill_body(completion_body(prompt)))
+    return payload.get("kv_transfer_params")
+
+
+def by_hand(prefill_url: str, decode_url: str, prompt: list[int], stream: bool = False) -> tuple[Answer, dict]:
+    """The P/D flow as a proxy does it, to the instances chosen: (decode answer, prefill params)."""
+    params = prefill(prefill_url, prompt)
+    assert params is not None, f"{prefill_url} returned no kv_transfer_params"
+    payload = post(decode_url + "/v1/completions", proxy.decode_body(completion_body(prompt, stream), params))
+    return answer(payload), params
+
+
+def metric(base_url: str, name: str) -> float:
+    """The sum of every series of counter ``name`` in the instance's Prometheus ``/metrics``."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
+    return sum(float(value) for value in pattern.findall(text))
+
+
+# ---------------------------------------------------------------------- vllm-router
+
+
+def router_command(prefill_urls: list[str], decode_urls: list[str], port: int) -> list[str]:
+    """vllm-router in P/D mode; round-robin prefill with random decode reaches every pairing."""
+    binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+    command = [binary, "--vllm-pd-disaggregation", "--kv-connector", "nixl", "--host", "127.0.0.1",
+               "--port", str(port), "--prefill-policy", "round_robin", "--decode-policy", "random"]
+    for url in prefill_urls:
+        command += ["--prefill", url]
+    for url in decode_urls:
+        command += ["--decode", url]
+    return command
+
+
+def wait_answering(url: str, process: subprocess.Popen, prompt: list[int], timeout: float) -> None:
+    """Wait until a completion through ``url`` succeeds (a router knows its workers only once it
+    checked them)."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url} exited with code {process.returncode} before it answered")
+        try:
+            post(url + "/v1/completions", {**completion_body(prompt), "max_tokens": 1}, timeout=30)
+            return
+        except (urllib.error.URLError, OSError) as exc:
+            last = exc
+        time.sleep(1)
+    raise TimeoutError(f"{url} did not answer a completion within {timeout:g} s (last error: {last})")

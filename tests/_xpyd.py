@@ -57,6 +57,10 @@ class Instance:
         self.server = Server(self.command, self.logs / f"{self.name}-{self.starts}.log", env=self.env)
         self.server.wait_ready(self.url)
 
+    @property
+    def alive(self) -> bool:
+        return self.server is not None and self.server.process.poll() is None
+
     def kill(self) -> None:
         """SIGKILL the instance's whole process group (API server, engine core, workers)."""
         assert self.server is not None

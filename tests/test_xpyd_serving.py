@@ -10,7 +10,9 @@ that arrives was computed from the transferred KV, and its cached tokens say how
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import itertools
 import shutil
 import socket
 import sys
@@ -235,17 +237,43 @@ def _is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, (TimeoutError, socket.timeout)) or isinstance(reason, (TimeoutError, socket.timeout))
 
 
-def _flow_with_kill(url: str, prompts: list[list[int]], kill: Callable[[], None]) -> dict[int, Any]:
-    """Send ``prompts`` through ``url`` from client threads; once a quarter of them were answered,
-    run ``kill``. Returns each prompt's answer or exception; every request returned (bounded by
+Send = Callable[[list[int], bool], xp.Answer]
+
+
+@contextlib.contextmanager
+def _front(cluster: Cluster) -> Iterator[Send]:
+    """Requests through kvbridge's proxy over all instances; where the proxy takes a single pair,
+    the P/D flow by hand, round-robin over the pairings of instances whose process is alive."""
+    if _proxy_takes_lists():
+        front = XPyDProxy(cluster, decode_policy="round_robin")
+        try:
+            yield lambda prompt, stream: xp.ask(front.url, prompt, stream)
+        finally:
+            front.close()
+        return
+    turns = itertools.count()
+
+    def by_hand(prompt: list[int], stream: bool) -> xp.Answer:
+        turn = next(turns)
+        prefills = [i for i in cluster.prefills if i.alive]
+        decodes = [i for i in cluster.decodes if i.alive]
+        pair = (prefills[turn % len(prefills)], decodes[turn // len(prefills) % len(decodes)])
+        return xp.by_hand(pair[0].url, pair[1].url, prompt, stream)[0]
+
+    yield by_hand
+
+
+def _flow_with_kill(send: Send, prompts: list[list[int]], kill: Callable[[], None]) -> dict[int, Any]:
+    """Send ``prompts`` from client threads; once a quarter of them were answered, run ``kill``.
+    Returns each prompt's answer or exception; every request returned (bounded by
     :data:`xp.REQUEST_TIMEOUT` each)."""
     outcomes: dict[int, Any] = {}
     lock = threading.Lock()
 
     def one(index: int) -> None:
         try:
-            result: Any = xp.ask(url, prompts[index], stream=index % 2 == 1)
-        except (urllib.error.URLError, OSError, RuntimeError, ValueError) as exc:
+            result: Any = send(prompts[index], index % 2 == 1)
+        except (urllib.error.URLError, OSError, RuntimeError, ValueError, AssertionError) as exc:
             result = exc
         with lock:
             outcomes[index] = result
@@ -274,38 +302,30 @@ def _assert_flow(outcomes: dict[int, Any], prompts: list[list[int]], reference: 
         assert answer.tokens == reference[tuple(prompts[index])], len(prompts[index])
 
 
-@needs_xpyd_proxy
 @pytest.mark.timeout(600)
 def test_a_killed_prefill_instance_is_routed_around_and_serves_again_after_a_restart(
         cluster: Cluster, reference: dict) -> None:
     victim = cluster.prefills[1]
-    front = XPyDProxy(cluster, decode_policy="round_robin")
-    try:
-        outcomes = _flow_with_kill(front.url, PREFILL_KILL["flow"], victim.kill)
+    with _front(cluster) as send:
+        outcomes = _flow_with_kill(send, PREFILL_KILL["flow"], victim.kill)
         _assert_flow(outcomes, PREFILL_KILL["flow"], reference)
         # The dead instance's requests go to the other prefill: every answer loaded from it.
-        after = [xp.ask(front.url, prompt) for prompt in PREFILL_KILL["after"]]
+        after = [send(prompt, False) for prompt in PREFILL_KILL["after"]]
         _assert_all_loaded(after, PREFILL_KILL["after"], reference)
-    finally:
-        front.close()
     victim.start()  # same HTTP and kv ports; the decode instances keep running
     for d in range(2):
         _assert_loaded_by_hand(cluster, 1, d, PREFILL_KILL["restarted"][d], reference)
 
 
-@needs_xpyd_proxy
 @pytest.mark.timeout(600)
 def test_a_killed_decode_instance_is_routed_around_and_loads_again_after_a_restart(
         cluster: Cluster, reference: dict) -> None:
     victim = cluster.decodes[1]
-    front = XPyDProxy(cluster, decode_policy="round_robin")
-    try:
-        outcomes = _flow_with_kill(front.url, DECODE_KILL["flow"], victim.kill)
+    with _front(cluster) as send:
+        outcomes = _flow_with_kill(send, DECODE_KILL["flow"], victim.kill)
         _assert_flow(outcomes, DECODE_KILL["flow"], reference)
-        after = [xp.ask(front.url, prompt) for prompt in DECODE_KILL["after"]]
+        after = [send(prompt, False) for prompt in DECODE_KILL["after"]]
         _assert_all_loaded(after, DECODE_KILL["after"], reference)
-    finally:
-        front.close()
     victim.start()
     for p in range(2):
         _assert_loaded_by_hand(cluster, p, 1, DECODE_KILL["restarted"][p], reference)

@@ -36,8 +36,10 @@ setup(
         "serve": SERVE,
         "vllm": VLLM,
         "peers": PEERS,
-        # The tests run the pair, the proxy and the serving stack; openai is their client.
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ruff", "openai", *PAIR, *SERVE],
+        # The tests run the pair, the proxy and the serving stack, also behind vllm-router (a binary
+        # wheel); openai is their client.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ruff", "openai", "vllm-router==0.1.17",
+                 *PAIR, *SERVE],
     },
     entry_points={
         "console_scripts": ["kvbridge=launch.cli:main"],

@@ -212,7 +212,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for both instances")
-    proxy.add_timeout_options(parser)
+    proxy.add_routing_options(parser)
     return parser
 
 

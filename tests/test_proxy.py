@@ -108,7 +108,8 @@ async def proxied(prefill: Handler | str, decode: Handler | str,
             await fake.server.start_server()
             fakes.append(fake)
             urls.append(fake.url)
-    server = TestServer(proxy.Proxy(urls[0], urls[1], timeouts).app())
+    # No background health checks here: they would add requests to the ones the tests count.
+    server = TestServer(proxy.Proxy([urls[0]], [urls[1]], timeouts, health_interval=3600).app())
     await server.start_server()
     try:
         yield str(server.make_url("")).rstrip("/"), fakes[0], fakes[1]
@@ -297,9 +298,188 @@ def test_health_names_the_instance_that_is_not_healthy() -> None:
         async with proxied(unanswered(503), decode_answer) as (url, _, _), aiohttp.ClientSession() as client:
             async with client.get(url + "/health") as response:
                 assert response.status == 503
-                assert (await response.json())["error"]["message"] == "the prefill instance answered 503"
+                answer = await response.json()
+        assert answer["error"]["message"] == f"no healthy prefill instance ({answer['prefill'][0]['url']} answered 503)"
+        assert [i["healthy"] for i in answer["prefill"] + answer["decode"]] == [False, True]
 
     run(scenario())
+
+
+# ---------------------------------------------------------------------------------------------- many instances
+
+
+def prefill_named(index: int) -> Handler:
+    """A prefill instance whose kv_transfer_params name it."""
+    async def handler(request: web.Request) -> web.Response:
+        params = {"kvbridge": {"prefix_tokens": 32, "host": f"p{index}", "port": 14579}}
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+
+    return handler
+
+
+def decode_named(index: int, gate: asyncio.Event | None = None) -> Handler:
+    """A decode instance that says who it is and which params it got; it waits for ``gate`` first."""
+    async def handler(request: web.Request) -> web.Response:
+        if gate is not None:
+            await gate.wait()
+        body = await request.json()
+        return web.json_response({"decode": index, "params": body.get("kv_transfer_params")})
+
+    return handler
+
+
+@contextlib.asynccontextmanager
+async def cluster(prefills: list[Handler | str], decodes: list[Handler | str],
+                  **options: Any) -> AsyncIterator[tuple[str, proxy.Proxy, list[FakeInstance | None]]]:
+    """The proxy over several instances (handlers become fakes; strings are URLs as they are)."""
+    fakes: list[FakeInstance | None] = []
+    for spec in (*prefills, *decodes):
+        fake = None if isinstance(spec, str) else FakeInstance(spec)
+        if fake is not None:
+            await fake.server.start_server()
+        fakes.append(fake)
+    urls = [spec if fake is None else fake.url for spec, fake in zip((*prefills, *decodes), fakes, strict=True)]
+    front = proxy.Proxy(urls[:len(prefills)], urls[len(prefills):], **{"health_interval": 3600, **options})
+    server = TestServer(front.app())
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/"), front, fakes
+    finally:
+        await server.close()
+        for fake in fakes:
+            if fake is not None:
+                await fake.server.close()
+
+
+def test_each_decode_request_carries_the_params_of_the_prefill_that_served_it() -> None:
+    async def scenario() -> None:
+        async with cluster([prefill_named(0), prefill_named(1)], [decode_named(0), decode_named(1)],
+                           decode_policy="least_outstanding") as (url, _, fakes):
+            answers = [json.loads((await post(url + "/v1/completions", completion()))[1]) for _ in range(4)]
+        assert [a["params"]["kvbridge"]["host"] for a in answers] == ["p0", "p1", "p0", "p1"]
+        assert [len(fake.requests) for fake in fakes] == [2, 2, 2, 2]
+
+    run(scenario())
+
+
+def test_every_prefill_meets_every_decode_when_the_policies_turn_at_different_rates() -> None:
+    async def scenario() -> None:
+        async with cluster([prefill_named(0), prefill_named(1)],
+                           [decode_named(0), decode_named(1), decode_named(2)]) as (url, _, _):
+            answers = [json.loads((await post(url + "/v1/completions", completion()))[1]) for _ in range(6)]
+        pairs = {(a["params"]["kvbridge"]["host"], a["decode"]) for a in answers}
+        assert pairs == {(f"p{p}", d) for p in range(2) for d in range(3)}
+
+    run(scenario())
+
+
+def test_least_outstanding_sends_new_requests_to_the_idle_decode_instance() -> None:
+    async def scenario() -> None:
+        gate = asyncio.Event()
+        async with cluster([prefill_answer], [decode_named(0, gate), decode_named(1)],
+                           decode_policy="least_outstanding") as (url, front, _):
+            held = asyncio.create_task(post(url + "/v1/completions", completion()))
+            while front.decode.instances[0].outstanding == 0:  # the first request waits at decode 0
+                await asyncio.sleep(0.01)
+            answers = [json.loads((await post(url + "/v1/completions", completion()))[1]) for _ in range(3)]
+            gate.set()
+            status, body = await held
+        assert [a["decode"] for a in answers] == [1, 1, 1]
+        assert status == 200 and json.loads(body)["decode"] == 0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("failing", [unanswered(500), never_answer, "closed"])
+def test_a_failing_prefill_instance_is_replaced_by_the_next_one(failing: Handler | str) -> None:
+    async def scenario() -> None:
+        target = f"http://127.0.0.1:{closed_port()}" if failing == "closed" else failing
+        async with cluster([target, prefill_named(1)], [decode_named(0)], timeouts=SHORT) as (url, front, _):
+            answers = [json.loads((await post(url + "/v1/completions", completion()))[1]) for _ in range(3)]
+            assert not front.prefill.instances[0].healthy  # skipped from then on
+        assert [a["params"]["kvbridge"]["host"] for a in answers] == ["p1"] * 3
+
+    run(scenario())
+
+
+def test_every_prefill_instance_failing_sends_nothing_saved_to_decode() -> None:
+    async def scenario() -> None:
+        dead = [f"http://127.0.0.1:{closed_port()}" for _ in range(2)]
+        async with cluster(dead, [decode_named(0)]) as (url, _, _):
+            status, body = await post(url + "/v1/completions", completion())
+        assert status == 200 and json.loads(body)["params"] == proxy.NOTHING_SAVED
+
+    run(scenario())
+
+
+def test_a_decode_instance_that_refuses_connections_is_replaced_by_the_next_one() -> None:
+    async def scenario() -> None:
+        async with cluster([prefill_named(0)], [f"http://127.0.0.1:{closed_port()}", decode_named(1)]) as (url, _, _):
+            answers = [json.loads((await post(url + "/v1/completions", completion()))[1]) for _ in range(3)]
+        assert [(a["decode"], a["params"]["kvbridge"]["host"]) for a in answers] == [(1, "p0")] * 3
+
+    run(scenario())
+
+
+def test_an_instance_marked_down_comes_back_after_a_passing_check() -> None:
+    async def scenario() -> None:
+        failing = True
+
+        async def flaky(request: web.Request) -> web.Response:
+            if failing:
+                return web.json_response({"error": "down"}, status=503)
+            return await prefill_named(0)(request)
+
+        async with cluster([flaky, prefill_named(1)], [decode_named(0)], health_interval=0.05) as (url, front, _):
+            while front.prefill.instances[0].healthy:  # the background check marks it down
+                await asyncio.sleep(0.01)
+            answers = [json.loads((await post(url + "/v1/completions", completion()))[1]) for _ in range(2)]
+            assert [a["params"]["kvbridge"]["host"] for a in answers] == ["p1", "p1"]
+            failing = False
+            while not front.prefill.instances[0].healthy:
+                await asyncio.sleep(0.01)
+            answers = [json.loads((await post(url + "/v1/completions", completion()))[1]) for _ in range(2)]
+        assert sorted(a["params"]["kvbridge"]["host"] for a in answers) == ["p0", "p1"]
+
+    run(scenario())
+
+
+def test_health_is_served_while_one_instance_of_each_kind_is_healthy() -> None:
+    async def scenario() -> None:
+        dead = f"http://127.0.0.1:{closed_port()}"
+        async with cluster([dead, prefill_answer], [decode_answer, dead]) as (url, _, _), \
+                aiohttp.ClientSession() as client, client.get(url + "/health") as response:
+            assert response.status == 200
+            state = await response.json()
+        assert [i["healthy"] for i in state["prefill"]] == [False, True]
+        assert [i["healthy"] for i in state["decode"]] == [True, False]
+        assert state["prefill"][0]["url"] == dead and state["prefill"][0]["problem"]
+
+    run(scenario())
+
+
+def test_a_request_id_is_made_when_the_client_sends_none_and_both_legs_share_it() -> None:
+    async def scenario() -> None:
+        async with proxied(prefill_answer, decode_answer) as (url, prefill, decode):
+            await post(url + "/v1/completions", completion())
+        [to_prefill], [to_decode] = prefill.requests, decode.requests
+        assert to_prefill["headers"]["X-Request-Id"] == to_decode["headers"]["X-Request-Id"] != ""
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("argv", [["--prefill", "http://a"], ["--decode", "http://b"],
+                                  ["--prefill", "http://a", "--decode", "http://b", "--decode-policy", "random"]])
+def test_the_command_line_needs_both_kinds_and_known_policies(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        proxy.parser().parse_args(argv)
+
+
+def test_the_command_line_takes_several_instances_of_each_kind() -> None:
+    args = proxy.parser().parse_args(["--prefill", "http://a", "--prefill", "http://b", "--decode", "http://c",
+                                      "--prefill-policy", "least_outstanding"])
+    assert (args.prefill, args.decode, args.prefill_policy, args.decode_policy) == (
+        ["http://a", "http://b"], ["http://c"], "least_outstanding", "round_robin")
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -159,7 +159,7 @@ class ThreadedProxy:
     def __init__(self, prefill_url: str, decode_url: str) -> None:
         self.port = free_port()
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(proxy.Proxy(prefill_url, decode_url, proxy.Timeouts(read=120)).app())
+        self._runner = web.AppRunner(proxy.Proxy([prefill_url], [decode_url], proxy.Timeouts(read=120)).app())
         self._loop.run_until_complete(self._runner.setup())
         self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)

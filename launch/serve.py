@@ -1,17 +1,24 @@
-"""Serve a model disaggregated: a prefill ``vllm serve``, a decode ``vllm serve``, and the proxy.
+"""Serve a model disaggregated: prefill ``vllm serve`` instances, decode ones, and the proxy.
 
 ::
 
-    python -m launch.serve MODEL --port 8000 [--kv-port 14579] [-- EXTRA VLLM SERVE ARGS]
+    python -m launch.serve MODEL --port 8000 [--prefill-instances N] [--decode-instances M]
+        [--kv-port 14579] [-- EXTRA VLLM SERVE ARGS]
 
-starts the prefill instance (``kv_producer``) on ``--prefill-port``, the decode instance
-(``kv_consumer``, ``kv_load_failure_policy=recompute``) on ``--decode-port``, both with
-kvbridge's ``KVBridgeConnector``, waits until both answer ``/health``, then serves the
-OpenAI-compatible proxy (:mod:`launch.proxy`) on ``--port`` until SIGINT/SIGTERM, and stops the
-instances. Arguments after ``--`` go to both ``vllm serve`` commands; ``--prefill-env`` /
-``--decode-env KEY=VALUE`` set environment variables of one instance (e.g. CPU pinning with
-``VLLM_CPU_OMP_THREADS_BIND``). On two hosts, run the instances and the proxy yourself with the
-same ``--kv-transfer-config`` this command logs, ``kv_ip`` being the prefill host.
+starts N prefill instances (``kv_producer``) on HTTP ports from ``--prefill-port`` on, each
+listening for kvbridge at its own port from ``--kv-port`` on (one per TP rank), then M decode
+instances (``kv_consumer``, ``kv_load_failure_policy=recompute``) on ports from ``--decode-port``
+on, all with kvbridge's ``KVBridgeConnector``, one after another (each waits until it answers
+``/health``); then serves the OpenAI-compatible proxy (:mod:`launch.proxy`) over all of them on
+``--port`` until SIGINT/SIGTERM, and stops the instances. Any decode instance loads from any
+prefill instance: the prefill's ``kv_transfer_params`` name it. Arguments after ``--`` go to every
+``vllm serve`` command; ``--prefill-env`` / ``--decode-env KEY=VALUE`` set environment variables
+of every instance of one kind. On several hosts, run the instances and the proxy yourself with the
+``--kv-transfer-config`` this command logs, each prefill instance's ``kv_ip`` being its own host.
+
+Placement: on a CPU host each instance gets its own cores through ``VLLM_CPU_OMP_THREADS_BIND``
+(the host's cores split evenly; with fewer cores than instances, one core each, shared), unless
+the environment binds already or TP > 1.
 
 Secrets: the shared ``kv_secret`` is read once, from ``KVBRIDGE_KV_SECRET``,
 ``KVBRIDGE_KV_SECRET_FILE`` or ``kv_secret_file`` in ``--kv-extra`` (:mod:`connector.secret`), and
@@ -19,8 +26,8 @@ reaches the instances through their environment, never their command lines. Logg
 show ``--api-key`` values as redacted (``VLLM_API_KEY`` keeps the key out of ``ps`` too).
 
 Memory: on a CPU host, unless the vLLM arguments or an instance's environment size the KV cache,
-each instance gets a ``--kv-cache-memory-bytes`` chosen from the host's available memory
-(:mod:`launch.kv_memory`); the choice is logged.
+each instance gets a ``--kv-cache-memory-bytes`` chosen from the host's available memory, split
+over all instances (:mod:`launch.kv_memory`); the choice is logged.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ from kv_pipe.errors import KVConfigError
 from launch import kv_memory, proxy
 
 logger = logging.getLogger(__name__)
+
+#: How vLLM on CPU is told which cores an instance's threads run on.
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def kv_transfer_config(role: str, kv_ip: str, kv_port: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -127,7 +137,7 @@ def instance_env(environ: Mapping[str, str], pairs: Sequence[str], secret: str |
             raise KVConfigError(f"--prefill-env/--decode-env take KEY=VALUE, got a value without '=' ({key!r})")
         if key in (SECRET_ENV, SECRET_FILE_ENV):
             raise KVConfigError(f"{key} on the command line would be visible to every user of the host (ps): "
-                                "set it in the environment of kvbridge serve, once for both instances")
+                                "set it in the environment of kvbridge serve, once for all instances")
         env[key] = value
     if secret is not None:
         env[SECRET_ENV] = secret
@@ -145,32 +155,78 @@ class Instance:
 
 
 def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[str, str],
-         kv_budget: int | None) -> list[Instance]:
-    """The prefill and decode instances: their command lines and environments.
+         kv_budget: int | None, cores: Sequence[int] | None = None) -> list[Instance]:
+    """The prefill and decode instances, in the order to start them: their command lines and environments.
 
+    Prefill instance i serves HTTP on ``--prefill-port + i`` and listens for kvbridge at
+    ``--kv-port + i * tp_size`` (its TP ranks take the ports after it); decode instance j serves on
+    ``--decode-port + j`` and falls back to prefill instance 0 for requests that name no producer.
     ``kv_budget``: bytes of host memory to size KV caches from (:mod:`launch.kv_memory`) for the
     instances the user did not size; None leaves vLLM's own default (e.g. on a GPU host).
+    ``cores``: the CPU cores to spread the instances over (``VLLM_CPU_OMP_THREADS_BIND``); None
+    leaves placement to vLLM.
     """
     refuse_inline_secret(args.kv_extra, "--kv-extra")
     extra = dict(args.kv_extra)
     secret = resolve_secret(environ, extra.pop(SECRET_FILE_KEY, None))
-    roles = (("prefill", "kv_producer", args.prefill_port, args.prefill_env),
-             ("decode", "kv_consumer", args.decode_port, args.decode_env))
+    tp_size = tensor_parallel_size(serve_args)
+    kinds = (("prefill", "kv_producer", args.prefill_instances, args.prefill_port, args.prefill_env),
+             ("decode", "kv_consumer", args.decode_instances, args.decode_port, args.decode_env))
+    total = args.prefill_instances + args.decode_instances
+    binds = core_binds(cores, total, tp_size, environ)
     instances = []
-    for name, role, port, pairs in roles:
-        env = instance_env(environ, pairs, secret)
-        vllm_args = list(serve_args)
-        if kv_budget is not None and not kv_memory.user_sized(serve_args, env):
-            kv_bytes = kv_memory.kv_cache_bytes(kv_budget, len(roles))
-            vllm_args += ["--kv-cache-memory-bytes", str(kv_bytes)]
-            logger.info("%s instance: --kv-cache-memory-bytes %d (%d MiB: %.0f%% of the %d MiB available, split "
-                        "over %d instances, at most %d MiB); give --kv-cache-memory-bytes after -- to choose",
-                        name, kv_bytes, kv_bytes // kv_memory.MIB, kv_memory.KV_FRACTION * 100,
-                        kv_budget // kv_memory.MIB, len(roles), kv_memory.KV_CAP_BYTES // kv_memory.MIB)
-        transfer = kv_transfer_config(role, args.kv_ip, args.kv_port, extra)
-        instances.append(Instance(name, port, vllm_serve_command(args.model, args.host, port, transfer, vllm_args),
-                                  env))
+    for kind, role, count, first_port, pairs in kinds:
+        for index in range(count):
+            name = kind if count == 1 else f"{kind}-{index}"
+            env = instance_env(environ, pairs, secret)
+            bind = binds[len(instances)]
+            if bind is not None and BIND_ENV not in env:
+                env[BIND_ENV] = bind
+            vllm_args = list(serve_args)
+            if kv_budget is not None and not kv_memory.user_sized(serve_args, env):
+                kv_bytes = kv_memory.kv_cache_bytes(kv_budget, total)
+                vllm_args += ["--kv-cache-memory-bytes", str(kv_bytes)]
+                logger.info("%s instance: --kv-cache-memory-bytes %d (%d MiB: %.0f%% of the %d MiB available, split "
+                            "over %d instances, at most %d MiB); give --kv-cache-memory-bytes after -- to choose",
+                            name, kv_bytes, kv_bytes // kv_memory.MIB, kv_memory.KV_FRACTION * 100,
+                            kv_budget // kv_memory.MIB, total, kv_memory.KV_CAP_BYTES // kv_memory.MIB)
+            kv_port = args.kv_port + index * tp_size if role == "kv_producer" else args.kv_port
+            transfer = kv_transfer_config(role, args.kv_ip, kv_port, extra)
+            port = first_port + index
+            instances.append(Instance(name, port, vllm_serve_command(args.model, args.host, port, transfer, vllm_args),
+                                      env))
     return instances
+
+
+def tensor_parallel_size(serve_args: Sequence[str]) -> int:
+    """The ``-tp`` / ``--tensor-parallel-size`` among the vLLM arguments (1 without it)."""
+    size = "1"
+    for index, arg in enumerate(serve_args):
+        option, sep, value = arg.partition("=")
+        if option in ("-tp", "--tensor-parallel-size"):
+            size = value if sep else (serve_args[index + 1] if index + 1 < len(serve_args) else "")
+    try:
+        parsed = int(size)
+    except ValueError:
+        raise KVConfigError(f"--tensor-parallel-size must be a whole number, got {size!r}") from None
+    if parsed < 1:
+        raise KVConfigError(f"--tensor-parallel-size must be at least 1, got {parsed}")
+    return parsed
+
+
+def core_binds(cores: Sequence[int] | None, instances: int, tp_size: int,
+               environ: Mapping[str, str]) -> list[str | None]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per instance: disjoint runs of cores when there are enough,
+    one core each, shared round robin, when there are not; None where vLLM should choose (no
+    cores given, the caller's environment binds already, or TP > 1, whose ranks need a bind each)."""
+    if not cores or BIND_ENV in environ or tp_size > 1:
+        return [None] * instances
+    cores = sorted(cores)
+    share = len(cores) // instances
+    if share == 0:
+        logger.info("%d instances on %d cores: they share cores", instances, len(cores))
+        return [str(cores[index % len(cores)]) for index in range(instances)]
+    return [",".join(str(core) for core in cores[index * share:(index + 1) * share]) for index in range(instances)]
 
 
 def _kv_budget() -> int | None:
@@ -184,6 +240,16 @@ def _kv_budget() -> int | None:
         logger.warning("cannot tell the host's available memory: vLLM's default KV cache size applies "
                        "(give --kv-cache-memory-bytes after --)")
     return available
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -203,15 +269,20 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="model name or local directory, as for vllm serve")
     parser.add_argument("--host", default="127.0.0.1", help="address of the proxy and of both instances")
     parser.add_argument("--port", type=int, default=8000, help="proxy port (the OpenAI endpoint)")
-    parser.add_argument("--prefill-port", type=int, default=8100)
-    parser.add_argument("--decode-port", type=int, default=8200)
-    parser.add_argument("--kv-ip", default="127.0.0.1", help="address of the prefill instance's kvbridge side")
-    parser.add_argument("--kv-port", type=int, default=14579, help="first kvbridge port (uses 2 per TP rank)")
+    parser.add_argument("--prefill-instances", type=_positive, default=1, metavar="N",
+                        help="prefill instances to start (HTTP ports from --prefill-port on)")
+    parser.add_argument("--decode-instances", type=_positive, default=1, metavar="M",
+                        help="decode instances to start (HTTP ports from --decode-port on)")
+    parser.add_argument("--prefill-port", type=int, default=8100, help="HTTP port of the first prefill instance")
+    parser.add_argument("--decode-port", type=int, default=8200, help="HTTP port of the first decode instance")
+    parser.add_argument("--kv-ip", default="127.0.0.1", help="address the prefill instances listen on for kvbridge")
+    parser.add_argument("--kv-port", type=int, default=14579,
+                        help="kvbridge port of the first prefill instance (each one takes one per TP rank)")
     parser.add_argument("--kv-extra", type=_json_object, default={},
                         help='JSON object added to kv_connector_extra_config, e.g. \'{"kv_timeout": 10}\'')
     parser.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for both instances")
+    parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for each instance")
     proxy.add_routing_options(parser)
     return parser
 
@@ -221,8 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args, serve_args = parser().parse_args(argv[:split]), argv[split + 1:]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    budget = _kv_budget()
+    cores = sorted(os.sched_getaffinity(0)) if budget is not None else None  # a CPU host: spread the instances
     try:
-        instances = plan(args, serve_args, os.environ, _kv_budget())
+        instances = plan(args, serve_args, os.environ, budget, cores)
     except KVConfigError as error:
         logger.error("%s", error)
         return 2
@@ -230,15 +303,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     processes: list[subprocess.Popen] = []
     try:
+        # One after another: vLLM instances starting together fight for the cores and for memory.
         for instance in instances:
             logger.info("starting the %s instance: %s", instance.name, redacted(instance.command))
-            processes.append(subprocess.Popen(instance.command, env=instance.env))
-        for process, instance in zip(processes, instances, strict=True):
+            process = subprocess.Popen(instance.command, env=instance.env)
+            processes.append(process)
             wait_healthy(f"http://{args.host}:{instance.port}", process, args.ready_timeout)
             logger.info("%s instance ready on port %d", instance.name, instance.port)
+        urls = {kind: [f"http://{args.host}:{i.port}" for i in instances if i.name.startswith(kind)]
+                for kind in ("prefill", "decode")}
         logger.info("proxy on http://%s:%d", args.host, args.port)
-        proxy.run(f"http://{args.host}:{args.prefill_port}", f"http://{args.host}:{args.decode_port}", args.host,
-                  args.port, proxy.Timeouts(args.connect_timeout, args.read_timeout))
+        proxy.run(urls["prefill"], urls["decode"], args.host, args.port,
+                  proxy.Timeouts(args.connect_timeout, args.read_timeout), args.prefill_policy, args.decode_policy)
         return 0
     finally:
         stop(processes)

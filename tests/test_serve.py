@@ -99,6 +99,61 @@ def test_no_kv_cache_size_without_a_budget() -> None:
         assert "--kv-cache-memory-bytes" not in instance.command
 
 
+# ---------------------------------------------------------------------------------------------- many instances
+
+
+def transfer_of(instance: serve.Instance) -> dict:
+    return json.loads(option(instance.command, "--kv-transfer-config"))
+
+
+@pytest.mark.parametrize(("tp_args", "tp"), [([], 1), (["-tp", "2"], 2), (["--tensor-parallel-size=2"], 2)])
+def test_two_prefill_and_two_decode_instances_get_ports_of_their_own(tp_args: list[str], tp: int) -> None:
+    instances = serve.plan(args("--prefill-instances", "2", "--decode-instances", "2"), [*SERVE_ARGS, *tp_args],
+                           {}, kv_budget=8 * GIB)
+    assert [i.name for i in instances] == ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    assert [i.port for i in instances] == [8101, 8102, 8201, 8202]
+    transfers = [transfer_of(i) for i in instances]
+    assert [t["kv_role"] for t in transfers] == ["kv_producer"] * 2 + ["kv_consumer"] * 2
+    # Each prefill listens on its own ports (one per TP rank); decode instances fall back to prefill 0.
+    assert [t["kv_port"] for t in transfers] == [15000, 15000 + tp, 15000, 15000]
+    assert {t["kv_connector_extra_config"]["kv_ip"] for t in transfers} == {"127.0.0.1"}
+    assert all(option(i.command, "--kv-cache-memory-bytes") == str(1 * GIB) for i in instances)  # 8 GiB / 2 / 4
+
+
+def test_instances_are_spread_over_the_cores_or_share_them_when_there_are_too_few() -> None:
+    many = serve.plan(args("--prefill-instances", "2", "--decode-instances", "2"), SERVE_ARGS, {}, None,
+                      cores=[0, 1, 2, 3, 4, 5, 6, 7, 8])
+    assert [i.env[serve.BIND_ENV] for i in many] == ["0,1", "2,3", "4,5", "6,7"]
+    few = serve.plan(args("--prefill-instances", "2", "--decode-instances", "1"), SERVE_ARGS, {}, None, cores=[3, 5])
+    assert [i.env[serve.BIND_ENV] for i in few] == ["3", "5", "3"]
+
+
+@pytest.mark.parametrize(("given", "environ", "tp_args"), [
+    (["--decode-env", "VLLM_CPU_OMP_THREADS_BIND=7"], {}, []),
+    ([], {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, []),
+    ([], {}, ["-tp", "2"]),
+])
+def test_a_users_binding_stands_and_tensor_parallel_instances_are_not_bound(given: list[str], environ: dict,
+                                                                             tp_args: list[str]) -> None:
+    instances = serve.plan(args(*given), [*SERVE_ARGS, *tp_args], environ, None, cores=[0, 1, 2, 3])
+    prefill, decode = instances
+    if given:
+        assert (prefill.env[serve.BIND_ENV], decode.env[serve.BIND_ENV]) == ("0,1", "7")
+    else:
+        assert prefill.env.get(serve.BIND_ENV) == decode.env.get(serve.BIND_ENV) == environ.get(serve.BIND_ENV)
+
+
+@pytest.mark.parametrize("bad", [["--prefill-instances", "0"], ["--decode-instances", "x"]])
+def test_instance_counts_are_positive_numbers(bad: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        args(*bad)
+
+
+def test_a_bad_tensor_parallel_size_is_refused() -> None:
+    with pytest.raises(KVConfigError, match="tensor-parallel-size"):
+        serve.plan(args(), [*SERVE_ARGS, "-tp", "two"], {}, None)
+
+
 # ---------------------------------------------------------------------------------------------- secrets
 
 

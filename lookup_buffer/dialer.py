@@ -8,7 +8,7 @@ import zmq
 
 from kv_pipe import TorchDistributedPipe, auth
 from kv_pipe.config import KVTransferConfig
-from kv_pipe.errors import KVPeerLostError, KVProtocolError, KVTransferError
+from kv_pipe.errors import KVConfigError, KVPeerLostError, KVProtocolError, KVTransferError
 from lookup_buffer.control import control_host, open_socket
 from lookup_buffer.listener import OnConnect, PipeFactory
 from lookup_buffer.protocol import (
@@ -39,6 +39,7 @@ def dial(config: KVTransferConfig, host: str, port: int, on_connect: OnConnect |
             connection was set up, or it is busy.
         KVProtocolError: the producer refused (another protocol version or ``kv_secret``) or
             answered something invalid.
+        KVConfigError: the producer refused this consumer's ``kv_buffer_size`` (smaller than its own).
     """
     timeout = config.kv_timeout if timeout is None else timeout
     reply = _ask_for_connection(config, host, port, timeout)
@@ -65,7 +66,7 @@ def _ask_for_connection(config: KVTransferConfig, host: str, port: int, timeout:
     try:
         sock = open_socket(context, zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
         try:
-            sock.send(encode_connect_request(signer, nonce), zmq.NOBLOCK)
+            sock.send(encode_connect_request(signer, nonce, config.kv_buffer_size), zmq.NOBLOCK)
             if not sock.poll(max(1, round(timeout * 1000))):
                 raise KVPeerLostError(f"lookup buffer: no producer answered at {address} within {timeout:g} s "
                                       f"(not started, restarting, or not listening there)")
@@ -75,7 +76,8 @@ def _ask_for_connection(config: KVTransferConfig, host: str, port: int, timeout:
     finally:
         context.term()
     if not isinstance(answer, ConnectReply):
-        error = KVPeerLostError if answer.reason in ("busy", "failed") else KVProtocolError
+        errors = {"busy": KVPeerLostError, "failed": KVPeerLostError, "config": KVConfigError}
+        error = errors.get(answer.reason, KVProtocolError)
         raise error(f"lookup buffer: the producer at {address} refused the connection ({answer.reason}): "
                     f"{answer.message}")
     if answer.nonce != nonce:

@@ -171,14 +171,15 @@ class BufferListener(KVLookupBufferBase):
                 return
             self._closed = True
             connections = list(self._connections)
-            self._connections.clear()
         self._stopping.set()
         self._endpoint.doorbell.ring()
         entries, nbytes = self._store.stop(KVPipeClosedError("insert on a closed lookup buffer"))
         if entries:
             logger.warning("lookup buffer closed with %d unselected entries (%d bytes): dropped", entries, nbytes)
         for connection in connections:
-            self._end(connection)
+            self._end(connection)  # its last answers may still go out: counted once it is closed
+        with self._lock:
+            self._retire(connections)
         self._acceptor.join(self.config.kv_timeout)
         if self._acceptor.is_alive():
             logger.error("lookup buffer listener thread did not stop within %.1f s; its socket stays open",
@@ -193,19 +194,23 @@ class BufferListener(KVLookupBufferBase):
             return list(self._connections)
 
     def _end(self, connection: BufferProducer) -> None:
-        """Close a connection that ended (or all of them, at close) and keep its counters."""
+        """Close a connection taken out of the live set (its counters are in the totals already)."""
         try:
             connection.close()
         except KVTransferError as exc:
             logger.info("lookup buffer: a consumer's connection ended: %s", exc)
-        stats = connection.stats()
-        with self._lock:
-            self._totals.add(stats)
+
+    def _retire(self, connections: list[BufferProducer]) -> None:
+        """Take ``connections`` out of the live set, keeping their counters (under the lock: stats
+        never miss them). A connection that failed or closed counts nothing more."""
+        for connection in connections:
+            self._connections.discard(connection)
+            self._totals.add(connection.stats())
 
     def _reap(self) -> None:
         with self._lock:
             ended = [connection for connection in self._connections if connection.failure is not None]
-            self._connections.difference_update(ended)
+            self._retire(ended)
         for connection in ended:
             self._end(connection)
 
@@ -232,6 +237,11 @@ class BufferListener(KVLookupBufferBase):
                 request = decode_connect_request(self._signer, frames[1])
             except MessageError as exc:
                 self._refuse(identity, exc.reason, f"connect request refused: {exc}")
+                continue
+            if request.buffer_bytes < self.config.kv_buffer_size:
+                self._refuse(identity, "config", f"the consumer's kv_buffer_size ({request.buffer_bytes} bytes) is "
+                             f"smaller than the producer's ({self.config.kv_buffer_size}): it could not receive every "
+                             f"entry; give it at least as much")
                 continue
             with self._lock:
                 full = len(self._connections) >= MAX_CONNECTIONS or self._pending >= MAX_PENDING_CONNECTIONS
@@ -276,7 +286,7 @@ class BufferListener(KVLookupBufferBase):
         pipe: KVPipeBase | None = None
         try:
             pipe = self._pipe_factory(config, listener=store_socket)
-            if pipe.max_tensor_bytes < self._max_item_bytes:
+            if pipe.max_tensor_bytes < self._max_item_bytes:  # it said otherwise in its connect request
                 raise KVConfigError(
                     f"the consumer's kv_buffer_size is smaller than the producer's ({self.config.kv_buffer_size} "
                     f"bytes): it could not receive every entry; give it at least as much")
@@ -303,6 +313,8 @@ class BufferListener(KVLookupBufferBase):
                 self._connections.add(connection)
         if closed:
             self._end(connection)
+            with self._lock:
+                self._totals.add(connection.stats())
             return
         logger.info("lookup buffer: a consumer connected to %s (%d connected)", self.address, self.connections)
 

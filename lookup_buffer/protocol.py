@@ -65,9 +65,9 @@ _NUMPY_TOKEN_DTYPES = tuple(torch.empty(0, dtype=dtype).numpy().dtype for dtype 
 
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 #: Why a request was refused: unparseable or inconsistent, another protocol version, no valid
-#: kv_secret signature, not fresh (another session, or a counter already used), or the producer's
-#: data pipe or server failed.
-Reason = Literal["malformed", "version", "unauthenticated", "stale", "failed", "busy"]
+#: kv_secret signature, not fresh (another session, or a counter already used), the producer's
+#: data pipe or server failed, too many at once, or a consumer setting the producer cannot serve.
+Reason = Literal["malformed", "version", "unauthenticated", "stale", "failed", "busy", "config"]
 
 
 class OutcomeStatus(enum.IntEnum):
@@ -116,10 +116,12 @@ Nonce = Annotated[bytes, msgspec.Meta(min_length=auth.NONCE_BYTES, max_length=au
 
 class ConnectRequest(msgspec.Struct, tag="connect", tag_field="type", frozen=True):
     """Consumer -> producer's listener: open a connection of this consumer's own. ``nonce``: fresh,
-    echoed by the reply, so that a reply is never taken for another request's."""
+    echoed by the reply, so that a reply is never taken for another request's. ``buffer_bytes``: the
+    consumer's ``kv_buffer_size``, which bounds what its pipe can receive."""
 
     v: int
     nonce: Nonce
+    buffer_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 62)]
 
 
 class ConnectReply(msgspec.Struct, tag="accept", tag_field="type", frozen=True):
@@ -273,8 +275,9 @@ def decode_refusal(signer: ControlSigner, frame: bytes) -> Refusal:
     return _decode(signer.open(frame, "refusal"), Refusal, "refusal")
 
 
-def encode_connect_request(signer: ControlSigner, nonce: bytes) -> bytes:
-    return signer.seal(_encoder.encode(ConnectRequest(v=PROTOCOL_VERSION, nonce=nonce)), "connect request")
+def encode_connect_request(signer: ControlSigner, nonce: bytes, buffer_bytes: int) -> bytes:
+    request = ConnectRequest(v=PROTOCOL_VERSION, nonce=nonce, buffer_bytes=buffer_bytes)
+    return signer.seal(_encoder.encode(request), "connect request")
 
 
 def decode_connect_request(signer: ControlSigner, frame: bytes) -> ConnectRequest:

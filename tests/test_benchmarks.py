@@ -132,3 +132,15 @@ def test_bench_connector_compares_a_paged_transfer_with_the_pipe_alone(tmp_path:
     for size in ("2 MiB", "4 MiB"):
         cells = table_cells(result.stdout, size)
         assert len(cells) == 6 and all(re.fullmatch(rf"{NUMBER}x?", cell) for cell in cells[1:]), cells
+
+
+@pytest.mark.timeout(200)
+def test_bench_doorbell_times_every_design_and_checks_the_bytes(tmp_path: Path) -> None:
+    command = [sys.executable, "benchmarks/bench_doorbell.py", "--sizes", "4K,1M", "--iters", "2", "--rounds", "2"]
+    [result] = procs.run_commands([(command, {})], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for size in ("4 KiB", "1 MiB"):
+        cells = table_cells(result.stdout, size)
+        assert len(cells) == 7, cells
+        assert all(re.fullmatch(rf"{NUMBER} us( \({NUMBER} GB/s\))?", cell) for cell in cells[1:5]), cells
+        assert all(re.fullmatch(rf"{NUMBER}x", cell) for cell in cells[5:]), cells

@@ -1,5 +1,5 @@
-"""Disaggregated serving over HTTP: ``launch.serve`` (prefill vllm + decode vllm + proxy) against a
-single plain vLLM server, through the standard ``openai`` client."""
+"""Disaggregated serving over HTTP: ``launch.serve`` (two prefill and two decode vLLM instances and the
+proxy) against a single plain vLLM server, through the standard ``openai`` client."""
 
 from __future__ import annotations
 
@@ -121,13 +121,14 @@ def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
 @pytest.fixture(scope="module")
 def stack(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """``python -m launch.serve``: prefill and decode instances pinned one core each, and the proxy."""
-    ports = {name: free_port() for name in ("proxy", "prefill", "decode", "kv")}
+    """``python -m launch.serve`` with two prefill and two decode instances (serve spreads them over
+    the cores itself), and the proxy over all four."""
+    ports = {name: free_port() for name in ("proxy", "prefill", "decode", "kv")}  # each with the next ones free
     log = tmp_path_factory.mktemp("stack") / "serve.log"
     command = [sys.executable, "-m", "launch.serve", model, "--port", str(ports["proxy"]),
+               "--prefill-instances", "2", "--decode-instances", "2",
                "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
                "--kv-port", str(ports["kv"]), "--kv-extra", '{"kv_timeout": 5, "kv_load_timeout": 5}',
-               "--prefill-env", "VLLM_CPU_OMP_THREADS_BIND=0", "--decode-env", "VLLM_CPU_OMP_THREADS_BIND=1",
                "--ready-timeout", str(READY_TIMEOUT), "--", *SERVE_ARGS]
     server = Server(command, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
     try:

@@ -22,6 +22,7 @@ COUNTERS = (
     "loaded_bytes",  # bytes received for hits
     "load_seconds",  # time spent waiting for, receiving and writing entries
     "drained",  # entries taken and dropped: vLLM's prefix cache already held their blocks
+    "expired_entries",  # producer: entries no consumer took within kv_entry_timeout, dropped
 )
 
 

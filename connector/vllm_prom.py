@@ -35,6 +35,7 @@ _COUNTER_HELP = {
     "loaded_bytes": "Bytes of KV received for hits.",
     "load_seconds": "Seconds spent waiting for, receiving and writing KV.",
     "drained": "Entries taken and dropped (vLLM held their blocks, or the request was aborted).",
+    "expired_entries": "Entries the prefill instance dropped: no decode instance took them within kv_entry_timeout.",
 }
 
 _HISTOGRAM_HELP = {
@@ -55,8 +56,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         self._counters = {name: self._per_engine(self._counter_cls, name, _COUNTER_HELP[name]) for name in COUNTERS}
         self._histograms = {name: self._per_engine(self._histogram_cls, name, _HISTOGRAM_HELP[name],
                                                    buckets=_BUCKETS) for name in SAMPLES}
-        self._connections = self._per_engine(self._gauge_cls, CONNECTIONS,
-                                             "Open kvbridge connections to the peer instance (one per TP rank).")
+        self._connections = self._per_engine(
+            self._gauge_cls, CONNECTIONS, "Open kvbridge connections: decode instances connected to this prefill "
+            "instance, or prefill instances this decode instance loads from (per TP rank).")
 
     def _per_engine(self, cls: type[PromMetric], name: str, documentation: str, **kwargs: Any) -> dict[int, Any]:
         metric = cls(name=PREFIX + name, documentation=documentation, labelnames=self._labelnames, **kwargs)

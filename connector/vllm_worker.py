@@ -130,6 +130,7 @@ class WorkerSide:
         self._buffer: KVLookupBufferBase | None = None  # the producer's listener
         self._producers: ProducerConnections | None = None  # the consumer's connections
         self._reported_connections = 0
+        self._reported_expired = 0
         self._loads = LoadTracker()
         self._saved: set[str] = set()  # request ids whose save succeeded / failed since the last report
         self._unsaved: set[str] = set()
@@ -334,9 +335,15 @@ class WorkerSide:
     def take_stats(self) -> tuple[TransferStats, Observations] | None:
         """Counters and observations since the last call, or None when nothing happened."""
         connections = self.connections
+        buffer = self.buffer_stats()
+        expired = buffer.expired if buffer is not None else 0
         with self._stats_lock:
             self._observed.connections += connections - self._reported_connections
             self._reported_connections = connections
+            if expired > self._reported_expired:
+                self._interval.add(expired_entries=expired - self._reported_expired)
+                self._total.add(expired_entries=expired - self._reported_expired)
+                self._reported_expired = expired
             if self._interval.is_empty() and self._observed.is_empty():
                 return None
             interval, self._interval = self._interval, TransferStats()

@@ -734,6 +734,25 @@ def test_by_default_a_save_holds_the_step_only_for_the_copy() -> None:
     worker.close()
 
 
+def test_a_producer_counts_the_entries_that_expired_unselected() -> None:
+    worker = vp.fake_worker("kv_producer", free_port(), vp.FAKE_BLOCK_SIZE, vp.fake_caches(1),
+                            {"kv_entry_timeout": 0.3})
+    try:
+        worker.save([SaveSpec("a", FAKE_TOKENS["c"], [2]), SaveSpec("b", FAKE_TOKENS["d"], [3])])
+        assert worker.take_save_outcomes() == ({"a", "b"}, set())
+        expired = 0
+        deadline = time.monotonic() + 30
+        while expired < 2:  # a hang guard, not a timing claim
+            assert time.monotonic() < deadline, "the entries never expired"
+            taken = worker.take_stats()
+            expired += taken[0].data["expired_entries"] if taken is not None else 0
+            time.sleep(0.05)
+        assert expired == 2 and worker.buffer_stats().entries == 0
+        assert worker.take_stats() is None  # reported once
+    finally:
+        worker.close()
+
+
 @pytest.mark.timeout(120)
 def test_worker_refuses_an_incompatible_peer_naming_the_difference() -> None:
     port = free_port()

@@ -133,7 +133,9 @@ def stack(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory)
     server = Server(command, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
     try:
         server.wait_ready(f"http://127.0.0.1:{ports['proxy']}")
-        yield {"log": log, **{name: f"http://127.0.0.1:{port}" for name, port in ports.items()}}
+        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+        yield {"log": log, **urls, "prefills": [f"http://127.0.0.1:{ports['prefill'] + i}" for i in range(2)],
+               "decodes": [f"http://127.0.0.1:{ports['decode'] + j}" for j in range(2)]}
     finally:
         server.stop()
 

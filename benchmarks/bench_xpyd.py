@@ -17,23 +17,20 @@ Every answer is checked to have loaded its whole prefix (its cached tokens).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aiohttp import web  # noqa: E402
 
-from launch import proxy  # noqa: E402
 from tests import _vllm_procs as vp  # noqa: E402
 from tests import _xpyd as xp  # noqa: E402
 from tests.procs import free_port  # noqa: E402
+from tests.test_vllm_serving import ThreadedProxy  # noqa: E402
 
 PROMPT_TOKENS = 100
 
@@ -51,24 +48,6 @@ def timed_request(send, prompt: list[int]) -> float:  # noqa: ANN001 - a callabl
     if answer.cached != vp.transfer_prefix(prompt):
         raise SystemExit(f"a request loaded {answer.cached} tokens, not {vp.transfer_prefix(prompt)}")
     return seconds
-
-
-class ThreadedProxy:
-    """kvbridge's proxy over every instance, served from a thread of this process."""
-
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str]) -> None:
-        self.port = free_port(1)
-        self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(proxy.Proxy(prefill_urls, decode_urls).app())
-        self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,9 +79,9 @@ def main(argv: list[str] | None = None) -> None:
             batch = prompts(4 * args.requests, seed=77)
             by_hand = [timed_request(lambda q, pair=pairs[i % 4]: xp.by_hand(pair[0].url, pair[1].url, q)[0], prompt)
                        for i, prompt in enumerate(batch[: 2 * args.requests])]
-            front = ThreadedProxy([i.url for i in prefills], [i.url for i in decodes])
+            front = ThreadedProxy([i.url for i in prefills], [i.url for i in decodes], read_timeout=600)
             try:
-                proxied = [timed_request(lambda q: xp.ask(f"http://127.0.0.1:{front.port}", q), prompt)
+                proxied = [timed_request(lambda q: xp.ask(front.url, q), prompt)
                            for prompt in batch[2 * args.requests:]]
             finally:
                 front.close()

@@ -152,15 +152,7 @@ class BufferListener(KVLookupBufferBase):
             totals.add(stats)
         return BufferStats(
             role="kv_producer",
-            entries=store.entries,
-            bytes=store.bytes,
-            peak_bytes=store.peak_bytes,
-            capacity_bytes=store.capacity_bytes,
-            inserts=store.inserts,
-            insert_waits=store.insert_waits,
-            inserts_blocked=store.inserts_blocked,
-            rejected=store.rejected,
-            expired=store.expired,
+            **dataclasses.asdict(store),  # the store's counters carry BufferStats' names
             pending=sum(stats.pending for stats in live),
             **dataclasses.asdict(totals),
         )

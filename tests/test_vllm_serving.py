@@ -157,12 +157,14 @@ def test_disaggregated_serving_equals_a_single_server(stack: dict, reference: di
 
 
 class ThreadedProxy:
-    """launch.proxy.Proxy served from a thread of this process, on a free port."""
+    """launch.proxy.Proxy over the given instances, served from a thread of this process, on a free port."""
 
-    def __init__(self, prefill_url: str, decode_url: str) -> None:
-        self.port = free_port()
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], read_timeout: float = 120,
+                 **routing: str) -> None:
+        self.port = free_port(1)
+        app = proxy.Proxy(prefill_urls, decode_urls, proxy.Timeouts(read=read_timeout), **routing).app()
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(proxy.Proxy([prefill_url], [decode_url], proxy.Timeouts(read=120)).app())
+        self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
         self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -176,12 +178,13 @@ class ThreadedProxy:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
+        self._loop.close()
 
 
 @pytest.mark.timeout(300)
 def test_proxy_falls_back_to_the_decode_instance_when_prefill_is_down(stack: dict, reference: dict) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    fallback = ThreadedProxy(dead, stack["decode"])
+    fallback = ThreadedProxy([dead], [stack["decode"]])
     try:
         new_prompts = vp.make_prompts(seed=4)
         openai = client(fallback.url)

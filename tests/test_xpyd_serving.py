@@ -9,7 +9,6 @@ that arrives was computed from the transferred KV, and its cached tokens say how
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
 import socket
@@ -23,13 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
-from launch import proxy
 from tests import _vllm_procs as vp
 from tests import _xpyd as xp
 from tests.procs import free_port
-from tests.test_vllm_serving import SERVE_ARGS, Server
+from tests.test_vllm_serving import SERVE_ARGS, Server, ThreadedProxy
 
 
 def _distinct(seed: int) -> list[list[int]]:
@@ -138,30 +135,10 @@ def test_every_pairing_loads_the_prefix_its_prefill_announces(cluster: Cluster, 
 # ---------------------------------------------------------------------- fronts: kvbridge's proxy, vllm-router
 
 
-class XPyDProxy:
-    """launch.proxy.Proxy over both lists of instances, served from a thread of this process."""
-
-    def __init__(self, cluster: Cluster, decode_policy: str = "least_outstanding") -> None:
-        self.port = free_port(1)
-        app = proxy.Proxy([i.url for i in cluster.prefills], [i.url for i in cluster.decodes],
-                          proxy.Timeouts(read=xp.REQUEST_TIMEOUT), prefill_policy="round_robin",
-                          decode_policy=decode_policy).app()
-        self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._loop.close()
+def xpyd_proxy(cluster: Cluster, decode_policy: str = "least_outstanding") -> ThreadedProxy:
+    """kvbridge's proxy over every instance of ``cluster``, round robin over the prefill instances."""
+    return ThreadedProxy([i.url for i in cluster.prefills], [i.url for i in cluster.decodes], xp.REQUEST_TIMEOUT,
+                         prefill_policy="round_robin", decode_policy=decode_policy)
 
 
 def _ask_concurrently(url: str, prompts: list[list[int]]) -> list[xp.Answer]:
@@ -179,7 +156,7 @@ def _assert_all_loaded(answers: list[xp.Answer], prompts: list[list[int]], refer
 @pytest.mark.timeout(300)
 def test_proxy_over_two_prefills_and_two_decodes(cluster: Cluster, reference: dict) -> None:
     hits_before = sum(xp.metric(d.url, xp.HIT_METRIC) for d in cluster.decodes)
-    front = XPyDProxy(cluster)
+    front = xpyd_proxy(cluster)
     try:
         answers = _ask_concurrently(front.url, PROXY_PROMPTS)
     finally:
@@ -233,7 +210,7 @@ Send = Callable[[list[int], bool], xp.Answer]
 @contextlib.contextmanager
 def _front(cluster: Cluster) -> Iterator[Send]:
     """Requests through kvbridge's proxy over all instances."""
-    front = XPyDProxy(cluster, decode_policy="round_robin")
+    front = xpyd_proxy(cluster, decode_policy="round_robin")
     try:
         yield lambda prompt, stream: xp.ask(front.url, prompt, stream)
     finally:

@@ -72,6 +72,10 @@ class CreditLedger:
         self._peer_waiting = False
         return self._consumed, asking
 
+    def report_urgent(self) -> bool:
+        """Whether a frame must go out now: this side asks for credit, or the peer asked for it."""
+        return self._asking or (self._consumed > self._reported and self._peer_waiting)
+
     def frame_due(self) -> bool:
         """Whether a frame should go out now only to carry credit fields."""
         unreported = self._consumed - self._reported

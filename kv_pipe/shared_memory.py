@@ -29,14 +29,17 @@ validated before use.
 from __future__ import annotations
 
 import collections
-import ctypes
 import hashlib
 import hmac
 import logging
 import math
 import os
+import secrets
+import socket
 import stat
+import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -46,6 +49,7 @@ import torch.distributed as dist
 
 from kv_pipe import auth
 from kv_pipe.errors import KVProtocolError, KVTransferError
+from kv_pipe.parallel_copy import copy_bytes
 from kv_pipe.protocol import SHARED_DATA_START, SHARED_REGION_ALIGN
 from kv_pipe.rendezvous import swap_bytes
 
@@ -59,6 +63,9 @@ _SEGMENT_NAME = "kvbridge-pipe"
 _LENT_UNSENT, _LENT_SENT, _LENT_PEER_DONE, _LENT_CALLER_DONE = range(4)
 _TAG = 8  # the tag of the exchange over the groups; frames and authentication use others
 _DESCRIPTOR_WORDS = 8
+_SOCKET_NAME_BYTES = 64
+_SOCKET_SETUP_SECONDS = 10.0
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def _boot_id() -> int:
@@ -176,10 +183,11 @@ class SharedMemoryLink:
     caller's tensor has died, so that neither side ever sees the region reused under its tensor.
     """
 
-    def __init__(self, own: Segment | None, peer: Segment | None) -> None:
-        self.own = own  # None: payloads towards the peer go over the transport
-        self.peer = peer  # None: the peer's payloads come over the transport
-        self.allocator = RegionAllocator(SHARED_DATA_START, own.nbytes) if own is not None else None
+    def __init__(self, own: Segment, peer: Segment, connection: socket.socket) -> None:
+        self.own = own
+        self.peer = peer
+        self.connection = connection  # the local socket that carries frames (kv_pipe.channel)
+        self.allocator = RegionAllocator(SHARED_DATA_START, own.nbytes)
         self._lent: dict[int, int] = {}  # place of a lent region -> its _LENT_* state
         # Finalizers only append here (atomic): they may run inside any critical section, even this
         # class's own, so they take no lock; the regions are settled at the next call.
@@ -189,20 +197,17 @@ class SharedMemoryLink:
     @property
     def peer_bytes(self) -> int:
         """Size of the peer's segment as mapped here (0: none): bounds every place a frame names."""
-        return self.peer.nbytes if self.peer else 0
+        return self.peer.nbytes
 
     def place(self, nbytes: int) -> int:
-        """Where a payload of ``nbytes`` goes in this side's segment, or 0 if it goes over the transport."""
-        if self.allocator is None:
-            return 0
+        """Where a payload of ``nbytes`` goes in this side's segment, or 0 if no region is free (it
+        then follows its frame over the socket)."""
         self._settle_deaths()
         return self.allocator.allocate(nbytes) or 0
 
     def write(self, place: int, flat: torch.Tensor) -> None:
         """Copy a contiguous host payload into this side's segment at ``place``."""
-        # One C memcpy, outside the GIL: torch's copy may start OpenMP threads that spin against the
-        # peer's on a small host.
-        ctypes.memmove(self.own.address + place, flat.data_ptr(), flat.numel())
+        copy_bytes(self.own.address + place, flat.data_ptr(), flat.numel())
 
     def lend(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor over a free region of this side's segment, or None if none is free."""
@@ -245,7 +250,7 @@ class SharedMemoryLink:
     def used_bytes(self) -> int:
         """Bytes of this side's segment in use: placed or lent, and not given back yet."""
         self._settle_deaths()
-        return self.allocator.used_bytes if self.allocator is not None else 0
+        return self.allocator.used_bytes
 
     def _settle_deaths(self) -> None:
         """Free, or mark, the lent regions whose local tensors have died since the last call."""
@@ -307,11 +312,89 @@ def establish(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: in
         if fd is not None:
             os.close(fd)  # mapped on both sides by now, or never going to be
     sends_shared = own is not None and hmac.compare_digest(peer_echo, nonce)
-    if mode == "on" and not (sends_shared and peer_segment is not None):
+    both_ways = sends_shared and peer_segment is not None
+    connection = _connect_socket(outgoing, incoming, rank, pid, nonce, echo, device) if both_ways else None
+    if mode == "on" and connection is None:
         raise KVTransferError(
             f"pipe rank {rank}: kv_shared_memory='on' but the same-host path could not be set up "
             f"(the peer is on another host or network namespace, or /proc/PID/fd is not accessible)"
         )
-    if not sends_shared and peer_segment is None:
+    if connection is None:
         return None
-    return SharedMemoryLink(own if sends_shared else None, peer_segment)
+    return SharedMemoryLink(own, peer_segment, connection)
+
+
+def _connect_socket(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, peer_pid: int,
+                    nonce: bytes, echo: bytes, device: torch.device) -> socket.socket | None:
+    """The local socket between the two processes, or None (on both sides) if it cannot be made.
+
+    Rank 0 listens on a random name in the abstract Unix namespace, which belongs to the network
+    namespace both sides share and leaves nothing in any file system. Rank 1 connects and proves
+    itself with the nonce it read in rank 0's segment; rank 0 also checks the connecting process id
+    against the peer's, and so does rank 1. Strangers are turned away; whatever happens, both sides
+    agree on the outcome over the groups.
+    """
+    peer = 1 - rank
+    sock = listener = None
+    name = b""
+    try:
+        if rank == 0:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            name = b"\0kvbridge-" + secrets.token_hex(16).encode()
+            listener.bind(name)
+            listener.listen(4)
+    except OSError as exc:
+        logger.info("pipe rank %d: no local socket (%s)", rank, exc)
+        listener = None
+    theirs = swap_bytes(outgoing, incoming, peer, name.ljust(_SOCKET_NAME_BYTES, b"\0")[:_SOCKET_NAME_BYTES],
+                        device, _TAG)
+    try:
+        if rank == 0 and listener is not None:
+            sock = _accept_peer(listener, peer_pid, nonce)
+        elif rank == 1 and theirs.rstrip(b"\0"):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.settimeout(_SOCKET_SETUP_SECONDS)
+            sock.connect(b"\0" + theirs[1:].rstrip(b"\0"))
+            if _peer_pid(sock) != peer_pid:
+                raise OSError("the local socket leads to another process than the peer")
+            sock.sendall(echo)
+    except OSError as exc:
+        logger.info("pipe rank %d: no local socket (%s)", rank, exc)
+        if sock is not None:
+            sock.close()
+        sock = None
+    finally:
+        if listener is not None:
+            listener.close()
+    agreed = swap_bytes(outgoing, incoming, peer, b"\1" if sock is not None else b"\0", device, _TAG)
+    if sock is not None and agreed != b"\1":
+        sock.close()
+        sock = None
+    return sock
+
+
+def _accept_peer(listener: socket.socket, peer_pid: int, nonce: bytes) -> socket.socket:
+    """Accept the peer's connection, turning away any other process; OSError past the deadline."""
+    deadline = time.monotonic() + _SOCKET_SETUP_SECONDS
+    while True:
+        listener.settimeout(max(0.0, deadline - time.monotonic()))
+        sock, _ = listener.accept()
+        try:
+            sock.settimeout(max(0.0, deadline - time.monotonic()))
+            proof = bytearray()
+            while len(proof) < len(nonce):
+                chunk = sock.recv(len(nonce) - len(proof))
+                if not chunk:
+                    break
+                proof += chunk
+            if _peer_pid(sock) == peer_pid and hmac.compare_digest(bytes(proof), nonce):
+                return sock
+        except OSError:
+            pass
+        logger.warning("pipe rank 0: turned away a process that is not the peer from the local socket")
+        sock.close()
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    pid, _, _ = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+    return pid

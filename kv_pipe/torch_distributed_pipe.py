@@ -38,6 +38,7 @@ import torch
 
 from kv_pipe import rendezvous, shared_memory
 from kv_pipe.base import KVPipeBase
+from kv_pipe.channel import TAG_FRAME, TAG_PAYLOAD, GroupChannel, SocketChannel
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.credit import CreditLedger
 from kv_pipe.errors import (
@@ -67,11 +68,19 @@ from kv_pipe.wire import flat_bytes, wire_for
 
 logger = logging.getLogger(__name__)
 
-TAG_FRAME = 0
-TAG_PAYLOAD = 1
 _FINAL_KINDS = (FrameKind.CLOSE, FrameKind.CLOSE_ACK)
 #: Kinds that count as the user's messages for flush(): items, and the final frame close() queues.
 _COUNTED_KINDS = (*ITEM_KINDS, *_FINAL_KINDS)
+#: How long a caller receiving on a local socket polls it without sleeping before it sleeps: a peer
+#: that answers within this time is seen without a kernel wake-up (tens of µs on a virtual machine).
+RECEIVE_SPIN_SECONDS = 200e-6
+#: While callers receive on a local socket, the receiver thread leaves the socket to them and looks
+#: again after this long: were it to wake at every arrival too, it would contend with them.
+RECEIVER_PARK_SECONDS = 0.005
+#: How long credit and regions of the peer's segment whose tensors died wait to go back with a
+#: message that is sent anyway, before the sender thread sends them alone (a wake-up and a frame per
+#: message would cost more). Credit the peer asked for goes at once.
+RETURN_DELAY_SECONDS = 0.001
 
 
 class _TransportError(Exception):
@@ -139,9 +148,14 @@ class TorchDistributedPipe(KVPipeBase):
                                                    config.kv_shared_memory, self._credit.budget, self.device)
         except (RuntimeError, OSError) as exc:
             raise KVPeerLostError(f"pipe rank {self.rank}: the peer vanished during setup: {exc}") from exc
+        if self._shared is not None:
+            self._channel = SocketChannel(self._shared.connection, silence=config.kv_timeout)
+        else:
+            self._channel = GroupChannel(self._outgoing_group, self._incoming_group, self.peer_rank)
         # Regions of the peer's segment whose tensors died, to give back. Appended to by finalizers,
         # which may run in any thread at any moment: a deque's append and popleft are atomic.
         self._freed: collections.deque[int] = collections.deque()
+        self._return_due: float | None = None  # when the sender thread sends pending credit and regions
 
         # Reentrant: a received tensor over shared memory may die, and tell the pipe, in any thread
         # at any moment, including inside the pipe's own critical sections (garbage collection).
@@ -152,6 +166,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._room = threading.Condition(self._lock)  # send_tensor: credit
         self._transmitted = threading.Condition(self._lock)  # flush: messages on the wire
         self._sender_wakeup = threading.Condition(self._lock)  # the sender thread: work
+        self._receiver_parked = threading.Condition(self._lock)  # the receiver thread, while callers receive
         self._error: BaseException | None = None  # the first fatal error; the pipe is dead after it
         self._error_raised = False
         self._closing = False  # close() was called
@@ -164,6 +179,12 @@ class TorchDistributedPipe(KVPipeBase):
         self._last_sent = time.monotonic()
         self._recv_queue: collections.deque[tuple[torch.Tensor | None, int]] = collections.deque()
         self._next_recv_seq = 0
+        self._last_received = time.monotonic()
+        # On a local socket a caller sends or receives frames itself when nobody else is: whoever
+        # holds a role is the only one using that direction of the channel.
+        self._send_role = threading.Lock()
+        self._recv_role = threading.Lock()
+        self._callers_receiving = 0
 
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
@@ -191,7 +212,7 @@ class TorchDistributedPipe(KVPipeBase):
         """
         shape = tuple(shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        if self._shared is not None and self._shared.own is not None and nbytes >= SHARED_MIN_BYTES:
+        if self._shared is not None and nbytes >= SHARED_MIN_BYTES:
             lent = self._shared.lend(shape, dtype)
             if lent is not None:
                 return lent
@@ -199,8 +220,9 @@ class TorchDistributedPipe(KVPipeBase):
 
     @property
     def uses_shared_memory(self) -> bool:
-        """Whether payloads go through shared memory in both directions (see ``kv_shared_memory``)."""
-        return self._shared is not None and self._shared.own is not None and self._shared.peer is not None
+        """Whether the same-host path is up: payloads through shared memory and frames over a local
+        socket, in both directions (see ``kv_shared_memory``)."""
+        return self._shared is not None
 
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
         self._queue_unit([self._outgoing(tensor)], timeout, _deadline(timeout))
@@ -217,20 +239,31 @@ class TorchDistributedPipe(KVPipeBase):
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
         deadline = _deadline(timeout)
-        with self._lock:
-            while not self._recv_queue:
+        while True:
+            with self._lock:
+                if self._recv_queue:
+                    tensor, cost = self._recv_queue.popleft()
+                    self._credit.take(cost)
+                    self._report_credit()
+                    return tensor
                 self._raise_if_failed()
                 if self._peer_finished:
                     raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
                 if self._closing:
                     raise KVPipeClosedError("recv_tensor on a closed pipe")
-                if not _wait(self._items, deadline):
+                receive_here = self._channel.caller_driven and self._recv_role.acquire(blocking=False)
+                if not receive_here and not _wait(self._items, deadline):
                     raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
-            tensor, cost = self._recv_queue.popleft()
-            self._credit.take(cost)
-            if self._credit.frame_due():
-                self._sender_wakeup.notify()
-            return tensor
+                self._callers_receiving += receive_here
+            if receive_here:
+                try:
+                    arrived = self._receive_until_an_item(deadline)
+                finally:
+                    self._recv_role.release()
+                    with self._lock:
+                        self._callers_receiving -= 1
+                if not arrived and not self._recv_queue:
+                    raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = _deadline(timeout)
@@ -259,6 +292,8 @@ class TorchDistributedPipe(KVPipeBase):
             logger.warning("pipe rank %d: transfer threads did not stop within %.1f s", self.rank, bound)
         else:
             self._outgoing_group = self._incoming_group = None
+            if isinstance(self._channel, SocketChannel):
+                self._channel.close()
             self._store = None
             self._shared = None  # received tensors keep the peer's segment mapped while they live
         with self._lock:
@@ -302,8 +337,19 @@ class TorchDistributedPipe(KVPipeBase):
                     )
             self._credit.reserve(cost)
             self._queued_messages += len(unit)
-            self._send_queue.append(unit)
-            self._sender_wakeup.notify()
+            if not (self._channel.caller_driven and not self._send_queue and self._send_role.acquire(blocking=False)):
+                self._send_queue.append(unit)
+                self._sender_wakeup.notify()
+                return
+            # Nothing is queued ahead of this unit and no one else is sending: send it from here.
+            freed = self._freed_record()
+            unit = unit if freed is None else [freed, *unit]
+            headers = self._frame_headers(unit)
+        try:
+            self._send_unit(headers, unit)
+        finally:
+            self._send_role.release()
+        self._raise_if_failed()
 
     def _raise_if_unusable_for_send(self) -> None:
         self._raise_if_failed()
@@ -322,34 +368,62 @@ class TorchDistributedPipe(KVPipeBase):
     def _send_loop(self) -> None:
         while True:
             with self._lock:
-                unit = self._next_unit()
-                if unit is None:
+                if not self._wait_for_work():
                     return
-                headers = self._frame_headers(unit)
-            if not self._run(self._transmit, headers, unit, action="sending"):
-                return
-            counted = sum(message.kind in _COUNTED_KINDS for message in unit)
-            with self._lock:
-                self._last_sent = time.monotonic()
-                if counted:
-                    self._sent_messages += counted
-                    self._transmitted.notify_all()
+            with self._send_role:  # a caller may be sending: the work may be gone once it is done
+                with self._lock:
+                    unit = self._next_unit()
+                    if unit is None:
+                        continue
+                    headers = self._frame_headers(unit)
+                if not self._send_unit(headers, unit):
+                    return
             if unit[0].kind in _FINAL_KINDS:
                 return
 
-    def _next_unit(self) -> list[_Outgoing] | None:
-        """Wait for the next unit to send, or a keepalive's turn (hold ``_lock``); None once failed."""
+    def _send_unit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> bool:
+        """Transmit a unit (hold the send role); False if the pipe failed."""
+        if not self._run(self._transmit, headers, unit, action="sending"):
+            return False
+        counted = sum(message.kind in _COUNTED_KINDS for message in unit)
+        with self._lock:
+            self._last_sent = time.monotonic()
+            if counted:
+                self._sent_messages += counted
+                self._transmitted.notify_all()
+        return True
+
+    def _wait_for_work(self) -> bool:
+        """Wait until something is to be sent (hold ``_lock``); False once the pipe failed."""
         while self._error is None:
-            freed = self._freed_record()
-            if freed is not None and (not self._send_queue or self._send_queue[0][0].kind in _FINAL_KINDS):
-                return [freed]  # a final frame goes alone: nothing may share its frame
-            if self._send_queue:
-                unit = self._send_queue.popleft()
-                return unit if freed is None else [freed, *unit]
-            quiet_left = self._last_sent + self._keepalive_interval - time.monotonic()
-            if quiet_left <= 0 or self._credit.frame_due():
-                return [_Outgoing(FrameKind.KEEPALIVE)]
-            self._sender_wakeup.wait(quiet_left)
+            if self._send_queue or self._credit.report_urgent():
+                return True
+            now = time.monotonic()
+            if self._return_due is not None and now >= self._return_due:
+                pending = self._freed or self._credit.frame_due()
+                if pending and self._last_sent >= self._return_due - RETURN_DELAY_SECONDS:
+                    self._return_due = now + RETURN_DELAY_SECONDS  # messages are going out: they take them along
+                else:
+                    self._return_due = None
+                    if pending:
+                        return True
+            quiet_left = self._last_sent + self._keepalive_interval - now
+            if quiet_left <= 0:
+                return True
+            due_left = quiet_left if self._return_due is None else min(quiet_left, self._return_due - now)
+            self._sender_wakeup.wait(due_left)
+        return False
+
+    def _next_unit(self) -> list[_Outgoing] | None:
+        """The next unit to send, or a keepalive if one is due (hold ``_lock``); None if nothing is."""
+        freed = self._freed_record()
+        if freed is not None and (not self._send_queue or self._send_queue[0][0].kind in _FINAL_KINDS):
+            return [freed]  # a final frame goes alone: nothing may share its frame
+        if self._send_queue:
+            unit = self._send_queue.popleft()
+            return unit if freed is None else [freed, *unit]
+        if self._last_sent + self._keepalive_interval <= time.monotonic() or self._credit.frame_due():
+            return [_Outgoing(FrameKind.KEEPALIVE)]
         return None
 
     def _freed_record(self) -> _Outgoing | None:
@@ -363,6 +437,19 @@ class TorchDistributedPipe(KVPipeBase):
         """A received tensor over the peer's segment died: give its region back."""
         self._freed.append(place)
         with self._lock:
+            self._return_soon()
+
+    def _report_credit(self) -> None:
+        """Have the credit this side owes the peer sent: now if asked for, else soon (hold ``_lock``)."""
+        if self._credit.report_urgent():
+            self._sender_wakeup.notify()
+        elif self._credit.frame_due():
+            self._return_soon()
+
+    def _return_soon(self) -> None:
+        """Credit or regions are to go back to the peer: within RETURN_DELAY_SECONDS (hold ``_lock``)."""
+        if self._return_due is None:
+            self._return_due = time.monotonic() + RETURN_DELAY_SECONDS
             self._sender_wakeup.notify()
 
     def _frame_headers(self, unit: list[_Outgoing]) -> list[FrameHeader]:
@@ -382,7 +469,7 @@ class TorchDistributedPipe(KVPipeBase):
                 header.dtype, header.shape = message.data.dtype, tuple(message.data.shape)
                 header.inline = message.nbytes <= record_inline_capacity(frame_bytes, offset)
                 if (message.kind is FrameKind.TENSOR and message.nbytes >= SHARED_MIN_BYTES
-                        and self._shared is not None and self._shared.own is not None):
+                        and self._shared is not None):
                     header.place = self._shared.take_lent(message.data)
                     message.in_place = bool(header.place)
                     header.place = header.place or self._shared.place(message.nbytes)
@@ -397,7 +484,7 @@ class TorchDistributedPipe(KVPipeBase):
             headers.append(header)
         return headers
 
-    def _transmit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> None:
+    def _transmit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> bool:
         offset = 0
         payloads = []  # tensors of this frame's records that do not fit inside it
         for header, message in zip(headers, unit, strict=True):
@@ -418,10 +505,11 @@ class TorchDistributedPipe(KVPipeBase):
                     self._send(flat[start:end], TAG_PAYLOAD)
             offset = 0
             payloads.clear()
+        return True
 
     def _send(self, tensor: torch.Tensor, tag: int) -> None:
         try:
-            self._outgoing_group.send([tensor], self.peer_rank, tag).wait()
+            self._channel.send(tensor, tag)
         except (RuntimeError, OSError) as exc:  # torch.distributed's errors derive from RuntimeError
             raise _TransportError(exc) from exc
 
@@ -435,12 +523,50 @@ class TorchDistributedPipe(KVPipeBase):
     # ------------------------------------------------------------------ receiver thread
 
     def _recv_loop(self) -> None:
-        while self._run(self._receive_frame, action="receiving"):
-            pass
+        if not self._channel.caller_driven:
+            while self._run(self._receive_frame, action="receiving"):
+                pass
+            return
+        # A local socket: take in what arrives while no caller is receiving it.
+        while True:
+            with self._lock:
+                while self._callers_receiving and not self._peer_finished and self._error is None:
+                    self._receiver_parked.wait(RECEIVER_PARK_SECONDS)
+                if self._peer_finished or self._error is not None:
+                    return
+            self._channel.readable(min(self._keepalive_interval, self._last_received + self.config.kv_timeout
+                                       - time.monotonic()))
+            if self._callers_receiving or not self._recv_role.acquire(blocking=False):
+                continue
+            try:
+                if self._peer_finished or self._error is not None:
+                    return
+                while self._run(self._receive_frame, time.monotonic(), action="receiving") is True:
+                    pass
+            finally:
+                self._recv_role.release()
 
-    def _receive_frame(self) -> bool:
-        """Receive one frame and queue what it carries. False once nothing more will come."""
-        self._recv(self._wire.recv_frame, TAG_FRAME)
+    def _receive_until_an_item(self, deadline: float | None) -> bool:
+        """Receive frames here (hold the receive role) until an item, the end of the stream or a
+        failure is queued, or until ``deadline``. False if nothing of the sort came by then."""
+        while True:
+            with self._lock:
+                if self._recv_queue or self._peer_finished or self._error is not None:
+                    return True
+            outcome = self._run(self._receive_frame, math.inf if deadline is None else deadline,
+                                RECEIVE_SPIN_SECONDS, action="receiving")
+            if outcome is None:
+                return False
+
+    def _receive_frame(self, wait_until: float | None = None, spin: float = 0.0) -> bool | None:
+        """Receive one frame and queue what it carries. False once nothing more will come.
+
+        With ``wait_until`` (a local socket only), None if no frame started by that monotonic time.
+        """
+        if wait_until is None:
+            self._recv(self._wire.recv_frame, TAG_FRAME)
+        elif not self._recv_frame_by(wait_until, spin):
+            return None
         first, items = self._receive_records()
         with self._lock:
             if self._credit.on_frame(first.consumed, first.want_credit):
@@ -454,8 +580,7 @@ class TorchDistributedPipe(KVPipeBase):
                 self._peer_finished = True
             if items or self._peer_finished:
                 self._items.notify_all()
-            if self._credit.frame_due():
-                self._sender_wakeup.notify()
+            self._report_credit()
             return not self._peer_finished
 
     def _receive_records(self) -> tuple[FrameHeader, list[tuple[torch.Tensor | None, int]]]:
@@ -510,16 +635,32 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _recv(self, tensor: torch.Tensor, tag: int) -> None:
         try:
-            self._incoming_group.recv([tensor], self.peer_rank, tag).wait()
+            self._channel.recv(tensor, tag)
         except (RuntimeError, OSError) as exc:  # torch.distributed's errors derive from RuntimeError
             raise _TransportError(exc) from exc
 
+    def _recv_frame_by(self, wait_until: float, spin: float) -> bool:
+        """Receive a frame from the local socket if one starts by ``wait_until``; a peer silent for
+        kv_timeout is lost, as over the transport."""
+        silent_at = self._last_received + self.config.kv_timeout
+        try:
+            arrived = self._channel.recv_frame_after(self._wire.recv_frame, TAG_FRAME, min(wait_until, silent_at),
+                                                     spin)
+        except (RuntimeError, OSError) as exc:
+            raise _TransportError(exc) from exc
+        now = time.monotonic()
+        if arrived:
+            self._last_received = now
+        elif now >= silent_at:
+            raise _TransportError(TimeoutError(f"the peer sent nothing for kv_timeout={self.config.kv_timeout:g} s"))
+        return arrived
+
     # ------------------------------------------------------------------ both threads
 
-    def _run(self, step, *args, action: str) -> bool:
-        """Run one step of a transfer thread; on failure fail the pipe and return False."""
+    def _run(self, step, *args, action: str):
+        """Run one step of a transfer; its result, or False once it failed the pipe."""
         try:
-            return step(*args) is not False
+            return step(*args)
         except _TransportError as exc:
             self._fail(KVPeerLostError(
                 f"pipe rank {self.rank}: connection to rank {self.peer_rank} lost while {action} (the peer "
@@ -543,7 +684,7 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _wake_callers(self) -> None:
         """Wake every caller waiting in the pipe: the pipe failed or is closing (hold ``_lock``)."""
-        for condition in (self._items, self._room, self._transmitted):
+        for condition in (self._items, self._room, self._transmitted, self._receiver_parked):
             condition.notify_all()
 
 

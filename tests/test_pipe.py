@@ -634,6 +634,7 @@ def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
             raise TypeError("a bug in the pipe")
 
         pipe._wire.read_inline = broken_read_inline
+        pipe.send_tensor(None)  # the bug is in place: rank 0 may send
         with pytest.raises(TypeError, match="a bug in the pipe"):
             pipe.recv_tensor(timeout=30)
         with pytest.raises(TypeError):  # the pipe is failed: every later call says so
@@ -644,6 +645,7 @@ def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
         except TypeError:
             pass
         return "surfaced"
+    assert pipe.recv_tensor(timeout=30) is None
     pipe.send_tensor(torch.ones(3))
     pipe.flush(timeout=30)
     with pytest.raises(KVTransferError):  # the failed side stops answering: the peer sees it go

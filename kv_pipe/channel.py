@@ -1,0 +1,146 @@
+"""How a pipe's frames and payload chunks travel: process groups, or a local socket on one host.
+
+* :class:`GroupChannel`: the pipe's two torch.distributed groups (gloo or NCCL), one per direction,
+  frames and payloads told apart by tag. Only the pipe's own threads use it: NCCL needs every
+  operation on a communicator issued in order from one place.
+* :class:`SocketChannel`: on one host, once shared memory is set up (:mod:`kv_pipe.shared_memory`),
+  a connected Unix stream socket between the two processes. A frame is sent as its length and its
+  bytes; a payload that is not in shared memory follows its frame as plain bytes. A socket reaches
+  the peer in a few microseconds and needs no posted receive, and any thread may use it in turn, so
+  a caller can send and receive frames itself instead of handing them to a pipe thread (two thread
+  wake-ups, about 100 µs a message). A dead peer closes it at once.
+
+Both raise ``OSError`` or ``RuntimeError`` for a broken connection or a peer silent for
+``kv_timeout``, which the pipe reports as a lost peer.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import select
+import socket
+import struct
+import time
+
+import torch
+import torch.distributed as dist
+
+TAG_FRAME = 0
+TAG_PAYLOAD = 1
+_LENGTH = struct.Struct("<Q")  # a frame's byte count, before its bytes on a socket
+
+
+class Channel(abc.ABC):
+    #: Whether callers may send and receive on it themselves (one at a time per direction).
+    caller_driven: bool
+
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        """Send ``tensor`` (contiguous, 1-D uint8): a frame (TAG_FRAME) or a payload chunk."""
+
+    @abc.abstractmethod
+    def recv(self, tensor: torch.Tensor, tag: int) -> None:
+        """Receive a frame into ``tensor`` (at most its size) or a payload chunk of exactly its size."""
+
+
+class GroupChannel(Channel):
+    caller_driven = False
+
+    def __init__(self, outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer_rank: int) -> None:
+        self.outgoing = outgoing
+        self.incoming = incoming
+        self._peer = peer_rank
+
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        self.outgoing.send([tensor], self._peer, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> None:
+        self.incoming.recv([tensor], self._peer, tag).wait()
+
+
+class SocketChannel(Channel):
+    """A connected stream socket, kept in blocking mode and driven with MSG_DONTWAIT and poll, so
+    that every wait has its own bound: ``silence`` seconds without progress is a lost peer."""
+
+    caller_driven = True
+
+    def __init__(self, sock: socket.socket, silence: float) -> None:
+        sock.setblocking(True)
+        self.sock = sock
+        self.silence = silence
+        self._length = bytearray(_LENGTH.size)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        data = memoryview(tensor.numpy()).cast("B")
+        if tag == TAG_FRAME:
+            self._write(memoryview(_LENGTH.pack(len(data))))
+        self._write(data)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> None:
+        self.recv_frame_after(tensor, tag, wait_until=None)
+
+    def recv_frame_after(self, tensor: torch.Tensor, tag: int, wait_until: float | None, spin: float = 0.0) -> bool:
+        """Like :meth:`recv`, but give up and return False if nothing at all has arrived by the
+        monotonic time ``wait_until`` (None: the silence bound), polling without pause for the first
+        ``spin`` seconds (a peer that answers within them is seen without a kernel wake-up)."""
+        view = memoryview(tensor.numpy()).cast("B")
+        if tag == TAG_FRAME:
+            length = memoryview(self._length)
+            if not self._read(length, wait_until, spin):
+                return False
+            (nbytes,) = _LENGTH.unpack(length)
+            if not 0 < nbytes <= len(view):
+                raise ConnectionError(f"peer announced a {nbytes}-byte frame; frames hold at most {len(view)}")
+            self._read(view[:nbytes], None)
+            return True
+        return self._read(view, wait_until, spin)
+
+    def readable(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for bytes (or the end of the connection) to read."""
+        return bool(_poll(self.sock, select.POLLIN, timeout))
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _read(self, view: memoryview, wait_until: float | None, spin: float = 0.0) -> bool:
+        """Fill ``view``. With ``wait_until``, return False if not one byte came by then; once one
+        has (or without it), no pause may last ``silence`` seconds."""
+        got = 0
+        spin_until = time.monotonic() + spin
+        while got < len(view):
+            try:
+                count = self.sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                now = time.monotonic()
+                if now < spin_until:
+                    continue
+                if not got and wait_until is not None:
+                    if not _poll(self.sock, select.POLLIN, wait_until - now) and time.monotonic() >= wait_until:
+                        return False
+                elif not _poll(self.sock, select.POLLIN, self.silence):
+                    raise TimeoutError(f"the peer sent nothing for kv_timeout={self.silence:g} s") from None
+                continue
+            if count == 0:
+                raise ConnectionResetError("the peer closed the connection")
+            got += count
+        return True
+
+    def _write(self, data: memoryview) -> None:
+        sent = 0
+        while sent < len(data):
+            try:
+                sent += self.sock.send(data[sent:], socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except BlockingIOError:
+                if not _poll(self.sock, select.POLLOUT, self.silence):
+                    raise TimeoutError(f"the peer took nothing in for kv_timeout={self.silence:g} s") from None
+
+
+def _poll(sock: socket.socket, events: int, timeout: float) -> int:
+    poller = select.poll()
+    poller.register(sock, events | select.POLLHUP | select.POLLERR)
+    ready = poller.poll(math.ceil(timeout * 1000) if timeout > 0 else 0)
+    return ready[0][1] if ready else 0

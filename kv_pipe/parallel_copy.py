@@ -1,0 +1,77 @@
+"""Large host copies split over a few threads.
+
+One core cannot use all of a machine's memory bandwidth: on a 2-core host a 16 MiB copy runs at
+about 14 GB/s on one thread and 26 GB/s on two. A payload's copy into shared memory is the only
+copy of the same-host path, so it is split into parts, one per thread, for copies of at least
+:data:`PARALLEL_MIN_BYTES` (below that, waking a helper costs more than it saves).
+
+The helpers run ``memmove`` outside the GIL and are started once per process, one fewer than the
+cores this process may run on, at most :data:`MAX_THREADS` in all. OpenMP (torch's own copy) is
+not used: its threads keep spinning after each copy and take the core from the peer process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+
+PARALLEL_MIN_BYTES = 4 << 20
+MAX_THREADS = 4
+_PART_ALIGN = 4096
+
+_jobs: queue.SimpleQueue | None = None
+_helpers = 0
+_start_lock = threading.Lock()
+
+
+def copy_bytes(destination: int, source: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from address ``source`` to address ``destination`` (non-overlapping)."""
+    threads = _threads() if nbytes >= PARALLEL_MIN_BYTES else 1
+    if threads == 1:
+        ctypes.memmove(destination, source, nbytes)
+        return
+    part = -(-nbytes // threads // _PART_ALIGN) * _PART_ALIGN
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    handed = 0
+    for start in range(part, nbytes, part):
+        _jobs.put((destination + start, source + start, min(part, nbytes - start), done))
+        handed += 1
+    ctypes.memmove(destination, source, min(part, nbytes))
+    for _ in range(handed):
+        done.get()
+
+
+def _threads() -> int:
+    """How many threads a large copy uses (this one and the helpers), starting the helpers once."""
+    global _jobs, _helpers
+    if _jobs is None:
+        with _start_lock:
+            if _jobs is None:
+                try:
+                    cores = len(os.sched_getaffinity(0))
+                except (AttributeError, OSError):
+                    cores = os.cpu_count() or 1
+                jobs: queue.SimpleQueue = queue.SimpleQueue()
+                _helpers = max(0, min(cores, MAX_THREADS) - 1)
+                for index in range(_helpers):
+                    threading.Thread(target=_serve, args=(jobs,), name=f"kvbridge-copy-{index}", daemon=True).start()
+                _jobs = jobs
+    return _helpers + 1
+
+
+def _forget_helpers() -> None:
+    """In a forked child the helpers do not exist: start new ones on first use."""
+    global _jobs
+    _jobs = None
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        destination, source, nbytes, done = jobs.get()
+        ctypes.memmove(destination, source, nbytes)
+        done.put(None)

@@ -76,7 +76,7 @@ _COUNTED_KINDS = (*ITEM_KINDS, *_FINAL_KINDS)
 RECEIVE_SPIN_SECONDS = 200e-6
 #: While callers receive on a local socket, the receiver thread leaves the socket to them and looks
 #: again after this long: were it to wake at every arrival too, it would contend with them.
-RECEIVER_PARK_SECONDS = 0.005
+RECEIVER_PARK_SECONDS = 0.05
 #: How long credit and regions of the peer's segment whose tensors died wait to go back with a
 #: message that is sent anyway, before the sender thread sends them alone (a wake-up and a frame per
 #: message would cost more). Credit the peer asked for goes at once.

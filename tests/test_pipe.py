@@ -618,12 +618,14 @@ def body_one_group_per_direction(rank: int, port: int) -> list[str]:
     rendezvous.connect = recording_connect
     generator = torch.Generator().manual_seed(rank)
     with TorchDistributedPipe(config(rank, port, kv_timeout=1.0, kv_buffer_size=8 << 20)) as pipe:
+        setup = sorted(set(log))
+        log.clear()
         for size in (3, 5000, INLINE_CAPACITY + 1, 3 << 20):
             pipe.send_tensors([random_tensor(generator, torch.uint8, (size,)), None])
             assert pipe.recv_tensor(timeout=30).numel() == size
             assert pipe.recv_tensor(timeout=30) is None
         time.sleep(0.6)  # keepalives too
-    return sorted(set(log))
+        return setup, sorted(set(log)), pipe.uses_shared_memory
 
 
 def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
@@ -1006,12 +1008,15 @@ def test_header_codec_round_trips_in_a_reused_frame():
 
 
 @pytest.mark.timeout(60)
-def test_the_pipe_never_sends_on_a_group_it_receives_on():
+def test_the_pipe_never_sends_on_a_group_it_receives_on(payload_path: str):
     """NCCL runs a communicator's sends and receives to one peer on one stream: a receive kept posted
-    would hold every later send behind it. Each side must send on one group and receive on another."""
+    would hold every later send behind it. Each side must send on one group and receive on another.
+    On the same-host path the groups carry the set-up only: frames go over the local socket."""
     port = procs.free_port()
-    logs = procs.run_pair(body_one_group_per_direction, (0, port), (1, port), timeout=50)
-    assert logs == (["incoming:recv", "outgoing:send"], ["incoming:recv", "outgoing:send"])
+    reports = procs.run_pair(body_one_group_per_direction, (0, port), (1, port), timeout=50)
+    both = ["incoming:recv", "outgoing:send"]
+    shared = payload_path == "on"
+    assert reports == ((both, [] if shared else both, shared),) * 2, reports
 
 
 @pytest.mark.timeout(60)

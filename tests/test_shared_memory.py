@@ -1,4 +1,5 @@
-"""The same-host payload path: which path is chosen, what is left behind, who can open the segments.
+"""The same-host path: which path is chosen, what is left behind, who can open the segments or reach
+the local socket, and the copies into shared memory.
 
 The pipe's behaviour on this path (every dtype, None, order, backpressure, timeouts, peer loss) is
 covered by tests/test_pipe.py, which runs every test on both paths.
@@ -15,7 +16,7 @@ import time
 import pytest
 import torch
 
-from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe import KVTransferConfig, TorchDistributedPipe, parallel_copy, shared_memory
 from kv_pipe.errors import KVPeerLostError, KVProtocolError, KVTransferError
 from kv_pipe.protocol import SHARED_DATA_START, SHARED_REGION_ALIGN
 from kv_pipe.shared_memory import RegionAllocator
@@ -75,6 +76,40 @@ def body_path(rank: int, port: int, modes: tuple[str, str]) -> object:
         except KVPeerLostError:
             return ("peer lost", "")
         return ("shared memory" if pipe.uses_shared_memory else "transport", "")
+
+
+def _kvbridge_socket_names() -> list[str]:
+    """Names of kvbridge's local sockets (abstract Unix sockets, shown with a leading @)."""
+    with open("/proc/net/unix") as table:
+        return [line.split()[-1] for line in table if "@kvbridge-" in line]
+
+
+def body_socket_names(rank: int, port: int) -> dict[str, str]:
+    """What connecting to each kvbridge socket name gives once the same-host path is up."""
+    import socket as sockets
+
+    with TorchDistributedPipe(config(rank, port, "on")) as pipe:
+        outcomes = {}
+        for name in _kvbridge_socket_names():
+            with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as sock:
+                try:
+                    sock.connect(b"\0" + name[1:].encode())
+                    outcomes[name] = "connected"
+                except OSError as exc:
+                    outcomes[name] = type(exc).__name__
+        pipe.send_tensor(torch.ones(3))
+        assert pipe.recv_tensor(timeout=30).tolist() == [1.0, 1.0, 1.0]
+        return outcomes
+
+
+def _connect_and_prove(name: bytes, proof: bytes, results) -> None:
+    """A child process that connects to the local socket ``name`` and sends ``proof``."""
+    import socket as sockets
+
+    with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as sock:
+        sock.connect(name)
+        sock.sendall(proof)
+        results.put(sock.recv(1))  # waits until the listener closes or answers
 
 
 def body_watched(rank: int, port: int, events) -> None:
@@ -235,3 +270,98 @@ def test_region_allocator_reuses_merges_and_refuses_what_it_never_gave():
     allocator.release(SHARED_DATA_START)
     assert allocator.used_bytes == 0
     assert allocator.allocate(end - SHARED_DATA_START) == SHARED_DATA_START  # everything merged back
+
+
+@pytest.mark.timeout(60)
+def test_nobody_can_connect_to_the_local_socket_once_the_pipe_is_up():
+    """The listening name exists only while the two sides connect: afterwards the connected sockets
+    still show it (/proc/net/unix), but nobody can connect to it."""
+    port = procs.free_port()
+    for outcomes in procs.run_pair(body_socket_names, (0, port), (1, port), timeout=50):
+        assert outcomes, "no kvbridge socket seen: the test would prove nothing"
+        assert set(outcomes.values()) == {"ConnectionRefusedError"}, outcomes
+
+
+@pytest.mark.timeout(60)
+def test_the_local_socket_turns_away_everyone_but_the_peer_process_with_the_nonce():
+    """Only the announced peer process that read the nonce in this side's segment is accepted: this
+    process, with the right nonce but the wrong pid, and the peer's pid with a wrong nonce are not."""
+    import socket as sockets
+
+    nonce = os.urandom(32)
+    name = b"\0kvbridge-test-" + os.urandom(8).hex().encode()
+    results, outcomes = procs.new_queue(), procs.new_queue()  # both kept alive for the children
+
+    def listen():
+        listener = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+        listener.bind(name)
+        listener.listen(4)
+        return listener
+
+    # The peer process, but with a wrong nonce: turned away, and the deadline passes.
+    listener = listen()
+    liar = procs.start(_connect_and_prove, (name, os.urandom(32), results), outcomes, 0)
+    try:
+        shared_memory._SOCKET_SETUP_SECONDS, saved = 2.0, shared_memory._SOCKET_SETUP_SECONDS
+        with pytest.raises(OSError):
+            shared_memory._accept_peer(listener, liar.pid, nonce)
+    finally:
+        shared_memory._SOCKET_SETUP_SECONDS = saved
+        listener.close()
+        procs.reap([liar])
+    # A stranger (this process) with the right nonce first, then the real peer: only the peer is taken.
+    listener = listen()
+    with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as stranger:
+        stranger.connect(name)
+        stranger.sendall(nonce)
+        friend = procs.start(_connect_and_prove, (name, nonce, results), outcomes, 0)
+        try:
+            accepted = shared_memory._accept_peer(listener, friend.pid, nonce)
+            assert shared_memory._peer_pid(accepted) == friend.pid
+            assert stranger.recv(1) == b""  # the stranger's connection was closed
+            accepted.close()
+        finally:
+            listener.close()
+            procs.reap([friend])
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4097, parallel_copy.PARALLEL_MIN_BYTES - 1,
+                                    parallel_copy.PARALLEL_MIN_BYTES, (16 << 20) + 12345])
+def test_parallel_copy_is_bit_exact_at_every_size(nbytes: int):
+    generator = torch.Generator().manual_seed(nbytes)
+    source = torch.randint(0, 256, (nbytes + 16,), dtype=torch.uint8, generator=generator)
+    target = torch.randint(0, 256, (nbytes + 16,), dtype=torch.uint8, generator=generator)
+    guard = target[nbytes + 3 :].clone()
+    parallel_copy.copy_bytes(target.data_ptr() + 3, source.data_ptr() + 5, nbytes)  # odd alignment
+    assert torch.equal(target[3 : nbytes + 3], source[5 : nbytes + 5])
+    assert torch.equal(target[nbytes + 3 :], guard)  # not one byte past the end
+
+
+@pytest.mark.timeout(60)
+def test_parallel_copy_works_in_a_forked_child():
+    """A child forked after the helpers started has none: it starts its own (no torch in the child:
+    OpenMP does not survive a fork)."""
+    import ctypes
+
+    nbytes = 9 << 20
+    parallel_copy.copy_bytes(ctypes.addressof(ctypes.create_string_buffer(nbytes)),
+                             ctypes.addressof(ctypes.create_string_buffer(nbytes)), nbytes)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            source = ctypes.create_string_buffer(os.urandom(nbytes), nbytes)
+            target = ctypes.create_string_buffer(nbytes)
+            parallel_copy.copy_bytes(ctypes.addressof(target), ctypes.addressof(source), nbytes)
+            os._exit(0 if target.raw == source.raw else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child's copy did not finish")

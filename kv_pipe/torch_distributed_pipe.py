@@ -71,9 +71,12 @@ logger = logging.getLogger(__name__)
 _FINAL_KINDS = (FrameKind.CLOSE, FrameKind.CLOSE_ACK)
 #: Kinds that count as the user's messages for flush(): items, and the final frame close() queues.
 _COUNTED_KINDS = (*ITEM_KINDS, *_FINAL_KINDS)
-#: How long a caller receiving on a local socket polls it without sleeping before it sleeps: a peer
-#: that answers within this time is seen without a kernel wake-up (tens of µs on a virtual machine).
-RECEIVE_SPIN_SECONDS = 200e-6
+#: A caller receiving on a local socket polls it without sleeping for a while before it sleeps: a
+#: frame that arrives meanwhile is seen without a kernel wake-up (50-100 µs on a virtual machine,
+#: paid by both sides). The while adapts: half again the last wait for a frame, if that was under
+#: the longest spin, else the shortest (a long wait is a large copy on the peer's side, which
+#: polling would take a core from).
+SPIN_SECONDS = (50e-6, 1e-3)
 #: While callers receive on a local socket, the receiver thread leaves the socket to them and looks
 #: again after this long: were it to wake at every arrival too, it would contend with them.
 RECEIVER_PARK_SECONDS = 0.05
@@ -185,6 +188,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._send_role = threading.Lock()
         self._recv_role = threading.Lock()
         self._callers_receiving = 0
+        self._spin = SPIN_SECONDS[0]
 
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
@@ -553,10 +557,14 @@ class TorchDistributedPipe(KVPipeBase):
             with self._lock:
                 if self._recv_queue or self._peer_finished or self._error is not None:
                     return True
-            outcome = self._run(self._receive_frame, math.inf if deadline is None else deadline,
-                                RECEIVE_SPIN_SECONDS, action="receiving")
+            started = time.monotonic()
+            outcome = self._run(self._receive_frame, math.inf if deadline is None else deadline, self._spin,
+                                action="receiving")
             if outcome is None:
                 return False
+            waited = self._last_received - started
+            shortest, longest = SPIN_SECONDS
+            self._spin = max(shortest, 1.5 * waited) if waited * 1.5 < longest else shortest
 
     def _receive_frame(self, wait_until: float | None = None, spin: float = 0.0) -> bool | None:
         """Receive one frame and queue what it carries. False once nothing more will come.

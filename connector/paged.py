@@ -19,6 +19,7 @@ import torch
 
 from connector.base import EmptyTensor, KVStorage, host_empty
 from kv_pipe.errors import KVConfigError
+from kv_pipe.parallel_copy import copy_bytes
 
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -94,7 +95,7 @@ def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_i
     for layer, cache in enumerate(caches):
         source, target = _bits(cache), _bits(out[layer])
         for position, block, count in runs:
-            target.narrow(dim, position, count).copy_(source.narrow(dim, block, count))
+            _copy(target.narrow(dim, position, count), source.narrow(dim, block, count))
     return out
 
 
@@ -111,7 +112,17 @@ def scatter_blocks(
     for layer, cache in enumerate(caches):
         source, target = _bits(blocks[layer]), _bits(cache)
         for position, block, count in runs:
-            target.narrow(dim, block, count).copy_(source.narrow(dim, position, count))
+            _copy(target.narrow(dim, block, count), source.narrow(dim, position, count))
+
+
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy a run of blocks: split over several threads when both sides are one piece of host
+    memory (the usual case, blocks being the outermost dimension), else torch's strided copy."""
+    if target.device.type == "cpu" and source.device.type == "cpu" and target.is_contiguous() \
+            and source.is_contiguous():
+        copy_bytes(target.data_ptr(), source.data_ptr(), target.nbytes)
+    else:
+        target.copy_(source)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,8 +4,8 @@ Two processes ping-pong a random tensor of each size; one-way time = round trip 
 iterations, after warm-up). The raw baseline receives into a pre-allocated, reused buffer on its
 own ProcessGroupGloo, which is the best gloo can do. Two pipes run beside it: one with
 ``kv_shared_memory="off"`` (payloads over the transport, as between two hosts) and one with
-``kv_shared_memory="on"`` (payloads through a shared-memory segment, frames over the transport). Both
-add framing, credit and background threads and hand the caller a tensor it owns. Raw and the pipes
+``kv_shared_memory="on"`` (payloads through a shared-memory segment, frames over a local socket). Both
+add framing and credit and hand the caller a tensor it owns. Raw and the pipes
 alternate in rounds, so that a noisy neighbour slows all alike and the ratios stay meaningful on a
 shared machine.
 

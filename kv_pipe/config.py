@@ -45,9 +45,10 @@ class KVTransferConfig:
         kv_entry_timeout: seconds a producer keeps an entry that no consumer selects (its client
             went away, or a router sent the request elsewhere) before dropping it and freeing its
             bytes.
-        kv_shared_memory: ``auto`` (payloads go through shared memory when both sides prove they
-            share a host and network namespace, else over the transport), ``on`` (refuse to connect
-            without it) or ``off`` (always over the transport). CUDA pipes always use NCCL.
+        kv_shared_memory: ``auto`` (the same-host path, payloads through shared memory and frames
+            over a local socket, when both sides prove they share a host and network namespace,
+            else everything over the transport), ``on`` (refuse to connect without it) or ``off``
+            (always over the transport). CUDA pipes always use NCCL.
     """
 
     kv_role: str = "kv_both"

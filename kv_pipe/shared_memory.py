@@ -1,12 +1,13 @@
-"""The same-host payload path: payloads through shared memory, frames still over the transport.
+"""The same-host path: payloads through shared memory, frames over a local socket.
 
 Two pipe ends on one host need not push their bytes through the kernel's TCP stack. Each side owns
 an *outgoing segment*: an anonymous shared-memory file (``memfd_create``) that only it writes. A
 payload is copied once into a free region of the sender's segment; its frame, still sent over the
 transport, names the region (``place``), and the receiver's tensor is a view of that region, with no
 second copy. When the receiver's last reference to the tensor dies, the region's offset goes back
-to the sender in a ``FREED`` record and is reused. Frames, credit, keepalives, ordering and every
-error path stay on the transport, so the pipe's guarantees do not change.
+to the sender in a ``FREED`` record and is reused. Frames travel over a Unix stream socket between
+the two processes (:class:`kv_pipe.channel.SocketChannel`) instead of the groups, with the same
+records, credit, keepalives, ordering and checks, so the pipe's guarantees do not change.
 
 Establishing it (:func:`establish`, collective, after the groups are connected and authenticated):
 
@@ -20,6 +21,11 @@ Establishing it (:func:`establish`, collective, after the groups are connected a
 3. Each side compares the echo with its nonce: only a peer that really mapped this segment can
    know it. Then both close their descriptors. The segments have no name anywhere: a SIGKILL of
    either side at any moment leaves nothing behind, and nobody else can open them any more.
+4. Rank 0 listens on a random name in the abstract Unix namespace (it belongs to the network
+   namespace and to no file system); rank 1 connects and sends the nonce it read in rank 0's
+   segment, and each side checks that the process at the other end (``SO_PEERCRED``) is the peer.
+   Rank 0 then closes the listener: nobody can connect to the name any more. Both sides agree on
+   the outcome over the groups; without the socket there is no same-host path.
 
 A peer can write into its own segment at any time, so it can change only bytes it was allowed to
 send; everything that steers the receiver (offsets, sizes, dtypes) arrives in frames that are

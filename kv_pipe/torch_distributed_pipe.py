@@ -3,11 +3,11 @@
 * The pipe builds its own groups (:mod:`kv_pipe.rendezvous`): ``ProcessGroupGloo`` on CPU,
   ``ProcessGroupNCCL`` on CUDA, one per direction, driven by the same ``send``/``recv`` calls. The
   default process group is never created, needed or touched.
-* Two threads move everything. The *sender* takes units from a queue and sends their frames and
-  payloads; the *receiver* receives every frame the peer sends, validates it, takes its payloads
-  in and queues the items for :meth:`recv_tensor`. Callers never block in the transport, so a
-  caller's timeout never reaches it (any transport timeout closes gloo's connection for good) and
-  leaves the pipe usable.
+* Over the groups, two threads move everything. The *sender* takes units from a queue and sends
+  their frames and payloads; the *receiver* receives every frame the peer sends, validates it,
+  takes its payloads in and queues the items for :meth:`recv_tensor`. Callers never block in the
+  transport, so a caller's timeout never reaches it (any transport timeout closes gloo's
+  connection for good) and leaves the pipe usable.
 * The transport's own timeout is ``kv_timeout``, the liveness bound: each sender sends a keepalive
   frame whenever it has been quiet for a quarter of the shorter ``kv_timeout`` of the two sides, so
   a posted receive on a healthy connection always completes in time, an idle pipe stays healthy,
@@ -17,7 +17,12 @@
   not its user is receiving. A sender therefore waits in the transport for the wire only, never for
   the peer's user.
 * On one host, payloads travel through shared memory (:mod:`kv_pipe.shared_memory`): one copy into
-  the sender's segment, the receiver's tensor a view of it. Frames stay on the transport.
+  the sender's segment, the receiver's tensor a view of it; frames travel over a local socket
+  (:mod:`kv_pipe.channel`). There a caller sends its unit itself when nothing is queued ahead of it,
+  and receives frames itself when no one else is, so a message costs no thread hand-off (about
+  100 µs); the threads do the same work whenever no caller is there to do it (keepalives, credit,
+  regions given back, the peer's frames while the user is away). Frames, records, credit and
+  every check are the same on both channels.
 * Headers are validated before any payload receive is posted (:mod:`kv_pipe.protocol`): gloo
   aborts the process if a message is larger than the receive buffer.
 * Only the transport's errors mean a lost peer. A bug in the pipe's own threads fails the pipe and

@@ -16,6 +16,7 @@ import ctypes
 import os
 import queue
 import threading
+from collections.abc import Sequence
 
 PARALLEL_MIN_BYTES = 4 << 20
 MAX_THREADS = 4
@@ -33,13 +34,35 @@ def copy_bytes(destination: int, source: int, nbytes: int) -> None:
         ctypes.memmove(destination, source, nbytes)
         return
     part = -(-nbytes // threads // _PART_ALIGN) * _PART_ALIGN
+    _run_groups([[(destination + start, source + start, min(part, nbytes - start))]
+                 for start in range(0, nbytes, part)])
+
+
+def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
+    """Run several non-overlapping copies ``(destination, source, nbytes)``, spread over the threads
+    in groups of about equal bytes (a paged cache's blocks: many copies of a few hundred KiB)."""
+    total = sum(nbytes for _, _, nbytes in copies)
+    threads = _threads() if total >= PARALLEL_MIN_BYTES else 1
+    if threads == 1 or len(copies) < 2 * threads:
+        for destination, source, nbytes in copies:
+            copy_bytes(destination, source, nbytes)
+        return
+    groups: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
+    loads = [0] * threads
+    for copy in sorted(copies, key=lambda item: -item[2]):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(copy)
+        loads[lightest] += copy[2]
+    _run_groups(groups)
+
+
+def _run_groups(groups: list[list[tuple[int, int, int]]]) -> None:
+    """Run the first group of copies here and the others on the helpers; return when all are done."""
     done: queue.SimpleQueue = queue.SimpleQueue()
-    handed = 0
-    for start in range(part, nbytes, part):
-        _jobs.put((destination + start, source + start, min(part, nbytes - start), done))
-        handed += 1
-    ctypes.memmove(destination, source, min(part, nbytes))
-    for _ in range(handed):
+    for group in groups[1:]:
+        _jobs.put((group, done))
+    _copy_group(groups[0])
+    for _ in groups[1:]:
         done.get()
 
 
@@ -70,8 +93,13 @@ def _forget_helpers() -> None:
 os.register_at_fork(after_in_child=_forget_helpers)
 
 
+def _copy_group(group: list[tuple[int, int, int]]) -> None:
+    for destination, source, nbytes in group:
+        ctypes.memmove(destination, source, nbytes)
+
+
 def _serve(jobs: queue.SimpleQueue) -> None:
     while True:
-        destination, source, nbytes, done = jobs.get()
-        ctypes.memmove(destination, source, nbytes)
+        group, done = jobs.get()
+        _copy_group(group)
         done.put(None)

@@ -337,6 +337,26 @@ def test_parallel_copy_is_bit_exact_at_every_size(nbytes: int):
     assert torch.equal(target[nbytes + 3 :], guard)  # not one byte past the end
 
 
+@pytest.mark.parametrize("sizes", [[4096] * 3, [256 << 10] * 40, [1, 3 << 20, 5, 300 << 10, 4097] * 6])
+def test_many_copies_spread_over_threads_are_bit_exact(sizes: list[int]):
+    """Copies of uneven sizes out of one buffer into another in reverse order: each lands whole, in
+    its place, and nothing between them is touched."""
+    generator = torch.Generator().manual_seed(len(sizes))
+    gap = 7
+    total = sum(sizes) + gap * (len(sizes) + 1)
+    source = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=generator)
+    target = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=generator)
+    expected = target.clone()
+    copies, start = [], gap
+    for nbytes in sizes:
+        place = total - start - nbytes  # mirrored: the copies do not line up with their sources
+        copies.append((target.data_ptr() + place, source.data_ptr() + start, nbytes))
+        expected[place : place + nbytes] = source[start : start + nbytes]
+        start += nbytes + gap
+    parallel_copy.copy_many(copies)
+    assert torch.equal(target, expected)
+
+
 @pytest.mark.timeout(60)
 def test_parallel_copy_works_in_a_forked_child():
     """A child forked after the helpers started has none: it starts its own (no torch in the child:

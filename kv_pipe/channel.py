@@ -43,6 +43,10 @@ class Channel(abc.ABC):
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         """Receive a frame into ``tensor`` (at most its size) or a payload chunk of exactly its size."""
 
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Let go of the connection (once no thread uses the channel any more)."""
+
 
 class GroupChannel(Channel):
     caller_driven = False
@@ -57,6 +61,9 @@ class GroupChannel(Channel):
 
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         self.incoming.recv([tensor], self._peer, tag).wait()
+
+    def close(self) -> None:
+        self.outgoing = self.incoming = None  # the pipe keeps the store alive as long as the groups
 
 
 class SocketChannel(Channel):

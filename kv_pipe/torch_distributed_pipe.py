@@ -301,8 +301,7 @@ class TorchDistributedPipe(KVPipeBase):
             logger.warning("pipe rank %d: transfer threads did not stop within %.1f s", self.rank, bound)
         else:
             self._outgoing_group = self._incoming_group = None
-            if isinstance(self._channel, SocketChannel):
-                self._channel.close()
+            self._channel.close()
             self._store = None
             self._shared = None  # received tensors keep the peer's segment mapped while they live
         with self._lock:
@@ -618,7 +617,7 @@ class TorchDistributedPipe(KVPipeBase):
             elif header.kind not in ITEM_KINDS:
                 raise KVProtocolError(f"peer sent a {header.kind.name} record after another record in one frame")
             if header.kind is FrameKind.FREED:
-                if self._shared is None or self._shared.allocator is None:
+                if self._shared is None:
                     raise KVProtocolError("peer freed shared-memory regions, but this side gave it none")
                 self._shared.release(self._wire.read_inline(offset + HEADER_BYTES, header).numpy())
             elif header.kind in ITEM_KINDS:

@@ -78,9 +78,6 @@ class SocketChannel(Channel):
         self.silence = silence
         self._length = bytearray(_LENGTH.size)
 
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         data = memoryview(tensor.numpy()).cast("B")
         if tag == TAG_FRAME:
@@ -88,23 +85,24 @@ class SocketChannel(Channel):
         self._write(data)
 
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
-        self.recv_frame_after(tensor, tag, wait_until=None)
-
-    def recv_frame_after(self, tensor: torch.Tensor, tag: int, wait_until: float | None, spin: float = 0.0) -> bool:
-        """Like :meth:`recv`, but give up and return False if nothing at all has arrived by the
-        monotonic time ``wait_until`` (None: the silence bound), polling without pause for the first
-        ``spin`` seconds (a peer that answers within them is seen without a kernel wake-up)."""
-        view = memoryview(tensor.numpy()).cast("B")
         if tag == TAG_FRAME:
-            length = memoryview(self._length)
-            if not self._read(length, wait_until, spin):
-                return False
-            (nbytes,) = _LENGTH.unpack(length)
-            if not 0 < nbytes <= len(view):
-                raise ConnectionError(f"peer announced a {nbytes}-byte frame; frames hold at most {len(view)}")
-            self._read(view[:nbytes], None)
-            return True
-        return self._read(view, wait_until, spin)
+            self.recv_frame_by(tensor, wait_until=None)
+        else:
+            self._read(memoryview(tensor.numpy()).cast("B"), None)
+
+    def recv_frame_by(self, frame: torch.Tensor, wait_until: float | None, spin: float = 0.0) -> bool:
+        """Receive a frame into ``frame``; False if none started by the monotonic time ``wait_until``
+        (None: wait up to the silence bound), polling without pause for the first ``spin`` seconds
+        (a peer that answers within them is seen without a kernel wake-up)."""
+        length = memoryview(self._length)
+        if not self._read(length, wait_until, spin):
+            return False
+        (nbytes,) = _LENGTH.unpack(length)
+        view = memoryview(frame.numpy()).cast("B")
+        if not 0 < nbytes <= len(view):
+            raise ConnectionError(f"peer announced a {nbytes}-byte frame; frames hold at most {len(view)}")
+        self._read(view[:nbytes], None)
+        return True
 
     def readable(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for bytes (or the end of the connection) to read."""

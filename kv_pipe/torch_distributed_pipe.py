@@ -656,8 +656,7 @@ class TorchDistributedPipe(KVPipeBase):
         kv_timeout is lost, as over the transport."""
         silent_at = self._last_received + self.config.kv_timeout
         try:
-            arrived = self._channel.recv_frame_after(self._wire.recv_frame, TAG_FRAME, min(wait_until, silent_at),
-                                                     spin)
+            arrived = self._channel.recv_frame_by(self._wire.recv_frame, min(wait_until, silent_at), spin)
         except (RuntimeError, OSError) as exc:
             raise _TransportError(exc) from exc
         now = time.monotonic()

@@ -88,12 +88,7 @@ def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_i
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
     else:
         out = empty(shape, first.dtype)
-    runs = _runs(block_ids)
-    dim = layout.block_dim
-    # A run of consecutive blocks is one strided copy: 3-6x faster here than index_select's
-    # element-wise gather over the same bytes.
-    _copy_runs([(_bits(out[layer]).narrow(dim, position, count), _bits(cache).narrow(dim, block, count))
-                for layer, cache in enumerate(caches) for position, block, count in runs])
+    _copy_runs([(out[layer], cache) for layer, cache in enumerate(caches)], layout.block_dim, _runs(block_ids))
     return out
 
 
@@ -105,24 +100,52 @@ def scatter_blocks(
     ``blocks[layer]`` is indexed along ``layout.block_dim`` in the order of ``block_ids``; the caller
     has checked shapes and dtypes.
     """
-    runs = _runs(block_ids)
-    dim = layout.block_dim
-    _copy_runs([(_bits(cache).narrow(dim, block, count), _bits(blocks[layer]).narrow(dim, position, count))
-                for layer, cache in enumerate(caches) for position, block, count in runs])
+    runs = [(block, position, count) for position, block, count in _runs(block_ids)]
+    _copy_runs([(cache, blocks[layer]) for layer, cache in enumerate(caches)], layout.block_dim, runs)
 
 
-def _copy_runs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each ``(target, source)`` run of blocks. Runs that are one piece of host memory on both
-    sides (the usual case, blocks being the outermost dimension) are spread over several threads;
-    the others take torch's strided copy."""
-    flat = []
+def _copy_runs(pairs: list[tuple[torch.Tensor, torch.Tensor]], dim: int, runs: list[tuple[int, int, int]]) -> None:
+    """For each ``(target, source)`` pair, copy each run ``(target index, source index, count)`` of
+    consecutive blocks along ``dim``.
+
+    Where both sides hold each block as one piece of host memory, the run's bytes are found by
+    address arithmetic (narrowing a tensor per run and layer cost as much as the copies themselves)
+    and the copies are spread over several threads; elsewhere torch's strided copy runs.
+    """
+    copies = []
     for target, source in pairs:
-        if target.device.type == "cpu" and source.device.type == "cpu" and target.is_contiguous() \
-                and source.is_contiguous():
-            flat.append((target.data_ptr(), source.data_ptr(), target.nbytes))
-        else:
-            target.copy_(source)
-    copy_many(flat)
+        target_pieces, source_pieces = _block_pieces(target, dim), _block_pieces(source, dim)
+        if target_pieces is None or source_pieces is None:
+            # An integer view of the same element size copies the bits exactly, for every dtype.
+            for target_index, source_index, count in runs:
+                _bits(target).narrow(dim, target_index, count).copy_(_bits(source).narrow(dim, source_index, count))
+            continue
+        (target_starts, block_bytes), (source_starts, _) = target_pieces, source_pieces
+        copies.extend((target_start + target_index * block_bytes, source_start + source_index * block_bytes,
+                       count * block_bytes)
+                      for target_start, source_start in zip(target_starts, source_starts, strict=True)
+                      for target_index, source_index, count in runs)
+    copy_many(copies)
+
+
+def _block_pieces(tensor: torch.Tensor, dim: int) -> tuple[list[int], int] | None:
+    """``(addresses, block bytes)`` if ``tensor`` is in host memory and, for each index of the
+    dimensions before ``dim`` (one address each, in order), its blocks along ``dim`` lie back to back,
+    each one piece of memory; else None."""
+    if tensor.device.type != "cpu":
+        return None
+    element = tensor.element_size()
+    inner = 1  # elements of one block
+    for size, stride in zip(reversed(tensor.shape[dim + 1:]), reversed(tensor.stride()[dim + 1:]), strict=True):
+        if size != 1 and stride != inner:
+            return None
+        inner *= size
+    if tensor.shape[dim] > 1 and tensor.stride(dim) != inner:
+        return None
+    starts = [tensor.data_ptr()]
+    for size, stride in zip(tensor.shape[:dim], tensor.stride()[:dim], strict=True):
+        starts = [start + index * stride * element for start in starts for index in range(size)]
+    return starts, inner * element
 
 
 @dataclasses.dataclass(frozen=True)

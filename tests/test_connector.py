@@ -79,6 +79,52 @@ def test_paged_round_trip_into_other_block_ids(layout: PagedKVLayout, dtype: tor
             assert same_bits(block(dest[layer], layout, other), block(dest_before[layer], layout, other))
 
 
+def _arranged(cache: torch.Tensor, layout: PagedKVLayout, arrangement: str) -> torch.Tensor:
+    """The same values as ``cache`` in another memory arrangement."""
+    if arrangement == "contiguous":
+        return cache
+    if arrangement == "inner dims transposed":  # a block is not one piece of memory
+        return cache.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if arrangement == "blocks apart":  # every other block of a larger tensor: a run is not one piece
+        wide = list(cache.shape)
+        wide[layout.block_dim] *= 2
+        spread = torch.empty(wide, dtype=cache.dtype).narrow(layout.block_dim, 0, wide[layout.block_dim])
+        spread = spread.unfold(layout.block_dim, 1, 2).squeeze(-1)
+        spread.copy_(cache)
+        return spread
+    assert arrangement == "outer dims apart"  # room for more blocks: the dims before them are strided
+    longer = list(cache.shape)
+    longer[layout.block_dim] += 3
+    padded = torch.empty(longer, dtype=cache.dtype).narrow(layout.block_dim, 1, cache.shape[layout.block_dim])
+    padded.copy_(cache)
+    return padded
+
+
+@ALL_LAYOUTS
+@pytest.mark.parametrize("arrangement", ["contiguous", "inner dims transposed", "blocks apart", "outer dims apart"])
+def test_paged_round_trip_whatever_the_memory_arrangement(layout: PagedKVLayout, arrangement: str) -> None:
+    # Runs of consecutive ids on one side only, on both sides, and single blocks.
+    src_ids, dst_ids = torch.tensor([3, 4, 5, 0, 7, 8, 1]), torch.tensor([8, 9, 2, 3, 4, 0, 6])
+    source = [_arranged(cache, layout, arrangement)
+              for cache in random_caches(layout, num_blocks=9, dtype=torch.bfloat16, seed=11)]
+    dest = [_arranged(cache, layout, arrangement)
+            for cache in random_caches(layout, num_blocks=10, dtype=torch.bfloat16, seed=12)]
+    dest_before = [cache.clone() for cache in dest]
+    gathered = gather_blocks(source, layout, src_ids)
+    # The blocks a consumer writes may be a narrowed view of what arrived (a prefix it had already).
+    skipped = gathered.narrow(1 + layout.block_dim, 2, len(src_ids) - 2)
+    if arrangement != "contiguous":
+        skipped = _arranged(skipped.contiguous(), PagedKVLayout("all", 1 + layout.block_dim, 0), arrangement)
+    scatter_blocks(dest, layout, dst_ids[2:], skipped)
+    for layer in range(NUM_LAYERS):
+        for position, (src, dst) in enumerate(zip(src_ids.tolist(), dst_ids.tolist(), strict=True)):
+            assert same_bits(block(gathered[layer], layout, position), block(source[layer], layout, src))
+            expected = source[layer] if position >= 2 else dest_before[layer]
+            assert same_bits(block(dest[layer], layout, dst), block(expected, layout, src if position >= 2 else dst))
+        for other in set(range(10)) - set(dst_ids.tolist()):
+            assert same_bits(block(dest[layer], layout, other), block(dest_before[layer], layout, other))
+
+
 @ALL_LAYOUTS
 def test_paged_round_trip_keeps_nan_and_negative_zero_bits(layout: PagedKVLayout) -> None:
     source = random_caches(layout, num_blocks=3, dtype=torch.float32, seed=3, num_layers=1)

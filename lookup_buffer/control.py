@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import threading
+from collections.abc import Iterator
 
 import zmq
 
@@ -137,6 +138,16 @@ class Endpoint:
         doorbell before the caller looks at what rang it, so that a later ring wakes the next wait."""
         self._poller.poll(timeout_ms)
         self.doorbell.clear()
+
+    def routed(self, limit: int) -> Iterator[tuple[bytes, list[bytes]]]:
+        """Up to ``limit`` messages already waiting on this ROUTER socket, without blocking: each as
+        the sender's identity and the frames that follow it."""
+        for _ in range(limit):
+            try:
+                identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            yield identity, frames
 
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -40,6 +40,7 @@ from lookup_buffer.protocol import (
     decode_connect_request,
     encode_connect_reply,
     encode_refusal,
+    only_frame,
 )
 from lookup_buffer.store import EntryStore
 
@@ -216,17 +217,9 @@ class BufferListener(KVLookupBufferBase):
             log_expired(*self._store.expire())
 
     def _receive_connect_requests(self) -> None:
-        for _ in range(MAX_PENDING_CONNECTIONS):
+        for identity, frames in self._endpoint.routed(MAX_PENDING_CONNECTIONS):
             try:
-                frames = self._endpoint.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            identity = frames[0]
-            try:
-                if len(frames) != 2:
-                    raise MessageError(f"expected one message frame after the identity, got {len(frames) - 1}",
-                                       "malformed")
-                request = decode_connect_request(self._signer, frames[1])
+                request = decode_connect_request(self._signer, only_frame(frames))
             except MessageError as exc:
                 self._refuse(identity, exc.reason, f"connect request refused: {exc}")
                 continue

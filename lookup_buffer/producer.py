@@ -47,6 +47,7 @@ from lookup_buffer.protocol import (
     make_header,
     make_outcome,
     make_session,
+    only_frame,
     stamp_header,
 )
 from lookup_buffer.store import Entry, EntryStore
@@ -291,18 +292,9 @@ class BufferProducer:
         return min(_MAX_POLL_MS, max(0, math.ceil(remaining * 1000)))
 
     def _receive_requests(self) -> None:
-        for _ in range(_MESSAGES_PER_ROUND):
+        for identity, frames in self._endpoint.routed(_MESSAGES_PER_ROUND):
             try:
-                frames = self._endpoint.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            identity = frames[0]
-            try:
-                if len(frames) != 2:
-                    raise MessageError(
-                        f"expected one message frame after the identity, got {len(frames) - 1}", "malformed"
-                    )
-                request, tokens, roi = decode_request(self._signer, frames[1])
+                request, tokens, roi = decode_request(self._signer, only_frame(frames))
                 self._check_fresh(request)
             except MessageError as exc:
                 with self._lock:

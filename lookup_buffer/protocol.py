@@ -149,6 +149,13 @@ class MessageError(KVProtocolError):
         self.request_id = request_id
 
 
+def only_frame(frames: list[bytes]) -> bytes:
+    """The one frame a control message has after its sender's identity; MessageError otherwise."""
+    if len(frames) != 1:
+        raise MessageError(f"expected one message frame after the identity, got {len(frames)}", "malformed")
+    return frames[0]
+
+
 class ControlSigner:
     """Seals and opens control frames: ``body + HMAC tag`` with a secret, the bare body without.
 

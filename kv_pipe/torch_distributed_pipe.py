@@ -576,7 +576,7 @@ class TorchDistributedPipe(KVPipeBase):
         With ``wait_until`` (a local socket only), None if no frame started by that monotonic time.
         """
         if wait_until is None:
-            self._recv(self._wire.recv_frame, TAG_FRAME)
+            self._recv(self._wire.frame_to_receive(), TAG_FRAME)
         elif not self._recv_frame_by(wait_until, spin):
             return None
         first, items = self._receive_records()
@@ -656,7 +656,7 @@ class TorchDistributedPipe(KVPipeBase):
         kv_timeout is lost, as over the transport."""
         silent_at = self._last_received + self.config.kv_timeout
         try:
-            arrived = self._channel.recv_frame_by(self._wire.recv_frame, min(wait_until, silent_at), spin)
+            arrived = self._channel.recv_frame_by(self._wire.frame_to_receive(), min(wait_until, silent_at), spin)
         except (RuntimeError, OSError) as exc:
             raise _TransportError(exc) from exc
         now = time.monotonic()

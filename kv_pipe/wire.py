@@ -4,7 +4,10 @@ Two strategies behind one interface, so that the pipe's threads run the same cod
 
 * :class:`HostWire` (gloo): frames are host memory, headers and inline bytes are written and read
   through byte views (far cheaper per message than torch operations), and a frame is sent only as
-  long as its records, since gloo accepts a message shorter than the posted receive.
+  long as its records, since gloo accepts a message shorter than the posted receive. A large inline
+  item (from :data:`INLINE_VIEW_MIN_BYTES`) is received as a view of its frame, not a copy: the
+  frame's buffer is the item's memory from then on (at most 2.5 times its size), and the next frame
+  is received into another buffer from the pool.
 * :class:`DeviceWire` (NCCL): frames are device memory, each header is packed on the host and copied
   to its record's place, and a frame is always sent whole, since NCCL needs receives of the exact size.
 """
@@ -18,6 +21,10 @@ import torch
 
 from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import DEVICE_FRAME_BYTES, HEADER_BYTES, HOST_FRAME_BYTES, FrameHeader, pack_header
+
+#: From this size a received inline item is a view of its frame rather than a copy: the copy would
+#: cost more than taking another frame buffer from the pool.
+INLINE_VIEW_MIN_BYTES = 512 << 10
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -34,7 +41,10 @@ class Wire(abc.ABC):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.send_frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=device)
-        self.recv_frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=device)
+        self.recv_frame = self._new_receive_frame()
+
+    def _new_receive_frame(self) -> torch.Tensor:
+        return torch.zeros(self.frame_bytes, dtype=torch.uint8, device=self.device)
 
     @abc.abstractmethod
     def write_record(self, offset: int, header: FrameHeader, data: torch.Tensor | None) -> None:
@@ -49,9 +59,14 @@ class Wire(abc.ABC):
     def read_header(self, offset: int) -> memoryview:
         """The HEADER_BYTES of the received record at ``offset``, byte-addressed on the host."""
 
+    def frame_to_receive(self) -> torch.Tensor:
+        """The buffer the next frame is received into (read the last frame's records before)."""
+        return self.recv_frame
+
     @abc.abstractmethod
     def read_inline(self, start: int, header: FrameHeader) -> torch.Tensor:
-        """A new tensor holding the inline item of ``header`` whose bytes start at ``start``."""
+        """A tensor holding the inline item of ``header`` whose bytes start at ``start``, valid while
+        later frames arrive."""
 
     @abc.abstractmethod
     def allocate(self, nbytes: int) -> torch.Tensor:
@@ -62,11 +77,16 @@ class HostWire(Wire):
     frame_bytes = HOST_FRAME_BYTES
 
     def __init__(self, device: torch.device, max_idle_bytes: int) -> None:
+        self._memory = HostMemoryPool(max_idle_bytes)
         super().__init__(device)
         self._send_bytes = memoryview(self.send_frame.numpy())
         self._send_address = self.send_frame.data_ptr()
         self._recv_bytes = memoryview(self.recv_frame.numpy())
-        self._memory = HostMemoryPool(max_idle_bytes)
+        self._frame_lent = False  # a received item is a view of the receive frame
+
+    def _new_receive_frame(self) -> torch.Tensor:
+        # Pooled, since it may become a received item's memory and come back when that dies.
+        return self._memory.allocate(self.frame_bytes)
 
     def write_record(self, offset: int, header: FrameHeader, data: torch.Tensor | None) -> None:
         pack_header(header, self._send_bytes[offset : offset + HEADER_BYTES])
@@ -81,9 +101,20 @@ class HostWire(Wire):
         return self._recv_bytes[offset : offset + HEADER_BYTES]
 
     def read_inline(self, start: int, header: FrameHeader) -> torch.Tensor:
+        if header.nbytes >= INLINE_VIEW_MIN_BYTES:
+            # The item keeps the whole frame; the next frame is received into another buffer.
+            self._frame_lent = True
+            return self.recv_frame[start : start + header.nbytes].view(header.dtype).reshape(header.shape)
         # A bytearray copy and a tensor over it cost half of torch's clone of a frame slice.
         flat = torch.frombuffer(bytearray(self._recv_bytes[start : start + header.nbytes]), dtype=header.dtype)
         return flat.reshape(header.shape)
+
+    def frame_to_receive(self) -> torch.Tensor:
+        if self._frame_lent:
+            self._frame_lent = False
+            self.recv_frame = self._new_receive_frame()
+            self._recv_bytes = memoryview(self.recv_frame.numpy())
+        return self.recv_frame
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         return self._memory.allocate(nbytes)

@@ -187,11 +187,13 @@ def body_frame_boundaries(rank: int, port: int) -> int:
             assert same_bits(got, want), f"item {index} ({want.nbytes} bytes) changed after it was received"
         large = [got for got in kept if got.nbytes >= half]
         assert len({got.untyped_storage().data_ptr() for got in large}) == len(large), "two tensors share memory"
-        payload_bytes = sum(got.nbytes for got in large if got.nbytes > INLINE_CAPACITY)
+        # Over the transport a payload has a buffer of its own, and an inline item from half the
+        # frame on is a view of the frame it arrived in.
+        held_bytes = sum(got.nbytes if got.nbytes > INLINE_CAPACITY else HOST_FRAME_BYTES for got in large)
         received = len(kept)
         del kept, large, got
-        if not pipe.uses_shared_memory:  # payload buffers go back to the pool once the caller drops them
-            assert pipe._wire._memory.idle_bytes >= payload_bytes, "received buffers were not recycled"
+        if not pipe.uses_shared_memory:  # those buffers go back to the pool once the caller drops them
+            assert pipe._wire._memory.idle_bytes >= held_bytes, "received buffers were not recycled"
         pipe.send_tensor(None)  # with shared memory, behind the regions the dropped tensors held
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
         if pipe.uses_shared_memory:  # every region this side filled came back

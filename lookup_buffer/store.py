@@ -22,14 +22,13 @@ from lookup_buffer.matching import MatchKey
 class Entry:
     """One inserted request: the tensors a hit sends, and the bytes it is charged for."""
 
-    __slots__ = ("items", "nbytes", "largest", "expires", "taken")
+    __slots__ = ("items", "nbytes", "largest", "expires")
 
     def __init__(self, items: tuple[torch.Tensor, ...], nbytes: int) -> None:
         self.items = items
         self.nbytes = nbytes
         self.largest = max(item.nbytes for item in items)
         self.expires = math.inf  # set when stored
-        self.taken = False  # popped (or expired): no longer in the store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +58,9 @@ class EntryStore:
         self._entry_timeout = entry_timeout
         self._cond = threading.Condition()
         self._entries: dict[MatchKey, collections.deque[Entry]] = {}
-        # Every stored entry in insertion order, which is also expiry order (one timeout for all);
-        # popped ones are skipped when they reach the front.
-        self._by_age: collections.deque[tuple[MatchKey, Entry]] = collections.deque()
+        # Every stored entry in insertion order, which is also expiry order (one timeout for all).
+        # A popped entry leaves it at once: the store must hold no tensor it no longer counts.
+        self._by_age: collections.OrderedDict[Entry, MatchKey] = collections.OrderedDict()
         self._expired = 0
         self._count = 0
         self._bytes = 0
@@ -107,7 +106,7 @@ class EntryStore:
                 raise fresh_error(self._error)
             entry.expires = time.monotonic() + self._entry_timeout
             self._entries.setdefault(key, collections.deque()).append(entry)
-            self._by_age.append((key, entry))
+            self._by_age[entry] = key
             self._count += 1
             self._bytes += entry.nbytes
             self._peak = max(self._peak, self._bytes)
@@ -129,10 +128,8 @@ class EntryStore:
         now = time.monotonic() if now is None else now
         entries = nbytes = 0
         with self._cond:
-            while self._by_age and (self._by_age[0][1].taken or self._by_age[0][1].expires <= now):
-                key, entry = self._by_age.popleft()
-                if entry.taken:
-                    continue
+            while self._by_age and next(iter(self._by_age)).expires <= now:
+                entry, key = self._by_age.popitem(last=False)
                 queue = self._entries[key]
                 # One timeout for all: the oldest entry of the store is the oldest of its key.
                 if queue.popleft() is not entry:
@@ -145,7 +142,7 @@ class EntryStore:
 
     def _forget(self, key: MatchKey, queue: collections.deque[Entry], entry: Entry) -> None:
         """Account for ``entry`` just taken off ``queue`` (under the lock)."""
-        entry.taken = True
+        self._by_age.pop(entry, None)
         if not queue:
             del self._entries[key]
         self._count -= 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -10,6 +11,7 @@ import signal
 import threading
 import time
 import types
+import weakref
 from typing import Any
 
 import msgspec
@@ -311,6 +313,26 @@ def test_bad_hit_headers_are_refused() -> None:
 
 
 # ---------------------------------------------------------------- store
+
+
+def test_the_store_lets_go_of_a_taken_entry_while_older_ones_wait() -> None:
+    """Once taken, an entry's tensors are the taker's alone: the store keeps no reference to them,
+    also while an older entry nobody takes waits to expire (its memory would otherwise stay held
+    long after the store counted it free)."""
+    store = EntryStore(capacity_bytes=1 << 20, max_item_bytes=1 << 20, entry_timeout=480)
+    waiting, taken = key_of([1], [True]), key_of([2], [True])
+    store.put(waiting, Entry((torch.ones(8),), 32), timeout=0)
+    tensor = torch.ones(8)
+    alive = weakref.ref(tensor)
+    store.put(taken, Entry((tensor,), 32), timeout=0)
+    del tensor
+    entry = store.pop(taken)
+    assert alive() is not None  # the taker holds it
+    del entry
+    gc.collect()
+    assert alive() is None, "the store still holds a taken entry's tensors"
+    assert store.expire(now=time.monotonic() + 481) == (1, 32)  # the waiting one expires as before
+    assert store.pop(waiting) is None
 
 
 def test_store_fifo_budget_and_stop() -> None:

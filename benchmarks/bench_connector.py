@@ -16,7 +16,12 @@ memory, or the transport with ``--path transport``). The consumer checks its cac
 after the first connector transfer of each size. The last column is the connector's rate as a
 fraction of the pipe's.
 
+The lookup buffer is a :class:`~lookup_buffer.SimpleBuffer` on one pipe, or with ``--buffer
+listener`` what the vLLM connector runs: a :class:`~lookup_buffer.BufferListener` on the producer
+that the consumer dials (:func:`~lookup_buffer.dial`).
+
     python benchmarks/bench_connector.py [--mib 16,64] [--repeats 7] [--path shared-memory|transport]
+        [--buffer simple|listener]
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from connector import (  # noqa: E402
     send_kv_caches_and_hidden_states,
 )
 from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
-from lookup_buffer import SimpleBuffer  # noqa: E402
+from lookup_buffer import BufferListener, SimpleBuffer, dial  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 
 LAYERS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE = 8, 8, 32, 128
@@ -62,14 +67,31 @@ def request_blocks(nbytes: int, num_blocks: int, seed: int) -> torch.Tensor:
     return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:count]
 
 
-def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, results) -> None:
+def open_buffer(kind: str, config: KVTransferConfig, raw: TorchDistributedPipe):
+    """The lookup buffer of this rank; for a listener, once the consumer's connection is up."""
+    if kind == "simple":
+        return SimpleBuffer(TorchDistributedPipe(config), config)
+    if config.kv_rank == 1:
+        assert raw.recv_tensor(timeout=60) is None  # the producer listens
+        return dial(config, config.kv_ip, config.kv_port)
+    listener = BufferListener(config)
+    raw.send_tensor(None)
+    deadline = time.monotonic() + 60
+    while listener.connections == 0:  # the connection is set up in the listener's own thread
+        if time.monotonic() > deadline:
+            raise SystemExit("the consumer did not connect to the listener within 60 s")
+        time.sleep(0.01)
+    return listener
+
+
+def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer_kind: str, results) -> None:
     torch.set_num_threads(1)
     largest = max(mib) << 20
     config = KVTransferConfig(kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_rank=rank, kv_port=port,
                               kv_buffer_size=2 * largest + (64 << 20), kv_timeout=60.0, kv_connect_timeout=60.0,
                               kv_shared_memory=PATHS[path])
     raw = TorchDistributedPipe(config, port_offset=2)
-    buffer = SimpleBuffer(TorchDistributedPipe(config), config)
+    buffer = open_buffer(buffer_kind, config, raw)
     num_blocks = 2 * largest // (BLOCK_BYTES * LAYERS)
     paged = caches(num_blocks, seed=rank)
     rows = []
@@ -122,12 +144,14 @@ def main() -> None:
     parser.add_argument("--mib", default="16,64", help="transfer sizes in MiB (multiples of 2)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--path", choices=sorted(PATHS), default="shared-memory")
+    parser.add_argument("--buffer", choices=["simple", "listener"], default="simple",
+                        help="a SimpleBuffer, or a BufferListener the consumer dials (the vLLM connector's)")
     args = parser.parse_args()
     mib = [int(size) for size in args.mib.split(",")]
-    shared, rows = run_two_ranks(worker, (free_port(span=4), mib, args.repeats, args.path))
+    shared, rows = run_two_ranks(worker, (free_port(span=4), mib, args.repeats, args.path, args.buffer))
     print(f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
-          f"layout; payloads {'through shared memory' if shared else 'over the transport'}; medians of "
-          f"{args.repeats}, one way, timed by the consumer")
+          f"layout; payloads {'through shared memory' if shared else 'over the transport'}; lookup buffer: "
+          f"{args.buffer}; medians of {args.repeats}, one way, timed by the consumer")
     print(f"{'size':>8} | {'pipe alone ms':>13} | {'connector ms':>12} | {'pipe GB/s':>9} | "
           f"{'connector GB/s':>14} | {'connector/pipe':>14}")
     print("-" * 86)

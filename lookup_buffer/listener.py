@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import zmq
@@ -28,6 +29,7 @@ from kv_pipe import TorchDistributedPipe, rendezvous
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError, KVPipeClosedError, KVTransferError
+from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import message_cost
 from lookup_buffer.base import BufferStats, KVLookupBufferBase, SelectResult
 from lookup_buffer.control import Endpoint, control_host
@@ -105,6 +107,7 @@ class BufferListener(KVLookupBufferBase):
         self._pipe_factory = pipe_factory
         self._max_item_bytes = config.kv_buffer_size - message_cost(0)
         self._store = EntryStore(config.kv_buffer_size, self._max_item_bytes, config.kv_entry_timeout)
+        self._memory = HostMemoryPool(config.kv_buffer_size)
         self._signer = ControlSigner(config.kv_secret)
         self._lock = threading.Lock()  # guards the connection sets, totals and the closed flag
         self._connections: set[BufferProducer] = set()
@@ -134,6 +137,17 @@ class BufferListener(KVLookupBufferBase):
         self._store.put(match_key, entry, self.config.kv_timeout if timeout is None else timeout)
         for connection in self._live_connections():
             connection.notify_inserted(match_key)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor to fill and insert. With one consumer connected, in that connection's pipe memory
+        (:meth:`kv_pipe.KVPipeBase.empty`: on one host it reaches that consumer without a copy, and
+        any other with one); otherwise pooled host memory, whose pages are warm (writing into fresh
+        pages costs several times the copy)."""
+        live = self._live_connections()
+        if len(live) == 1:
+            return live[0].empty(shape, dtype)
+        shape = tuple(shape)
+        return self._memory.allocate(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:
         raise KVConfigError("drop_select() needs kv_role='kv_consumer'; this buffer is the producer's listener")

@@ -23,6 +23,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 import zmq
@@ -165,6 +166,10 @@ class BufferProducer:
         self._raise_if_unusable()
         self._store.put(match_key, entry, timeout)
         self.notify_inserted(match_key)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor in this connection's pipe memory (:meth:`kv_pipe.KVPipeBase.empty`)."""
+        return self._pipe.empty(shape, dtype)
 
     def notify_inserted(self, key: MatchKey) -> None:
         """An entry under ``key`` was stored: serve the selects waiting for it. Any thread."""

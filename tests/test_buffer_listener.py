@@ -178,6 +178,61 @@ def test_a_consumer_killed_while_selecting_does_not_disturb_the_others(listener:
         procs.reap([victim])
 
 
+def _in_own_segment(listener: BufferListener, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in the shared-memory segment of the listener's only connection's pipe."""
+    [connection] = listener._live_connections()
+    segment = connection._pipe._shared.own
+    return segment.address <= tensor.data_ptr() < segment.address + segment.nbytes
+
+
+def test_tensors_made_by_the_listener_reach_whichever_consumer_selects_them_bit_exact(listener: BufferListener,
+                                                                                      port: int) -> None:
+    """With one consumer connected, ``empty`` is that consumer's pipe memory (sent without a copy);
+    otherwise pooled memory. Either way the entry reaches any consumer intact, also one that
+    connected later, and also after the consumer whose memory it is has gone."""
+    generator = torch.Generator().manual_seed(5)
+    made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def make(name: str, dtype: torch.dtype) -> torch.Tensor:
+        # 384 KiB: from 256 KiB on, payloads go through shared memory
+        tensor = listener.empty((3, (1 << 17) // dtype.itemsize), dtype)
+        tensor.copy_(random_tensor(generator, dtype, tuple(tensor.shape)))
+        tokens = torch.arange(4, dtype=torch.int64) + 100 * (len(made) + 1)
+        listener.insert(tokens, torch.ones(4, dtype=torch.bool), tensor, None, None)
+        made[name] = (tokens, tensor.clone())
+        return tensor
+
+    def take(consumer, name: str) -> None:  # noqa: ANN001 - a dialled buffer
+        tokens, expected = made[name]
+        got = consumer.drop_select(tokens, torch.ones(4, dtype=torch.bool), timeout=30)
+        assert got[0] is not None, f"{name}: a miss"
+        assert same_bits(got[2], expected), f"{name}: changed on the way"
+
+    make("no consumer yet", torch.float32)
+    first = dial(consumer_config(), HOST, port)
+    second = None
+    try:
+        wait_until(lambda: listener.connections == 1)
+        assert _in_own_segment(listener, make("one consumer", torch.bfloat16))
+        assert _in_own_segment(listener, make("one consumer, taken by the next", torch.int16))
+        assert _in_own_segment(listener, make("one consumer, who then leaves", torch.uint8))
+        second = dial(consumer_config(), HOST, port)
+        wait_until(lambda: listener.connections == 2)
+        make("two consumers", torch.float64)
+        take(first, "one consumer")
+        take(first, "no consumer yet")
+        take(second, "one consumer, taken by the next")
+        take(second, "two consumers")
+        first.close()
+        wait_until(lambda: listener.connections == 1)
+        take(second, "one consumer, who then leaves")
+        assert listener.stats().entries == 0
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+
+
 # ---------------------------------------------------------------------------------------------- expiry
 
 

@@ -100,7 +100,8 @@ class KVPipeBase(abc.ABC):
     def close(self) -> None:
         """Send everything queued, tell the peer, release the connection. Idempotent.
 
-        Bounded by ``kv_timeout``; raises the first background error that was not yet reported.
+        Bounded by twice ``kv_timeout``. Raises the first background error that was not yet
+        reported if it cost queued messages (they were never sent) or is a bug in the pipe itself.
         """
 
     def __enter__(self) -> KVPipeBase:

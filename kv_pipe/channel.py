@@ -26,6 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from kv_pipe.errors import KVProtocolError
+
 TAG_FRAME = 0
 TAG_PAYLOAD = 1
 _LENGTH = struct.Struct("<Q")  # a frame's byte count, before its bytes on a socket
@@ -100,7 +102,7 @@ class SocketChannel(Channel):
         (nbytes,) = _LENGTH.unpack(length)
         view = memoryview(frame.numpy()).cast("B")
         if not 0 < nbytes <= len(view):
-            raise ConnectionError(f"peer announced a {nbytes}-byte frame; frames hold at most {len(view)}")
+            raise KVProtocolError(f"peer announced a {nbytes}-byte frame; frames hold at most {len(view)}")
         self._read(view[:nbytes], None)
         return True
 

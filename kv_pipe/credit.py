@@ -68,8 +68,9 @@ class CreditLedger:
         """The credit fields of the next frame: consumed, and whether this side asks for credit.
         The frame carries them, so nothing is owed after it."""
         asking, self._asking = self._asking, False
+        if self._consumed > self._reported:
+            self._peer_waiting = False  # answered; a frame without new credit leaves the peer waiting
         self._reported = self._consumed
-        self._peer_waiting = False
         return self._consumed, asking
 
     def report_urgent(self) -> bool:

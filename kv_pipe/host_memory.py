@@ -5,11 +5,13 @@ against ~4.7 GB/s into a reused one (docs/performance.md), so large receive buff
 A buffer goes back to the pool only when the *storage* of every tensor made from it has died: numpy
 arrays own the memory and ``torch.from_numpy`` keeps the array alive exactly as long as the storage,
 which a weakref finalizer on the array observes. Views the caller takes keep the storage, and so the
-buffer, alive.
+buffer, alive. The finalizer may run in any thread inside any lock, the pool's own included, so it
+only notes the buffer; the next call of the pool takes it back.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 
@@ -37,12 +39,14 @@ class HostMemoryPool:
         self._idle: dict[int, list[np.ndarray]] = {}
         self._idle_bytes = 0
         self._lock = threading.Lock()
+        self._dropped: collections.deque[np.ndarray] = collections.deque()  # appended to by finalizers
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         if nbytes < POOL_MIN_BYTES:
             return torch.empty(nbytes, dtype=torch.uint8)
         size = size_class(nbytes)
         with self._lock:
+            self._take_back()
             free = self._idle.get(size)
             if free:
                 backing = free.pop()
@@ -52,11 +56,13 @@ class HostMemoryPool:
         if backing is None:
             backing = np.empty(size, dtype=np.uint8)
         view = backing[:nbytes]
-        weakref.finalize(view, self._release, backing)
+        weakref.finalize(view, self._dropped.append, backing)
         return torch.from_numpy(view)
 
-    def _release(self, backing: np.ndarray) -> None:
-        with self._lock:
+    def _take_back(self) -> None:
+        """Pool the buffers whose tensors died, within ``max_idle_bytes`` (hold ``_lock``)."""
+        while self._dropped:
+            backing = self._dropped.popleft()
             if self._idle_bytes + backing.nbytes <= self._max_idle_bytes:
                 self._idle.setdefault(backing.nbytes, []).append(backing)
                 self._idle_bytes += backing.nbytes
@@ -64,4 +70,5 @@ class HostMemoryPool:
     @property
     def idle_bytes(self) -> int:
         with self._lock:
+            self._take_back()
             return self._idle_bytes

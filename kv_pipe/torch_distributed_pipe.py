@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import queue
 import socket
 import threading
 import time
@@ -173,7 +174,9 @@ class TorchDistributedPipe(KVPipeBase):
         self._items = threading.Condition(self._lock)  # recv_tensor: an item, or the end of the stream
         self._room = threading.Condition(self._lock)  # send_tensor: credit
         self._transmitted = threading.Condition(self._lock)  # flush: messages on the wire
-        self._sender_wakeup = threading.Condition(self._lock)  # the sender thread: work
+        # The sender thread sleeps on a queue, not a condition: a finalizer may ring it from inside any
+        # lock (SimpleQueue.put is reentrant), and a ring between its look and its sleep is not lost.
+        self._sender_doorbell: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._receiver_parked = threading.Condition(self._lock)  # the receiver thread, while callers receive
         self._error: BaseException | None = None  # the first fatal error; the pipe is dead after it
         self._error_raised = False
@@ -221,8 +224,9 @@ class TorchDistributedPipe(KVPipeBase):
         """
         shape = tuple(shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        if self._shared is not None and nbytes >= SHARED_MIN_BYTES:
-            lent = self._shared.lend(shape, dtype)
+        shared = self._shared  # close() may drop it meanwhile
+        if shared is not None and nbytes >= SHARED_MIN_BYTES:
+            lent = shared.lend(shape, dtype)
             if lent is not None:
                 return lent
         return self._wire.allocate(nbytes).view(dtype).reshape(shape)
@@ -271,8 +275,11 @@ class TorchDistributedPipe(KVPipeBase):
                     self._recv_role.release()
                     with self._lock:
                         self._callers_receiving -= 1
-                if not arrived and not self._recv_queue:
-                    raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
+                if not arrived:
+                    with self._lock:
+                        if not self._recv_queue:
+                            self._raise_if_failed()
+                            raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = _deadline(timeout)
@@ -293,8 +300,9 @@ class TorchDistributedPipe(KVPipeBase):
         # Both threads end once the peer has answered CLOSE; a dead peer ends them with an error
         # within kv_timeout (the keepalive bound), so these joins are bounded.
         bound = self.config.kv_timeout * 2
+        end = time.monotonic() + bound
         self._sender.join(bound)
-        self._receiver.join(bound)
+        self._receiver.join(max(0.0, end - time.monotonic()))
         if self._sender.is_alive() or self._receiver.is_alive():
             # A thread blocked inside the transport cannot be interrupted; it is a daemon and holds
             # no lock. The groups stay referenced: destroying them under a pending operation is not safe.
@@ -306,7 +314,8 @@ class TorchDistributedPipe(KVPipeBase):
             self._shared = None  # received tensors keep the peer's segment mapped while they live
         with self._lock:
             unsent = self._queued_messages - self._sent_messages
-            if self._error is not None and not self._error_raised and unsent > 0:
+            lost = unsent > 0 or not isinstance(self._error, KVTransferError)  # a bug surfaces anyway
+            if self._error is not None and not self._error_raised and lost:
                 self._error_raised = True
                 if isinstance(self._error, KVTransferError):
                     raise KVTransferError(f"close: {unsent} queued message(s) were never sent") from self._error
@@ -337,7 +346,7 @@ class TorchDistributedPipe(KVPipeBase):
                 if self._credit.has_room(cost):
                     break
                 if self._credit.ask():
-                    self._sender_wakeup.notify()  # the sender thread tells the peer we are waiting
+                    self._sender_doorbell.put(None)  # the sender thread tells the peer we are waiting
                 if not _wait(self._room, deadline):
                     raise KVTimeoutError(
                         f"send_tensor: the in-flight budget of {self._credit.budget} bytes stayed full "
@@ -347,17 +356,24 @@ class TorchDistributedPipe(KVPipeBase):
             self._queued_messages += len(unit)
             if not (self._channel.caller_driven and not self._send_queue and self._send_role.acquire(blocking=False)):
                 self._send_queue.append(unit)
-                self._sender_wakeup.notify()
+                self._sender_doorbell.put(None)
                 return
             # Nothing is queued ahead of this unit and no one else is sending: send it from here.
-            freed = self._freed_record()
-            unit = unit if freed is None else [freed, *unit]
-            headers = self._frame_headers(unit)
+            prepared = self._run(self._prepare_own_unit, unit, action="sending")
+            if prepared is False:
+                self._send_role.release()
+                self._raise_if_failed()
         try:
-            self._send_unit(headers, unit)
+            self._send_unit(*prepared)
         finally:
             self._send_role.release()
         self._raise_if_failed()
+
+    def _prepare_own_unit(self, unit: list[_Outgoing]) -> tuple[list[FrameHeader], list[_Outgoing]]:
+        """Headers for a unit a caller sends itself, regions to give back going first (hold ``_lock``)."""
+        freed = self._freed_record()
+        unit = unit if freed is None else [freed, *unit]
+        return self._frame_headers(unit), unit
 
     def _raise_if_unusable_for_send(self) -> None:
         self._raise_if_failed()
@@ -375,19 +391,24 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _send_loop(self) -> None:
         while True:
-            with self._lock:
-                if not self._wait_for_work():
-                    return
+            if not self._wait_for_work():
+                return
             with self._send_role:  # a caller may be sending: the work may be gone once it is done
-                with self._lock:
-                    unit = self._next_unit()
-                    if unit is None:
-                        continue
-                    headers = self._frame_headers(unit)
+                prepared = self._run(self._prepare_next_unit, action="sending")
+                if prepared is False:
+                    return
+                if prepared is None:
+                    continue
+                unit, headers = prepared
                 if not self._send_unit(headers, unit):
                     return
             if unit[0].kind in _FINAL_KINDS:
                 return
+
+    def _prepare_next_unit(self) -> tuple[list[_Outgoing], list[FrameHeader]] | None:
+        with self._lock:
+            unit = self._next_unit()
+            return None if unit is None else (unit, self._frame_headers(unit))
 
     def _send_unit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> bool:
         """Transmit a unit (hold the send role); False if the pipe failed."""
@@ -402,25 +423,34 @@ class TorchDistributedPipe(KVPipeBase):
         return True
 
     def _wait_for_work(self) -> bool:
-        """Wait until something is to be sent (hold ``_lock``); False once the pipe failed."""
-        while self._error is None:
-            if self._send_queue or self._credit.report_urgent():
-                return True
-            now = time.monotonic()
-            if self._return_due is not None and now >= self._return_due:
-                pending = self._freed or self._credit.frame_due()
-                if pending and self._last_sent >= self._return_due - RETURN_DELAY_SECONDS:
-                    self._return_due = now + RETURN_DELAY_SECONDS  # messages are going out: they take them along
-                else:
-                    self._return_due = None
-                    if pending:
-                        return True
-            quiet_left = self._last_sent + self._keepalive_interval - now
-            if quiet_left <= 0:
-                return True
-            due_left = quiet_left if self._return_due is None else min(quiet_left, self._return_due - now)
-            self._sender_wakeup.wait(due_left)
-        return False
+        """Wait until something is to be sent; False once the pipe failed."""
+        while True:
+            with self._lock:
+                if self._error is not None:
+                    return False
+                if self._send_queue or self._credit.report_urgent():
+                    return True
+                now = time.monotonic()
+                if self._freed and self._return_due is None:  # regions given back by finalizers
+                    self._return_due = now + RETURN_DELAY_SECONDS
+                if self._return_due is not None and now >= self._return_due:
+                    pending = self._freed or self._credit.frame_due()
+                    if pending and self._last_sent >= self._return_due - RETURN_DELAY_SECONDS:
+                        self._return_due = now + RETURN_DELAY_SECONDS  # messages are going out: they take them along
+                    else:
+                        self._return_due = None
+                        if pending:
+                            return True
+                quiet_left = self._last_sent + self._keepalive_interval - now
+                if quiet_left <= 0:
+                    return True
+                due_left = quiet_left if self._return_due is None else min(quiet_left, self._return_due - now)
+            try:
+                self._sender_doorbell.get(timeout=due_left)
+                while True:  # one look serves every ring so far
+                    self._sender_doorbell.get_nowait()
+            except queue.Empty:
+                pass
 
     def _next_unit(self) -> list[_Outgoing] | None:
         """The next unit to send, or a keepalive if one is due (hold ``_lock``); None if nothing is."""
@@ -442,15 +472,17 @@ class TorchDistributedPipe(KVPipeBase):
         return _Outgoing(FrameKind.FREED, torch.tensor(places, dtype=torch.int64))
 
     def _region_freed(self, place: int) -> None:
-        """A received tensor over the peer's segment died: give its region back."""
+        """A received tensor over the peer's segment died: give its region back. A finalizer, which
+        may run in any thread inside any lock, so it takes none (waiting for the pipe's lock there
+        could wait for a thread that waits for a lock this one holds): it only notes the region and
+        rings the sender thread, which sends it back within RETURN_DELAY_SECONDS."""
         self._freed.append(place)
-        with self._lock:
-            self._return_soon()
+        self._sender_doorbell.put(None)
 
     def _report_credit(self) -> None:
         """Have the credit this side owes the peer sent: now if asked for, else soon (hold ``_lock``)."""
         if self._credit.report_urgent():
-            self._sender_wakeup.notify()
+            self._sender_doorbell.put(None)
         elif self._credit.frame_due():
             self._return_soon()
 
@@ -458,7 +490,7 @@ class TorchDistributedPipe(KVPipeBase):
         """Credit or regions are to go back to the peer: within RETURN_DELAY_SECONDS (hold ``_lock``)."""
         if self._return_due is None:
             self._return_due = time.monotonic() + RETURN_DELAY_SECONDS
-            self._sender_wakeup.notify()
+            self._sender_doorbell.put(None)
 
     def _frame_headers(self, unit: list[_Outgoing]) -> list[FrameHeader]:
         """The records' headers of ``unit`` (hold ``_lock``).
@@ -526,7 +558,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._final_frame_queued = True
         self._queued_messages += 1
         self._send_queue.append([_Outgoing(kind)])
-        self._sender_wakeup.notify()
+        self._sender_doorbell.put(None)
 
     # ------------------------------------------------------------------ receiver thread
 
@@ -556,19 +588,28 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _receive_until_an_item(self, deadline: float | None) -> bool:
         """Receive frames here (hold the receive role) until an item, the end of the stream or a
-        failure is queued, or until ``deadline``. False if nothing of the sort came by then."""
+        failure is queued, or until ``deadline``. False if nothing of the sort came by then.
+
+        It looks at the pipe's state at least every RECEIVER_PARK_SECONDS, so that a failure
+        elsewhere (which cannot wake a poll) reaches it soon."""
+        wait_until = math.inf if deadline is None else deadline
+        started = time.monotonic()
+        spin = self._spin
         while True:
             with self._lock:
                 if self._recv_queue or self._peer_finished or self._error is not None:
                     return True
-            started = time.monotonic()
-            outcome = self._run(self._receive_frame, math.inf if deadline is None else deadline, self._spin,
-                                action="receiving")
+            outcome = self._run(self._receive_frame, min(wait_until, time.monotonic() + RECEIVER_PARK_SECONDS),
+                                spin, action="receiving")
             if outcome is None:
-                return False
+                if time.monotonic() >= wait_until:
+                    return False
+                spin = 0.0  # the poll was spun once already
+                continue
             waited = self._last_received - started
             shortest, longest = SPIN_SECONDS
-            self._spin = max(shortest, 1.5 * waited) if waited * 1.5 < longest else shortest
+            self._spin = spin = max(shortest, 1.5 * waited) if waited * 1.5 < longest else shortest
+            started = time.monotonic()
 
     def _receive_frame(self, wait_until: float | None = None, spin: float = 0.0) -> bool | None:
         """Receive one frame and queue what it carries. False once nothing more will come.
@@ -590,7 +631,9 @@ class TorchDistributedPipe(KVPipeBase):
                     self._queue_final_frame(FrameKind.CLOSE_ACK)
             elif first.kind is FrameKind.CLOSE_ACK:
                 self._peer_finished = True
-            if items or self._peer_finished:
+            if self._peer_finished:
+                self._wake_callers()  # senders waiting for credit too: none will come any more
+            elif items:
                 self._items.notify_all()
             self._report_credit()
             return not self._peer_finished
@@ -643,6 +686,7 @@ class TorchDistributedPipe(KVPipeBase):
         data = self._wire.allocate(header.nbytes)
         for start, end in chunk_bounds(header.nbytes):
             self._recv(data[start:end], TAG_PAYLOAD)
+            self._last_received = time.monotonic()  # a long payload is the peer's sign of life too
         return data.view(header.dtype).reshape(header.shape)
 
     def _recv(self, tensor: torch.Tensor, tag: int) -> None:
@@ -663,7 +707,8 @@ class TorchDistributedPipe(KVPipeBase):
         if arrived:
             self._last_received = now
         elif now >= silent_at:
-            raise _TransportError(TimeoutError(f"the peer sent nothing for kv_timeout={self.config.kv_timeout:g} s"))
+            silence = TimeoutError(f"the peer sent nothing for kv_timeout={self.config.kv_timeout:g} s")
+            raise _TransportError(silence) from silence
         return arrived
 
     # ------------------------------------------------------------------ both threads
@@ -691,7 +736,7 @@ class TorchDistributedPipe(KVPipeBase):
                 if isinstance(error, KVTransferError):
                     logger.error("%s", error)
             self._wake_callers()
-            self._sender_wakeup.notify()
+            self._sender_doorbell.put(None)
 
     def _wake_callers(self) -> None:
         """Wake every caller waiting in the pipe: the pipe failed or is closing (hold ``_lock``)."""

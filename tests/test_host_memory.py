@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from kv_pipe.host_memory import POOL_MIN_BYTES, HostMemoryPool, size_class
@@ -55,3 +56,14 @@ def test_size_classes_have_at_most_a_quarter_of_slack_and_few_sizes():
     assert len(sizes) < 70
     for n in (1, 7, 8, 9, 1000, (1 << 20) + 1, 3 << 20, (64 << 20) - 1):
         assert n <= size_class(n) <= max(n * 1.25, n + 1)
+
+
+@pytest.mark.timeout(30)
+def test_a_buffer_dropped_inside_the_pools_own_lock_comes_back_later():
+    """A finalizer may run anywhere, the pool's own critical section included (garbage collection
+    there): it must not wait for the lock it runs under."""
+    pool = HostMemoryPool(max_idle_bytes=64 << 20)
+    tensor = pool.allocate(POOL_MIN_BYTES)
+    with pool._lock:
+        del tensor
+    assert pool.idle_bytes == POOL_MIN_BYTES

@@ -658,6 +658,72 @@ def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
     return "peer saw it"
 
 
+def body_bug_while_sending(rank: int, port: int, where: str) -> str:
+    """A bug while a frame's headers are made (by a caller sending itself, or by the sender thread)
+    fails the pipe: it reaches that caller, a caller waiting to receive and close() as itself, and
+    nothing is left holding the pipe."""
+    pipe = TorchDistributedPipe(config(rank, port))
+    if rank == 1:
+        assert pipe.recv_tensor(timeout=30) is None
+        with pytest.raises(KVTransferError):  # the failed side stops answering: the peer sees it go
+            pipe.recv_tensor(timeout=30)
+        _close_quietly(pipe)
+        return "peer saw it"
+
+    def broken_frame_headers(unit):
+        raise TypeError("a bug in the pipe")
+
+    pipe.send_tensor(None)
+    pipe.flush(timeout=30)
+    waiting: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            pipe.recv_tensor(timeout=30)
+        except BaseException as exc:  # noqa: BLE001 - what the waiting caller sees is the point
+            waiting.append(exc)
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    time.sleep(0.2)  # the receiving caller waits
+    pipe._frame_headers = broken_frame_headers
+    if where == "sender thread":
+        pipe._channel.caller_driven = False  # the unit goes through the queue even on one host
+        pipe.send_tensor(torch.ones(2))
+        with pytest.raises(TypeError, match="a bug in the pipe"):
+            pipe.flush(timeout=30)
+    else:
+        if not pipe._channel.caller_driven:
+            return "no caller sends itself on this path"
+        with pytest.raises(TypeError, match="a bug in the pipe"):
+            pipe.send_tensor(torch.ones(2))
+    receiver.join(40)
+    assert len(waiting) == 1 and isinstance(waiting[0], TypeError), waiting
+    with pytest.raises(TypeError):
+        pipe.send_tensor(torch.ones(2))
+    assert pipe._send_role.acquire(timeout=5), "the send role was left taken"
+    pipe._send_role.release()
+    return "surfaced"
+
+
+def body_peer_closes_while_a_send_waits_for_credit(rank: int, port: int) -> str:
+    """A sender waiting for credit learns at once that the peer closed: none will come."""
+    pipe = TorchDistributedPipe(config(rank, port, kv_buffer_size=1 << 20, kv_timeout=30.0))
+    item = torch.ones(300_000, dtype=torch.uint8)  # three fill the budget
+    if rank == 1:
+        assert pipe.recv_tensor(timeout=30) is None
+        time.sleep(1.0)  # rank 0 runs out of credit meanwhile; nothing is taken here
+        pipe.close()
+        return "closed"
+    pipe.send_tensor(None)
+    for _ in range(3):
+        pipe.send_tensor(item, timeout=30)
+    with pytest.raises(KVPipeClosedError):  # not a timeout, and not a hang without one
+        pipe.send_tensor(item)
+    _close_quietly(pipe)
+    return "told"
+
+
 def _close_quietly(pipe: TorchDistributedPipe) -> None:
     try:
         pipe.close()
@@ -1026,6 +1092,21 @@ def test_a_bug_in_a_transfer_thread_surfaces_as_itself():
     port = procs.free_port()
     assert procs.run_pair(body_bug_in_a_transfer_thread, (0, port), (1, port), timeout=50) == (
         "peer saw it", "surfaced")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("where", ["caller", "sender thread"])
+def test_a_bug_while_sending_surfaces_as_itself_to_every_caller(where: str):
+    port = procs.free_port()
+    outcome = procs.run_pair(body_bug_while_sending, (0, port, where), (1, port, where), timeout=80)
+    assert outcome in {("surfaced", "peer saw it"), ("no caller sends itself on this path", "peer saw it")}, outcome
+
+
+@pytest.mark.timeout(90)
+def test_a_sender_waiting_for_credit_is_told_when_the_peer_closes():
+    port = procs.free_port()
+    assert procs.run_pair(body_peer_closes_while_a_send_waits_for_credit, (0, port), (1, port),
+                          timeout=80) == ("told", "closed")
 
 
 @pytest.mark.timeout(90)

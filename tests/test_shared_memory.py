@@ -165,6 +165,73 @@ def body_lent(rank: int, port: int, mode: str) -> dict:
         return report
 
 
+def body_tensor_dies_while_the_pipe_is_busy(rank: int, port: int) -> bool:
+    """A received tensor whose last reference goes while another thread holds the pipe's lock (in
+    the pipe, that thread may be waiting for a lock this one holds): its finalizer must not wait,
+    and the region still goes back to the peer."""
+    import threading
+
+    with TorchDistributedPipe(config(rank, port, "on")) as pipe:
+        if rank == 0:
+            pipe.send_tensor(torch.ones(1 << 18))  # 1 MiB: through shared memory
+            assert pipe.recv_tensor(timeout=30) is None
+            deadline = time.monotonic() + 30
+            while pipe._shared.used_bytes:  # FREED arrives with the None or just after
+                assert time.monotonic() < deadline, "the region never came back"
+                time.sleep(0.01)
+            return True
+        received = pipe.recv_tensor(timeout=30)
+        held, release = threading.Event(), threading.Event()
+
+        def hold_the_lock() -> None:
+            with pipe._lock:
+                held.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        held.wait(30)
+        del received  # its finalizer runs here, while the other thread holds the lock
+        release.set()
+        holder.join(30)
+        pipe.send_tensor(None)
+        return True
+
+
+def body_long_payload_over_the_socket(rank: int, port: int) -> str:
+    """A payload that streams over the local socket for longer than kv_timeout (no region free for
+    it), steadily, is the peer's sign of life: the next frame is not mistaken for a peer gone silent."""
+    from kv_pipe import channel
+
+    mib = 1 << 20
+    with TorchDistributedPipe(config(rank, port, "on", kv_timeout=2.0)) as pipe:
+        if rank == 0:
+            write = channel.SocketChannel._write
+
+            def slow_write(self, data):  # 256 KiB every 20 ms: about 13 MB/s
+                for start in range(0, len(data), 256 << 10):
+                    write(self, data[start:start + (256 << 10)])
+                    if len(data) > mib:
+                        time.sleep(0.02)
+
+            channel.SocketChannel._write = slow_write
+            pipe.send_tensor(torch.ones(40 * mib, dtype=torch.uint8))  # a region; rank 1 keeps it
+            assert pipe.recv_tensor(timeout=30) is None
+            pipe.send_tensor(torch.full((30 * mib,), 7, dtype=torch.uint8))  # no room left: over the socket
+            pipe.flush(timeout=60)
+            time.sleep(1.0)
+            pipe.send_tensor(torch.arange(5))
+            assert pipe.recv_tensor(timeout=30) is None
+            return "sent"
+        first = pipe.recv_tensor(timeout=30)
+        pipe.send_tensor(None)
+        second = pipe.recv_tensor(timeout=60)
+        assert bool((second == 7).all()) and bool((first == 1).all())
+        assert torch.equal(pipe.recv_tensor(timeout=30), torch.arange(5))
+        pipe.send_tensor(None)
+        return "received"
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -385,3 +452,16 @@ def test_parallel_copy_works_in_a_forked_child():
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     raise AssertionError("the forked child's copy did not finish")
+
+
+@pytest.mark.timeout(90)
+def test_a_received_tensor_may_die_while_another_thread_holds_the_pipe():
+    port = procs.free_port()
+    assert procs.run_pair(body_tensor_dies_while_the_pipe_is_busy, (0, port), (1, port), timeout=80) == (True, True)
+
+
+@pytest.mark.timeout(120)
+def test_a_long_payload_over_the_socket_keeps_the_peer_alive():
+    port = procs.free_port()
+    assert procs.run_pair(body_long_payload_over_the_socket, (0, port), (1, port), timeout=110) == (
+        "sent", "received")

@@ -169,6 +169,11 @@ class RegionAllocator:
             if index > 0 and self._free[index - 1][1] == self._free[index][0]:
                 self._free[index - 1] = (self._free[index - 1][0], self._free.pop(index)[1])
 
+    def largest_free(self) -> int:
+        """The size of the largest free region."""
+        with self._lock:
+            return max((end - start for start, end in self._free), default=0)
+
     def region_bytes(self, start: int) -> int:
         """The size of the region handed out at ``start`` (0 if none was)."""
         with self._lock:
@@ -226,6 +231,15 @@ class SharedMemoryLink:
             self._lent[place] = _LENT_UNSENT
         weakref.finalize(region, self._died.append, place).atexit = False
         return torch.from_numpy(region).view(dtype).reshape(shape)
+
+    def room_for(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether these payloads can all go through this side's segment now (lent ones already lie
+        there); other threads may take the room meanwhile."""
+        self._settle_deaths()
+        with self._lock:
+            needed = sum(-(-tensor.nbytes // SHARED_REGION_ALIGN) * SHARED_REGION_ALIGN for tensor in tensors
+                         if self._lent.get(tensor.data_ptr() - self.own.address) != _LENT_UNSENT)
+        return needed <= self.allocator.largest_free()
 
     def take_lent(self, data: torch.Tensor) -> int:
         """The place of ``data`` if it is exactly a lent region not sent yet (now marked sent), else 0."""

@@ -354,7 +354,8 @@ class TorchDistributedPipe(KVPipeBase):
                     )
             self._credit.reserve(cost)
             self._queued_messages += len(unit)
-            if not (self._channel.caller_driven and not self._send_queue and self._send_role.acquire(blocking=False)):
+            if not (self._channel.caller_driven and not self._send_queue and self._waits_for_no_wire(unit)
+                    and self._send_role.acquire(blocking=False)):
                 self._send_queue.append(unit)
                 self._sender_doorbell.put(None)
                 return
@@ -368,6 +369,14 @@ class TorchDistributedPipe(KVPipeBase):
         finally:
             self._send_role.release()
         self._raise_if_failed()
+
+    def _waits_for_no_wire(self, unit: list[_Outgoing]) -> bool:
+        """Whether a caller may send ``unit`` itself: its payloads all go through shared memory, so
+        it waits for no wire (a payload over the socket goes through the sender thread, as a
+        caller's wait may not outlast its timeout)."""
+        payloads = [message.data for message in unit
+                    if message.kind is FrameKind.TENSOR and message.nbytes >= SHARED_MIN_BYTES]
+        return not payloads or self._shared.room_for(payloads)
 
     def _prepare_own_unit(self, unit: list[_Outgoing]) -> tuple[list[FrameHeader], list[_Outgoing]]:
         """Headers for a unit a caller sends itself, regions to give back going first (hold ``_lock``)."""

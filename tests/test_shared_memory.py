@@ -200,7 +200,8 @@ def body_tensor_dies_while_the_pipe_is_busy(rank: int, port: int) -> bool:
 
 def body_long_payload_over_the_socket(rank: int, port: int) -> str:
     """A payload that streams over the local socket for longer than kv_timeout (no region free for
-    it), steadily, is the peer's sign of life: the next frame is not mistaken for a peer gone silent."""
+    it), steadily, is the peer's sign of life: the next frame is not mistaken for a peer gone silent.
+    The sender thread streams it, not the caller."""
     from kv_pipe import channel
 
     mib = 1 << 20
@@ -218,6 +219,8 @@ def body_long_payload_over_the_socket(rank: int, port: int) -> str:
             pipe.send_tensor(torch.ones(40 * mib, dtype=torch.uint8))  # a region; rank 1 keeps it
             assert pipe.recv_tensor(timeout=30) is None
             pipe.send_tensor(torch.full((30 * mib,), 7, dtype=torch.uint8))  # no room left: over the socket
+            # ... by the sender thread: the caller waits for no wire (its timeout bounds only credit).
+            assert pipe._sent_messages < pipe._queued_messages, "the caller streamed the payload itself"
             pipe.flush(timeout=60)
             time.sleep(1.0)
             pipe.send_tensor(torch.arange(5))
@@ -461,7 +464,7 @@ def test_a_received_tensor_may_die_while_another_thread_holds_the_pipe():
 
 
 @pytest.mark.timeout(120)
-def test_a_long_payload_over_the_socket_keeps_the_peer_alive():
+def test_a_long_payload_over_the_socket_keeps_the_peer_alive_and_its_caller_free():
     port = procs.free_port()
     assert procs.run_pair(body_long_payload_over_the_socket, (0, port), (1, port), timeout=110) == (
         "sent", "received")

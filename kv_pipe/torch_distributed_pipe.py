@@ -364,6 +364,7 @@ class TorchDistributedPipe(KVPipeBase):
             if prepared is False:
                 self._send_role.release()
                 self._raise_if_failed()
+                return
         try:
             self._send_unit(*prepared)
         finally:
@@ -408,16 +409,17 @@ class TorchDistributedPipe(KVPipeBase):
                     return
                 if prepared is None:
                     continue
-                unit, headers = prepared
+                headers, unit = prepared
                 if not self._send_unit(headers, unit):
                     return
             if unit[0].kind in _FINAL_KINDS:
                 return
 
-    def _prepare_next_unit(self) -> tuple[list[_Outgoing], list[FrameHeader]] | None:
+    def _prepare_next_unit(self) -> tuple[list[FrameHeader], list[_Outgoing]] | None:
+        """The next unit the sender thread sends, with its headers; None if nothing is due."""
         with self._lock:
             unit = self._next_unit()
-            return None if unit is None else (unit, self._frame_headers(unit))
+            return None if unit is None else (self._frame_headers(unit), unit)
 
     def _send_unit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> bool:
         """Transmit a unit (hold the send role); False if the pipe failed."""
@@ -748,7 +750,8 @@ class TorchDistributedPipe(KVPipeBase):
             self._sender_doorbell.put(None)
 
     def _wake_callers(self) -> None:
-        """Wake every caller waiting in the pipe: the pipe failed or is closing (hold ``_lock``)."""
+        """Wake every caller waiting in the pipe: the pipe failed, is closing, or the peer finished
+        (hold ``_lock``)."""
         for condition in (self._items, self._room, self._transmitted, self._receiver_parked):
             condition.notify_all()
 

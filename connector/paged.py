@@ -117,8 +117,9 @@ def _copy_runs(pairs: list[tuple[torch.Tensor, torch.Tensor]], dim: int, runs: l
         target_pieces, source_pieces = _block_pieces(target, dim), _block_pieces(source, dim)
         if target_pieces is None or source_pieces is None:
             # An integer view of the same element size copies the bits exactly, for every dtype.
+            target_bits, source_bits = _bits(target), _bits(source)
             for target_index, source_index, count in runs:
-                _bits(target).narrow(dim, target_index, count).copy_(_bits(source).narrow(dim, source_index, count))
+                target_bits.narrow(dim, target_index, count).copy_(source_bits.narrow(dim, source_index, count))
             continue
         (target_starts, block_bytes), (source_starts, _) = target_pieces, source_pieces
         copies.extend((target_start + target_index * block_bytes, source_start + source_index * block_bytes,

@@ -88,8 +88,12 @@ SPIN_SECONDS = (50e-6, 1e-3)
 RECEIVER_PARK_SECONDS = 0.05
 #: How long credit and regions of the peer's segment whose tensors died wait to go back with a
 #: message that is sent anyway, before the sender thread sends them alone (a wake-up and a frame per
-#: message would cost more). Credit the peer asked for goes at once.
-RETURN_DELAY_SECONDS = 0.001
+#: message would cost more). Credit the peer asked for goes at once. The wait starts at the shortest;
+#: each time messages took everything along meanwhile it doubles, up to the longest, and it falls
+#: back to the shortest when the sender thread has to send them alone. While messages flow both
+#: ways the sender thread then hardly wakes: a thread woken every millisecond on a small host moves
+#: the callers between cores and leaves their caches cold.
+RETURN_DELAY_SECONDS = (0.001, 0.064)
 
 
 class _TransportError(Exception):
@@ -165,6 +169,7 @@ class TorchDistributedPipe(KVPipeBase):
         # which may run in any thread at any moment: a deque's append and popleft are atomic.
         self._freed: collections.deque[int] = collections.deque()
         self._return_due: float | None = None  # when the sender thread sends pending credit and regions
+        self._return_delay = RETURN_DELAY_SECONDS[0]  # how long before _return_due that was decided
 
         # Reentrant: a received tensor over shared memory may die, and tell the pipe, in any thread
         # at any moment, including inside the pipe's own critical sections (garbage collection).
@@ -443,15 +448,19 @@ class TorchDistributedPipe(KVPipeBase):
                     return True
                 now = time.monotonic()
                 if self._freed and self._return_due is None:  # regions given back by finalizers
-                    self._return_due = now + RETURN_DELAY_SECONDS
+                    self._return_due = now + self._return_delay
                 if self._return_due is not None and now >= self._return_due:
                     pending = self._freed or self._credit.frame_due()
-                    if pending and self._last_sent >= self._return_due - RETURN_DELAY_SECONDS:
-                        self._return_due = now + RETURN_DELAY_SECONDS  # messages are going out: they take them along
+                    if pending and self._last_sent >= self._return_due - self._return_delay:
+                        # Messages are going out and take them along: look again later.
+                        self._return_delay = min(2 * self._return_delay, RETURN_DELAY_SECONDS[1])
+                        self._return_due = now + self._return_delay
                     else:
                         self._return_due = None
                         if pending:
+                            self._return_delay = RETURN_DELAY_SECONDS[0]
                             return True
+                        continue  # a region noted meanwhile rang no bell: look at _freed again
                 quiet_left = self._last_sent + self._keepalive_interval - now
                 if quiet_left <= 0:
                     return True
@@ -486,9 +495,14 @@ class TorchDistributedPipe(KVPipeBase):
         """A received tensor over the peer's segment died: give its region back. A finalizer, which
         may run in any thread inside any lock, so it takes none (waiting for the pipe's lock there
         could wait for a thread that waits for a lock this one holds): it only notes the region and
-        rings the sender thread, which sends it back within RETURN_DELAY_SECONDS."""
+        rings the sender thread, which sends it back within the return delay (RETURN_DELAY_SECONDS)."""
         self._freed.append(place)
-        self._sender_doorbell.put(None)
+        # While a return is scheduled the sender thread wakes by then and takes every region noted so
+        # far: a ring per tensor would wake it per message. It clears ``_return_due`` before it
+        # looks at ``_freed`` again, and this notes the region before it looks at ``_return_due``,
+        # so under the GIL one of the two sees the other.
+        if self._return_due is None:
+            self._sender_doorbell.put(None)
 
     def _report_credit(self) -> None:
         """Have the credit this side owes the peer sent: now if asked for, else soon (hold ``_lock``)."""
@@ -498,9 +512,9 @@ class TorchDistributedPipe(KVPipeBase):
             self._return_soon()
 
     def _return_soon(self) -> None:
-        """Credit or regions are to go back to the peer: within RETURN_DELAY_SECONDS (hold ``_lock``)."""
+        """Credit or regions are to go back to the peer: within the return delay (hold ``_lock``)."""
         if self._return_due is None:
-            self._return_due = time.monotonic() + RETURN_DELAY_SECONDS
+            self._return_due = time.monotonic() + self._return_delay
             self._sender_doorbell.put(None)
 
     def _frame_headers(self, unit: list[_Outgoing]) -> list[FrameHeader]:

@@ -235,6 +235,50 @@ def body_long_payload_over_the_socket(rank: int, port: int) -> str:
         return "received"
 
 
+def body_regions_come_back_without_traffic(rank: int, port: int) -> dict:
+    """Regions whose tensors die come back with no message to carry them, long before a keepalive
+    would (kv_timeout=60 s: one every 15 s): after one tensor dies alone, after several die while a
+    return is already scheduled, and after a steady exchange both ways (where messages take them
+    along and the sender thread looks less often)."""
+    mib = 1 << 20
+    waits = {}
+    with TorchDistributedPipe(config(rank, port, "on", kv_timeout=60.0)) as pipe:
+
+        def wait_until_all_back(phase: str) -> None:
+            started = time.monotonic()
+            while pipe._shared.used_bytes:
+                assert time.monotonic() - started < 10, f"{phase}: regions still held after 10 s"
+                time.sleep(0.002)
+            waits[phase] = time.monotonic() - started
+
+        if rank == 0:
+            pipe.send_tensor(torch.ones(mib, dtype=torch.uint8))
+            wait_until_all_back("one tensor dies alone")
+            for value in range(4):
+                pipe.send_tensor(torch.full((mib,), value, dtype=torch.uint8))
+            wait_until_all_back("several die, one after another")
+            for _ in range(300):
+                pipe.send_tensor(torch.ones(mib, dtype=torch.uint8))
+                assert pipe.recv_tensor(timeout=30).numel() == mib
+            wait_until_all_back("after an exchange both ways")
+            pipe.send_tensor(None)
+            assert pipe.recv_tensor(timeout=30) is None
+            return waits
+        first = pipe.recv_tensor(timeout=30)
+        del first
+        several = [pipe.recv_tensor(timeout=30) for _ in range(4)]
+        for index in range(4):  # the first rings the sender thread; the others die while it waits
+            del several[0]
+            time.sleep(0.0004 * index)
+        for _ in range(300):
+            received = pipe.recv_tensor(timeout=30)
+            pipe.send_tensor(received)
+        del received
+        assert pipe.recv_tensor(timeout=30) is None
+        pipe.send_tensor(None)
+        return waits
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -468,3 +512,10 @@ def test_a_long_payload_over_the_socket_keeps_the_peer_alive_and_its_caller_free
     port = procs.free_port()
     assert procs.run_pair(body_long_payload_over_the_socket, (0, port), (1, port), timeout=110) == (
         "sent", "received")
+
+
+@pytest.mark.timeout(120)
+def test_regions_come_back_without_traffic_long_before_a_keepalive():
+    port = procs.free_port()
+    waits, _ = procs.run_pair(body_regions_come_back_without_traffic, (0, port), (1, port), timeout=110)
+    assert len(waits) == 3, waits

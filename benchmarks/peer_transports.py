@@ -8,7 +8,10 @@ into host buffers allocated once and reused:
 * the kvbridge pipe with payloads over the transport, and with payloads through shared memory
   (the same-host path; across hosts it does not exist): ping-pong, one-way = round trip / 2.
 * Mooncake's transfer engine (TCP transport, P2P handshake) and NIXL (UCX backend, DRAM to DRAM):
-  one completed write from rank 0's buffer into rank 1's.
+  one completed write from rank 0's buffer into rank 1's. No one reads the target meanwhile, and
+  rank 1 is not told.
+* NIXL as a message: the same writes, each with a notification, ping-pong like the pipe (rank 1 is
+  told by the notification and writes the bytes it received back): one-way = round trip / 2.
 
 A transport that cannot be imported or started on either side is reported with the reason, never
 dropped. All transports are timed in the same processes, in alternating rounds, and the bytes each
@@ -270,6 +273,7 @@ class Nixl(Transport):
     target's progress; over shared memory it does not)."""
 
     name = "NIXL (UCX)"
+    tag = "nixl"  # names its agents and what it swaps through the store
     one_sided = True
 
     def __init__(self) -> None:
@@ -278,18 +282,21 @@ class Nixl(Transport):
         self.peer_name: str | None = None
         self.handle = None
 
+    def _buffers(self, ctx: Context) -> list[torch.Tensor]:
+        return [ctx.source if ctx.rank == 0 else ctx.target]
+
     def open(self, ctx: Context) -> None:
         api = import_peer("nixl._api", "nixl")
         try:
             config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-            self.agent = api.nixl_agent(f"kvbridge-bench-{ctx.rank}", config)
-            self.registration = self.agent.register_memory(ctx.source if ctx.rank == 0 else ctx.target)
+            self.agent = api.nixl_agent(f"kvbridge-bench-{self.tag}-{ctx.rank}", config)
+            self.registration = self.agent.register_memory(self._buffers(ctx))
         except Exception as exc:  # NIXL reports a backend that does not start as a plain exception
             raise Unavailable(f"failed to start: {exc}") from exc
 
     def connect(self, ctx: Context) -> None:
-        self.peer_name = self.agent.add_remote_agent(ctx.swap("nixl-metadata", self.agent.get_agent_metadata()))
-        self.peer_address = int(ctx.swap("nixl-address", str(ctx.target.data_ptr())))
+        self.peer_name = self.agent.add_remote_agent(ctx.swap(f"{self.tag}-metadata", self.agent.get_agent_metadata()))
+        self.peer_address = int(ctx.swap(f"{self.tag}-address", str(ctx.target.data_ptr())))
 
     def prepare(self, ctx: Context, nbytes: int) -> Step | None:
         if ctx.rank == 1:
@@ -301,12 +308,7 @@ class Nixl(Transport):
         handle = self.handle = agent.initialize_xfer("WRITE", local, remote, self.peer_name)
 
         def write() -> None:
-            state = agent.transfer(handle)
-            deadline = time.monotonic() + STEP_TIMEOUT
-            while state != "DONE":
-                if state == "ERR" or time.monotonic() > deadline:
-                    raise RuntimeError(f"NIXL write of {nbytes} bytes ended in state {state!r}")
-                state = agent.check_xfer_state(handle)
+            _complete(agent, handle, agent.transfer(handle), nbytes)
 
         return write
 
@@ -328,9 +330,54 @@ class Nixl(Transport):
             self.agent.deregister_memory(self.registration)
 
 
+class NixlMessage(Nixl):
+    """NIXL writes that tell their target, ping-pong: rank 0 writes its source into rank 1's target
+    with a notification; rank 1, told, writes that target back into rank 0's target, with one."""
+
+    name = "NIXL (UCX), told, ping-pong"
+    tag = "nixl-told"
+    one_sided = False
+
+    def _buffers(self, ctx: Context) -> list[torch.Tensor]:
+        return [ctx.source, ctx.target]
+
+    def prepare(self, ctx: Context, nbytes: int) -> Step | None:
+        self._release_handle()
+        agent, peer_name, target = self.agent, self.peer_name, ctx.target[:nbytes]
+        own = (ctx.source if ctx.rank == 0 else ctx.target).data_ptr()
+        local = agent.get_xfer_descs([(own, nbytes, 0)], "DRAM")
+        remote = agent.get_xfer_descs([(self.peer_address, nbytes, 0)], "DRAM")
+        handle = self.handle = agent.initialize_xfer("WRITE", local, remote, peer_name, b"m")
+
+        def told() -> None:
+            deadline = time.monotonic() + STEP_TIMEOUT
+            while not any(agent.get_new_notifs().values()):  # the peer is the agent's only one
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"NIXL: no notification of a {nbytes}-byte write within {STEP_TIMEOUT:g} s")
+
+        def round_trip() -> torch.Tensor:
+            if ctx.rank == 1:
+                told()
+            _complete(agent, handle, agent.transfer(handle, b"m"), nbytes)
+            if ctx.rank == 0:
+                told()
+            return target
+
+        return round_trip
+
+
+def _complete(agent, handle, state: str, nbytes: int) -> None:
+    """Progress a posted NIXL transfer until it is done; RuntimeError if it fails or takes too long."""
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while state != "DONE":
+        if state == "ERR" or time.monotonic() > deadline:
+            raise RuntimeError(f"NIXL write of {nbytes} bytes ended in state {state!r}")
+        state = agent.check_xfer_state(handle)
+
+
 def transports() -> list[Transport]:
     """Every transport, in table order."""
-    return [Memcpy(), RawGloo(), Pipe(shared=False), Pipe(shared=True), Mooncake(), Nixl()]
+    return [Memcpy(), RawGloo(), Pipe(shared=False), Pipe(shared=True), Mooncake(), Nixl(), NixlMessage()]
 
 
 def payload(nbytes: int) -> torch.Tensor:

@@ -60,12 +60,15 @@ def assert_timed(stdout: str, name: str) -> None:
 
 def assert_peers_and_ratios(stdout: str) -> None:
     """NIXL is reported as not installed, with its ratio not applicable; Mooncake is timed, or says why not."""
-    assert table_cells(stdout, "NIXL (UCX)")[1:] == ["not installed: pip install 'kvbridge[peers]'", "-", "-", "-"]
+    for nixl in ("NIXL (UCX)", "NIXL (UCX), told, ping-pong"):
+        assert table_cells(stdout, nixl)[1:] == ["not installed: pip install 'kvbridge[peers]'", "-", "-", "-"]
     mooncake = table_cells(stdout, "Mooncake TE (tcp)")
     if not re.fullmatch(NUMBER, mooncake[1]):
         assert re.match(r"(not installed: pip install 'kvbridge\[peers\]'|cannot load: .+|failed to start: .+)$",
                         mooncake[1]) and mooncake[2:] == ["-", "-", "-"], mooncake
     assert table_cells(stdout, "kvbridge/NIXL")[1:] == ["n/a (NIXL (UCX): see above)"] * len(PEER_SIZES)
+    assert table_cells(stdout, "kvbridge/NIXL told")[1:] == ["n/a (NIXL (UCX), told, ping-pong: see above)"] * len(
+        PEER_SIZES)
     for ratio in ("kvbridge/memcpy", "kvbridge/raw gloo"):
         cells = table_cells(stdout, ratio)
         assert len(cells) == 3 and all(re.fullmatch(rf"{NUMBER}x", cell) for cell in cells[1:]), cells

@@ -11,8 +11,10 @@ header's ``more`` word says whether another record follows. Payloads of the fram
 the frame in record order. So a small header and the large tensors it describes cost one frame.
 
 A payload may instead travel through shared memory (:mod:`kv_pipe.shared_memory`): its record then
-names the region of the sender's segment that holds it (``place``), and a ``FREED`` record, first in
-a frame, gives regions whose tensors have died back to their owner.
+names the region of the sender's segment that holds it (``place``). Regions whose tensors have died
+go back to their owner with the next frame: one alone in its first record's ``freed`` word (no
+record of its own: with one message in flight each way, the usual case), several in a ``FREED``
+record first in the frame.
 
 Every frame reports, in its first record, the bytes its sender's user has consumed (credit, see
 :mod:`kv_pipe.credit`) and whether its sender is waiting for credit.
@@ -37,7 +39,7 @@ import torch
 from kv_pipe.errors import KVProtocolError, KVTransferError
 
 MAGIC = 0x4B5642524447  # "KVBRDG"
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 HEADER_WORDS = 64
 HEADER_BYTES = HEADER_WORDS * 8
 HOST_FRAME_BYTES = HEADER_BYTES + (1 << 20)
@@ -95,7 +97,7 @@ for _code, _name in enumerate(_DTYPE_NAMES, start=1):
 
 # Header word positions.
 _W_MAGIC, _W_VERSION, _W_KIND, _W_SEQ, _W_CONSUMED, _W_WANT_CREDIT = 0, 1, 2, 3, 4, 5
-_W_DTYPE, _W_NDIM, _W_NBYTES, _W_INLINE, _W_MORE, _W_PLACE, _W_SHAPE = 6, 7, 8, 9, 10, 11, 12
+_W_DTYPE, _W_NDIM, _W_NBYTES, _W_INLINE, _W_MORE, _W_PLACE, _W_FREED, _W_SHAPE = 6, 7, 8, 9, 10, 11, 12, 13
 
 # Headers are packed with struct straight into the frame's memory: per message this costs a third
 # of building and reading lists of words, which a small tensor's whole trip would notice.
@@ -119,6 +121,7 @@ class FrameHeader:
     inline: bool = False  # the tensor's bytes are inside the frame
     more: bool = False  # another record follows in this frame
     place: int = 0  # where the payload is in the sender's shared-memory segment; 0: not there
+    freed: int = 0  # a region of the receiver's segment given back (first record of a frame only); 0: none
 
 
 def record_inline_capacity(frame_bytes: int, offset: int) -> int:
@@ -142,7 +145,7 @@ def pack_header(header: FrameHeader, buffer: memoryview | bytearray) -> None:
     ndim = len(header.shape) if tensor else 0
     _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, header.kind, header.seq, header.consumed,
                      header.want_credit, DTYPE_TO_CODE[header.dtype] if tensor else 0, ndim, header.nbytes,
-                     header.inline, header.more, header.place)
+                     header.inline, header.more, header.place, header.freed)
     _SHAPES[ndim].pack_into(buffer, _FIXED.size, *header.shape)
     end = _FIXED.size + 8 * ndim
     buffer[end:HEADER_BYTES] = _ZEROS[end:]  # frames are reused: no word may stay from an earlier header
@@ -171,10 +174,11 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int, sha
     tensor fits it, and is never set for a tensor in shared memory. ``shared_bytes`` is the size of
     the peer's shared-memory segment as mapped on this side (0: none): a place outside it is refused
     before anything is read there. Only records of items (TENSOR, NONE) and FREED may say that
-    another record follows.
+    another record follows. A ``freed`` word must name a region start of a segment (whether this
+    side gave that region is the caller's to check).
     """
-    magic, version, kind_code, seq, consumed, want_credit, dtype_code, ndim, nbytes, inline_word, more, place = (
-        _FIXED.unpack_from(buffer))
+    (magic, version, kind_code, seq, consumed, want_credit, dtype_code, ndim, nbytes, inline_word, more, place,
+     freed) = _FIXED.unpack_from(buffer)
     if magic != MAGIC:
         raise KVProtocolError(f"peer sent a frame with bad magic {magic:#x}: not a kvbridge pipe")
     if version != PROTOCOL_VERSION:
@@ -189,10 +193,12 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int, sha
         raise KVProtocolError(f"peer sent a malformed {kind.name} header: {list(_FIXED.unpack_from(buffer))}")
     if more and kind not in ITEM_KINDS and kind is not FrameKind.FREED:
         raise KVProtocolError(f"peer sent a {kind.name} record that claims another record follows it")
+    if freed and (freed < SHARED_DATA_START or freed % SHARED_REGION_ALIGN):
+        raise KVProtocolError(f"peer gave back shared-memory offset {freed}, which is no region start")
     if kind not in _TENSOR_KINDS:
         if dtype_code or ndim or nbytes or inline_word or place or not _all_zero(buffer, _FIXED.size):
             raise KVProtocolError(f"peer sent a {kind.name} frame with tensor fields set")
-        return FrameHeader(kind, seq, consumed, bool(want_credit), more=bool(more))
+        return FrameHeader(kind, seq, consumed, bool(want_credit), more=bool(more), freed=freed)
     dtype = CODE_TO_DTYPE.get(dtype_code)
     if dtype is None:
         raise KVProtocolError(f"peer sent unknown dtype code {dtype_code}")
@@ -223,7 +229,8 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int, sha
             f"peer placed a {nbytes}-byte payload at byte {place} of its shared-memory segment, outside the "
             f"{shared_bytes} bytes mapped here (or not at a region start); refused before reading it"
         )
-    return FrameHeader(kind, seq, consumed, bool(want_credit), dtype, shape, nbytes, inline, bool(more), place)
+    return FrameHeader(kind, seq, consumed, bool(want_credit), dtype, shape, nbytes, inline, bool(more), place,
+                       freed)
 
 
 def check_sendable(tensor: torch.Tensor) -> None:

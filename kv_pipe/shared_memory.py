@@ -251,10 +251,10 @@ class SharedMemoryLink:
             self._lent[place] = _LENT_SENT
         return place
 
-    def release(self, places: np.ndarray) -> None:
-        """The peer gave these regions back (a FREED record); KVProtocolError for one it never had."""
+    def release(self, places: list[int]) -> None:
+        """The peer gave these regions back; KVProtocolError for one it never had."""
         self._settle_deaths()
-        for place in places.tolist():
+        for place in places:
             with self._lock:
                 state = self._lent.get(place)
                 if state == _LENT_UNSENT or state == _LENT_PEER_DONE:

@@ -385,10 +385,10 @@ class TorchDistributedPipe(KVPipeBase):
         return not payloads or self._shared.room_for(payloads)
 
     def _prepare_own_unit(self, unit: list[_Outgoing]) -> tuple[list[FrameHeader], list[_Outgoing]]:
-        """Headers for a unit a caller sends itself, regions to give back going first (hold ``_lock``)."""
-        freed = self._freed_record()
-        unit = unit if freed is None else [freed, *unit]
-        return self._frame_headers(unit), unit
+        """Headers for a unit a caller sends itself, with the regions to give back (hold ``_lock``)."""
+        record, freed = self._take_freed()
+        unit = unit if record is None else [record, *unit]
+        return self._frame_headers(unit, freed), unit
 
     def _raise_if_unusable_for_send(self) -> None:
         self._raise_if_failed()
@@ -423,8 +423,11 @@ class TorchDistributedPipe(KVPipeBase):
     def _prepare_next_unit(self) -> tuple[list[FrameHeader], list[_Outgoing]] | None:
         """The next unit the sender thread sends, with its headers; None if nothing is due."""
         with self._lock:
-            unit = self._next_unit()
-            return None if unit is None else (self._frame_headers(unit), unit)
+            found = self._next_unit()
+            if found is None:
+                return None
+            unit, freed = found
+            return self._frame_headers(unit, freed), unit
 
     def _send_unit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> bool:
         """Transmit a unit (hold the send role); False if the pipe failed."""
@@ -472,17 +475,25 @@ class TorchDistributedPipe(KVPipeBase):
             except queue.Empty:
                 pass
 
-    def _next_unit(self) -> list[_Outgoing] | None:
-        """The next unit to send, or a keepalive if one is due (hold ``_lock``); None if nothing is."""
-        freed = self._freed_record()
-        if freed is not None and (not self._send_queue or self._send_queue[0][0].kind in _FINAL_KINDS):
-            return [freed]  # a final frame goes alone: nothing may share its frame
+    def _next_unit(self) -> tuple[list[_Outgoing], int] | None:
+        """The next unit to send, or a keepalive if one is due, with the region its first header gives
+        back (hold ``_lock``); None if nothing is due."""
+        if self._freed and (not self._send_queue or self._send_queue[0][0].kind in _FINAL_KINDS):
+            return [self._freed_record()], 0  # a final frame goes alone: nothing may share its frame
         if self._send_queue:
+            record, freed = self._take_freed()
             unit = self._send_queue.popleft()
-            return unit if freed is None else [freed, *unit]
+            return (unit if record is None else [record, *unit]), freed
         if self._last_sent + self._keepalive_interval <= time.monotonic() or self._credit.frame_due():
-            return [_Outgoing(FrameKind.KEEPALIVE)]
+            return [_Outgoing(FrameKind.KEEPALIVE)], 0
         return None
+
+    def _take_freed(self) -> tuple[_Outgoing | None, int]:
+        """Regions of the peer's segment to give back with the next unit (hold ``_lock``): one alone
+        rides in the unit's first header, several go in a FREED record ahead of it."""
+        if len(self._freed) == 1:  # finalizers only append, and only lock holders take
+            return None, self._freed.popleft()
+        return self._freed_record(), 0
 
     def _freed_record(self) -> _Outgoing | None:
         """A FREED record for regions of the peer's segment whose tensors died, if any (hold ``_lock``)."""
@@ -517,8 +528,8 @@ class TorchDistributedPipe(KVPipeBase):
             self._return_due = time.monotonic() + self._return_delay
             self._sender_doorbell.put(None)
 
-    def _frame_headers(self, unit: list[_Outgoing]) -> list[FrameHeader]:
-        """The records' headers of ``unit`` (hold ``_lock``).
+    def _frame_headers(self, unit: list[_Outgoing], freed: int = 0) -> list[FrameHeader]:
+        """The records' headers of ``unit``, the first giving back region ``freed`` (hold ``_lock``).
 
         Records share a frame while the next one's header fits after the last one's inline bytes;
         whether a tensor is inline depends on where its record starts.
@@ -529,7 +540,7 @@ class TorchDistributedPipe(KVPipeBase):
         offset = 0  # where the current record starts in its frame
         for index, message in enumerate(unit):
             header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=consumed,
-                                 want_credit=want_credit, nbytes=message.nbytes)
+                                 want_credit=want_credit, nbytes=message.nbytes, freed=0 if index else freed)
             if message.data is not None:
                 header.dtype, header.shape = message.data.dtype, tuple(message.data.shape)
                 header.inline = message.nbytes <= record_inline_capacity(frame_bytes, offset)
@@ -684,10 +695,14 @@ class TorchDistributedPipe(KVPipeBase):
                 raise KVProtocolError("peer sent a frame whose records disagree on credit")
             elif header.kind not in ITEM_KINDS:
                 raise KVProtocolError(f"peer sent a {header.kind.name} record after another record in one frame")
+            elif header.freed:
+                raise KVProtocolError("peer gave a region back in a record other than its frame's first")
+            if (header.freed or header.kind is FrameKind.FREED) and self._shared is None:
+                raise KVProtocolError("peer freed shared-memory regions, but this side gave it none")
+            if header.freed:
+                self._shared.release([header.freed])
             if header.kind is FrameKind.FREED:
-                if self._shared is None:
-                    raise KVProtocolError("peer freed shared-memory regions, but this side gave it none")
-                self._shared.release(self._wire.read_inline(offset + HEADER_BYTES, header).numpy())
+                self._shared.release(self._wire.read_inline(offset + HEADER_BYTES, header).tolist())
             elif header.kind in ITEM_KINDS:
                 if header.seq != self._next_recv_seq:
                     raise KVProtocolError(f"peer's message {header.seq} arrived where {self._next_recv_seq} was due")

@@ -674,6 +674,13 @@ HOSTILE_HEADERS: dict[str, tuple[list[list[int] | dict[int, list[int]]], str]] =
                                          "refused before reading it"),
     "inline tensor with a place": ([_edit(_header(), place=P.SHARED_DATA_START)], "inline flag"),
     "freeing a region never given": ([_freed()], "never gave it"),
+    "giving back a region never given, in a header": ([_header(freed=P.SHARED_DATA_START)], "never gave it"),
+    "giving back an offset off a region start": ([_edit(_header(), freed=P.SHARED_DATA_START + 8)],
+                                                 "no region start"),
+    "giving back a negative offset": ([_edit(_keepalive(0), freed=-P.SHARED_DATA_START)], "no region start"),
+    "giving back a region in a second record": ([{0: _header(more=True),
+                                                  _SECOND_RECORD: _header(seq=1, freed=P.SHARED_DATA_START)}],
+                                                "other than its frame's first"),
     "FREED record of floats": ([_edit(_freed(), dtype=P.DTYPE_TO_CODE[torch.float64])], "malformed FREED"),
 }
 

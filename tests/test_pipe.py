@@ -670,7 +670,7 @@ def body_bug_while_sending(rank: int, port: int, where: str) -> str:
         _close_quietly(pipe)
         return "peer saw it"
 
-    def broken_frame_headers(unit):
+    def broken_frame_headers(unit, freed=0):
         raise TypeError("a bug in the pipe")
 
     pipe.send_tensor(None)
@@ -1055,7 +1055,7 @@ def test_header_codec_round_trips_in_a_reused_frame():
     frame = memoryview(bytearray(HEADER_BYTES))
     inline_capacity = HOST_FRAME_BYTES - HEADER_BYTES
     headers = [FrameHeader(kind, seq=generator.randrange(1 << 40), consumed=generator.randrange(1 << 50),
-                           want_credit=generator.random() < 0.5)
+                           want_credit=generator.random() < 0.5, freed=4096 * generator.randrange(0, 9))
                for kind in FrameKind if kind not in (FrameKind.TENSOR, FrameKind.FREED)]
     headers.append(FrameHeader(FrameKind.FREED, seq=0, consumed=5, want_credit=False, dtype=torch.int64,
                                shape=(3,), nbytes=24, inline=True, more=True))
@@ -1068,7 +1068,8 @@ def test_header_codec_round_trips_in_a_reused_frame():
             inline = nbytes <= inline_capacity
             headers.append(FrameHeader(FrameKind.TENSOR, seq=generator.randrange(1 << 40), consumed=0,
                                        want_credit=True, dtype=dtype, shape=shape, nbytes=nbytes, inline=inline,
-                                       place=0 if inline or not nbytes else 4096 * generator.randrange(1, 9)))
+                                       place=0 if inline or not nbytes else 4096 * generator.randrange(1, 9),
+                                       freed=4096 * generator.randrange(0, 9)))
     for header in headers:
         pack_header(header, frame)
         assert decode_header(frame, max_nbytes=1 << 62, inline_capacity=inline_capacity,

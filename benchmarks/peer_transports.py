@@ -298,14 +298,18 @@ class Nixl(Transport):
         self.peer_name = self.agent.add_remote_agent(ctx.swap(f"{self.tag}-metadata", self.agent.get_agent_metadata()))
         self.peer_address = int(ctx.swap(f"{self.tag}-address", str(ctx.target.data_ptr())))
 
+    def _new_write(self, source: torch.Tensor, nbytes: int, notification: bytes = b""):
+        """A handle that writes ``nbytes`` of ``source`` into the peer's target (the last one released)."""
+        self._release_handle()
+        local = self.agent.get_xfer_descs([(source.data_ptr(), nbytes, 0)], "DRAM")
+        remote = self.agent.get_xfer_descs([(self.peer_address, nbytes, 0)], "DRAM")
+        self.handle = self.agent.initialize_xfer("WRITE", local, remote, self.peer_name, notification)
+        return self.handle
+
     def prepare(self, ctx: Context, nbytes: int) -> Step | None:
         if ctx.rank == 1:
             return None
-        self._release_handle()
-        agent = self.agent
-        local = agent.get_xfer_descs([(ctx.source.data_ptr(), nbytes, 0)], "DRAM")
-        remote = agent.get_xfer_descs([(self.peer_address, nbytes, 0)], "DRAM")
-        handle = self.handle = agent.initialize_xfer("WRITE", local, remote, self.peer_name)
+        agent, handle = self.agent, self._new_write(ctx.source, nbytes)
 
         def write() -> None:
             _complete(agent, handle, agent.transfer(handle), nbytes)
@@ -342,12 +346,8 @@ class NixlMessage(Nixl):
         return [ctx.source, ctx.target]
 
     def prepare(self, ctx: Context, nbytes: int) -> Step | None:
-        self._release_handle()
-        agent, peer_name, target = self.agent, self.peer_name, ctx.target[:nbytes]
-        own = (ctx.source if ctx.rank == 0 else ctx.target).data_ptr()
-        local = agent.get_xfer_descs([(own, nbytes, 0)], "DRAM")
-        remote = agent.get_xfer_descs([(self.peer_address, nbytes, 0)], "DRAM")
-        handle = self.handle = agent.initialize_xfer("WRITE", local, remote, peer_name, b"m")
+        agent, target = self.agent, ctx.target[:nbytes]
+        handle = self._new_write(ctx.source if ctx.rank == 0 else ctx.target, nbytes, b"m")
 
         def told() -> None:
             deadline = time.monotonic() + STEP_TIMEOUT

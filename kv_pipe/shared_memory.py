@@ -5,7 +5,8 @@ an *outgoing segment*: an anonymous shared-memory file (``memfd_create``) that o
 payload is copied once into a free region of the sender's segment; its frame, still sent over the
 transport, names the region (``place``), and the receiver's tensor is a view of that region, with no
 second copy. When the receiver's last reference to the tensor dies, the region's offset goes back
-to the sender in a ``FREED`` record and is reused. Frames travel over a Unix stream socket between
+to the sender with the next frame (in its first header, or a ``FREED`` record for several) and is
+reused. Frames travel over a Unix stream socket between
 the two processes (:class:`kv_pipe.channel.SocketChannel`) instead of the groups, with the same
 records, credit, keepalives, ordering and checks, so the pipe's guarantees do not change.
 

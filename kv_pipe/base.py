@@ -13,6 +13,8 @@ from types import TracebackType
 import torch
 
 from kv_pipe.config import KVTransferConfig
+from kv_pipe.errors import KVConfigError
+from kv_pipe.exported_memory import ExportDescriptor, PeerMemory
 
 
 class KVPipeBase(abc.ABC):
@@ -75,6 +77,16 @@ class KVPipeBase(abc.ABC):
         """A new tensor to fill and then send, in memory the pipe sends fastest (see the
         implementation); a plain ``torch.empty`` here. Once sent, do not modify it. Thread-safe."""
         return torch.empty(tuple(shape), dtype=dtype)
+
+    def map_peer_memory(self, descriptor: ExportDescriptor) -> PeerMemory:
+        """Memory the peer exported (:func:`kv_pipe.exported_memory.export_host_memory`), mapped
+        read-only here; the same mapping for every call with the same export. Thread-safe.
+
+        Raises:
+            KVConfigError: this pipe has no same-host path to its peer.
+            KVProtocolError: the descriptor names no export of the peer.
+        """
+        raise KVConfigError("this pipe cannot map its peer's memory: it has no same-host path")
 
     @abc.abstractmethod
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:

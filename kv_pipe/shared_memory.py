@@ -195,10 +195,11 @@ class SharedMemoryLink:
     caller's tensor has died, so that neither side ever sees the region reused under its tensor.
     """
 
-    def __init__(self, own: Segment, peer: Segment, connection: socket.socket) -> None:
+    def __init__(self, own: Segment, peer: Segment, connection: socket.socket, peer_pid: int) -> None:
         self.own = own
         self.peer = peer
         self.connection = connection  # the local socket that carries frames (kv_pipe.channel)
+        self.peer_pid = peer_pid  # checked over the local socket (SO_PEERCRED)
         self.allocator = RegionAllocator(SHARED_DATA_START, own.nbytes)
         self._lent: dict[int, int] = {}  # place of a lent region -> its _LENT_* state
         # Finalizers only append here (atomic): they may run inside any critical section, even this
@@ -342,7 +343,7 @@ def establish(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: in
         )
     if connection is None:
         return None
-    return SharedMemoryLink(own, peer_segment, connection)
+    return SharedMemoryLink(own, peer_segment, connection, pid)
 
 
 def _connect_socket(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, peer_pid: int,

@@ -55,6 +55,7 @@ from kv_pipe.errors import (
     KVTimeoutError,
     KVTransferError,
 )
+from kv_pipe.exported_memory import ExportDescriptor, PeerMemory
 from kv_pipe.protocol import (
     HEADER_BYTES,
     ITEM_KINDS,
@@ -168,6 +169,7 @@ class TorchDistributedPipe(KVPipeBase):
         # Regions of the peer's segment whose tensors died, to give back. Appended to by finalizers,
         # which may run in any thread at any moment: a deque's append and popleft are atomic.
         self._freed: collections.deque[int] = collections.deque()
+        self._peer_exports: dict[ExportDescriptor, PeerMemory] = {}  # mapped once, kept while the pipe lives
         self._return_due: float | None = None  # when the sender thread sends pending credit and regions
         self._return_delay = RETURN_DELAY_SECONDS[0]  # how long before _return_due that was decided
 
@@ -241,6 +243,18 @@ class TorchDistributedPipe(KVPipeBase):
         """Whether the same-host path is up: payloads through shared memory and frames over a local
         socket, in both directions (see ``kv_shared_memory``)."""
         return self._shared is not None
+
+    def map_peer_memory(self, descriptor: ExportDescriptor) -> PeerMemory:
+        shared = self._shared  # close() may drop it meanwhile
+        if shared is None:
+            return super().map_peer_memory(descriptor)
+        with self._lock:
+            mapped = self._peer_exports.get(descriptor)
+        if mapped is None:
+            mapped = PeerMemory.open(shared.peer_pid, descriptor)  # outside the lock: it may take a while
+            with self._lock:
+                mapped = self._peer_exports.setdefault(descriptor, mapped)
+        return mapped
 
     def send_tensor(self, tensor: torch.Tensor | None, timeout: float | None = None) -> None:
         self._queue_unit([self._outgoing(tensor)], timeout, _deadline(timeout))

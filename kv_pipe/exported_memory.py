@@ -1,0 +1,172 @@
+"""Host memory a process lets its same-host pipe peers read: its pages moved into shared memory in place.
+
+A KV cache is allocated by its engine, in private memory that no other process can map. The only
+copy a transfer between two caches on one host needs is the consumer copying the producer's blocks
+straight into its own; for that the producer's cache pages must be shared. :func:`export_host_memory`
+makes them so without moving the tensor: it copies the whole pages under the tensor's storage into
+an anonymous shared-memory file (``memfd_create``) and maps that file over the very same addresses
+(``MAP_FIXED``), so every tensor and view over the storage keeps working, reading and writing the
+shared pages. The file is sealed against shrinking and growing: a peer that maps it can never fault
+on a page the exporter took away.
+
+A pipe peer maps the export read-only (:class:`PeerMemory`, through ``/proc/PID/fd/FD`` of a peer
+the pipe already proved to be on this host): it can read the exporter's memory, never change it.
+What it reads is steered only by offsets that are checked against the mapping here.
+
+Only the whole pages inside the storage are exported: the partial pages at its ends may belong to
+other allocations. An export keeps its storage alive for the rest of the process: were the storage
+freed, whatever the allocator put at those addresses next would be readable by peers. It is meant
+for memory that lives as long as the process anyway, an engine's KV caches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import fcntl
+import mmap
+import os
+import stat
+import threading
+import weakref
+
+import torch
+
+from kv_pipe.errors import KVConfigError, KVProtocolError
+
+_EXPORT_NAME = "kvbridge-export"
+_PAGE = mmap.PAGESIZE
+#: Seals every export carries: its size can never change under a peer's mapping.
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10  # not in Python's mmap module: the pages at the address are replaced, or nothing is
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportDescriptor:
+    """What a peer needs to map an export: the exporter's descriptor number, the file's inode (so
+    that a reused descriptor number is never taken for the export) and its size."""
+
+    fd: int
+    inode: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedMemory:
+    """Pages of this process shared with pipe peers: ``[address, address + nbytes)``."""
+
+    address: int
+    nbytes: int
+    descriptor: ExportDescriptor
+    storage: torch.UntypedStorage = dataclasses.field(compare=False, repr=False)  # never freed: see above
+
+    def offset_of(self, address: int, nbytes: int) -> int | None:
+        """The offset of ``[address, address + nbytes)`` in this export, or None if it lies outside."""
+        if nbytes < 0 or address < self.address or address + nbytes > self.address + self.nbytes:
+            return None
+        return address - self.address
+
+
+_exports: list[ExportedMemory] = []
+_exports_lock = threading.Lock()
+
+
+def export_host_memory(tensor: torch.Tensor) -> ExportedMemory:
+    """Share the whole pages under ``tensor``'s storage with pipe peers, in place; the export that
+    already covers them if there is one. Contents, addresses and every view are unchanged.
+
+    Call it before other threads use the storage: a write during the move could be lost. Thread-safe.
+
+    Raises:
+        KVConfigError: the tensor is not in host memory, its storage holds no whole page, or the
+            kernel refused (no ``memfd_create`` or ``mmap``; the message says which).
+    """
+    if tensor.device.type != "cpu":
+        raise KVConfigError(f"only host memory can be exported, not {tensor.device}")
+    storage = tensor.untyped_storage()
+    start = -(-storage.data_ptr() // _PAGE) * _PAGE
+    end = (storage.data_ptr() + storage.nbytes()) // _PAGE * _PAGE
+    if end <= start:
+        raise KVConfigError(f"a storage of {storage.nbytes()} bytes holds no whole page to export")
+    with _exports_lock:
+        for export in _exports:
+            if export.address == start and export.nbytes == end - start:
+                return export
+            if export.address < end and start < export.address + export.nbytes:
+                raise KVConfigError("the storage overlaps memory exported before, but not exactly")
+        export = _move_into_shared_memory(start, end - start, storage)
+        _exports.append(export)
+    return export
+
+
+def _move_into_shared_memory(address: int, nbytes: int, storage: torch.UntypedStorage) -> ExportedMemory:
+    fd = os.memfd_create(_EXPORT_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+        view = (ctypes.c_char * nbytes).from_address(address)
+        written = 0
+        while written < nbytes:
+            written += os.pwrite(fd, memoryview(view)[written:], written)
+        mapped = _libc.mmap(address, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+        if mapped != address:
+            raise OSError(ctypes.get_errno(), "mmap over the storage failed")
+    except OSError as exc:
+        os.close(fd)
+        raise KVConfigError(f"cannot move {nbytes} bytes into shared memory: {exc}") from exc
+    # The descriptor stays open for the life of the process: peers map the export through it.
+    return ExportedMemory(address, nbytes, ExportDescriptor(fd, os.fstat(fd).st_ino, nbytes), storage)
+
+
+class PeerMemory:
+    """A peer's export, mapped read-only here. Thread-safe; unmapped once this object has died."""
+
+    def __init__(self, address: int, nbytes: int, descriptor: ExportDescriptor) -> None:
+        self.address = address
+        self.nbytes = nbytes
+        self.descriptor = descriptor
+        weakref.finalize(self, _libc.munmap, address, nbytes).atexit = False
+
+    @classmethod
+    def open(cls, pid: int, descriptor: ExportDescriptor) -> PeerMemory:
+        """Map export ``descriptor`` of process ``pid``.
+
+        Raises:
+            KVProtocolError: the descriptor does not name a sealed kvbridge export of that inode and
+                size in that process (or the process is gone).
+        """
+        path = f"/proc/{pid}/fd/{descriptor.fd}"
+        try:
+            # Only a kvbridge export is ever opened, never another file (or a FIFO, whose open would
+            # block) that the peer has open under that number.
+            status = os.stat(path)
+            if not os.readlink(path).startswith(f"/memfd:{_EXPORT_NAME}") or not stat.S_ISREG(status.st_mode):
+                raise KVProtocolError(f"{path} is not a kvbridge export")
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise KVProtocolError(f"cannot open the peer's export {path}: {exc}") from exc
+        try:
+            opened = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if (opened.st_ino, opened.st_size) != (descriptor.inode, descriptor.nbytes) or \
+                    seals & REQUIRED_SEALS != REQUIRED_SEALS or descriptor.nbytes <= 0:
+                raise KVProtocolError(f"{path} is not the announced export of {descriptor.nbytes} bytes, sealed")
+            address = _libc.mmap(None, descriptor.nbytes, mmap.PROT_READ, mmap.MAP_SHARED | mmap.MAP_POPULATE, fd, 0)
+            if address in (None, _MAP_FAILED):
+                raise KVProtocolError(f"cannot map {path}: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(fd)
+        return cls(address, descriptor.nbytes, descriptor)
+
+    def address_of(self, offset: int, nbytes: int) -> int:
+        """The local address of ``nbytes`` at ``offset``; KVProtocolError if they leave the export."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise KVProtocolError(f"{nbytes} bytes at offset {offset} leave the peer's export of {self.nbytes} bytes")
+        return self.address + offset

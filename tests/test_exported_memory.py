@@ -1,0 +1,180 @@
+"""Host memory moved into shared memory in place, and a same-host peer mapping it read-only."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+
+import pytest
+import torch
+
+from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe.errors import KVConfigError, KVProtocolError
+from kv_pipe.exported_memory import REQUIRED_SEALS, ExportDescriptor, export_host_memory
+from tests import procs
+from tests.tensors import random_tensor, same_bits
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _bytes_at(address: int, nbytes: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(ctypes.string_at(address, nbytes)), dtype=torch.uint8)
+
+
+def _flat_bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool])
+def test_export_keeps_contents_addresses_and_views(dtype):
+    generator = torch.Generator().manual_seed(3)
+    tensor = random_tensor(generator, dtype, (37, 1031))  # odd sizes: the storage starts and ends mid-page
+    before = tensor.clone()
+    address = tensor.data_ptr()
+    view = tensor[5:9, 3:]
+    export = export_host_memory(view)  # any view exports its whole storage
+    assert tensor.data_ptr() == address and same_bits(tensor, before)
+    start, end = address, address + tensor.nbytes
+    assert export.address == -(-start // PAGE) * PAGE and export.address + export.nbytes == end // PAGE * PAGE
+    # The export's file holds what the tensor holds, and a write through any view reaches it.
+    replacement = random_tensor(generator, dtype, tuple(view.shape))
+    view.copy_(replacement)
+    assert same_bits(tensor[5:9, 3:], replacement)
+    with open(f"/proc/self/fd/{export.descriptor.fd}", "rb") as file:
+        in_file = torch.frombuffer(bytearray(file.read()), dtype=torch.uint8)
+    inside = _flat_bits(tensor)[export.address - start: export.address - start + export.nbytes]
+    assert torch.equal(in_file, inside)
+    assert fcntl.fcntl(export.descriptor.fd, fcntl.F_GET_SEALS) & REQUIRED_SEALS == REQUIRED_SEALS
+    assert export_host_memory(tensor) == export  # once per storage
+    del tensor, view  # the export keeps the storage: its pages are never handed to anything else
+    assert export.storage.data_ptr() == start
+    assert torch.equal(_bytes_at(export.address, export.nbytes), inside)
+
+
+def test_export_refuses_what_it_cannot_share():
+    with pytest.raises(KVConfigError, match="no whole page"):
+        export_host_memory(torch.ones(PAGE // 8, dtype=torch.uint8))
+    big = torch.rand(1 << 20)
+    export_host_memory(big[: 1 << 19])
+    part = torch.from_numpy(big.numpy()[PAGE:])  # another storage over the same pages
+    with pytest.raises(KVConfigError, match="overlaps"):
+        export_host_memory(part)
+
+
+def test_offsets_of_an_export_are_bounded():
+    tensor = torch.rand(1 << 16)
+    export = export_host_memory(tensor)
+    assert export.offset_of(export.address, export.nbytes) == 0
+    assert export.offset_of(export.address + 8, 16) == 8
+    assert export.offset_of(export.address - 1, 1) is None
+    assert export.offset_of(export.address + export.nbytes - 4, 8) is None
+
+
+# ---------------------------------------------------------------- bodies run in the child processes
+
+
+def _config(rank: int, port: int, mode: str = "on") -> KVTransferConfig:
+    return KVTransferConfig(kv_rank=rank, kv_port=port, kv_timeout=5.0, kv_connect_timeout=30.0, kv_shared_memory=mode,
+                            kv_buffer_size=16 << 20)
+
+
+def _descriptor_tensor(descriptor: ExportDescriptor, *extra: int) -> torch.Tensor:
+    return torch.tensor([descriptor.fd, descriptor.inode, descriptor.nbytes, *extra], dtype=torch.int64)
+
+
+def body_read_peer_export(rank: int, port: int) -> dict:
+    """Rank 0 exports random bytes and changes them in place; rank 1 reads them through its mapping."""
+    first, second = (random_tensor(torch.Generator().manual_seed(seed), torch.float16, (3, 70001)) for seed in (1, 2))
+    with TorchDistributedPipe(_config(rank, port)) as pipe:
+        if rank == 0:
+            tensor = first.clone()
+            export = export_host_memory(tensor)
+            # The tensor starts and ends in partial pages: the export begins ``head`` bytes into it.
+            pipe.send_tensor(_descriptor_tensor(export.descriptor, export.address - tensor.data_ptr()))
+            assert pipe.recv_tensor(timeout=30).item() == 1  # read once
+            tensor.copy_(second)
+            pipe.send_tensor(torch.tensor([2]))
+            assert pipe.recv_tensor(timeout=30).item() == 3
+            return {}
+        fd, inode, nbytes, head = pipe.recv_tensor(timeout=30).tolist()
+        descriptor = ExportDescriptor(fd, inode, nbytes)
+        mapped = pipe.map_peer_memory(descriptor)
+        report = {"same mapping": pipe.map_peer_memory(descriptor) is mapped}
+        report["first"] = torch.equal(_bytes_at(mapped.address_of(0, nbytes), nbytes),
+                                      _flat_bits(first)[head:head + nbytes])
+        pipe.send_tensor(torch.tensor([1]))
+        assert pipe.recv_tensor(timeout=30).item() == 2
+        report["second"] = torch.equal(_bytes_at(mapped.address_of(0, nbytes), nbytes),
+                                       _flat_bits(second)[head:head + nbytes])
+        with open("/proc/self/maps") as maps:
+            line = next(line for line in maps if int(line.split("-")[0], 16) == mapped.address)
+        report["permissions"] = line.split()[1]
+        for name, call in [("past the end", lambda: mapped.address_of(nbytes - 8, 16)),
+                           ("negative", lambda: mapped.address_of(-8, 8)),
+                           ("wrong inode", lambda: pipe.map_peer_memory(ExportDescriptor(fd, inode + 1, nbytes))),
+                           ("wrong size", lambda: pipe.map_peer_memory(ExportDescriptor(fd, inode, nbytes + PAGE))),
+                           ("wrong fd", lambda: pipe.map_peer_memory(ExportDescriptor(0, inode, nbytes)))]:
+            try:
+                call()
+                report[name] = "accepted"
+            except KVProtocolError:
+                report[name] = "refused"
+        pipe.send_tensor(torch.tensor([3]))
+        return report
+
+
+def test_a_peer_reads_an_export_read_only_and_sees_changes():
+    port = procs.free_port()
+    _, report = procs.run_pair(body_read_peer_export, (0, port), (1, port), timeout=120)
+    assert report.pop("permissions") == "r--s"
+    assert all(value in (True, "refused") for value in report.values()), report
+
+
+def body_forged_exports(rank: int, port: int) -> dict:
+    """Rank 0 announces files that are not exports; rank 1 must refuse to map each of them."""
+    with TorchDistributedPipe(_config(rank, port)) as pipe:
+        if rank == 0:
+            unsealed = os.memfd_create("kvbridge-export", os.MFD_CLOEXEC)  # the name, but shrinkable
+            os.ftruncate(unsealed, 1 << 20)
+            other = os.memfd_create("something-else", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(other, 1 << 20)
+            fcntl.fcntl(other, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+            read, write = os.pipe()
+            forged = [(unsealed, os.fstat(unsealed).st_ino, 1 << 20), (other, os.fstat(other).st_ino, 1 << 20),
+                      (read, os.fstat(read).st_ino, 0)]
+            pipe.send_tensor(torch.tensor(forged, dtype=torch.int64))
+            assert pipe.recv_tensor(timeout=30) is None
+            return {}
+        outcomes = {}
+        for fd, inode, nbytes in pipe.recv_tensor(timeout=30).tolist():
+            try:
+                pipe.map_peer_memory(ExportDescriptor(fd, inode, nbytes))
+                outcomes[fd] = "mapped"
+            except KVProtocolError as exc:
+                outcomes[fd] = str(exc)
+        pipe.send_tensor(None)
+        return outcomes
+
+
+def test_what_is_not_an_export_is_never_mapped():
+    port = procs.free_port()
+    _, outcomes = procs.run_pair(body_forged_exports, (0, port), (1, port), timeout=120)
+    assert len(outcomes) == 3 and "mapped" not in outcomes.values(), outcomes
+    assert sum("sealed" in message for message in outcomes.values()) == 1  # the unsealed memfd
+    assert sum("is not a kvbridge export" in message for message in outcomes.values()) == 2
+
+
+def body_transport_only(rank: int, port: int) -> str:
+    with TorchDistributedPipe(_config(rank, port, mode="off")) as pipe:
+        try:
+            pipe.map_peer_memory(ExportDescriptor(3, 1, PAGE))
+        except KVConfigError as exc:
+            return str(exc)
+        return "mapped"
+
+
+def test_a_pipe_without_the_same_host_path_maps_nothing():
+    port = procs.free_port()
+    outcomes = procs.run_pair(body_transport_only, (0, port), (1, port), timeout=120)
+    assert all("no same-host path" in outcome for outcome in outcomes), outcomes

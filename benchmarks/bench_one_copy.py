@@ -9,7 +9,11 @@ over the caches, the consumer times, in alternating rounds:
   one reused tensor (as the connector gathers into the pipe's memory) and scatter them into its own
   caches (``connector.gather_blocks`` and ``scatter_blocks``, on the connector's copy threads);
 * **one copy**: each block copied from the replica straight into its place, on the same threads:
-  the least any design that keeps the caches apart can do;
+  the least any design can do;
+* **shared caches**: the same copies, from the producer's own caches: it moved their pages into
+  shared memory in place (:func:`kv_pipe.exported_memory.export_host_memory`) and the consumer
+  mapped them read-only (:class:`kv_pipe.exported_memory.PeerMemory`), as a same-host pipe peer
+  would;
 * **cross-memory attach**: ``process_vm_readv`` from the producer's blocks into its own, one block
   per I/O vector, on 1 and on 2 threads. This needs the right to trace the producer (same user,
   and a Yama ``ptrace_scope`` that allows it); where it is refused the row says so.
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_connector import BLOCK_BYTES, LAYERS, caches, request_blocks  # noqa: E402
 from connector import VLLM_CPU_LAYOUT, gather_blocks, scatter_blocks  # noqa: E402
+from kv_pipe.exported_memory import PeerMemory, export_host_memory  # noqa: E402
 from kv_pipe.parallel_copy import copy_many  # noqa: E402
 
 #: The most I/O vectors one process_vm_readv takes (the kernel's UIO_MAXIOV).
@@ -55,10 +60,24 @@ _libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.
                                    ctypes.c_ulong, ctypes.c_ulong]
 
 
+def page_aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` that starts and ends on page boundaries, so that every block of it can be
+    exported (an export holds whole pages only)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    padded = torch.empty(tensor.nbytes + 2 * page, dtype=torch.uint8)
+    start = -padded.data_ptr() % page
+    aligned = padded[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+    aligned.copy_(tensor)
+    return aligned
+
+
 def produce(num_blocks: int, addresses, done) -> None:
-    """The producer: its caches, their addresses for the consumer, then wait until it is done."""
-    paged = caches(num_blocks, seed=PRODUCER_SEED)
-    addresses.put([layer.data_ptr() for layer in paged.caches])
+    """The producer: its caches, exported; their addresses and exports for the consumer; then wait
+    until it is done."""
+    layers = [page_aligned(layer) for layer in caches(num_blocks, seed=PRODUCER_SEED).caches]
+    exports = [export_host_memory(layer) for layer in layers]
+    addresses.put([(layer.data_ptr(), export.address, export.descriptor)
+                   for layer, export in zip(layers, exports, strict=True)])
     done.wait(600)
 
 
@@ -108,16 +127,22 @@ def main() -> None:
     producer = context.Process(target=produce, args=(num_blocks, addresses, done), daemon=True)
     producer.start()
     try:
-        remote = addresses.get(timeout=300)
+        produced = addresses.get(timeout=300)
+        remote = [layer for layer, _, _ in produced]
+        # Mapped once, as a pipe maps a peer's export once per connection (MAP_POPULATE: all pages).
+        mapped = [(PeerMemory.open(producer.pid, descriptor), layer - exported)
+                  for layer, exported, descriptor in produced]
+        shared = [memory.address_of(offset, num_blocks * BLOCK_BYTES) for memory, offset in mapped]
         replica, own = caches(num_blocks, seed=PRODUCER_SEED), caches(num_blocks, seed=1)
         print(f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
               f"layout, the request's blocks scattered; medians of {args.repeats} alternating rounds; "
               f"{os.cpu_count()} cores")
-        print(f"{'size':>8} | {'two copies ms':>13} | {'one copy ms':>11} | {'CMA 1 thread ms':>15} | "
-              f"{'CMA 2 threads ms':>16} | {'two copies / best CMA':>21}")
-        print("-" * 102)
+        print(f"{'size':>8} | {'two copies ms':>13} | {'one copy ms':>11} | {'shared caches ms':>16} | "
+              f"{'CMA 1 thread ms':>15} | {'CMA 2 threads ms':>16} | {'two copies / shared':>19} | "
+              f"{'two copies / best CMA':>21}")
+        print("-" * 145)
         for nbytes in sizes:
-            print(row(nbytes, num_blocks, replica, own, remote, producer.pid, args.repeats))
+            print(row(nbytes, num_blocks, replica, own, remote, shared, producer.pid, args.repeats))
     finally:
         done.set()
         producer.join(30)
@@ -126,12 +151,14 @@ def main() -> None:
             producer.join(10)
 
 
-def row(nbytes: int, num_blocks: int, replica, own, remote: list[int], pid: int, repeats: int) -> str:
+def row(nbytes: int, num_blocks: int, replica, own, remote: list[int], shared: list[int], pid: int, repeats: int
+        ) -> str:
     source_ids = request_blocks(nbytes, num_blocks, seed=nbytes >> 20)
     target_ids = request_blocks(nbytes, num_blocks, seed=(nbytes >> 20) + 1)
     own_addresses = [layer.data_ptr() for layer in own.caches]
     local = block_copies(own_addresses, [layer.data_ptr() for layer in replica.caches], target_ids, source_ids)
     across = block_copies(own_addresses, remote, target_ids, source_ids)
+    from_shared = block_copies(own_addresses, shared, target_ids, source_ids)
     expected = gather_blocks(replica.caches, VLLM_CPU_LAYOUT, source_ids)
     staging = torch.empty_like(expected)  # warm pages, reused: fresh ones would cost more than the copy
 
@@ -143,6 +170,7 @@ def row(nbytes: int, num_blocks: int, replica, own, remote: list[int], pid: int,
                                              gather_blocks(replica.caches, VLLM_CPU_LAYOUT, source_ids,
                                                            reuse_staging)),
         "one copy": lambda: copy_many(local),
+        "shared caches": lambda: copy_many(from_shared),
         "CMA 1 thread": lambda: read_from(pid, across),
         "CMA 2 threads": lambda: on_threads(lambda part: read_from(pid, part), across, 2),
     }
@@ -166,8 +194,8 @@ def row(nbytes: int, num_blocks: int, replica, own, remote: list[int], pid: int,
     shown = [f"{medians[name] * 1e3:.2f}" if name in medians else cells[name] for name in methods]
     cma = [medians[name] for name in ("CMA 1 thread", "CMA 2 threads") if name in medians]
     ratio = f"{medians['two copies'] / min(cma):.2f}x" if cma else "-"
-    return (f"{nbytes >> 20:>4} MiB | {shown[0]:>13} | {shown[1]:>11} | {shown[2]:>15} | {shown[3]:>16} | "
-            f"{ratio:>21}")
+    return (f"{nbytes >> 20:>4} MiB | {shown[0]:>13} | {shown[1]:>11} | {shown[2]:>16} | {shown[3]:>15} | "
+            f"{shown[4]:>16} | {medians['two copies'] / medians['shared caches']:>18.2f}x | {ratio:>21}")
 
 
 if __name__ == "__main__":

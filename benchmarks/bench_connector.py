@@ -9,12 +9,16 @@ vLLM's CPU layout (``[num_blocks, kv_heads, block_size, 2 * head_size]`` per lay
   its caches and inserts them into a lookup buffer (``send_kv_caches_and_hidden_states``); the
   consumer selects them and scatters them into other blocks of its own caches
   (``recv_kv_caches_and_hidden_states``).
+* **connector, lent**: the same with ``lend=True`` and the producer's caches exported: it inserts
+  where the blocks lie instead of a copy, and the consumer copies them straight into its own blocks
+  and releases them (the only copy). Over the transport the producer copies them when they are
+  selected instead, so there the two connector columns do the same work.
 
-Both are timed on the consumer, from the ask to the data being usable (received, or written into
+All are timed on the consumer, from the ask to the data being usable (received, or written into
 its caches), alternating request by request, and both pipes use the same payload path (shared
 memory, or the transport with ``--path transport``). The consumer checks its caches bit for bit
-after the first connector transfer of each size. The last column is the connector's rate as a
-fraction of the pipe's.
+after the first transfer of each size of each connector. The last columns are the connectors'
+rates as fractions of the pipe's.
 
 The lookup buffer is a :class:`~lookup_buffer.SimpleBuffer` on one pipe, or with ``--buffer
 listener`` what the vLLM connector runs: a :class:`~lookup_buffer.BufferListener` on the producer
@@ -47,12 +51,21 @@ from connector import (  # noqa: E402
     send_kv_caches_and_hidden_states,
 )
 from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
+from kv_pipe.exported_memory import page_aligned_empty  # noqa: E402
 from lookup_buffer import BufferListener, SimpleBuffer, dial  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 
 LAYERS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE = 8, 8, 32, 128
 BLOCK_BYTES = KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 4  # fp32: 256 KiB per block and layer
 PATHS = {"shared-memory": "on", "transport": "off"}
+
+
+def page_aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` whose blocks can all be exported (vLLM's caches start and end mid-page,
+    and requests whose blocks touch those partial pages are then copied, not lent)."""
+    aligned = page_aligned_empty(tensor.shape, tensor.dtype)
+    aligned.copy_(tensor)
+    return aligned
 
 
 def caches(num_blocks: int, seed: int) -> PagedKVCaches:
@@ -94,6 +107,9 @@ def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer
     buffer = open_buffer(buffer_kind, config, raw)
     num_blocks = 2 * largest // (BLOCK_BYTES * LAYERS)
     paged = caches(num_blocks, seed=rank)
+    if rank == 0:
+        paged = PagedKVCaches([page_aligned(layer) for layer in paged.caches], VLLM_CPU_LAYOUT)
+        paged.export()
     rows = []
     try:
         from tqdm import tqdm
@@ -104,31 +120,38 @@ def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer
             consumer_ids = request_blocks(nbytes, num_blocks, seed=size + 1)
             tokens = torch.arange(len(producer_ids) * BLOCK_SIZE, dtype=torch.int64) + size
             gathered = gather_blocks(paged.caches, VLLM_CPU_LAYOUT, producer_ids)
-            alone, connected = [], []
+            alone, copied, lent = [], [], []
             for index in range(repeats + 1):  # the first of each is a warm-up
                 if rank == 0:
                     raw.recv_tensor(timeout=120)
                     raw.send_tensor(gathered)
-                    raw.recv_tensor(timeout=120)
-                    send_kv_caches_and_hidden_states(buffer, [KVRequest(tokens, PagedKV(paged, producer_ids))],
-                                                     timeout=120)
+                    for lend in (False, True):
+                        raw.recv_tensor(timeout=120)
+                        request = KVRequest(tokens, PagedKV(paged, producer_ids))
+                        [sent] = send_kv_caches_and_hidden_states(buffer, [request], timeout=120, lend=lend)
+                        if lend:  # the blocks are the producer's again once the consumer has copied them
+                            outcome = sent.loan.wait(120)
+                            assert outcome == ("copied" if raw.uses_shared_memory else "sent"), outcome
                     continue
                 start = time.perf_counter()
                 raw.send_tensor(torch.ones(1))
                 received = raw.recv_tensor(timeout=120)
                 alone.append(time.perf_counter() - start)
                 del received  # gives its shared-memory region back
-                start = time.perf_counter()
-                raw.send_tensor(torch.ones(1))
-                [result] = recv_kv_caches_and_hidden_states(buffer, [KVRequest(tokens, PagedKV(paged, consumer_ids))],
-                                                            timeout=120)
-                connected.append(time.perf_counter() - start)
-                assert result.hit, result.reason
-                if index == 0:  # the producer's caches were seeded with rank 0: rebuild its blocks here
-                    expected = gather_blocks(caches(num_blocks, seed=0).caches, VLLM_CPU_LAYOUT, producer_ids)
-                    assert torch.equal(gather_blocks(paged.caches, VLLM_CPU_LAYOUT, consumer_ids), expected)
+                for times in (copied, lent):
+                    for layer in paged.caches:
+                        layer.zero_()  # each connector must write every byte it claims
+                    start = time.perf_counter()
+                    raw.send_tensor(torch.ones(1))
+                    [result] = recv_kv_caches_and_hidden_states(
+                        buffer, [KVRequest(tokens, PagedKV(paged, consumer_ids))], timeout=120)
+                    times.append(time.perf_counter() - start)
+                    assert result.hit, result.reason
+                    if index == 0:  # the producer's caches were seeded with rank 0: rebuild its blocks here
+                        expected = gather_blocks(caches(num_blocks, seed=0).caches, VLLM_CPU_LAYOUT, producer_ids)
+                        assert torch.equal(gather_blocks(paged.caches, VLLM_CPU_LAYOUT, consumer_ids), expected)
             if rank == 1:
-                rows.append((nbytes, statistics.median(alone[1:]), statistics.median(connected[1:])))
+                rows.append((nbytes, *(statistics.median(times[1:]) for times in (alone, copied, lent))))
         if rank == 1:
             results.put((raw.uses_shared_memory, rows))
             raw.send_tensor(None)  # done: the producer closes only after the last select
@@ -152,12 +175,13 @@ def main() -> None:
     print(f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
           f"layout; payloads {'through shared memory' if shared else 'over the transport'}; lookup buffer: "
           f"{args.buffer}; medians of {args.repeats}, one way, timed by the consumer")
-    print(f"{'size':>8} | {'pipe alone ms':>13} | {'connector ms':>12} | {'pipe GB/s':>9} | "
-          f"{'connector GB/s':>14} | {'connector/pipe':>14}")
-    print("-" * 86)
-    for nbytes, alone, connected in rows:
-        print(f"{nbytes >> 20:>4} MiB | {alone * 1e3:13.2f} | {connected * 1e3:12.2f} | {nbytes / alone / 1e9:9.2f} | "
-              f"{nbytes / connected / 1e9:14.2f} | {alone / connected:13.2f}x")
+    print(f"{'size':>8} | {'pipe alone ms':>13} | {'connector ms':>12} | {'lent ms':>7} | {'pipe GB/s':>9} | "
+          f"{'connector GB/s':>14} | {'lent GB/s':>9} | {'connector/pipe':>14} | {'lent/pipe':>9}")
+    print("-" * 124)
+    for nbytes, alone, copied, lent in rows:
+        print(f"{nbytes >> 20:>4} MiB | {alone * 1e3:13.2f} | {copied * 1e3:12.2f} | {lent * 1e3:7.2f} | "
+              f"{nbytes / alone / 1e9:9.2f} | {nbytes / copied / 1e9:14.2f} | {nbytes / lent / 1e9:9.2f} | "
+              f"{alone / copied:13.2f}x | {alone / lent:8.2f}x")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_connector import BLOCK_BYTES, LAYERS, caches, request_blocks  # noqa: E402
+from benchmarks.bench_connector import BLOCK_BYTES, LAYERS, caches, page_aligned, request_blocks  # noqa: E402
 from connector import VLLM_CPU_LAYOUT, gather_blocks, scatter_blocks  # noqa: E402
 from kv_pipe.exported_memory import PeerMemory, export_host_memory  # noqa: E402
 from kv_pipe.parallel_copy import copy_many  # noqa: E402
@@ -58,17 +58,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.process_vm_readv.restype = ctypes.c_ssize_t
 _libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.POINTER(_IOVec),
                                    ctypes.c_ulong, ctypes.c_ulong]
-
-
-def page_aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` that starts and ends on page boundaries, so that every block of it can be
-    exported (an export holds whole pages only)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    padded = torch.empty(tensor.nbytes + 2 * page, dtype=torch.uint8)
-    start = -padded.data_ptr() % page
-    aligned = padded[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-    aligned.copy_(tensor)
-    return aligned
 
 
 def produce(num_blocks: int, addresses, done) -> None:

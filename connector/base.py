@@ -5,11 +5,15 @@ prompt tokens, where its KV lives (a :class:`KVStorage`) and optionally its last
 
 Producer (prefill side), :func:`connector.send_kv_caches_and_hidden_states`::
 
-    send_kv_caches_and_hidden_states(buffer, requests, timeout=None) -> list[KVSendResult]
+    send_kv_caches_and_hidden_states(buffer, requests, timeout=None, lend=False) -> list[KVSendResult]
 
 packs each request's KV out of the caller's caches (a copy: the caches may be reused at once) and
 inserts it into the lookup buffer under the request's tokens, with ``requests[i].hidden`` as the
-hidden state. The buffer keeps ``input_tokens`` and ``hidden`` by reference until the entry is
+hidden state. With ``lend=True``, a request whose KV lies in exported memory
+(:meth:`connector.PagedKVCaches.export`) is lent instead of copied (:mod:`lookup_buffer.loans`): a
+same-host consumer then copies the blocks straight into its own caches, the only copy. Its result
+carries the :class:`~lookup_buffer.loans.Loan`: leave those blocks unchanged until it has ended.
+The buffer keeps ``input_tokens`` and ``hidden`` by reference until the entry is
 selected: do not modify them in place. Blocking: each insert waits at most ``timeout`` seconds for
 room in the buffer (``None``: the buffer's ``kv_timeout``). Errors: :class:`kv_pipe.KVTransferError`
 subclasses from the buffer propagate (e.g. :class:`kv_pipe.KVBufferFullError`).
@@ -19,10 +23,13 @@ Consumer (decode side), :func:`connector.recv_kv_caches_and_hidden_states`::
     recv_kv_caches_and_hidden_states(buffer, requests, timeout=None) -> list[KVRecvResult]
 
 asks the buffer for each request's tokens (each ask waits at most ``timeout`` seconds for the entry
-to appear; ``None``: not at all) and, on a hit, writes the KV into the caller's caches and the hidden state into
-``requests[i].hidden``. It returns one result per request, in order: a hit means the caller may skip
-the prefill of that request; a miss (with a reason, also logged) means it must compute it, and that
-nothing of the caller's memory was written. A hit is only reported after the received tokens, region
+to appear; ``None``: not at all) and, on a hit, writes the KV into the caller's caches and the hidden
+state into ``requests[i].hidden``. Lent KV is copied straight from the producer's memory and
+released; a hit is reported only once the producer confirmed that it kept the memory unchanged
+until then (else :class:`kv_pipe.KVTransferError`: the caches may hold wrong bytes). It returns
+one result per request, in order: a hit means the caller may skip the prefill of that request; a
+miss (with a reason, also logged) means it must compute it, and that nothing of the caller's memory
+was written. A hit is only reported after the received tokens, region
 of interest (a partial entry is a miss), layer count, block count, shapes and dtypes were all
 checked against what the caller expects. An entry that was received but failed a check is consumed
 (the buffer drops what it selects).
@@ -45,6 +52,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kv_pipe.errors import KVConfigError
+from lookup_buffer.loans import BorrowedTensor, LentTensor, Loan
 
 #: Makes a new host tensor of a shape and dtype, as :func:`host_empty` does.
 EmptyTensor = Callable[[Sequence[int], torch.dtype], torch.Tensor]
@@ -79,6 +87,15 @@ class KVStorage(abc.ABC):
     def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
         """Write a received pair, for which :meth:`mismatch` returned ``None``, into the caller's memory."""
 
+    def lend(self) -> tuple[LentTensor, LentTensor | None] | None:
+        """The request's KV lent where it lies (:mod:`lookup_buffer.loans`), or None if it cannot be
+        (then :meth:`pack` copies it). None here."""
+        return None
+
+    def load_borrowed(self, key: BorrowedTensor, value: torch.Tensor | None) -> None:
+        """Like :meth:`load`, for a key borrowed from the producer's memory; here through a private copy."""
+        self.load(key.to_tensor(), value)
+
 
 @dataclasses.dataclass(frozen=True)
 class KVRequest:
@@ -112,10 +129,12 @@ class KVRequest:
 
 @dataclasses.dataclass(frozen=True)
 class KVSendResult:
-    """What inserting one request cost: bytes handed to the buffer and seconds spent."""
+    """What inserting one request cost: bytes handed to the buffer and seconds spent; and, if its KV
+    was lent, the loan (leave the request's KV unchanged until it has ended)."""
 
     num_bytes: int
     seconds: float
+    loan: Loan | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,9 @@ import torch
 
 from connector.base import EmptyTensor, KVStorage, host_empty
 from kv_pipe.errors import KVConfigError
+from kv_pipe.exported_memory import export_host_memory
 from kv_pipe.parallel_copy import copy_many
+from lookup_buffer.loans import BorrowedTensor, LentTensor
 
 _BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -179,6 +181,14 @@ class PagedKVCaches:
     def block_size(self) -> int:
         return self.caches[0].shape[self.layout.block_size_dim]
 
+    def export(self) -> None:
+        """Share the caches' memory with same-host pipe peers, in place
+        (:func:`kv_pipe.exported_memory.export_host_memory`), so that a request's blocks can be lent
+        instead of copied. Call it once, before the caches are in use; they then stay allocated for
+        the life of the process. Raises :class:`KVConfigError` if they are not in host memory."""
+        for cache in self.caches:
+            export_host_memory(cache)
+
 
 @dataclasses.dataclass(frozen=True)
 class PagedKV(KVStorage):
@@ -214,6 +224,33 @@ class PagedKV(KVStorage):
                 f"got {len(self.block_ids)} block ids"
             )
 
+    def pieces(self) -> list[tuple[int, int]] | None:
+        """The request's blocks as ``(address, nbytes)`` pieces, in the byte order of :meth:`pack`'s
+        tensor (a run of consecutive blocks is one piece); None unless each block of every layer
+        is one piece of host memory."""
+        dim = self.caches.layout.block_dim
+        runs = _runs(self.block_ids)
+        pieces = []
+        for cache in self.caches.caches:
+            found = _block_pieces(cache, dim)
+            if found is None:
+                return None
+            starts, block_bytes = found
+            pieces.extend((start + block * block_bytes, count * block_bytes)
+                          for start in starts for _, block, count in runs)
+        return pieces
+
+    def lend(self) -> tuple[LentTensor, None] | None:
+        """The request's blocks lent where they lie, if the caches are exported (see
+        :meth:`PagedKVCaches.export`) and every block lies in whole exported pages; else None."""
+        pieces = self.pieces()
+        if pieces is None:
+            return None
+        first = self.caches.caches[0]
+        shape = (len(self.caches.caches), *self.caches.layout.block_shape(first, len(self.block_ids)))
+        lent = LentTensor.over(shape, first.dtype, pieces)
+        return None if lent is None else (lent, None)
+
     def pack(self, empty: EmptyTensor = host_empty) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = self.caches.caches[0].device
         # A buffer's memory is host memory: a device cache gathers on its device (the pipe moves it).
@@ -242,3 +279,10 @@ class PagedKV(KVStorage):
 
     def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
         scatter_blocks(self.caches.caches, self.caches.layout, self.block_ids, key)
+
+    def load_borrowed(self, key: BorrowedTensor, value: torch.Tensor | None) -> None:
+        pieces = self.pieces()
+        if pieces is None:
+            self.load(key.to_tensor(), value)
+        else:
+            key.copy_to(pieces)  # the one copy: the producer's blocks straight into these

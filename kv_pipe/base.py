@@ -78,6 +78,11 @@ class KVPipeBase(abc.ABC):
         implementation); a plain ``torch.empty`` here. Once sent, do not modify it. Thread-safe."""
         return torch.empty(tuple(shape), dtype=dtype)
 
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether this pipe has a same-host path to its peer (which can then map exported memory)."""
+        return False
+
     def map_peer_memory(self, descriptor: ExportDescriptor) -> PeerMemory:
         """Memory the peer exported (:func:`kv_pipe.exported_memory.export_host_memory`), mapped
         read-only here; the same mapping for every call with the same export. Thread-safe.

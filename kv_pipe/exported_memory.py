@@ -24,11 +24,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import fcntl
+import math
 import mmap
 import os
 import stat
 import threading
 import weakref
+from collections.abc import Sequence
 
 import torch
 
@@ -104,6 +106,24 @@ def export_host_memory(tensor: torch.Tensor) -> ExportedMemory:
         export = _move_into_shared_memory(start, end - start, storage)
         _exports.append(export)
     return export
+
+
+def page_aligned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A new host tensor that starts on a page boundary and fills whole pages, so that all of it can be
+    exported (an export holds whole pages only)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    padded = torch.empty(-(-nbytes // _PAGE) * _PAGE + _PAGE, dtype=torch.uint8)
+    start = -padded.data_ptr() % _PAGE
+    return padded[start:start + nbytes].view(dtype).view(tuple(shape))
+
+
+def find_export(address: int, nbytes: int) -> ExportedMemory | None:
+    """The export that holds all of ``[address, address + nbytes)``, or None. Thread-safe."""
+    with _exports_lock:
+        for export in _exports:
+            if export.offset_of(address, nbytes) is not None:
+                return export
+    return None
 
 
 def _move_into_shared_memory(address: int, nbytes: int, storage: torch.UntypedStorage) -> ExportedMemory:

@@ -56,6 +56,28 @@ def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
     _run_groups(groups)
 
 
+def copy_pieces(targets: Sequence[tuple[int, int]], sources: Sequence[tuple[int, int]]) -> None:
+    """Copy the bytes of ``sources`` into ``targets``, each a list of ``(address, nbytes)`` pieces
+    read (written) one after another as one stream; both streams have the same length (else
+    ValueError, before anything is copied). Pieces are split where the other side's end."""
+    if sum(nbytes for _, nbytes in targets) != sum(nbytes for _, nbytes in sources):
+        raise ValueError("the target and source pieces hold different numbers of bytes")
+    copies = []
+    target_index = source_index = target_done = source_done = 0
+    while target_index < len(targets) and source_index < len(sources):
+        (target, target_bytes), (source, source_bytes) = targets[target_index], sources[source_index]
+        nbytes = min(target_bytes - target_done, source_bytes - source_done)
+        if nbytes:
+            copies.append((target + target_done, source + source_done, nbytes))
+        target_done += nbytes
+        source_done += nbytes
+        if target_done == target_bytes:
+            target_index, target_done = target_index + 1, 0
+        if source_done == source_bytes:
+            source_index, source_done = source_index + 1, 0
+    copy_many(copies)
+
+
 def _run_groups(groups: list[list[tuple[int, int, int]]]) -> None:
     """Run the first group of copies here and the others on the helpers; return when all are done."""
     done: queue.SimpleQueue = queue.SimpleQueue()

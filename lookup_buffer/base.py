@@ -20,6 +20,15 @@ no part. Consequences:
 * Lookup is O(1) in the number of buffered entries (a hash of positions and tokens, then an exact
   comparison: the hash alone is never trusted).
 
+Lending
+-------
+On one host the producer can lend an entry instead of copying it (:mod:`lookup_buffer.loans`): it
+inserts :class:`~lookup_buffer.loans.LentTensor` items, which say where the bytes lie in its
+exported memory, and must leave that memory unchanged until the :class:`~lookup_buffer.loans.Loan`
+that ``insert`` returns has ended. A consumer that selects with ``borrow=True`` over a same-host
+pipe receives :class:`~lookup_buffer.loans.BorrowedTensor` items, copies the bytes itself, and
+releases them; any other consumer receives ordinary tensors, copied by the producer when selected.
+
 Partial hits: the ``roi`` returned by :meth:`KVLookupBufferBase.drop_select` is authoritative. This
 version only returns exact matches (the returned roi selects exactly the query's positions); a later
 version may return an entry covering a prefix of the query's positions, with a roi saying so.
@@ -35,8 +44,10 @@ from types import TracebackType
 
 import torch
 
+from lookup_buffer.loans import BorrowedTensor, LentTensor, Loan
+
 #: What :meth:`KVLookupBufferBase.drop_select` returns: input_tokens, roi, key, value, hidden.
-SelectResult = list[torch.Tensor | None]
+SelectResult = list[torch.Tensor | BorrowedTensor | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,18 +106,21 @@ class KVLookupBufferBase(abc.ABC):
         self,
         input_tokens: torch.Tensor,
         roi: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor | None,
-        hidden: torch.Tensor | None,
+        key: torch.Tensor | LentTensor,
+        value: torch.Tensor | LentTensor | None,
+        hidden: torch.Tensor | LentTensor | None,
         timeout: float | None = None,
-    ) -> None:
+    ) -> Loan | None:
         """Producer: store an entry until a consumer selects it.
 
         ``input_tokens`` is a 1-D integer tensor, ``roi`` a 1-D bool tensor of the same length that
         selects at least one position; ``key`` is a tensor of any shape and dtype; ``value`` and
         ``hidden`` are tensors or None (e.g. paged layouts keep K and V in one tensor). The buffer
         keeps references to key, value and hidden (no copy): the caller must not modify them
-        afterwards. Bytes charged: the sum of ``nbytes`` of all five.
+        afterwards. Bytes charged: the sum of ``nbytes`` of all five, lent items excepted.
+
+        Any of key, value and hidden may be lent (see *Lending* above): the call then returns the
+        entry's :class:`~lookup_buffer.loans.Loan`, and None otherwise.
 
         Blocks while the entry does not fit in the byte budget, at most ``timeout`` seconds
         (``None``: ``kv_timeout``). Thread-safe.
@@ -125,8 +139,13 @@ class KVLookupBufferBase(abc.ABC):
         return torch.empty(tuple(shape), dtype=dtype)
 
     @abc.abstractmethod
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
+                    borrow: bool = False) -> SelectResult:
         """Consumer: take the entry matching ``(input_tokens, roi)`` out of the producer's buffer.
+
+        With ``borrow=True`` a lent item may come as a :class:`~lookup_buffer.loans.BorrowedTensor`:
+        copy its bytes out, then release it (``release_all(result)``); the producer takes back
+        what is not released within its ``kv_timeout``, and the release then raises.
 
         Returns ``[input_tokens, roi, key, value, hidden]`` of the entry (the producer's tensors,
         bit-exact, on the pipe's device; the entry is removed from the producer: "drop"), or five

@@ -14,11 +14,18 @@ A calling thread waits on its own call (an event), at most its wait + ``kv_timeo
 outcome to start, and then as long as the hit's tensors keep arriving. Request ids are random
 63-bit numbers: a stray or hostile select cannot guess a live one. A hit is returned only if its
 tokens and roi match the query.
+
+A select that may borrow (:mod:`lookup_buffer.loans`) can get lent items: the reader maps the
+producer's export through the pipe (once per export) and hands out :class:`BorrowedTensor` objects
+over it. Releasing one checks the loan's stamp and sends a release on the data pipe (the calling
+thread sends it; nothing answers). A lent entry that never reaches its caller (the select gave up,
+or the entry failed a check) is released at once.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import secrets
@@ -31,10 +38,11 @@ import zmq
 
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
-from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
+from kv_pipe.errors import KVConfigError, KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
 from lookup_buffer.base import BufferStats, SelectResult
 from lookup_buffer.control import HIGH_WATER_MARK, Endpoint
 from lookup_buffer.errors import fresh_error
+from lookup_buffer.loans import BorrowedTensor, Borrowing
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
     ITEM_NAMES,
@@ -45,7 +53,9 @@ from lookup_buffer.protocol import (
     SelectRequest,
     decode_refusal,
     encode_request,
+    make_release,
     parse_header,
+    parse_loan_descriptor,
     select_request,
 )
 
@@ -61,14 +71,15 @@ class _Call:
     arrives, then ``items`` (a hit's) and ``outcome``; the control thread sets ``error`` when the
     request was refused or could not be sent. Either one then sets ``done``."""
 
-    __slots__ = ("request_id", "request", "done", "announced", "items", "outcome", "error")
+    __slots__ = ("request_id", "request", "done", "announced", "items", "outcome", "error", "borrow")
 
-    def __init__(self, request_id: int) -> None:
+    def __init__(self, request_id: int, borrow: bool = False) -> None:
         self.request_id = request_id
+        self.borrow = borrow
         self.request: SelectRequest | None = None  # from the calling thread until the control thread sends it
         self.done = threading.Event()
         self.announced = False
-        self.items: tuple[torch.Tensor | None, ...] = ()
+        self.items: tuple[torch.Tensor | BorrowedTensor | None, ...] = ()
         self.outcome: Outcome | None = None
         self.error: KVTransferError | None = None
 
@@ -102,7 +113,8 @@ class BufferConsumer:
 
     # ------------------------------------------------------------------ caller API
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, wait: float) -> SelectResult:
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, wait: float, borrow: bool = False
+                    ) -> SelectResult:
         tokens, roi_array = token_arrays(input_tokens, roi)
         wait_ms = math.ceil(wait * 1000)
         with self._lock:
@@ -110,19 +122,37 @@ class BufferConsumer:
             request_id = secrets.randbits(63)
             while request_id in self._calls:
                 request_id = secrets.randbits(63)
-            call = self._calls[request_id] = _Call(request_id)
+            call = self._calls[request_id] = _Call(request_id, borrow)
+        returned = False
         try:
             # A copy of the tokens: the caller's tensors are theirs again once this call returns.
-            call.request = select_request(request_id, tokens, roi_array, wait_ms)
+            call.request = select_request(request_id, tokens, roi_array, wait_ms, borrow=borrow)
             self._outbox.append(call)
             self._endpoint.doorbell.ring()
             query = MatchKey(tokens, roi_array)  # needed only to check a hit: built while the request travels
             self._await(call, wait_ms / 1000 + self._config.kv_timeout)
-            return self._conclude(call, query)
+            result = self._conclude(call, query)
+            returned = True
+            return result
         finally:
             call.request = None  # if still unsent (no session yet), the control thread drops it
-            with self._lock:
+            with self._lock:  # the reader hands items over under the lock: either it or this sees them
                 del self._calls[call.request_id]
+            if not returned:
+                self._give_back(call.items)
+
+    def _forget(self, request_id: int) -> None:
+        """Send a release nobody waits for (its answer finds no call and is dropped)."""
+        try:
+            self._pipe.send_tensor(torch.from_numpy(make_release(request_id)), timeout=self._config.kv_timeout)
+        except KVTransferError as exc:  # the producer takes it back after its kv_timeout anyway
+            logger.warning("lookup buffer: could not release the entry lent to request %d: %s", request_id, exc)
+
+    def _give_back(self, items: tuple[object, ...]) -> None:
+        """Release, without waiting, a lent entry that its caller never got."""
+        borrowed = next((item for item in items if isinstance(item, BorrowedTensor)), None)
+        if borrowed is not None:
+            borrowed.borrowing.forget()
 
     @property
     def failure(self) -> KVTransferError | None:
@@ -346,22 +376,53 @@ class BufferConsumer:
             call = self._calls.get(outcome.request_id)
             if call is not None and hit:
                 call.announced = True
-        items: tuple[torch.Tensor | None, ...] = ()
+        items: tuple[torch.Tensor | BorrowedTensor | None, ...] = ()
         if hit:  # key, then value and hidden if present, in the order they were sent
-            items = (outcome.input_tokens, outcome.roi, self._next_tensor(),
-                     self._next_tensor() if outcome.has_value else None,
-                     self._next_tensor() if outcome.has_hidden else None)
-        if call is None:
+            present = (True, outcome.has_value, outcome.has_hidden)
+            received = [self._next_tensor() if here else None for here in present]
+            borrowed = self._borrowed(outcome.request_id, [item for item, lent in zip(received, outcome.lent,
+                                                                                        strict=True) if lent])
+            items = (outcome.input_tokens, outcome.roi,
+                     *(borrowed.pop(0) if lent else item for item, lent in zip(received, outcome.lent, strict=True)))
+            if any(outcome.lent) and (call is None or not call.borrow):
+                self._give_back(items)
+                if call is not None:
+                    raise KVProtocolError("lookup buffer: the producer lent an entry to a select that did not borrow")
+        with self._lock:  # drop_select forgets its call under the lock: either it or this sees the items
+            handed = call is not None and self._calls.get(outcome.request_id) is call
+            if handed:
+                call.items = items
+                call.outcome = outcome  # before done: the woken thread reads it
+        if not handed:
             if hit:
+                self._give_back(items)
                 logger.warning("lookup buffer: dropped the entry sent for request %d: its drop_select gave up",
                                outcome.request_id)
             return
-        call.items = items
-        call.outcome = outcome  # before done: the woken thread reads it
         call.done.set()
         # Let the woken thread run now rather than when this one next blocks in the pipe: a small
         # select's latency is mostly such thread hand-overs.
         time.sleep(0)
+
+    def _borrowed(self, request_id: int, descriptors: list[torch.Tensor]) -> list[BorrowedTensor]:
+        """The lent tensors the loan descriptors of one entry describe, over this side's mappings of
+        the producer's exports; they share one :class:`Borrowing`, checked by the first one's stamp."""
+        borrowing = None
+        borrowed = []
+        for descriptor in descriptors:
+            loan = parse_loan_descriptor(descriptor)
+            try:
+                memories = [self._pipe.map_peer_memory(export) for export in loan.exports]
+            except KVConfigError as exc:  # the producer lends only over a same-host pipe
+                raise KVProtocolError(f"lookup buffer: the producer lent an entry over a pipe that cannot map it: "
+                                      f"{exc}") from exc
+            if borrowing is None:
+                index, offset, stamp = loan.stamp
+                borrowing = Borrowing(memories[index].address_of(offset, 8), stamp,
+                                      functools.partial(self._forget, request_id), memories[index])
+            pieces = [(memories[index].address_of(offset, nbytes), nbytes) for index, offset, nbytes in loan.pieces]
+            borrowed.append(BorrowedTensor(loan.shape, loan.dtype, pieces, memories, borrowing))
+        return borrowed
 
     def _next_tensor(self) -> torch.Tensor:
         item = self._pipe.recv_tensor()

@@ -33,6 +33,7 @@ from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import message_cost
 from lookup_buffer.base import BufferStats, KVLookupBufferBase, SelectResult
 from lookup_buffer.control import Endpoint, control_host
+from lookup_buffer.loans import LentTensor, Loan
 from lookup_buffer.producer import BufferProducer, log_expired, make_entry
 from lookup_buffer.protocol import (
     MAX_REQUEST_BYTES,
@@ -128,8 +129,9 @@ class BufferListener(KVLookupBufferBase):
 
     # ------------------------------------------------------------------ caller API
 
-    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-               hidden: torch.Tensor | None, timeout: float | None = None) -> None:
+    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor | LentTensor,
+               value: torch.Tensor | LentTensor | None, hidden: torch.Tensor | LentTensor | None,
+               timeout: float | None = None) -> Loan | None:
         match_key, entry = make_entry(input_tokens, roi, key, value, hidden)
         with self._lock:
             if self._closed:
@@ -137,6 +139,7 @@ class BufferListener(KVLookupBufferBase):
         self._store.put(match_key, entry, self.config.kv_timeout if timeout is None else timeout)
         for connection in self._live_connections():
             connection.notify_inserted(match_key)
+        return entry.loan
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor to fill and insert. With one consumer connected, in that connection's pipe memory
@@ -149,7 +152,8 @@ class BufferListener(KVLookupBufferBase):
         shape = tuple(shape)
         return self._memory.allocate(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
+                    borrow: bool = False) -> SelectResult:
         raise KVConfigError("drop_select() needs kv_role='kv_consumer'; this buffer is the producer's listener")
 
     @property

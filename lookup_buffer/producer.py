@@ -8,9 +8,11 @@ later one.
 One server thread owns the ROUTER socket and every parked select; it sleeps in a zmq poll that
 wakes on a control message, on an insert (a doorbell), or at the next select's deadline, so a
 select is answered as soon as its entry is inserted, without polling on a timer. It answers every
-accepted select on the data pipe. A second thread blocks in ``recv_tensor`` on the data pipe: the
-consumer never sends anything there, so that call only returns when the consumer died or closed,
-which then surfaces in ``insert`` and ``close``.
+accepted select on the data pipe. A second thread blocks in ``recv_tensor`` on the data pipe, where
+the consumer sends nothing but releases of lent entries (:mod:`lookup_buffer.loans`): it answers
+each, and otherwise that call returns only when the consumer died or closed, which then surfaces
+in ``insert`` and ``close``. Loans lent out are kept until their consumer releases them; the
+server takes back any not released within ``kv_timeout``, and all end when the consumer is lost.
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import zmq
 
 from kv_pipe import auth
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
-from kv_pipe.errors import KVPipeClosedError, KVProtocolError, KVTransferError
+from kv_pipe.errors import KVPipeClosedError, KVTransferError
 from lookup_buffer.base import BufferStats
 from lookup_buffer.control import Endpoint
 from lookup_buffer.errors import KVInvalidRequestError, fresh_error
+from lookup_buffer.loans import COPIED, DROPPED, RECLAIMED, SENT, LentTensor, Loan, loan_table
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
     MAX_REQUEST_BYTES,
@@ -46,9 +50,11 @@ from lookup_buffer.protocol import (
     decode_request,
     encode_refusal,
     make_header,
+    make_loan_descriptor,
     make_outcome,
     make_session,
     only_frame,
+    parse_release,
     stamp_header,
 )
 from lookup_buffer.store import Entry, EntryStore
@@ -78,24 +84,33 @@ class _Waiter:
     request_id: int
     key: MatchKey
     deadline: float
+    borrow: bool = False
     waited: bool = False
     done: bool = False
 
 
-def make_entry(input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-               hidden: torch.Tensor | None) -> tuple[MatchKey, Entry]:
-    """Check an insert's arguments (KVInvalidRequestError) and build its entry and match key."""
+Item = torch.Tensor | LentTensor
+
+
+def make_entry(input_tokens: torch.Tensor, roi: torch.Tensor, key: Item, value: Item | None,
+               hidden: Item | None) -> tuple[MatchKey, Entry]:
+    """Check an insert's arguments (KVInvalidRequestError) and build its entry and match key.
+
+    Lent items are charged nothing: their memory is the caller's, not the buffer's.
+    """
     tokens, roi_array = token_arrays(input_tokens, roi)
-    if not isinstance(key, torch.Tensor):
-        raise KVInvalidRequestError(f"key must be a tensor, got {type(key).__name__}")
-    for name, item in (("value", value), ("hidden", hidden)):
-        if item is not None and not isinstance(item, torch.Tensor):
-            raise KVInvalidRequestError(f"{name} must be a tensor or None, got {type(item).__name__}")
+    for name, item in (("key", key), ("value", value), ("hidden", hidden)):
+        if not isinstance(item, (torch.Tensor, LentTensor)) and (item is not None or name == "key"):
+            kinds = "a tensor or a LentTensor" + ("" if name == "key" else " or None")
+            raise KVInvalidRequestError(f"{name} must be {kinds}, got {type(item).__name__}")
     header = make_header(tokens, roi_array, input_tokens.dtype, value is not None, hidden is not None)
     given = (input_tokens, roi, key, value, hidden)
+    lent = any(isinstance(item, LentTensor) for item in (key, value, hidden))
     entry = Entry(
         (torch.from_numpy(header), *(item for item in (key, value, hidden) if item is not None)),
-        nbytes=sum(item.nbytes for item in given if item is not None),
+        nbytes=sum(item.nbytes for item in given if isinstance(item, torch.Tensor)),
+        loan=Loan() if lent else None,
+        lent=(isinstance(key, LentTensor), isinstance(value, LentTensor), isinstance(hidden, LentTensor)),
     )
     return MatchKey(tokens, roi_array), entry
 
@@ -130,6 +145,9 @@ class BufferProducer:
         self._waiting = 0
         self._waiting_key_bytes = 0
         self._sequence = itertools.count()
+        # Loans lent out to this consumer, by select, with when they are taken back and their slot in
+        # the loan table: until released or taken back (under _lock: the watcher ends them too).
+        self._lent_out: dict[int, tuple[Loan, float, int]] = {}
 
         self._signer = ControlSigner(config.kv_secret)
         self._session = auth.new_nonce()
@@ -157,15 +175,16 @@ class BufferProducer:
         self,
         input_tokens: torch.Tensor,
         roi: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor | None,
-        hidden: torch.Tensor | None,
+        key: Item,
+        value: Item | None,
+        hidden: Item | None,
         timeout: float,
-    ) -> None:
+    ) -> Loan | None:
         match_key, entry = make_entry(input_tokens, roi, key, value, hidden)
         self._raise_if_unusable()
         self._store.put(match_key, entry, timeout)
         self.notify_inserted(match_key)
+        return entry.loan
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in this connection's pipe memory (:meth:`kv_pipe.KVPipeBase.empty`)."""
@@ -218,6 +237,7 @@ class BufferProducer:
             pipe_error = exc
         self._server.join(bound)
         self._watcher.join(bound)
+        self._end_loans(DROPPED)
         if self._server.is_alive():
             logger.error("lookup buffer server thread did not stop within %.1f s; its socket stays open", 2 * bound)
         else:
@@ -240,8 +260,16 @@ class BufferProducer:
             if self._closed:
                 raise KVPipeClosedError("insert on a closed lookup buffer")
 
+    def _end_loans(self, outcome: str) -> None:
+        """End every loan lent out on this connection."""
+        with self._lock:
+            lent, self._lent_out = list(self._lent_out.values()), {}
+        for loan, _, slot in lent:
+            _end_lent(loan, slot, outcome)
+
     def _fail(self, error: KVTransferError) -> None:
         """The data pipe is unusable: refuse inserts and selects from now on."""
+        self._end_loans(DROPPED)  # its consumer can no longer be told that its copy is good
         with self._lock:
             if self._failure is not None or self._closed:
                 return
@@ -261,13 +289,11 @@ class BufferProducer:
     def _watch_consumer(self) -> None:
         # Bounded by the pipe's liveness check (a dead consumer fails it within kv_timeout) and by close().
         try:
-            item = self._pipe.recv_tensor()
+            while True:
+                self._on_release(parse_release(self._pipe.recv_tensor()))
         except KVTransferError as exc:
             if not self._stopping.is_set():
                 self._fail(exc)
-            return
-        got = "None" if item is None else f"{item.dtype} tensor of shape {tuple(item.shape)}"
-        self._fail(KVProtocolError(f"the consumer sent a {got} on the data pipe; a lookup-buffer consumer never sends"))
 
     # ------------------------------------------------------------------ server thread
 
@@ -315,7 +341,7 @@ class BufferProducer:
                 self._refuse(identity, exc.request_id, exc.reason, str(exc))
                 continue
             waiter = _Waiter(identity, request.request_id, MatchKey(tokens, roi),
-                             time.monotonic() + request.wait_ms / 1000)
+                             time.monotonic() + request.wait_ms / 1000, borrow=request.borrow)
             self._on_select(waiter, request.wait_ms)
 
     def _check_fresh(self, request: SelectRequest) -> None:
@@ -375,27 +401,68 @@ class BufferProducer:
             del self._waiters[key]
 
     def _send_hit(self, waiter: _Waiter, entry: Entry) -> None:
+        header, *items = entry.items
+        nbytes = entry.nbytes + sum(item.nbytes for item in items if isinstance(item, LentTensor))
+        # Lent only to a consumer that asked and can map it; else (or with no slot free) copied.
+        lends = entry.loan is not None and waiter.borrow and self._pipe.uses_shared_memory
+        taken = loan_table().take() if lends else None
         # Counted before the tensors go: the consumer may have them, and its select may have
         # returned, before send_tensors does here; stats on both sides agree once selects return.
         with self._lock:
             self._hits += 1
-            self._sent_bytes += entry.nbytes
+            self._sent_bytes += nbytes
+            if taken is not None:
+                self._lent_out[waiter.request_id] = (entry.loan, time.monotonic() + self._config.kv_timeout, taken[0])
         try:
+            if taken is not None:
+                items = [torch.from_numpy(_loan_descriptor(item, *taken)) if isinstance(item, LentTensor)
+                         else item for item in items]
+            elif entry.loan is not None:  # a consumer that cannot borrow gets a copy, made now
+                items = [item.materialize(self._pipe.empty) if isinstance(item, LentTensor) else item
+                         for item in items]
+                entry.loan.end(SENT)
             # timeout None: wait for pipe credit as long as the consumer is alive; a partial hit
             # would leave the stream out of step.
-            stamp_header(entry.items[0].numpy(), waiter.request_id, waiter.waited)  # ours alone once popped
+            stamp_header(header.numpy(), waiter.request_id, waiter.waited,
+                         entry.lent if taken is not None else (False,) * 3)
             # One unit: the small header shares a frame with the key's and value's records instead of
             # costing a message of its own before them.
-            self._pipe.send_tensors(entry.items)
+            self._pipe.send_tensors([header, *items])
         except KVTransferError as exc:
             with self._lock:
                 self._hits -= 1
-                self._sent_bytes -= entry.nbytes
+                self._sent_bytes -= nbytes
+            if taken is not None:
+                with self._lock:
+                    self._lent_out.pop(waiter.request_id, None)
+                _end_lent(entry.loan, taken[0], DROPPED)
+            elif entry.loan is not None:
+                entry.loan.end(DROPPED)
             self._fail(exc)
             message = f"the producer could not send the entry on the data pipe: {exc}"
             self._refuse(waiter.identity, waiter.request_id, "failed", message)
 
+    def _on_release(self, request_id: int) -> None:
+        """The consumer copied the entry lent to select ``request_id`` (watcher thread): end the loan.
+        One taken back already is not there any more: the consumer saw that by its stamp."""
+        with self._lock:
+            lent = self._lent_out.pop(request_id, None)
+        if lent is not None:
+            _end_lent(lent[0], lent[2], COPIED)
+
+    def _reclaim(self, now: float) -> None:
+        """Take back the loans their consumer did not release within kv_timeout."""
+        with self._lock:
+            overdue = [request_id for request_id, (_, deadline, _) in self._lent_out.items() if deadline <= now]
+            loans = [self._lent_out.pop(request_id) for request_id in overdue]
+        for loan, _, slot in loans:
+            _end_lent(loan, slot, RECLAIMED)
+        if loans:
+            logger.warning("lookup buffer: %d lent entries not released within kv_timeout (%g s) were taken back; "
+                           "their consumer's release will be refused", len(loans), self._config.kv_timeout)
+
     def _expire(self, now: float) -> None:
+        self._reclaim(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             waiter = heapq.heappop(self._deadlines)[2]
             if waiter.done:
@@ -456,3 +523,18 @@ class BufferProducer:
             self._endpoint.socket.send_multipart([identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.debug("lookup buffer: refusal to %s dropped: %s", identity.hex(), exc)
+
+
+def _loan_descriptor(item: LentTensor, slot: int, stamp: int) -> np.ndarray:
+    """The descriptor of a lent item, with the loan's stamp word (the table's export comes last)."""
+    table = loan_table()
+    exports = [export.descriptor for export in item.exports] + [table.export.descriptor]
+    return make_loan_descriptor(exports, item.shape, item.dtype, item.places, item.pieces,
+                                (len(exports) - 1, slot * table.words.element_size(), stamp))
+
+
+def _end_lent(loan: Loan, slot: int, outcome: str) -> None:
+    """End a loan lent out: its stamp is cleared first, so that a borrower that copies after this
+    sees that it must not use what it copied."""
+    loan_table().clear(slot)
+    loan.end(outcome)

@@ -20,6 +20,12 @@ Exchange:
   hidden states; a miss, a refusal for lack of room and the producer closing have a header only
   (:func:`make_outcome`). The consumer routes outcomes by request id, so concurrent requests never
   swap data.
+* Lent entries (:mod:`lookup_buffer.loans`): a select that may borrow says so. If the producer lends
+  it the entry, each lent item of the hit is a loan descriptor (:func:`make_loan_descriptor`): where
+  the bytes lie in the producer's exported memory. Once the consumer has copied them it sends a
+  release (:func:`make_release`) on the data pipe, which only the authenticated consumer can write
+  to, in the one direction the consumer otherwise leaves unused. Nothing answers it: the consumer
+  checks the loan's stamp word itself (:mod:`lookup_buffer.loans`).
 * What cannot go on the data pipe is a :class:`Refusal` from the ROUTER: a request the producer
   could not parse, authenticate or accept as fresh, or any request once the data pipe is broken.
 
@@ -33,6 +39,8 @@ after that is the exchange above, on that connection's own pipe and control chan
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
@@ -41,9 +49,11 @@ import torch
 
 from kv_pipe import auth
 from kv_pipe.errors import KVProtocolError
+from kv_pipe.exported_memory import ExportDescriptor
+from kv_pipe.protocol import CODE_TO_DTYPE, DTYPE_TO_CODE, MAX_NDIM
 from lookup_buffer.matching import MAX_TOKENS, TOKEN_DTYPES, TOKEN_WIRE_DTYPE, MatchKey
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 #: Longest a producer holds a select waiting for an insert.
 MAX_WAIT_MS = 3_600_000
 MAX_MESSAGE_CHARS = 1000
@@ -61,6 +71,11 @@ _SESSION_WORDS = SESSION_BYTES // 8
 _W_REQUEST_ID, _W_FLAGS = 2, 6
 _FLAG_VALUE, _FLAG_HIDDEN, _FLAG_WAITED = 1, 2, 4
 _FLAGS_AT_INSERT = _FLAG_VALUE | _FLAG_HIDDEN
+#: Per item of a hit (key, value, hidden): it is lent, and a loan descriptor stands in its place.
+_FLAGS_LENT = (8, 16, 32)
+_FLAGS_HIT = _FLAGS_AT_INSERT | _FLAG_WAITED | sum(_FLAGS_LENT)
+LOAN_MAGIC = 0x4B564C4F414E  # "KVLOAN"
+RELEASE_MAGIC = 0x4B5652454C53  # "KVRELS"
 _NUMPY_TOKEN_DTYPES = tuple(torch.empty(0, dtype=dtype).numpy().dtype for dtype in TOKEN_DTYPES)
 
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -98,6 +113,9 @@ class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True)
     tokens: Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS * TOKEN_WIRE_DTYPE.itemsize)]
     roi: Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS)]
     wait_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
+    #: The consumer can borrow lent entries (:mod:`lookup_buffer.loans`).
+    borrow: bool = False
+
 
 
 class Refusal(msgspec.Struct, tag="refusal", tag_field="type", frozen=True):
@@ -223,7 +241,8 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
 
 
 def select_request(
-    request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int, session: bytes = b"", counter: int = 0
+    request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int, session: bytes = b"", counter: int = 0,
+    borrow: bool = False,
 ) -> SelectRequest:
     """A select of ``tokens``/``roi`` (as returned by :func:`lookup_buffer.matching.token_arrays`; copied).
 
@@ -238,7 +257,9 @@ def select_request(
         tokens=tokens.astype(TOKEN_WIRE_DTYPE, copy=False).tobytes(),
         roi=roi.astype(np.uint8).tobytes(),
         wait_ms=wait_ms,
+        borrow=borrow,
     )
+
 
 
 def encode_request(signer: ControlSigner, request: SelectRequest) -> bytes:
@@ -328,6 +349,8 @@ class Outcome(NamedTuple):
     match_key: MatchKey | None = None
     #: A session header's nonce.
     session: bytes | None = None
+    #: Which of key, value and hidden are lent: a loan descriptor stands in their place.
+    lent: tuple[bool, bool, bool] = (False, False, False)
 
 
 def _roi_words(count: int) -> int:
@@ -341,7 +364,8 @@ def make_header(
 
     Layout (int64 words, in the pipe's native byte order like every tensor on it): magic, version,
     request id, status (:class:`OutcomeStatus`), token count n, token dtype code, flags (1: a value
-    follows, 2: a hidden follows, 4: the select waited), the n tokens, then the roi as n bytes (0/1)
+    follows, 2: a hidden follows, 4: the select waited, 8/16/32: the key/value/hidden that follows
+    is a loan descriptor), the n tokens, then the roi as n bytes (0/1)
     padded to whole words. Any other outcome has n = 0, dtype code 0 and at most the waited flag
     (:func:`make_outcome`); the session header has n = 0, dtype code 0, no flag and the nonce
     after the fixed words (:func:`make_session`). Tokens and roi travel inside the header: a
@@ -373,9 +397,12 @@ def make_session(session: bytes) -> np.ndarray:
     return header
 
 
-def stamp_header(header: np.ndarray, request_id: int, waited: bool) -> None:
+def stamp_header(header: np.ndarray, request_id: int, waited: bool,
+                 lent: tuple[bool, bool, bool] = (False, False, False)) -> None:
+    """Address an entry's header to a select; ``lent``: which of key, value and hidden go as loans."""
     header[_W_REQUEST_ID] = request_id
-    header[_W_FLAGS] = header[_W_FLAGS] & _FLAGS_AT_INSERT | (_FLAG_WAITED if waited else 0)
+    header[_W_FLAGS] = (header[_W_FLAGS] & _FLAGS_AT_INSERT | (_FLAG_WAITED if waited else 0)
+                        | sum(flag for flag, is_lent in zip(_FLAGS_LENT, lent, strict=True) if is_lent))
 
 
 def parse_header(header: torch.Tensor | None) -> Outcome:
@@ -411,7 +438,9 @@ def parse_header(header: torch.Tensor | None) -> Outcome:
     if (
         not 1 <= count <= MAX_TOKENS
         or not 0 <= dtype_code < len(TOKEN_DTYPES)
-        or not 0 <= flags <= _FLAGS_AT_INSERT | _FLAG_WAITED
+        or flags & ~_FLAGS_HIT
+        or flags & _FLAGS_LENT[1] and not flags & _FLAG_VALUE  # a lent item that does not follow
+        or flags & _FLAGS_LENT[2] and not flags & _FLAG_HIDDEN
         or words.shape[0] != _HEADER_FIXED + count + _roi_words(count)
     ):
         raise KVProtocolError(f"inconsistent lookup-buffer hit header {fields} of {words.shape[0]} words")
@@ -430,7 +459,88 @@ def parse_header(header: torch.Tensor | None) -> Outcome:
         bool(flags & _FLAG_VALUE),
         bool(flags & _FLAG_HIDDEN),
         MatchKey(wide, roi),
+        lent=tuple(bool(flags & flag) for flag in _FLAGS_LENT),
     )
+
+
+def make_release(request_id: int) -> np.ndarray:
+    """The consumer's release of the entry lent to select ``request_id``: magic, version, request id."""
+    return np.array((RELEASE_MAGIC, PROTOCOL_VERSION, request_id), dtype=np.int64)
+
+
+def parse_release(tensor: torch.Tensor | None) -> int:
+    """The request id of a release received on the data pipe; KVProtocolError for anything else."""
+    if tensor is not None and tensor.dtype == torch.int64 and tensor.shape == (3,) and tensor.device.type == "cpu":
+        magic, version, request_id = (int(word) for word in tensor.numpy())
+        if magic == RELEASE_MAGIC and version == PROTOCOL_VERSION and request_id >= 0:
+            return request_id
+    got = "None" if tensor is None else f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+    raise KVProtocolError(f"the consumer sent {got} on the data pipe; a lookup-buffer consumer sends only releases")
+
+
+class LoanDescriptor(NamedTuple):
+    """Where a lent tensor's bytes lie: ``pieces`` of ``(export index, offset, nbytes)`` in ``exports``;
+    and ``stamp``: ``(export index, offset, value)`` of the loan's stamp word."""
+
+    exports: list[ExportDescriptor]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[tuple[int, int, int]]
+    stamp: tuple[int, int, int]
+
+
+def make_loan_descriptor(exports: Sequence[ExportDescriptor], shape: Sequence[int], dtype: torch.dtype,
+                         places: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]],
+                         stamp: tuple[int, int, int]) -> np.ndarray:
+    """A lent tensor's loan descriptor, int64 words: magic, dtype code, ndim, the shape, the export
+    count, each export's descriptor number, inode and size, the stamp word's export index, offset
+    and value, the piece count, then each piece's export index, offset in that export and size
+    (``places`` and ``pieces`` of a :class:`~lookup_buffer.loans.LentTensor`)."""
+    header = [LOAN_MAGIC, DTYPE_TO_CODE[dtype], len(shape), *shape, len(exports)]
+    for export in exports:
+        header += [export.fd, export.inode, export.nbytes]
+    header += [*stamp, len(pieces)]
+    words = np.empty(len(header) + 3 * len(pieces), dtype=np.int64)
+    words[: len(header)] = header
+    triples = words[len(header):].reshape(-1, 3)
+    triples[:, :2] = np.array(places, dtype=np.int64).reshape(-1, 2)
+    triples[:, 2] = np.array([nbytes for _, nbytes in pieces], dtype=np.int64)
+    return words
+
+
+def parse_loan_descriptor(tensor: torch.Tensor) -> LoanDescriptor:
+    """Validate a loan descriptor received on the data pipe (whether each piece lies inside its
+    export is checked where the export is mapped); KVProtocolError if it is not one or is inconsistent."""
+    if tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.device.type != "cpu":
+        raise KVProtocolError(f"expected a loan descriptor, got a {tensor.dtype} tensor of shape {tuple(tensor.shape)}")
+    words = [int(word) for word in tensor.numpy()]
+    try:
+        magic, dtype_code, ndim = words[:3]
+        dtype = CODE_TO_DTYPE.get(dtype_code)
+        if magic != LOAN_MAGIC or dtype is None or not 0 <= ndim <= MAX_NDIM:
+            raise ValueError(f"magic {magic:#x}, dtype code {dtype_code}, {ndim} dimensions")
+        shape = tuple(words[3:3 + ndim])
+        at = 3 + ndim
+        export_count = words[at]
+        exports = [ExportDescriptor(*words[at + 1 + 3 * index: at + 4 + 3 * index]) for index in range(export_count)]
+        at += 1 + 3 * export_count
+        stamp = tuple(words[at:at + 3])
+        piece_count = words[at + 3]
+        triples = words[at + 4:]
+        if min(shape, default=0) < 0 or export_count < 0 or piece_count < 0 or len(triples) != 3 * piece_count or \
+                any(min(export.fd, export.inode) < 0 or export.nbytes <= 0 for export in exports):
+            raise ValueError(f"shape {shape}, {export_count} exports, {piece_count} pieces in {len(triples)} words")
+        pieces = [tuple(triples[3 * index: 3 * index + 3]) for index in range(piece_count)]
+        if any(not 0 <= index < export_count or offset < 0 or nbytes < 0
+               for index, offset, nbytes in [*pieces, (*stamp[:2], 8)]):
+            raise ValueError("a piece or the stamp names no export, or has a negative offset or length")
+    except (ValueError, TypeError, IndexError) as exc:  # a short descriptor unpacks badly, too
+        raise KVProtocolError(f"inconsistent loan descriptor of {len(words)} words: {exc}") from None
+    expected = math.prod(shape) * dtype.itemsize
+    if sum(nbytes for _, _, nbytes in pieces) != expected:
+        raise KVProtocolError(f"loan descriptor: pieces of {sum(n for _, _, n in pieces)} bytes for a {shape} {dtype} "
+                              f"tensor of {expected} bytes")
+    return LoanDescriptor(exports, shape, dtype, pieces, stamp)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

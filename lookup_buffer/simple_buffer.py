@@ -20,6 +20,7 @@ from lookup_buffer.base import BufferStats, KVLookupBufferBase, SelectResult
 from lookup_buffer.consumer import BufferConsumer
 from lookup_buffer.control import control_address
 from lookup_buffer.errors import KVInvalidRequestError
+from lookup_buffer.loans import LentTensor, Loan
 from lookup_buffer.producer import BufferProducer
 from lookup_buffer.protocol import MAX_WAIT_MS
 
@@ -61,26 +62,27 @@ class SimpleBuffer(KVLookupBufferBase):
         self,
         input_tokens: torch.Tensor,
         roi: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor | None,
-        hidden: torch.Tensor | None,
+        key: torch.Tensor | LentTensor,
+        value: torch.Tensor | LentTensor | None,
+        hidden: torch.Tensor | LentTensor | None,
         timeout: float | None = None,
-    ) -> None:
+    ) -> Loan | None:
         if not isinstance(self._side, BufferProducer):
             raise KVConfigError(f"insert() needs kv_role='kv_producer'; this buffer is {self.config.kv_role!r}")
         seconds = self.config.kv_timeout if timeout is None else _seconds(timeout)
-        self._side.insert(input_tokens, roi, key, value, hidden, seconds)
+        return self._side.insert(input_tokens, roi, key, value, hidden, seconds)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in the data pipe's fastest memory (:meth:`kv_pipe.KVPipeBase.empty`): on one host,
         a hit's tensors made here go to the consumer without a copy."""
         return self._data_pipe.empty(shape, dtype)
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
+                    borrow: bool = False) -> SelectResult:
         if not isinstance(self._side, BufferConsumer):
             raise KVConfigError(f"drop_select() needs kv_role='kv_consumer'; this buffer is {self.config.kv_role!r}")
         seconds = 0.0 if timeout is None else _seconds(timeout)
-        return self._side.drop_select(input_tokens, roi, seconds)
+        return self._side.drop_select(input_tokens, roi, seconds, borrow)
 
     @property
     def failure(self) -> Exception | None:

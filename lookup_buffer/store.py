@@ -16,19 +16,24 @@ import torch
 
 from kv_pipe.errors import KVBufferFullError, KVTransferError
 from lookup_buffer.errors import fresh_error
+from lookup_buffer.loans import DROPPED, EXPIRED, LentTensor, Loan
 from lookup_buffer.matching import MatchKey
 
 
 class Entry:
-    """One inserted request: the tensors a hit sends, and the bytes it is charged for."""
+    """One inserted request: the tensors a hit sends (or lent tensors, with their ``loan``), and the
+    bytes it is charged for."""
 
-    __slots__ = ("items", "nbytes", "largest", "expires")
+    __slots__ = ("items", "nbytes", "largest", "expires", "loan", "lent")
 
-    def __init__(self, items: tuple[torch.Tensor, ...], nbytes: int) -> None:
+    def __init__(self, items: tuple[torch.Tensor | LentTensor, ...], nbytes: int, loan: Loan | None = None,
+                 lent: tuple[bool, bool, bool] = (False, False, False)) -> None:
         self.items = items
+        self.lent = lent  # which of key, value and hidden are lent
         self.nbytes = nbytes
-        self.largest = max(item.nbytes for item in items)
+        self.largest = max(item.nbytes for item in items)  # a lent item may be copied into one message too
         self.expires = math.inf  # set when stored
+        self.loan = loan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,8 @@ class EntryStore:
                 if queue.popleft() is not entry:
                     raise AssertionError("lookup buffer store: entries of one key out of insertion order")
                 self._forget(key, queue, entry)
+                if entry.loan is not None:
+                    entry.loan.end(EXPIRED)
                 self._expired += 1
                 entries += 1
                 nbytes += entry.nbytes
@@ -158,6 +165,9 @@ class EntryStore:
             if self._error is None:
                 self._error = error
             dropped = self._count, self._bytes
+            for entry in self._by_age:
+                if entry.loan is not None:
+                    entry.loan.end(DROPPED)
             self._entries.clear()
             self._by_age.clear()
             self._count = 0

@@ -24,6 +24,7 @@ import torch
 from kv_pipe import TorchDistributedPipe
 from lookup_buffer import BufferStats, KVLookupBufferBase, SimpleBuffer
 from lookup_buffer.base import SelectResult
+from lookup_buffer.loans import Loan
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +36,12 @@ class _Wrapper(KVLookupBufferBase):
         self.inner = inner
 
     def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-               hidden: torch.Tensor | None, timeout: float | None = None) -> None:
-        self.inner.insert(input_tokens, roi, key, value, hidden, timeout)
+               hidden: torch.Tensor | None, timeout: float | None = None) -> Loan | None:
+        return self.inner.insert(input_tokens, roi, key, value, hidden, timeout)
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:
-        return self.inner.drop_select(input_tokens, roi, timeout)
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
+                    borrow: bool = False) -> SelectResult:
+        return self.inner.drop_select(input_tokens, roi, timeout, borrow)
 
     @property
     def failure(self) -> Exception | None:
@@ -60,8 +62,9 @@ class CorruptingBuffer(_Wrapper):
         self.enabled = enabled
         self._generator = torch.Generator().manual_seed(seed)
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> SelectResult:
-        entry = super().drop_select(input_tokens, roi, timeout)
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
+                    borrow: bool = False) -> SelectResult:
+        entry = super().drop_select(input_tokens, roi, timeout)  # never borrowed: the key is replaced
         key = entry[2]
         if self.enabled and key is not None:
             entry[2] = (torch.randn(key.shape, generator=self._generator) * 3 + 0.5).to(key.dtype)
@@ -77,12 +80,12 @@ class LosingBuffer(_Wrapper):
         self._inserts = 0
 
     def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-               hidden: torch.Tensor | None, timeout: float | None = None) -> None:
+               hidden: torch.Tensor | None, timeout: float | None = None) -> Loan | None:
         index, self._inserts = self._inserts, self._inserts + 1
         if index == self.lost:
             logger.warning("fault injection: insert %d is lost", index)
-            return
-        super().insert(input_tokens, roi, key, value, hidden, timeout)
+            return None
+        return super().insert(input_tokens, roi, key, value, hidden, timeout)
 
 
 def _install(fault: str) -> None:

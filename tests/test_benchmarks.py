@@ -134,7 +134,7 @@ def test_bench_connector_compares_a_paged_transfer_with_the_pipe_alone(tmp_path:
     assert ("through shared memory" if path == "shared-memory" else "over the transport") in result.stdout
     for size in ("2 MiB", "4 MiB"):
         cells = table_cells(result.stdout, size)
-        assert len(cells) == 6 and all(re.fullmatch(rf"{NUMBER}x?", cell) for cell in cells[1:]), cells
+        assert len(cells) == 9 and all(re.fullmatch(rf"{NUMBER}x?", cell) for cell in cells[1:]), cells
 
 
 @pytest.mark.timeout(200)

@@ -215,7 +215,8 @@ class _FixedEntryBuffer(KVLookupBufferBase):
     def insert(self, *args: object, **kwargs: object) -> None:
         raise AssertionError("not used")
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> list:
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
+                    borrow: bool = False) -> list:
         return list(self.entry)
 
     def stats(self) -> BufferStats:

@@ -303,7 +303,9 @@ def test_bad_hit_headers_are_refused() -> None:
         changed(4, 4),  # token count disagrees with the length
         changed(4, 0),
         changed(5, len(TOKEN_DTYPES)),  # dtype code
-        changed(6, 8),  # flags
+        changed(6, 64),  # an unknown flag
+        changed(6, 32 | 1),  # a lent hidden state that does not follow
+        changed(6, 16),  # a lent value that does not follow
         roi_bytes,
         narrow,
         *bad_outcomes,

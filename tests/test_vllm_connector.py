@@ -515,7 +515,8 @@ class _ScriptedSelects:
         self.selected: list[int] = []  # first tokens of the selects that reached the buffer
         self.failure: Exception | None = None  # a live connection
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None) -> list:
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
+                    borrow: bool = False) -> list:
         first = int(input_tokens[0])
         self.selected.append(first)
         gate = self.gates.get(first)

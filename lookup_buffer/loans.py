@@ -1,0 +1,257 @@
+"""Entries lent where they lie: a same-host consumer copies the producer's memory itself, then gives it back.
+
+A producer whose KV lives in exported host memory (:mod:`kv_pipe.exported_memory`) need not copy it
+out to insert it. It inserts a :class:`LentTensor`, which says where the bytes lie, and gets a
+:class:`Loan`. A consumer on the same host that asks to borrow (``drop_select(..., borrow=True)``)
+receives a :class:`BorrowedTensor` over its read-only mapping of that memory, copies the bytes where
+it wants them, and releases it; only then, or once the producer gave up on it, is the loan over and
+the memory the producer's again. A consumer that cannot borrow (another host, or one that did not
+ask) gets an ordinary tensor: the producer copies the lent bytes into the data pipe's memory when
+the entry is selected, and the loan is over as soon as they are copied.
+
+While its loan lasts, the producer must not change the lent memory.
+
+A borrower must know, once it has copied, that the loan held all along: the producer takes back
+what is not released within ``kv_timeout``. Asking would cost a round trip per entry. Instead each
+loan lent out has a word in the producer's :class:`LoanTable`, exported like the memory it lends,
+holding the loan's random stamp; the producer clears the word *before* it ends the loan. The
+borrower reads the word *after* its copy: if it still holds the stamp, every byte it copied was
+read while the loan held (stores become visible in order, and loads are not reordered with loads,
+on x86; on other machines the locks on both sides' paths fence them). The release itself is then
+sent without waiting for an answer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kv_pipe.errors import KVPeerLostError, KVTransferError
+from kv_pipe.exported_memory import ExportedMemory, PeerMemory, export_host_memory, find_export, page_aligned_empty
+from kv_pipe.parallel_copy import copy_pieces
+
+#: How a loan ended.
+COPIED = "copied"  # a consumer copied the bytes and gave them back
+SENT = "sent"  # the bytes were copied into the data pipe for a consumer that does not borrow
+EXPIRED = "expired"  # no consumer selected the entry within kv_entry_timeout
+RECLAIMED = "reclaimed"  # a consumer borrowed it and did not give it back within kv_timeout
+DROPPED = "dropped"  # the buffer closed, or failed, or the borrowing consumer was lost
+
+#: ``(address, nbytes)`` pieces that, read one after another, hold a tensor's bytes.
+Pieces = Sequence[tuple[int, int]]
+#: Loans a producer process has lent out at once, at most; beyond, entries are copied, not lent.
+MAX_LOANS_OUT = 4096
+
+
+class LoanTable:
+    """Producer, one per process: a stamp word per loan lent out, exported so that borrowers can check
+    it. Thread-safe."""
+
+    def __init__(self, slots: int = MAX_LOANS_OUT) -> None:
+        self.words = page_aligned_empty((slots,), torch.int64)
+        self.words.zero_()
+        self.export = export_host_memory(self.words)
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[int, int] | None:
+        """A free slot, now holding a fresh stamp: ``(slot, stamp)``; None if all are taken."""
+        stamp = secrets.randbits(63) | 1  # never 0, the word of no loan
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        self.words[slot] = stamp
+        return slot, stamp
+
+    def clear(self, slot: int) -> None:
+        """Clear a slot's stamp (before its loan ends) and free it."""
+        self.words[slot] = 0
+        with self._lock:
+            self._free.append(slot)
+
+
+_table: LoanTable | None = None
+_table_lock = threading.Lock()
+
+
+def loan_table() -> LoanTable:
+    """This process's loan table, made on first use."""
+    global _table
+    with _table_lock:
+        if _table is None:
+            _table = LoanTable()
+        return _table
+
+
+class Loan:
+    """The producer's handle on the memory of one lent entry. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._ended = threading.Event()
+        self._outcome: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def outcome(self) -> str | None:
+        """How the loan ended (:data:`COPIED`, :data:`SENT`, ...), or None while it lasts."""
+        return self._outcome
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Block until the loan has ended, at most ``timeout`` seconds; its outcome, or None."""
+        self._ended.wait(timeout)
+        return self._outcome
+
+    def end(self, outcome: str) -> bool:
+        """End the loan with ``outcome`` unless it already ended; whether this call ended it."""
+        with self._lock:
+            if self._outcome is not None:
+                return False
+            self._outcome = outcome
+        self._ended.set()
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class LentTensor:
+    """Producer: a tensor of ``shape`` and ``dtype`` whose bytes lie, in order, in ``pieces`` of
+    exported memory; ``exports`` holds each export they touch and ``places`` says, per piece, which
+    one (its index) and where in it (an offset). Made by :meth:`over`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[tuple[int, int], ...]
+    exports: tuple[ExportedMemory, ...]
+    places: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def over(cls, shape: Sequence[int], dtype: torch.dtype, pieces: Pieces) -> LentTensor | None:
+        """The lent tensor over ``pieces``, or None unless each lies in an export (in its whole pages:
+        the ends of an exported storage are not exported) or there are none. ValueError if they do
+        not hold the tensor's bytes exactly."""
+        shape = tuple(int(size) for size in shape)
+        if sum(nbytes for _, nbytes in pieces) != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"pieces of {sum(n for _, n in pieces)} bytes for a {shape} {dtype} tensor")
+        if not pieces:
+            return None
+        exports: list[ExportedMemory] = []
+        places = []
+        current = 0
+        for address, nbytes in pieces:
+            # Pieces come in runs from one storage (a layer's cache): the last export first.
+            if not exports or exports[current].offset_of(address, nbytes) is None:
+                export = find_export(address, nbytes)
+                if export is None:
+                    return None
+                if export not in exports:
+                    exports.append(export)
+                current = exports.index(export)
+            places.append((current, exports[current].offset_of(address, nbytes)))
+        return cls(shape, dtype, tuple((int(address), int(nbytes)) for address, nbytes in pieces), tuple(exports),
+                   tuple(places))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def materialize(self, empty: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> torch.Tensor:
+        """A copy of the bytes in a new tensor made by ``empty(shape, dtype)`` (contiguous)."""
+        tensor = empty(self.shape, self.dtype)
+        copy_pieces([(tensor.data_ptr(), self.nbytes)], self.pieces)
+        return tensor
+
+
+class Borrowing:
+    """Consumer: one borrowed entry, released once (by any of its tensors). Thread-safe.
+
+    ``stamp_address`` is where this side maps the loan's word in the producer's :class:`LoanTable`;
+    ``give_back()`` sends the release (without waiting for anything).
+    """
+
+    def __init__(self, stamp_address: int, stamp: int, give_back: Callable[[], None],
+                 mapping: PeerMemory) -> None:
+        self._word = ctypes.c_int64.from_address(stamp_address)
+        self._stamp = stamp
+        self._give_back = give_back
+        self._mapping = mapping  # keeps the word mapped
+        self._lock = threading.Lock()
+        self._released = False
+
+    def forget(self) -> None:
+        """Give the entry back unused; nothing if it was released already."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._give_back()
+
+    def release(self) -> None:
+        """Check that the loan held until now, and give the entry back. Later calls return at once.
+
+        Raises:
+            KVPeerLostError: the producer had taken the memory back (the borrow outlived its
+                ``kv_timeout``): what was copied may be wrong.
+        """
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        held = self._word.value == self._stamp  # after every copy out of the loan: see the module's docstring
+        self._give_back()
+        if not held:
+            raise KVPeerLostError("lookup buffer: the producer took back a lent entry before it was released "
+                                  "(the borrow outlived its kv_timeout): what was copied from it may be wrong")
+
+
+class BorrowedTensor:
+    """Consumer: a tensor's bytes in the producer's memory, mapped read-only here, in ``pieces``
+    (local addresses, each checked to lie in the mapping). Copy them out, then :meth:`release`."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pieces: Pieces, memories: Sequence[PeerMemory],
+                 borrowing: Borrowing) -> None:
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.pieces = tuple(pieces)
+        self._memories = tuple(memories)  # keep the mappings while this tensor lives
+        self.borrowing = borrowing
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def copy_to(self, targets: Pieces) -> None:
+        """Copy the bytes into ``targets`` (local ``(address, nbytes)`` pieces holding as many bytes)."""
+        copy_pieces(targets, self.pieces)
+
+    def to_tensor(self) -> torch.Tensor:
+        """A private copy of the bytes as an ordinary tensor."""
+        tensor = torch.empty(self.shape, dtype=self.dtype)
+        self.copy_to([(tensor.data_ptr(), self.nbytes)])
+        return tensor
+
+    def release(self) -> None:
+        """Release the entry this tensor belongs to (:meth:`Borrowing.release`), once its bytes are copied."""
+        self.borrowing.release()
+
+
+def release_all(items: Sequence[object]) -> None:
+    """Release every borrowed entry among ``items`` (a drop_select result); the first error is raised
+    once all were released."""
+    error: KVTransferError | None = None
+    for item in items:
+        if isinstance(item, BorrowedTensor):
+            try:
+                item.release()
+            except KVTransferError as exc:
+                error = error or exc
+    if error is not None:
+        raise error

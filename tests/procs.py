@@ -69,6 +69,10 @@ def new_queue() -> Any:
     return _CTX.Queue()
 
 
+def new_event() -> Any:
+    return _CTX.Event()
+
+
 def collect(processes: list[mp.Process], results: Any, timeout: float, expect: int | None = None) -> dict[int, Any]:
     """Wait for ``expect`` results (default: one per process); kill every process in the end.
 

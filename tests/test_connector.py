@@ -21,6 +21,7 @@ from connector import (
     send_kv_caches_and_hidden_states,
 )
 from kv_pipe import KVConfigError, KVTransferConfig, TorchDistributedPipe
+from kv_pipe.exported_memory import page_aligned_empty
 from lookup_buffer import BufferStats, KVLookupBufferBase, SimpleBuffer
 from tests import procs
 from tests.tensors import same_bits
@@ -300,13 +301,25 @@ def _buffer(port: int, rank: int) -> SimpleBuffer:
     return SimpleBuffer(TorchDistributedPipe(config), config)
 
 
-def _connector_producer(port: int) -> list[int]:
+def _exported(caches: list[torch.Tensor]) -> PagedKVCaches:
+    """Caches whose every block lies in whole pages, exported: all their requests can be lent."""
+    aligned = [page_aligned_empty(cache.shape, cache.dtype).copy_(cache) for cache in caches]
+    paged = PagedKVCaches(aligned, VLLM_CPU_LAYOUT)
+    paged.export()
+    return paged
+
+
+def _connector_producer(port: int, lend: bool) -> tuple[list[int], list[str | None]]:
     layout = VLLM_CPU_LAYOUT
     caches = PagedKVCaches(random_caches(layout, PRODUCER_BLOCKS, torch.bfloat16, seed=20), layout)
+    if lend:
+        caches = _exported(list(caches.caches))
     requests = [KVRequest(tokens, PagedKV(caches, src), _hidden(i)) for i, (tokens, src, _) in
                 enumerate(PAGED_REQUESTS.values())]
     requests.append(KVRequest(CONTIGUOUS_TOKENS, _contiguous(21, len(CONTIGUOUS_TOKENS)), _hidden(30)))
     two_layers = PagedKVCaches(random_caches(layout, 4, torch.bfloat16, seed=22, num_layers=2), layout)
+    if lend:  # lent, and refused by the consumer's checks: it must give it back all the same
+        two_layers = _exported(list(two_layers.caches))
     requests.append(KVRequest(FEWER_LAYERS_TOKENS, PagedKV(two_layers, [1, 3]), _hidden(31)))
     block_size_4 = PagedKVCaches(random_caches(layout, 4, torch.bfloat16, seed=23, block_size=4), layout)
     requests.append(KVRequest(OTHER_BLOCK_SIZE_TOKENS, PagedKV(block_size_4, [0, 2, 1]), _hidden(32)))
@@ -315,12 +328,13 @@ def _connector_producer(port: int) -> list[int]:
     requests.append(KVRequest(NO_HIDDEN_TOKENS, PagedKV(caches, [12]), None))
     assert len(requests) == NUM_SENT
     with _buffer(port, 0) as buffer:
-        results = send_kv_caches_and_hidden_states(buffer, requests)
+        results = send_kv_caches_and_hidden_states(buffer, requests, lend=lend)
         deadline = time.monotonic() + 30
         while buffer.stats().hits < NUM_SENT:  # keep serving until the consumer took everything
             assert time.monotonic() < deadline, f"consumer took only {buffer.stats().hits} entries"
             time.sleep(0.02)
-    return [r.num_bytes for r in results]
+        loans = [None if r.loan is None else r.loan.wait(30) for r in results]
+    return [r.num_bytes for r in results], loans
 
 
 def _connector_consumer(port: int) -> dict[str, tuple[bool, str | None, int]]:
@@ -364,14 +378,19 @@ def _connector_consumer(port: int) -> dict[str, tuple[bool, str | None, int]]:
     return {name: (r.hit, r.reason, r.num_bytes) for name, r in outcome.items()}
 
 
-def _connector_side(rank: int, port: int) -> object:
-    return _connector_producer(port) if rank == 0 else _connector_consumer(port)
+def _connector_side(rank: int, port: int, lend: bool) -> object:
+    return _connector_producer(port, lend) if rank == 0 else _connector_consumer(port)
 
 
 @pytest.mark.timeout(90)
-def test_send_recv_over_pipe_and_buffer() -> None:
+@pytest.mark.parametrize("lend", [False, True], ids=["copied", "lent"])
+def test_send_recv_over_pipe_and_buffer(lend: bool) -> None:
     port = procs.free_port(span=4)
-    sent_bytes, outcome = procs.run_pair(_connector_side, (0, port), (1, port), timeout=80)
+    (sent_bytes, loans), outcome = procs.run_pair(_connector_side, (0, port, lend), (1, port, lend), timeout=80)
+    # Lent: every request of the exported caches, whether the consumer took it or refused it.
+    names = [*PAGED_REQUESTS, "contiguous", "fewer layers", "block size", "dtype", "no hidden"]
+    lent = {*PAGED_REQUESTS, "fewer layers", "no hidden"} if lend else set()
+    assert dict(zip(names, loans, strict=True)) == {name: "copied" if name in lent else None for name in names}
     hits = {name for name, (hit, _, _) in outcome.items() if hit}
     assert hits == {*PAGED_REQUESTS, "contiguous"}
     reasons = {name: reason for name, (_, reason, _) in outcome.items()}

@@ -15,6 +15,8 @@ COUNTERS = (
     "saved_bytes",
     "save_failures",  # requests whose KV could not be inserted (buffer full, peer gone)
     "save_seconds",  # time spent gathering and inserting
+    "lent_requests",  # saved requests whose blocks were lent, not copied (a subset of saved_requests)
+    "returned_requests",  # saved requests whose blocks vLLM was told it may free (finished sending)
     "load_hits",  # requests whose KV was loaded
     "load_misses",  # no entry within kv_load_timeout, or an entry that failed the checks
     "load_errors",  # transport errors (peer lost, pipe closed, protocol)

@@ -28,6 +28,8 @@ _COUNTER_HELP = {
     "saved_bytes": "Bytes of KV inserted into the lookup buffer.",
     "save_failures": "Requests whose KV could not be inserted (buffer full, peer lost).",
     "save_seconds": "Seconds spent gathering and inserting KV.",
+    "lent_requests": "Saved requests whose KV blocks were lent where they lie instead of copied.",
+    "returned_requests": "Saved requests whose KV blocks the prefill instance handed back to vLLM.",
     "load_hits": "Requests whose KV the decode instance loaded.",
     "load_misses": "Loads without a usable entry within kv_load_timeout.",
     "load_errors": "Loads failed by a transport error (peer lost, protocol).",

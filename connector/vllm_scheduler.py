@@ -42,6 +42,9 @@ class KVBridgeMetadata(KVConnectorMetadata):
     #: Claimed requests this connector cannot load (an allocation it does not plan for): vLLM waits
     #: for them all the same, so the worker reports them finished at once with these blocks failed.
     refused: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    #: Finished requests whose blocks vLLM keeps until the workers report them finished sending:
+    #: every request that was handed to them to save (its blocks may be lent).
+    held: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -97,6 +100,7 @@ class SchedulerSide:
         self._loaded: set[str] = set()  # consumer: requests that already had their one load attempt
         # consumer: transfer prefix found in vLLM's prefix cache: drain it at the producer named here
         self._covered: dict[str, tuple[str, int] | None] = {}
+        self._held: list[str] = []  # producer: finished requests whose blocks vLLM keeps, not yet told
 
     # ------------------------------------------------------------------ consumer
 
@@ -166,6 +170,7 @@ class SchedulerSide:
         meta.loads = list(self._loads.values())
         self._loads.clear()
         meta.refused, self._refused = self._refused, {}
+        meta.held, self._held = self._held, []
         for new_req in scheduler_output.scheduled_new_reqs:
             if new_req.req_id in self._covered and new_req.req_id not in self._loaded:
                 prompt = new_req.prompt_token_ids or []
@@ -209,9 +214,12 @@ class SchedulerSide:
                 self._saved[req_id] = prefix if saved else 0
             # else: a late outcome of a request already announced (see build_meta) or aborted.
 
-    def request_finished(self, request: Any) -> dict[str, Any] | None:
-        """Forget a finished or aborted request; the producer announces the prefix it saved."""
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Forget a finished or aborted request. The producer announces the prefix it saved, and
+        has vLLM keep the blocks of every request its workers were asked to save (they may be lent)
+        until the workers report it finished sending."""
         req_id = request.request_id
+        handed_to_workers = req_id in self._saving or req_id in self._saved
         self._loads.pop(req_id, None)
         self._refused.pop(req_id, None)
         self._loaded.discard(req_id)
@@ -222,10 +230,12 @@ class SchedulerSide:
         announcement = {"prefix_tokens": self._saved.pop(req_id, 0), "host": host, "port": port,
                         "engine_id": self.engine_id}
         if not self.is_producer:
-            return None
+            return False, None
         if in_flight is not None:
             self._pending[req_id] = (announcement, in_flight)
-        return {PARAMS_KEY: announcement}
+        if handed_to_workers:
+            self._held.append(req_id)
+        return handed_to_workers, {PARAMS_KEY: announcement}
 
 
 def _announcement(params: Mapping[str, Any] | None) -> Mapping[str, Any]:

@@ -19,6 +19,13 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
     engine step waits too: by default it holds only for the copy out of the paged cache, and a
     full buffer (a decode instance that is behind) costs that request its transfer, not every
     running request its next token.
+``kv_lend_blocks`` (bool, default true)
+    Producer: lend a saved request's blocks where they lie instead of copying them out. Its caches
+    are moved into shared memory in place at start (:mod:`kv_pipe.exported_memory`); a decode
+    instance on the same host then copies the blocks straight into its own caches, the only copy,
+    and one on another host gets them copied when it takes them. vLLM keeps a lent request's blocks
+    until then (or until the entry expires, or its borrower is lost or holds it past
+    ``kv_timeout``); they count against ``kv_buffer_size`` like copied entries.
 ``kv_secret_file`` (path, default unset)
     A file holding the shared secret (see :mod:`connector.secret`). The secret itself is never
     a key here: vLLM's command line and logs would show it. ``KVBRIDGE_KV_SECRET`` /
@@ -45,6 +52,7 @@ from kv_pipe.errors import KVConfigError
 _OPTION_DEFAULTS: dict[str, Any] = {
     "kv_load_timeout": 5.0,
     "kv_save_timeout": 0.0,
+    "kv_lend_blocks": True,
     SECRET_FILE_KEY: None,
 }
 
@@ -57,11 +65,13 @@ class ConnectorSettings:
         bridge: the kvbridge transport configuration (pipe and lookup buffer).
         load_timeout: see the module docstring (``kv_load_timeout``).
         save_timeout: see ``kv_save_timeout``.
+        lend_blocks: see ``kv_lend_blocks``.
     """
 
     bridge: KVTransferConfig
     load_timeout: float
     save_timeout: float
+    lend_blocks: bool = True
 
     @classmethod
     def from_vllm(cls, kv_role: str, kv_port: int, kv_buffer_device: str,
@@ -96,8 +106,10 @@ class ConnectorSettings:
             value = options[name]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise KVConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if not isinstance(options["kv_lend_blocks"], bool):
+            raise KVConfigError(f"kv_lend_blocks must be true or false, got {options['kv_lend_blocks']!r}")
         return cls(bridge=bridge, load_timeout=float(options["kv_load_timeout"]),
-                   save_timeout=float(options["kv_save_timeout"]))
+                   save_timeout=float(options["kv_save_timeout"]), lend_blocks=options["kv_lend_blocks"])
 
 
 def listen_port_offset(tp_rank: int) -> int:

@@ -17,8 +17,10 @@ With kvbridge installed, its ``vllm.general_plugins`` entry point registers the 
 How it works:
 
 * Producer: after the step that computes a prompt's transfer prefix (the whole blocks before its
-  last token, :func:`connector.vllm_scheduler.transfer_prefix_len`), the worker gathers those
-  blocks of every layer and inserts them into its lookup buffer, keyed by the prefix's tokens.
+  last token, :func:`connector.vllm_scheduler.transfer_prefix_len`), the worker inserts those
+  blocks of every layer into its lookup buffer, keyed by the prefix's tokens: lent where they lie
+  (``kv_lend_blocks``, the default; vLLM keeps the finished request's blocks until the loan ends
+  and ``get_finished`` reports it finished sending), or gathered into a copy.
   The request's ``kv_transfer_params`` announce the prefix, and this producer's address, only if
   every worker saved it (their outcomes come back as worker metadata), so a decode instance
   never waits for KV that a full buffer kept from being saved. Any number of decode instances
@@ -137,6 +139,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta, worker = self._metadata(), self._require_worker()
+        worker.hold(meta.held)
         worker.start_loads(meta.loads)
         worker.refuse_loads(meta.refused)
 
@@ -144,8 +147,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return  # loads are asynchronous: vLLM schedules a request only once get_finished reported it
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        recving = self._require_worker().take_finished_loads(finished_req_ids)
-        return None, recving or None
+        worker = self._require_worker()
+        recving = worker.take_finished_loads(finished_req_ids)
+        return worker.take_finished_sending() or None, recving or None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -211,7 +215,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._require_scheduler().record_saves(outcomes)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._require_scheduler().request_finished(request)
+        return self._require_scheduler().request_finished(request)
 
     # ------------------------------------------------------------------ helpers
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -43,11 +44,13 @@ from connector.vllm_loads import LoadTicket, LoadTracker
 from connector.vllm_settings import ConnectorSettings
 from kv_pipe.base import KVPipeBase
 from kv_pipe.errors import KVBufferFullError, KVConfigError, KVTimeoutError, KVTransferError
+from kv_pipe.parallel_copy import copy_pieces
 from lookup_buffer import BufferListener, ProducerConnections, dial
 from lookup_buffer.base import BufferStats, KVLookupBufferBase
 from lookup_buffer.connections import Address
 from lookup_buffer.errors import KVInvalidRequestError
 from lookup_buffer.listener import OnConnect
+from lookup_buffer.loans import BorrowedTensor, Loan
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,21 @@ class _LoadTarget(PagedKV):
         block_dim = self.caches.layout.block_dim
         blocks = key.narrow(1 + block_dim, self.skip_blocks, len(self.block_ids) - self.skip_blocks)
         scatter_blocks(self.caches.caches, self.caches.layout, self.block_ids[self.skip_blocks:], blocks)
+
+    def load_borrowed(self, key: BorrowedTensor, value: torch.Tensor | None) -> None:
+        if self.cancelled is not None and self.cancelled.is_set():
+            return
+        targets = PagedKV(self.caches, self.block_ids[self.skip_blocks:]).pieces()
+        if targets is None:
+            self.load(key.to_tensor(), value)
+            return
+        # The key's bytes run layer by layer (and by each index before the block dimension) through
+        # all the request's blocks: leave out the first skip_blocks blocks of each such row.
+        rows = math.prod(key.shape[: 1 + self.caches.layout.block_dim])
+        row_bytes = key.nbytes // rows
+        skipped = self.skip_blocks * row_bytes // len(self.block_ids)
+        copy_pieces(targets, [piece for row in range(rows)
+                              for piece in key.slice_pieces(row * row_bytes + skipped, row_bytes - skipped)])
 
 
 @dataclasses.dataclass
@@ -134,6 +152,9 @@ class WorkerSide:
         self._loads = LoadTracker()
         self._saved: set[str] = set()  # request ids whose save succeeded / failed since the last report
         self._unsaved: set[str] = set()
+        self._lends = False  # producer: its caches are exported, and saves lend their blocks
+        self._kept: dict[str, Loan | None] = {}  # producer: every request saved, with its loan if lent
+        self._held: set[str] = set()  # producer: finished requests whose blocks vLLM keeps until reported
         self._interval = TransferStats()
         self._observed = Observations()
         self._total = TransferStats()
@@ -154,6 +175,12 @@ class WorkerSide:
         self.identity = msgspec.structs.replace(self.identity, num_layers=len(caches), block_shape=block_shape,
                                                 dtype=str(first.dtype), layout=layout.name)
         if self.settings.bridge.is_producer:
+            if self.settings.lend_blocks:
+                try:
+                    self._caches.export()
+                    self._lends = True
+                except KVConfigError as exc:
+                    logger.warning("kvbridge: saved blocks will be copied, not lent: %s", exc)
             self._buffer = self._listener_factory(self.settings, self.port_offset, self._check_peer)
         else:
             settings = self.settings
@@ -207,6 +234,7 @@ class WorkerSide:
 
     def _save_one(self, spec: SaveSpec) -> bool:
         """Save one request; return whether its entry is in the lookup buffer."""
+        self._kept[spec.req_id] = None  # vLLM keeps its blocks once finished: see take_finished_sending
         if self._buffer is None:
             self._add(save_failures=1)
             return False
@@ -218,16 +246,35 @@ class WorkerSide:
             with torch.inference_mode(False):
                 request = _kv_request(spec.token_ids, PagedKV(caches, spec.block_ids))
                 (result,) = send_kv_caches_and_hidden_states(self._buffer, [request],
-                                                             timeout=self.settings.save_timeout)
+                                                             timeout=self.settings.save_timeout, lend=self._lends)
         except KVTransferError as exc:  # a full buffer, or a closed one
             level = logging.WARNING if isinstance(exc, (KVBufferFullError, KVTimeoutError)) else logging.ERROR
             logger.log(level, "kvbridge: KV of request %s not saved: %s", spec.req_id, exc)
             self._add(save_failures=1, save_seconds=time.perf_counter() - start)
             return False
-        self._add(saved_requests=1, saved_blocks=len(spec.block_ids), saved_bytes=result.num_bytes,
+        self._kept[spec.req_id] = result.loan
+        self._add(saved_requests=1, lent_requests=int(result.loan is not None), saved_blocks=len(spec.block_ids), saved_bytes=result.num_bytes,
                   save_seconds=result.seconds)
         self._observe(transfer_seconds=result.seconds)
         return True
+
+    def hold(self, req_ids: Iterable[str]) -> None:
+        """vLLM finished these requests and keeps their blocks until :meth:`take_finished_sending`
+        reports them (each was handed to this worker to save)."""
+        self._held.update(req_ids)
+
+    def take_finished_sending(self) -> set[str]:
+        """Held requests whose blocks this worker no longer needs, each once: saved by a copy, or
+        lent and the loan has ended (taken and released, copied for a consumer on another host,
+        expired, or taken back)."""
+        done = {req_id for req_id in self._held
+                if req_id in self._kept and (self._kept[req_id] is None or self._kept[req_id].outcome is not None)}
+        for req_id in done:
+            del self._kept[req_id]
+        self._held -= done
+        if done:
+            self._add(returned_requests=len(done))
+        return done
 
     def take_save_outcomes(self) -> tuple[set[str], set[str]]:
         """Request ids saved, and not saved, since the last call (vLLM asks once per step)."""

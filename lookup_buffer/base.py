@@ -117,7 +117,7 @@ class KVLookupBufferBase(abc.ABC):
         selects at least one position; ``key`` is a tensor of any shape and dtype; ``value`` and
         ``hidden`` are tensors or None (e.g. paged layouts keep K and V in one tensor). The buffer
         keeps references to key, value and hidden (no copy): the caller must not modify them
-        afterwards. Bytes charged: the sum of ``nbytes`` of all five, lent items excepted.
+        afterwards. Bytes charged: the sum of ``nbytes`` of all five, lent or not.
 
         Any of key, value and hidden may be lent (see *Lending* above): the call then returns the
         entry's :class:`~lookup_buffer.loans.Loan`, and None otherwise.

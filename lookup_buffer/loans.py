@@ -228,6 +228,19 @@ class BorrowedTensor:
     def dim(self) -> int:
         return len(self.shape)
 
+    def slice_pieces(self, start: int, nbytes: int) -> list[tuple[int, int]]:
+        """The pieces that hold bytes ``[start, start + nbytes)`` of the tensor (ValueError if that
+        leaves the tensor)."""
+        if start < 0 or nbytes < 0 or start + nbytes > self.nbytes:
+            raise ValueError(f"bytes [{start}, {start + nbytes}) of a tensor of {self.nbytes}")
+        found, offset = [], 0
+        for address, size in self.pieces:
+            low, high = max(start, offset), min(start + nbytes, offset + size)
+            if low < high:
+                found.append((address + low - offset, high - low))
+            offset += size
+        return found
+
     def copy_to(self, targets: Pieces) -> None:
         """Copy the bytes into ``targets`` (local ``(address, nbytes)`` pieces holding as many bytes)."""
         copy_pieces(targets, self.pieces)

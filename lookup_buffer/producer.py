@@ -96,7 +96,8 @@ def make_entry(input_tokens: torch.Tensor, roi: torch.Tensor, key: Item, value: 
                hidden: Item | None) -> tuple[MatchKey, Entry]:
     """Check an insert's arguments (KVInvalidRequestError) and build its entry and match key.
 
-    Lent items are charged nothing: their memory is the caller's, not the buffer's.
+    Lent items are charged like copied ones: the budget bounds the bytes of entries waiting for a
+    consumer, wherever they lie.
     """
     tokens, roi_array = token_arrays(input_tokens, roi)
     for name, item in (("key", key), ("value", value), ("hidden", hidden)):
@@ -108,7 +109,7 @@ def make_entry(input_tokens: torch.Tensor, roi: torch.Tensor, key: Item, value: 
     lent = any(isinstance(item, LentTensor) for item in (key, value, hidden))
     entry = Entry(
         (torch.from_numpy(header), *(item for item in (key, value, hidden) if item is not None)),
-        nbytes=sum(item.nbytes for item in given if isinstance(item, torch.Tensor)),
+        nbytes=sum(item.nbytes for item in given if item is not None),
         loan=Loan() if lent else None,
         lent=(isinstance(key, LentTensor), isinstance(value, LentTensor), isinstance(hidden, LentTensor)),
     )
@@ -402,7 +403,7 @@ class BufferProducer:
 
     def _send_hit(self, waiter: _Waiter, entry: Entry) -> None:
         header, *items = entry.items
-        nbytes = entry.nbytes + sum(item.nbytes for item in items if isinstance(item, LentTensor))
+        nbytes = entry.nbytes
         # Lent only to a consumer that asked and can map it; else (or with no slot free) copied.
         lends = entry.loan is not None and waiter.borrow and self._pipe.uses_shared_memory
         taken = loan_table().take() if lends else None

@@ -464,20 +464,31 @@ def load_and_wait(worker: Any, specs: list[Any], timeout: float) -> set[int]:
 
 
 def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, timeout: float) -> dict[str, Any]:
-    """Save ``saves`` from :func:`fake_caches` (seed 1) under inference mode, as vLLM does; set
-    ``saved``; serve until ``done``."""
+    """Save ``saves`` from :func:`fake_caches` (seed 1, in whole pages: every block can be lent)
+    under inference mode, as vLLM does; set ``saved``; serve until ``done``, then until every saved
+    request's blocks were returned (vLLM holds them all: the worker reports them finished sending)."""
     import torch
 
-    worker = fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, fake_caches(1), {})
+    from kv_pipe.exported_memory import page_aligned_empty
+
+    caches = [page_aligned_empty(cache.shape, cache.dtype).copy_(cache) for cache in fake_caches(1)]
+    worker = fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, caches, {})
     try:
         with torch.inference_mode():  # as in vLLM's model runner
             worker.save(saves)
         outcomes = worker.take_save_outcomes()
+        worker.hold([spec.req_id for spec in saves] + ["never saved"])
+        early = worker.take_finished_sending()  # lent blocks are still out: nothing to return yet
         saved.set()
         if not done.wait(timeout):
             raise TimeoutError(f"the consumer did not finish within {timeout} s")
+        returned = set(early)
+        deadline = time.monotonic() + timeout
+        while len(returned) < len(saves) and time.monotonic() < deadline:
+            returned |= worker.take_finished_sending()
+            time.sleep(0.01)
         return {"stats": worker.total_stats().data, "entries_left": worker.buffer_stats().entries,
-                "outcomes": outcomes}
+                "outcomes": outcomes, "early": early, "returned": returned}
     finally:
         worker.close()
 

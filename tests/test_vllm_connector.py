@@ -185,9 +185,12 @@ def test_producer_announces_its_address_and_engine() -> None:
     side = SchedulerSide(B, is_producer=True, is_consumer=False, address=("10.0.0.5", 14579), engine_id="e7")
     request = make_request("r", list(range(65)))
     side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 65}), lambda req_id: [1, 2, 3])
-    params = side.request_finished(request)
+    held, params = side.request_finished(request)
     side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))
     assert params == {PARAMS_KEY: {"prefix_tokens": 64, "host": "10.0.0.5", "port": 14579, "engine_id": "e7"}}
+    # Its blocks may be lent: vLLM keeps them until the workers, told in the next step, report them.
+    assert held and side.build_meta(scheduler_output([], {}), _no_blocks).held == ["r"]
+    assert side.build_meta(scheduler_output([], {}), _no_blocks).held == []  # told once
 
 
 def test_consumer_drains_entries_its_prefix_cache_already_holds() -> None:
@@ -219,7 +222,7 @@ def test_consumer_forgets_aborted_requests() -> None:
     request = make_request("gone", list(range(70)))
     side.num_new_matched_tokens(request, 0)
     side.after_alloc(request, [1, 2, 3], 64)
-    assert side.request_finished(request) is None
+    assert side.request_finished(request) == (False, None)
     assert side.build_meta(scheduler_output([], {}), _no_blocks).loads == []
 
 
@@ -239,7 +242,8 @@ def test_producer_saves_once_the_prefix_is_computed_with_chunked_prefill() -> No
     step4 = side.build_meta(scheduler_output([], {"r": 1}, cached_data(["r"], [200])), block_ids_of)
     assert step4.saves == []  # saved once
     request.num_computed_tokens = 201
-    assert side.request_finished(request)[PARAMS_KEY]["prefix_tokens"] == 192
+    assert side.request_finished(request) == (True, {PARAMS_KEY: {"prefix_tokens": 192, "host": "127.0.0.1",
+                                                                  "port": 14579, "engine_id": ""}})
 
 
 def test_producer_announces_a_prefix_only_once_every_worker_saved_it() -> None:
@@ -252,8 +256,12 @@ def test_producer_announces_a_prefix_only_once_every_worker_saved_it() -> None:
     assert [spec.req_id for spec in meta.saves] == ["saved", "full", "half"]
     # A prefill request (max_tokens=1) finishes in the step that saves it: vLLM calls
     # request_finished before it hands over that step's worker outcomes...
-    announced = {name: side.request_finished(request) for name, request in requests.items()}
+    finished = {name: side.request_finished(request) for name, request in requests.items()}
+    announced = {name: params for name, (_, params) in finished.items()}
     assert all(params[PARAMS_KEY]["prefix_tokens"] == 0 for params in announced.values())
+    # vLLM keeps the blocks of each request handed to the workers to save, saved or not.
+    assert {name: held for name, (held, _) in finished.items()} == {
+        "saved": True, "full": True, "half": True, "short": False}
     # ...then the outcomes of both TP ranks, aggregated by vLLM: rank 1 could not save "full" (buffer
     # full) and did not report "half" at all.
     rank0 = KVBridgeWorkerMetadata.of_one_worker({"saved", "full", "half"}, set())
@@ -270,14 +278,14 @@ def test_producer_announces_nothing_for_a_failed_save_known_before_the_finish() 
                            lambda req_id: [5, 6, 7, 8])
     assert [spec.req_id for spec in meta.saves] == ["r"]
     side.record_saves(KVBridgeWorkerMetadata.of_one_worker(set(), {"r"}))  # e.g. the peer was lost
-    assert side.request_finished(request)[PARAMS_KEY]["prefix_tokens"] == 0
+    assert side.request_finished(request)[1][PARAMS_KEY]["prefix_tokens"] == 0
 
 
 def test_producer_keeps_zero_when_the_outcome_comes_after_the_announcement_left() -> None:
     side = SchedulerSide(B, is_producer=True, is_consumer=False)
     request = make_request("r", list(range(65)))
     side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 65}), lambda req_id: [1, 2, 3])
-    params = side.request_finished(request)
+    _, params = side.request_finished(request)
     side.build_meta(scheduler_output([], {}), _no_blocks)  # the next step: the announcement is gone
     side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))
     assert params[PARAMS_KEY]["prefix_tokens"] == 0
@@ -303,7 +311,8 @@ def test_producer_announces_nothing_for_requests_aborted_before_their_save() -> 
     side = SchedulerSide(B, is_producer=True, is_consumer=False)
     request = make_request("r", list(range(200)))
     side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 96}), _no_blocks)
-    assert side.request_finished(request)[PARAMS_KEY]["prefix_tokens"] == 0
+    assert side.request_finished(request) == (False, {PARAMS_KEY: {"prefix_tokens": 0, "host": "127.0.0.1",
+                                                                   "port": 14579, "engine_id": ""}})
     later = side.build_meta(scheduler_output([], {"r": 96}, cached_data(["r"], [96])), _no_blocks)
     assert later.saves == []  # forgotten
 
@@ -461,6 +470,11 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses() -> None:
     assert producer["stats"]["saved_requests"] == 4 and producer["stats"]["saved_blocks"] == 7
     assert producer["outcomes"] == ({"a", "b", "c", "d"}, set())
     assert producer["entries_left"] == 0
+    # Every save lent its blocks; each was returned to vLLM once its loan ended (borrowed and copied
+    # by the consumer, or copied by the producer for the drain and the corrupting buffer, which do
+    # not borrow), and not before; a held request that was never saved is never reported.
+    assert producer["stats"]["lent_requests"] == 4 and producer["early"] == set()
+    assert producer["returned"] == {"a", "b", "c", "d"} and producer["stats"]["returned_requests"] == 4
 
 
 class _FailingInserts:
@@ -913,6 +927,8 @@ def test_offline_pair_equals_a_single_engine(tiny_model: str, reference: dict) -
     moved = [p for p in prompts + ABORT_PROMPTS if vp.transfer_prefix(p)]
     consumer, producer = results["consumer"]["stats"], results["producer"]["stats"]
     assert producer["saved_requests"] == len(moved) and producer["save_failures"] == 0  # not the aborted one
+    # On one host the blocks are lent (those touching the partial pages at a cache's ends are copied).
+    assert producer["lent_requests"] > 0
     # The duplicate was either loaded or found in vLLM's own prefix cache and its entry drained.
     assert consumer["load_hits"] + consumer["drained"] == len(moved)
     assert consumer["load_misses"] == consumer["load_errors"] == 0

@@ -131,7 +131,7 @@ def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer
                         [sent] = send_kv_caches_and_hidden_states(buffer, [request], timeout=120, lend=lend)
                         if lend:  # the blocks are the producer's again once the consumer has copied them
                             outcome = sent.loan.wait(120)
-                            assert outcome == ("copied" if raw.uses_shared_memory else "sent"), outcome
+                            assert outcome == ("returned" if raw.uses_shared_memory else "sent"), outcome
                     continue
                 start = time.perf_counter()
                 raw.send_tensor(torch.ones(1))

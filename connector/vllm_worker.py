@@ -253,8 +253,8 @@ class WorkerSide:
             self._add(save_failures=1, save_seconds=time.perf_counter() - start)
             return False
         self._kept[spec.req_id] = result.loan
-        self._add(saved_requests=1, lent_requests=int(result.loan is not None), saved_blocks=len(spec.block_ids), saved_bytes=result.num_bytes,
-                  save_seconds=result.seconds)
+        self._add(saved_requests=1, lent_requests=int(result.loan is not None), saved_blocks=len(spec.block_ids),
+                  saved_bytes=result.num_bytes, save_seconds=result.seconds)
         self._observe(transfer_seconds=result.seconds)
         return True
 

@@ -37,7 +37,7 @@ from kv_pipe.exported_memory import ExportedMemory, PeerMemory, export_host_memo
 from kv_pipe.parallel_copy import copy_pieces
 
 #: How a loan ended.
-COPIED = "copied"  # a consumer copied the bytes and gave them back
+RETURNED = "returned"  # the borrower gave them back (copied, or refused by its checks)
 SENT = "sent"  # the bytes were copied into the data pipe for a consumer that does not borrow
 EXPIRED = "expired"  # no consumer selected the entry within kv_entry_timeout
 RECLAIMED = "reclaimed"  # a consumer borrowed it and did not give it back within kv_timeout
@@ -100,7 +100,7 @@ class Loan:
 
     @property
     def outcome(self) -> str | None:
-        """How the loan ended (:data:`COPIED`, :data:`SENT`, ...), or None while it lasts."""
+        """How the loan ended (:data:`RETURNED`, :data:`SENT`, ...), or None while it lasts."""
         return self._outcome
 
     def wait(self, timeout: float | None = None) -> str | None:

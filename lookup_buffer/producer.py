@@ -38,7 +38,7 @@ from kv_pipe.errors import KVPipeClosedError, KVTransferError
 from lookup_buffer.base import BufferStats
 from lookup_buffer.control import Endpoint
 from lookup_buffer.errors import KVInvalidRequestError, fresh_error
-from lookup_buffer.loans import COPIED, DROPPED, RECLAIMED, SENT, LentTensor, Loan, loan_table
+from lookup_buffer.loans import DROPPED, RECLAIMED, RETURNED, SENT, LentTensor, Loan, loan_table
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
     MAX_REQUEST_BYTES,
@@ -449,7 +449,7 @@ class BufferProducer:
         with self._lock:
             lent = self._lent_out.pop(request_id, None)
         if lent is not None:
-            _end_lent(lent[0], lent[2], COPIED)
+            _end_lent(lent[0], lent[2], RETURNED)
 
     def _reclaim(self, now: float) -> None:
         """Take back the loans their consumer did not release within kv_timeout."""

@@ -463,7 +463,8 @@ def load_and_wait(worker: Any, specs: list[Any], timeout: float) -> set[int]:
     return failed
 
 
-def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, timeout: float) -> dict[str, Any]:
+def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, timeout: float,
+                         extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Save ``saves`` from :func:`fake_caches` (seed 1, in whole pages: every block can be lent)
     under inference mode, as vLLM does; set ``saved``; serve until ``done``, then until every saved
     request's blocks were returned (vLLM holds them all: the worker reports them finished sending)."""
@@ -472,7 +473,7 @@ def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, tim
     from kv_pipe.exported_memory import page_aligned_empty
 
     caches = [page_aligned_empty(cache.shape, cache.dtype).copy_(cache) for cache in fake_caches(1)]
-    worker = fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, caches, {})
+    worker = fake_worker("kv_producer", port, FAKE_BLOCK_SIZE, caches, extra or {})
     try:
         with torch.inference_mode():  # as in vLLM's model runner
             worker.save(saves)

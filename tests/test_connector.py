@@ -390,7 +390,7 @@ def test_send_recv_over_pipe_and_buffer(lend: bool) -> None:
     # Lent: every request of the exported caches, whether the consumer took it or refused it.
     names = [*PAGED_REQUESTS, "contiguous", "fewer layers", "block size", "dtype", "no hidden"]
     lent = {*PAGED_REQUESTS, "fewer layers", "no hidden"} if lend else set()
-    assert dict(zip(names, loans, strict=True)) == {name: "copied" if name in lent else None for name in names}
+    assert dict(zip(names, loans, strict=True)) == {name: "returned" if name in lent else None for name in names}
     hits = {name for name, (hit, _, _) in outcome.items() if hit}
     assert hits == {*PAGED_REQUESTS, "contiguous"}
     reasons = {name: reason for name, (_, reason, _) in outcome.items()}

@@ -190,7 +190,7 @@ def _pair(producer, consumer, producer_args: tuple, consumer_args: tuple, **chan
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("path", "borrow_every", "expected"), [
-    ("on", 1, "copied"),  # every select borrows: each loan ends when its consumer released it
+    ("on", 1, "returned"),  # every select borrows: each loan ends when its consumer released it
     ("on", 0, "sent"),  # no select borrows: the producer copies lent items into the pipe
     ("off", 1, "sent"),  # borrowing over the transport: the producer copies them too
 ])
@@ -204,7 +204,7 @@ def test_lent_entries_arrive_bit_exact_borrowed_or_copied(path, borrow_every, ex
             for request, lends in zip(requests, plan, strict=True)]
     assert producer["result"] == [expected if any_lent else None for any_lent in lent]
     kinds = consumer["result"]
-    assert ("BorrowedTensor" in kinds) == (expected == "copied"), kinds
+    assert ("BorrowedTensor" in kinds) == (expected == "returned"), kinds
     p, c = producer["stats"], consumer["stats"]
     assert p["hits"] == c["hits"] == count and p["transferred_bytes"] == c["transferred_bytes"]
     assert p["bytes"] == 0 and p["entries"] == 0

@@ -48,6 +48,8 @@ def test_settings_defaults_and_overrides() -> None:
     assert producer.bridge.kv_ip == "10.1.2.3"
     assert (consumer.bridge.kv_rank, consumer.bridge.kv_port, consumer.bridge.kv_timeout) == (1, 21000, 7)
     assert (consumer.load_timeout, consumer.save_timeout) == (2.0, 0.0)
+    assert producer.lend_blocks and not ConnectorSettings.from_vllm("kv_producer", 20000, "cpu",
+                                                                    {"kv_lend_blocks": False}).lend_blocks
     assert [listen_port_offset(r) for r in range(3)] == [0, 1, 2]
 
 
@@ -57,6 +59,7 @@ def test_settings_defaults_and_overrides() -> None:
     ("kv_consumer", {"kv_role": "kv_producer"}, "kv_role"),
     ("kv_consumer", {"kv_load_timeout": -1}, "kv_load_timeout"),
     ("kv_consumer", {"kv_save_timeout": True}, "kv_save_timeout"),
+    ("kv_producer", {"kv_lend_blocks": "yes"}, "kv_lend_blocks"),
     ("kv_consumer", {"kv_debug_corrupt_loads": True}, "kv_debug_corrupt_loads"),  # no test hooks in production
     ("kv_consumer", {"kv_timeout": 0}, "kv_timeout"),
 ])
@@ -429,7 +432,8 @@ FAKE_TOKENS = {name: list(range(start, start + n)) for name, start, n in
 
 
 @pytest.mark.timeout(120)
-def test_worker_moves_whole_blocks_bit_exact_and_reports_misses() -> None:
+@pytest.mark.parametrize("lend", [True, False], ids=["lent", "copied"])
+def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> None:
     saves = [SaveSpec("a", FAKE_TOKENS["a"], [3, 6]), SaveSpec("b", FAKE_TOKENS["b"], [1, 4, 7]),
              SaveSpec("c", FAKE_TOKENS["c"], [2]), SaveSpec("d", FAKE_TOKENS["d"], [8])]
     steps = [
@@ -444,7 +448,7 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses() -> None:
     with vp.Engines() as engines:
         saved, done = engines.event(), engines.event()
         engines.start("producer", vp.worker_producer_body, {}, port=port, saves=saves, saved=saved, done=done,
-                      timeout=60)
+                      timeout=60, extra={"kv_lend_blocks": lend})
         engines.start("consumer", vp.worker_consumer_body, {}, port=port, steps=steps, saved=saved, done=done,
                       timeout=60)
         results = engines.wait(["producer", "consumer"], timeout=100)
@@ -470,10 +474,11 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses() -> None:
     assert producer["stats"]["saved_requests"] == 4 and producer["stats"]["saved_blocks"] == 7
     assert producer["outcomes"] == ({"a", "b", "c", "d"}, set())
     assert producer["entries_left"] == 0
-    # Every save lent its blocks; each was returned to vLLM once its loan ended (borrowed and copied
-    # by the consumer, or copied by the producer for the drain and the corrupting buffer, which do
-    # not borrow), and not before; a held request that was never saved is never reported.
-    assert producer["stats"]["lent_requests"] == 4 and producer["early"] == set()
+    # Lent: each save's blocks were returned to vLLM once its loan ended (borrowed and copied by the
+    # consumer, or copied by the producer for the drain and the corrupting buffer, which do not
+    # borrow), and not before. Copied: at once. A held request that was never saved is never reported.
+    assert producer["stats"]["lent_requests"] == (4 if lend else 0)
+    assert producer["early"] == (set() if lend else {"a", "b", "c", "d"})
     assert producer["returned"] == {"a", "b", "c", "d"} and producer["stats"]["returned_requests"] == 4
 
 

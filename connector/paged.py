@@ -15,6 +15,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from connector.base import EmptyTensor, KVStorage, host_empty
@@ -224,21 +225,22 @@ class PagedKV(KVStorage):
                 f"got {len(self.block_ids)} block ids"
             )
 
-    def pieces(self) -> list[tuple[int, int]] | None:
-        """The request's blocks as ``(address, nbytes)`` pieces, in the byte order of :meth:`pack`'s
-        tensor (a run of consecutive blocks is one piece); None unless each block of every layer
-        is one piece of host memory."""
+    def pieces(self) -> np.ndarray | None:
+        """The request's blocks as ``(address, nbytes)`` pieces (an ``[n, 2]`` int64 array), in the
+        byte order of :meth:`pack`'s tensor (a run of consecutive blocks is one piece); None unless
+        each block of every layer is one piece of host memory."""
         dim = self.caches.layout.block_dim
-        runs = _runs(self.block_ids)
-        pieces = []
+        runs = np.array(_runs(self.block_ids), dtype=np.int64).reshape(-1, 3)
+        starts = []
         for cache in self.caches.caches:
             found = _block_pieces(cache, dim)
             if found is None:
                 return None
-            starts, block_bytes = found
-            pieces.extend((start + block * block_bytes, count * block_bytes)
-                          for start in starts for _, block, count in runs)
-        return pieces
+            starts += found[0]
+            block_bytes = found[1]
+        firsts = np.array(starts, dtype=np.int64)[:, None] + runs[None, :, 1] * block_bytes
+        sizes = np.broadcast_to(runs[None, :, 2] * block_bytes, firsts.shape)
+        return np.stack([firsts.reshape(-1), sizes.reshape(-1)], axis=1)
 
     def lend(self) -> tuple[LentTensor, None] | None:
         """The request's blocks lent where they lie, if the caches are exported (see

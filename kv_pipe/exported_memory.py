@@ -32,6 +32,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kv_pipe.errors import KVConfigError, KVProtocolError
@@ -117,13 +118,21 @@ def page_aligned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor
     return padded[start:start + nbytes].view(dtype).view(tuple(shape))
 
 
-def find_export(address: int, nbytes: int) -> ExportedMemory | None:
-    """The export that holds all of ``[address, address + nbytes)``, or None. Thread-safe."""
+def find_exports(pieces: np.ndarray) -> tuple[tuple[ExportedMemory, ...], np.ndarray] | None:
+    """Where each ``(address, nbytes)`` piece of an ``[n, 2]`` int64 array lies: the exports they
+    touch, and per piece ``(index into those exports, offset in it)`` as an ``[n, 2]`` array; None
+    unless every piece lies wholly in one export. Thread-safe."""
     with _exports_lock:
-        for export in _exports:
-            if export.offset_of(address, nbytes) is not None:
-                return export
-    return None
+        exports = sorted(_exports, key=lambda export: export.address)
+    if not exports or not len(pieces):
+        return None
+    starts = np.array([export.address for export in exports], dtype=np.int64)
+    ends = starts + np.array([export.nbytes for export in exports], dtype=np.int64)
+    index = np.searchsorted(starts, pieces[:, 0], side="right") - 1  # the last export starting at or before
+    if index.min() < 0 or np.any(pieces[:, 0] + pieces[:, 1] > ends[index]) or pieces[:, 1].min() < 0:
+        return None
+    used, local = np.unique(index, return_inverse=True)
+    return tuple(exports[i] for i in used), np.stack([local, pieces[:, 0] - starts[index]], axis=1)
 
 
 def _move_into_shared_memory(address: int, nbytes: int, storage: torch.UntypedStorage) -> ExportedMemory:

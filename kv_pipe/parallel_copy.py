@@ -18,6 +18,8 @@ import queue
 import threading
 from collections.abc import Sequence
 
+import numpy as np
+
 PARALLEL_MIN_BYTES = 4 << 20
 MAX_THREADS = 4
 _PART_ALIGN = 4096
@@ -56,26 +58,29 @@ def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
     _run_groups(groups)
 
 
-def copy_pieces(targets: Sequence[tuple[int, int]], sources: Sequence[tuple[int, int]]) -> None:
-    """Copy the bytes of ``sources`` into ``targets``, each a list of ``(address, nbytes)`` pieces
-    read (written) one after another as one stream; both streams have the same length (else
-    ValueError, before anything is copied). Pieces are split where the other side's end."""
-    if sum(nbytes for _, nbytes in targets) != sum(nbytes for _, nbytes in sources):
+def copy_pieces(targets: Sequence[tuple[int, int]] | np.ndarray, sources: Sequence[tuple[int, int]] | np.ndarray
+                ) -> None:
+    """Copy the bytes of ``sources`` into ``targets``, each ``(address, nbytes)`` pieces (a sequence or
+    an ``[n, 2]`` int64 array) read (written) one after another as one stream; both streams have
+    the same length (else ValueError, before anything is copied). Each copy is where a piece of one
+    side meets a piece of the other, found with arrays (a paged transfer has hundreds of pieces)."""
+    target = np.asarray(targets, dtype=np.int64).reshape(-1, 2)
+    source = np.asarray(sources, dtype=np.int64).reshape(-1, 2)
+    target_ends, source_ends = np.cumsum(target[:, 1]), np.cumsum(source[:, 1])
+    total = int(target_ends[-1]) if len(target) else 0
+    if total != (int(source_ends[-1]) if len(source) else 0):
         raise ValueError("the target and source pieces hold different numbers of bytes")
-    copies = []
-    target_index = source_index = target_done = source_done = 0
-    while target_index < len(targets) and source_index < len(sources):
-        (target, target_bytes), (source, source_bytes) = targets[target_index], sources[source_index]
-        nbytes = min(target_bytes - target_done, source_bytes - source_done)
-        if nbytes:
-            copies.append((target + target_done, source + source_done, nbytes))
-        target_done += nbytes
-        source_done += nbytes
-        if target_done == target_bytes:
-            target_index, target_done = target_index + 1, 0
-        if source_done == source_bytes:
-            source_index, source_done = source_index + 1, 0
-    copy_many(copies)
+    if total == 0:
+        return
+    ends = np.union1d(target_ends, source_ends)
+    ends = ends[ends > 0]
+    starts = np.concatenate(([0], ends[:-1]))
+    # The piece of each side that holds a segment's first byte (empty pieces are skipped).
+    in_target = np.searchsorted(target_ends, starts, side="right")
+    in_source = np.searchsorted(source_ends, starts, side="right")
+    destinations = target[in_target, 0] + starts - (target_ends[in_target] - target[in_target, 1])
+    origins = source[in_source, 0] + starts - (source_ends[in_source] - source[in_source, 1])
+    copy_many(list(zip(destinations.tolist(), origins.tolist(), (ends - starts).tolist(), strict=True)))
 
 
 def _run_groups(groups: list[list[tuple[int, int, int]]]) -> None:

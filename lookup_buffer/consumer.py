@@ -33,6 +33,7 @@ import threading
 import time
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -420,7 +421,10 @@ class BufferConsumer:
                 index, offset, stamp = loan.stamp
                 borrowing = Borrowing(memories[index].address_of(offset, 8), stamp,
                                       functools.partial(self._forget, request_id), memories[index])
-            pieces = [(memories[index].address_of(offset, nbytes), nbytes) for index, offset, nbytes in loan.pieces]
+            # Each piece was checked against its export's size, which its mapping has.
+            bases = np.array([memory.address for memory in memories], dtype=np.int64)
+            pieces = np.stack([bases[loan.pieces[:, 0]] + loan.pieces[:, 1], loan.pieces[:, 2]], axis=1) \
+                if len(loan.pieces) else np.zeros((0, 2), dtype=np.int64)
             borrowed.append(BorrowedTensor(loan.shape, loan.dtype, pieces, memories, borrowing))
         return borrowed
 

@@ -30,10 +30,11 @@ import secrets
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kv_pipe.errors import KVPeerLostError, KVTransferError
-from kv_pipe.exported_memory import ExportedMemory, PeerMemory, export_host_memory, find_export, page_aligned_empty
+from kv_pipe.exported_memory import ExportedMemory, PeerMemory, export_host_memory, find_exports, page_aligned_empty
 from kv_pipe.parallel_copy import copy_pieces
 
 #: How a loan ended.
@@ -118,43 +119,32 @@ class Loan:
         return True
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LentTensor:
-    """Producer: a tensor of ``shape`` and ``dtype`` whose bytes lie, in order, in ``pieces`` of
-    exported memory; ``exports`` holds each export they touch and ``places`` says, per piece, which
-    one (its index) and where in it (an offset). Made by :meth:`over`."""
+    """Producer: a tensor of ``shape`` and ``dtype`` whose bytes lie, in order, in ``pieces``
+    (``[n, 2]`` int64: address, bytes) of exported memory; ``exports`` holds each export they touch
+    and ``places`` says, per piece, which one (its index) and where in it (an offset). Made by
+    :meth:`over`."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    pieces: tuple[tuple[int, int], ...]
+    pieces: np.ndarray
     exports: tuple[ExportedMemory, ...]
-    places: tuple[tuple[int, int], ...]
+    places: np.ndarray
 
     @classmethod
-    def over(cls, shape: Sequence[int], dtype: torch.dtype, pieces: Pieces) -> LentTensor | None:
+    def over(cls, shape: Sequence[int], dtype: torch.dtype, pieces: Pieces | np.ndarray) -> LentTensor | None:
         """The lent tensor over ``pieces``, or None unless each lies in an export (in its whole pages:
         the ends of an exported storage are not exported) or there are none. ValueError if they do
         not hold the tensor's bytes exactly."""
         shape = tuple(int(size) for size in shape)
-        if sum(nbytes for _, nbytes in pieces) != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"pieces of {sum(n for _, n in pieces)} bytes for a {shape} {dtype} tensor")
-        if not pieces:
+        pieces = np.array(pieces, dtype=np.int64).reshape(-1, 2)
+        if int(pieces[:, 1].sum()) != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"pieces of {int(pieces[:, 1].sum())} bytes for a {shape} {dtype} tensor")
+        found = find_exports(pieces)
+        if found is None:
             return None
-        exports: list[ExportedMemory] = []
-        places = []
-        current = 0
-        for address, nbytes in pieces:
-            # Pieces come in runs from one storage (a layer's cache): the last export first.
-            if not exports or exports[current].offset_of(address, nbytes) is None:
-                export = find_export(address, nbytes)
-                if export is None:
-                    return None
-                if export not in exports:
-                    exports.append(export)
-                current = exports.index(export)
-            places.append((current, exports[current].offset_of(address, nbytes)))
-        return cls(shape, dtype, tuple((int(address), int(nbytes)) for address, nbytes in pieces), tuple(exports),
-                   tuple(places))
+        return cls(shape, dtype, pieces, *found)
 
     @property
     def nbytes(self) -> int:
@@ -213,11 +203,11 @@ class BorrowedTensor:
     """Consumer: a tensor's bytes in the producer's memory, mapped read-only here, in ``pieces``
     (local addresses, each checked to lie in the mapping). Copy them out, then :meth:`release`."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pieces: Pieces, memories: Sequence[PeerMemory],
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pieces: np.ndarray, memories: Sequence[PeerMemory],
                  borrowing: Borrowing) -> None:
         self.shape = torch.Size(shape)
         self.dtype = dtype
-        self.pieces = tuple(pieces)
+        self.pieces = pieces  # [n, 2] int64: local address, bytes
         self._memories = tuple(memories)  # keep the mappings while this tensor lives
         self.borrowing = borrowing
 
@@ -228,20 +218,18 @@ class BorrowedTensor:
     def dim(self) -> int:
         return len(self.shape)
 
-    def slice_pieces(self, start: int, nbytes: int) -> list[tuple[int, int]]:
-        """The pieces that hold bytes ``[start, start + nbytes)`` of the tensor (ValueError if that
-        leaves the tensor)."""
+    def slice_pieces(self, start: int, nbytes: int) -> np.ndarray:
+        """The pieces (``[n, 2]``) that hold bytes ``[start, start + nbytes)`` of the tensor
+        (ValueError if that leaves the tensor)."""
         if start < 0 or nbytes < 0 or start + nbytes > self.nbytes:
             raise ValueError(f"bytes [{start}, {start + nbytes}) of a tensor of {self.nbytes}")
-        found, offset = [], 0
-        for address, size in self.pieces:
-            low, high = max(start, offset), min(start + nbytes, offset + size)
-            if low < high:
-                found.append((address + low - offset, high - low))
-            offset += size
-        return found
+        ends = np.cumsum(self.pieces[:, 1])
+        begins = ends - self.pieces[:, 1]
+        low, high = np.maximum(begins, start), np.minimum(ends, start + nbytes)
+        keep = low < high
+        return np.stack([self.pieces[keep, 0] + low[keep] - begins[keep], high[keep] - low[keep]], axis=1)
 
-    def copy_to(self, targets: Pieces) -> None:
+    def copy_to(self, targets: Pieces | np.ndarray) -> None:
         """Copy the bytes into ``targets`` (local ``(address, nbytes)`` pieces holding as many bytes)."""
         copy_pieces(targets, self.pieces)
 

@@ -530,7 +530,7 @@ def _loan_descriptor(item: LentTensor, slot: int, stamp: int) -> np.ndarray:
     """The descriptor of a lent item, with the loan's stamp word (the table's export comes last)."""
     table = loan_table()
     exports = [export.descriptor for export in item.exports] + [table.export.descriptor]
-    return make_loan_descriptor(exports, item.shape, item.dtype, item.places, item.pieces,
+    return make_loan_descriptor(exports, item.shape, item.dtype, item.places, item.pieces[:, 1],
                                 (len(exports) - 1, slot * table.words.element_size(), stamp))
 
 

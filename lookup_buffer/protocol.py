@@ -479,66 +479,74 @@ def parse_release(tensor: torch.Tensor | None) -> int:
 
 
 class LoanDescriptor(NamedTuple):
-    """Where a lent tensor's bytes lie: ``pieces`` of ``(export index, offset, nbytes)`` in ``exports``;
-    and ``stamp``: ``(export index, offset, value)`` of the loan's stamp word."""
+    """Where a lent tensor's bytes lie: ``pieces`` (``[n, 3]`` int64: export index, offset, bytes) in
+    ``exports``; and ``stamp``: ``(export index, offset, value)`` of the loan's stamp word."""
 
     exports: list[ExportDescriptor]
     shape: tuple[int, ...]
     dtype: torch.dtype
-    pieces: list[tuple[int, int, int]]
+    pieces: np.ndarray
     stamp: tuple[int, int, int]
 
 
 def make_loan_descriptor(exports: Sequence[ExportDescriptor], shape: Sequence[int], dtype: torch.dtype,
-                         places: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]],
-                         stamp: tuple[int, int, int]) -> np.ndarray:
+                         places: np.ndarray, sizes: np.ndarray, stamp: tuple[int, int, int]) -> np.ndarray:
     """A lent tensor's loan descriptor, int64 words: magic, dtype code, ndim, the shape, the export
     count, each export's descriptor number, inode and size, the stamp word's export index, offset
     and value, the piece count, then each piece's export index, offset in that export and size
-    (``places`` and ``pieces`` of a :class:`~lookup_buffer.loans.LentTensor`)."""
+    (``places`` and the sizes of the ``pieces`` of a :class:`~lookup_buffer.loans.LentTensor`)."""
     header = [LOAN_MAGIC, DTYPE_TO_CODE[dtype], len(shape), *shape, len(exports)]
     for export in exports:
         header += [export.fd, export.inode, export.nbytes]
-    header += [*stamp, len(pieces)]
-    words = np.empty(len(header) + 3 * len(pieces), dtype=np.int64)
+    header += [*stamp, len(sizes)]
+    words = np.empty(len(header) + 3 * len(sizes), dtype=np.int64)
     words[: len(header)] = header
     triples = words[len(header):].reshape(-1, 3)
-    triples[:, :2] = np.array(places, dtype=np.int64).reshape(-1, 2)
-    triples[:, 2] = np.array([nbytes for _, nbytes in pieces], dtype=np.int64)
+    triples[:, :2] = places
+    triples[:, 2] = sizes
     return words
 
 
 def parse_loan_descriptor(tensor: torch.Tensor) -> LoanDescriptor:
-    """Validate a loan descriptor received on the data pipe (whether each piece lies inside its
-    export is checked where the export is mapped); KVProtocolError if it is not one or is inconsistent."""
+    """Validate a loan descriptor received on the data pipe: every field, and every piece against its
+    export's announced size (which is checked against the file where the export is mapped);
+    KVProtocolError if it is not one or is inconsistent."""
     if tensor.dtype != torch.int64 or tensor.dim() != 1 or tensor.device.type != "cpu":
         raise KVProtocolError(f"expected a loan descriptor, got a {tensor.dtype} tensor of shape {tuple(tensor.shape)}")
-    words = [int(word) for word in tensor.numpy()]
+    words = tensor.numpy()
     try:
-        magic, dtype_code, ndim = words[:3]
+        magic, dtype_code, ndim = (int(word) for word in words[:3])
         dtype = CODE_TO_DTYPE.get(dtype_code)
         if magic != LOAN_MAGIC or dtype is None or not 0 <= ndim <= MAX_NDIM:
             raise ValueError(f"magic {magic:#x}, dtype code {dtype_code}, {ndim} dimensions")
-        shape = tuple(words[3:3 + ndim])
+        shape = tuple(int(size) for size in words[3:3 + ndim])
         at = 3 + ndim
-        export_count = words[at]
-        exports = [ExportDescriptor(*words[at + 1 + 3 * index: at + 4 + 3 * index]) for index in range(export_count)]
+        export_count = int(words[at])
+        if not 0 <= export_count <= len(words):
+            raise ValueError(f"{export_count} exports")
+        exports = [ExportDescriptor(*(int(word) for word in words[at + 1 + 3 * index: at + 4 + 3 * index]))
+                   for index in range(export_count)]
         at += 1 + 3 * export_count
-        stamp = tuple(words[at:at + 3])
-        piece_count = words[at + 3]
+        stamp = tuple(int(word) for word in words[at:at + 3])
+        piece_count = int(words[at + 3])
         triples = words[at + 4:]
-        if min(shape, default=0) < 0 or export_count < 0 or piece_count < 0 or len(triples) != 3 * piece_count or \
+        if min(shape, default=0) < 0 or piece_count < 0 or len(triples) != 3 * piece_count or len(stamp) != 3 or \
                 any(min(export.fd, export.inode) < 0 or export.nbytes <= 0 for export in exports):
             raise ValueError(f"shape {shape}, {export_count} exports, {piece_count} pieces in {len(triples)} words")
-        pieces = [tuple(triples[3 * index: 3 * index + 3]) for index in range(piece_count)]
-        if any(not 0 <= index < export_count or offset < 0 or nbytes < 0
-               for index, offset, nbytes in [*pieces, (*stamp[:2], 8)]):
+        pieces = triples.reshape(-1, 3)
+        index, offset, nbytes = (np.append(pieces[:, column], value) for column, value in enumerate((*stamp[:2], 8)))
+        if len(index) and (index.min() < 0 or index.max() >= export_count or offset.min() < 0 or nbytes.min() < 0):
             raise ValueError("a piece or the stamp names no export, or has a negative offset or length")
+        sizes = np.array([export.nbytes for export in exports], dtype=np.int64)
+        if np.any(offset > sizes[index] - nbytes):  # subtracting: no sum can overflow
+            raise ValueError("a piece or the stamp leaves its export")
     except (ValueError, TypeError, IndexError) as exc:  # a short descriptor unpacks badly, too
         raise KVProtocolError(f"inconsistent loan descriptor of {len(words)} words: {exc}") from None
     expected = math.prod(shape) * dtype.itemsize
-    if sum(nbytes for _, _, nbytes in pieces) != expected:
-        raise KVProtocolError(f"loan descriptor: pieces of {sum(n for _, _, n in pieces)} bytes for a {shape} {dtype} "
+    # Summed as floats first: the int64 sum of many hostile sizes could wrap around.
+    total = int(pieces[:, 2].sum()) if float(pieces[:, 2].sum(dtype=np.float64)) < 2.0 ** 62 else -1
+    if total != expected:
+        raise KVProtocolError(f"loan descriptor: pieces of {total} bytes (-1: far too many) for a {shape} {dtype} "
                               f"tensor of {expected} bytes")
     return LoanDescriptor(exports, shape, dtype, pieces, stamp)
 

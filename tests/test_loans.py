@@ -87,11 +87,11 @@ def test_a_borrower_sees_a_loan_taken_back_by_its_stamp():
 
 def test_loan_descriptors_round_trip_and_refuse_every_inconsistency():
     exports = [ExportDescriptor(7, 1234, 1 << 20), ExportDescriptor(9, 99, 4096)]
-    places, pieces = [(0, 4096), (1, 0), (0, 0)], [(0, 2048), (0, 0), (0, 4096)]
-    words = make_loan_descriptor(exports, (3, 1024), torch.bfloat16, places, pieces, (1, 8, 77))
+    places, sizes = np.array([(0, 4096), (1, 0), (0, 0)]), np.array([2048, 0, 4096])
+    words = make_loan_descriptor(exports, (3, 1024), torch.bfloat16, places, sizes, (1, 8, 77))
     parsed = parse_loan_descriptor(torch.from_numpy(words))
     assert parsed.exports == exports and parsed.shape == (3, 1024) and parsed.dtype == torch.bfloat16
-    assert parsed.pieces == [(0, 4096, 2048), (1, 0, 0), (0, 0, 4096)] and parsed.stamp == (1, 8, 77)
+    assert parsed.pieces.tolist() == [[0, 4096, 2048], [1, 0, 0], [0, 0, 4096]] and parsed.stamp == (1, 8, 77)
 
     def changed(index: int, value: int) -> torch.Tensor:
         bad = words.copy()
@@ -102,6 +102,8 @@ def test_loan_descriptors_round_trip_and_refuse_every_inconsistency():
     for bad in [changed(0, 1), changed(1, 999), changed(2, -1), changed(2, 49), changed(3, -3), changed(5, 3),
                 changed(6, -1), changed(8, 0), changed(12, 2), changed(13, -8), changed(at_pieces - 1, 4),
                 changed(at_pieces, 2), changed(at_pieces + 1, -4096), changed(at_pieces + 2, 2049),
+                changed(at_pieces + 1, (1 << 20) - 1024), changed(13, 4092),  # a piece, the stamp past the end
+                changed(at_pieces + 2, 1 << 62), changed(at_pieces + 5, -1),
                 torch.from_numpy(words[:-1]), torch.from_numpy(words[:5]), torch.from_numpy(words.astype(np.int32)),
                 torch.from_numpy(words).reshape(1, -1)]:
         with pytest.raises(KVProtocolError):

@@ -82,3 +82,6 @@ def test_both_instances_export_kvbridge_series_after_traffic(stack: dict[str, st
     assert sum(total(one, "load_misses_total", "load_errors_total", "expired_entries_total") for one in decodes) == 0
     assert sum(total(one, "saved_requests_total") for one in prefills) == moved + 1
     assert sum(total(one, "expired_entries_total") for one in prefills) == 0
+    # Lent on this host, and every saved request's blocks handed back to vLLM, without new traffic.
+    assert sum(total(one, "lent_requests_total") for one in prefills) > 0
+    wait_for(stack["prefills"], ("returned_requests_total",), moved + 1)

@@ -370,10 +370,14 @@ class WorkerSide:
             return
         tokens = torch.tensor(spec.token_ids, dtype=torch.int64)
         try:
-            entry = buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0)
+            # Borrowed, a lent entry is given back unread: nobody copies what is dropped.
+            entry = buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0, borrow=True)
         except KVTransferError as exc:
             self._drop(address, buffer, exc)
             return
+        for item in entry:
+            if isinstance(item, BorrowedTensor):
+                item.borrowing.forget()
         if entry[0] is not None:
             self._add(drained=1)
 

@@ -475,8 +475,9 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> N
     assert producer["outcomes"] == ({"a", "b", "c", "d"}, set())
     assert producer["entries_left"] == 0
     # Lent: each save's blocks were returned to vLLM once its loan ended (borrowed and copied by the
-    # consumer, or copied by the producer for the drain and the corrupting buffer, which do not
-    # borrow), and not before. Copied: at once. A held request that was never saved is never reported.
+    # consumer, borrowed and given back unread by the drain, or copied by the producer for the
+    # corrupting buffer, which does not borrow), and not before. Copied: at once. A held request that
+    # was never saved is never reported.
     assert producer["stats"]["lent_requests"] == (4 if lend else 0)
     assert producer["early"] == (set() if lend else {"a", "b", "c", "d"})
     assert producer["returned"] == {"a", "b", "c", "d"} and producer["stats"]["returned_requests"] == 4

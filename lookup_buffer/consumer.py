@@ -143,7 +143,7 @@ class BufferConsumer:
                 self._give_back(call.items)
 
     def _forget(self, request_id: int) -> None:
-        """Send a release nobody waits for (its answer finds no call and is dropped)."""
+        """Send the release of the entry lent to select ``request_id``; nothing answers it."""
         try:
             self._pipe.send_tensor(torch.from_numpy(make_release(request_id)), timeout=self._config.kv_timeout)
         except KVTransferError as exc:  # the producer takes it back after its kv_timeout anyway

@@ -16,8 +16,9 @@ what is not released within ``kv_timeout``. Asking would cost a round trip per e
 loan lent out has a word in the producer's :class:`LoanTable`, exported like the memory it lends,
 holding the loan's random stamp; the producer clears the word *before* it ends the loan. The
 borrower reads the word *after* its copy: if it still holds the stamp, every byte it copied was
-read while the loan held (stores become visible in order, and loads are not reordered with loads,
-on x86; on other machines the locks on both sides' paths fence them). The release itself is then
+read while the loan held: on x86 stores become visible in the order they were made and loads are
+not reordered with later loads. (On weaker memory models, ARM's, this ordering rests on the locks
+both sides cross between the copy and the word; that is not verified.) The release itself is then
 sent without waiting for an answer.
 """
 

@@ -9,9 +9,9 @@ One server thread owns the ROUTER socket and every parked select; it sleeps in a
 wakes on a control message, on an insert (a doorbell), or at the next select's deadline, so a
 select is answered as soon as its entry is inserted, without polling on a timer. It answers every
 accepted select on the data pipe. A second thread blocks in ``recv_tensor`` on the data pipe, where
-the consumer sends nothing but releases of lent entries (:mod:`lookup_buffer.loans`): it answers
-each, and otherwise that call returns only when the consumer died or closed, which then surfaces
-in ``insert`` and ``close``. Loans lent out are kept until their consumer releases them; the
+the consumer sends nothing but releases of lent entries (:mod:`lookup_buffer.loans`): it ends each
+such loan, and otherwise that call returns only when the consumer died or closed, which then
+surfaces in ``insert`` and ``close``. Loans lent out are kept until their consumer releases them; the
 server takes back any not released within ``kv_timeout``, and all end when the consumer is lost.
 """
 
@@ -403,7 +403,6 @@ class BufferProducer:
 
     def _send_hit(self, waiter: _Waiter, entry: Entry) -> None:
         header, *items = entry.items
-        nbytes = entry.nbytes
         # Lent only to a consumer that asked and can map it; else (or with no slot free) copied.
         lends = entry.loan is not None and waiter.borrow and self._pipe.uses_shared_memory
         taken = loan_table().take() if lends else None
@@ -411,7 +410,7 @@ class BufferProducer:
         # returned, before send_tensors does here; stats on both sides agree once selects return.
         with self._lock:
             self._hits += 1
-            self._sent_bytes += nbytes
+            self._sent_bytes += entry.nbytes
             if taken is not None:
                 self._lent_out[waiter.request_id] = (entry.loan, time.monotonic() + self._config.kv_timeout, taken[0])
         try:
@@ -432,7 +431,7 @@ class BufferProducer:
         except KVTransferError as exc:
             with self._lock:
                 self._hits -= 1
-                self._sent_bytes -= nbytes
+                self._sent_bytes -= entry.nbytes
             if taken is not None:
                 with self._lock:
                     self._lent_out.pop(waiter.request_id, None)
@@ -460,7 +459,8 @@ class BufferProducer:
             _end_lent(loan, slot, RECLAIMED)
         if loans:
             logger.warning("lookup buffer: %d lent entries not released within kv_timeout (%g s) were taken back; "
-                           "their consumer's release will be refused", len(loans), self._config.kv_timeout)
+                           "their borrower finds them taken back when it releases them", len(loans),
+                           self._config.kv_timeout)
 
     def _expire(self, now: float) -> None:
         self._reclaim(now)

@@ -19,7 +19,7 @@ from kv_pipe.exported_memory import ExportDescriptor, export_host_memory, page_a
 from kv_pipe.parallel_copy import copy_pieces
 from lookup_buffer import SimpleBuffer
 from lookup_buffer.loans import BorrowedTensor, Borrowing, LentTensor, LoanTable, release_all
-from lookup_buffer.protocol import make_loan_descriptor, parse_loan_descriptor
+from lookup_buffer.protocol import make_loan_descriptor, make_release, parse_loan_descriptor
 from tests import _buffer_procs as bodies
 from tests import procs
 from tests.tensors import random_tensor, same_bits
@@ -178,7 +178,8 @@ def consumer_borrows(buffer: SimpleBuffer, sync: dict, seed: int, count: int, bo
     return kinds
 
 
-def _pair(producer, consumer, producer_args: tuple, consumer_args: tuple, **changes) -> tuple[dict, dict]:
+def _pair(producer, consumer, producer_args: tuple, consumer_args: tuple, clean: bool = True,
+          **changes) -> tuple[dict, dict]:
     port = procs.free_port()
     sync = {name: procs.new_event() for name in bodies.SYNC_EVENTS}
     results = procs.new_queue()
@@ -186,7 +187,7 @@ def _pair(producer, consumer, producer_args: tuple, consumer_args: tuple, **chan
                  procs.start(bodies.run_side, (1, port, consumer, changes, sync, *consumer_args), results, 1)]
     outcomes = procs.collect(processes, results, 150)
     for side in outcomes.values():
-        assert side["close_error"] is None, side["close_error"]
+        assert not clean or side["close_error"] is None, side["close_error"]
     return outcomes[0], outcomes[1]
 
 
@@ -279,3 +280,33 @@ def test_loans_end_when_unselected_and_when_the_borrower_leaves():
                                kv_entry_timeout=1.0)
     assert producer["result"] == ["expired", "dropped"]
     assert consumer["result"] == "taken back"  # its stamp was cleared before the loan ended
+
+
+def producer_watches_releases(buffer: SimpleBuffer, sync: dict, seed: int) -> str:
+    bodies.insert(buffer, bodies.make_request(seed, 0))
+    bodies.wait_event(sync, "stage")  # the consumer sent garbage where only releases may come
+    bodies.wait_until(lambda: buffer.failure is not None, "the producer noticed")
+    return repr(buffer.failure)
+
+
+def consumer_sends_forged_releases(buffer: SimpleBuffer, sync: dict, seed: int) -> dict:
+    pipe = buffer._data_pipe  # as a hostile consumer would: straight onto the data pipe
+    pipe.send_tensor(torch.from_numpy(make_release(12345)))  # of nothing lent: ignored
+    want = bodies.make_request(seed, 0)
+    got = buffer.drop_select(want[0], want[1], timeout=bodies.BOUND, borrow=True)
+    bodies.check_entry(got, want, "the entry after a stray release")
+    pipe.send_tensor(torch.arange(3, dtype=torch.int32))  # not a release
+    sync["stage"].set()
+    try:
+        buffer.drop_select(want[0], want[1], timeout=bodies.BOUND)
+        return {"after garbage": "served"}
+    except KVProtocolError as exc:
+        return {"after garbage": str(exc)}
+
+
+@pytest.mark.timeout(120)
+def test_a_consumer_may_send_releases_only():
+    producer, consumer = _pair(producer_watches_releases, consumer_sends_forged_releases, (47,), (47,), clean=False)
+    assert "KVProtocolError" in producer["result"] and "sends only releases" in producer["result"]
+    assert "sends only releases" in producer["close_error"]  # close reports the failure too
+    assert "refused" in consumer["result"]["after garbage"]

@@ -25,8 +25,9 @@ Consumer (decode side), :func:`connector.recv_kv_caches_and_hidden_states`::
 asks the buffer for each request's tokens (each ask waits at most ``timeout`` seconds for the entry
 to appear; ``None``: not at all) and, on a hit, writes the KV into the caller's caches and the hidden
 state into ``requests[i].hidden``. Lent KV is copied straight from the producer's memory and
-released; a hit is reported only once the producer confirmed that it kept the memory unchanged
-until then (else :class:`kv_pipe.KVTransferError`: the caches may hold wrong bytes). It returns
+released; a hit is reported only if the loan's stamp shows that the producer kept that memory
+unchanged until the copy was done (else :class:`kv_pipe.KVPeerLostError`: the caches may hold
+wrong bytes). It returns
 one result per request, in order: a hit means the caller may skip the prefill of that request; a
 miss (with a reason, also logged) means it must compute it, and that nothing of the caller's memory
 was written. A hit is only reported after the received tokens, region

@@ -15,7 +15,10 @@ vLLM's CPU layout (``[num_blocks, kv_heads, block_size, 2 * head_size]`` per lay
   selected instead, so there the two connector columns do the same work.
 
 All are timed on the consumer, from the ask to the data being usable (received, or written into
-its caches), alternating request by request, and both pipes use the same payload path (shared
+its caches), alternating request by request. By default the producer builds its entry after the
+ask, so a connector's whole work is timed, its gather included. With ``--stored`` it stores the
+entry before the consumer asks, as a vLLM prefill step does before the decode instance asks: what
+is timed is then what the decode side waits for. and both pipes use the same payload path (shared
 memory, or the transport with ``--path transport``). The consumer checks its caches bit for bit
 after the first transfer of each size of each connector. The last columns are the connectors'
 rates as fractions of the pipe's.
@@ -25,7 +28,7 @@ listener`` what the vLLM connector runs: a :class:`~lookup_buffer.BufferListener
 that the consumer dials (:func:`~lookup_buffer.dial`).
 
     python benchmarks/bench_connector.py [--mib 16,64] [--repeats 7] [--path shared-memory|transport]
-        [--buffer simple|listener]
+        [--buffer simple|listener] [--stored]
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ def open_buffer(kind: str, config: KVTransferConfig, raw: TorchDistributedPipe):
     return listener
 
 
-def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer_kind: str, results) -> None:
+def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer_kind: str, stored: bool,
+           results) -> None:
     torch.set_num_threads(1)
     largest = max(mib) << 20
     config = KVTransferConfig(kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_rank=rank, kv_port=port,
@@ -126,9 +130,12 @@ def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer
                     raw.recv_tensor(timeout=120)
                     raw.send_tensor(gathered)
                     for lend in (False, True):
-                        raw.recv_tensor(timeout=120)
+                        if not stored:
+                            raw.recv_tensor(timeout=120)  # the ask
                         request = KVRequest(tokens, PagedKV(paged, producer_ids))
                         [sent] = send_kv_caches_and_hidden_states(buffer, [request], timeout=120, lend=lend)
+                        if stored:
+                            raw.send_tensor(None)  # stored: the consumer may ask
                         if lend:  # the blocks are the producer's again once the consumer has copied them
                             outcome = sent.loan.wait(120)
                             assert outcome == ("returned" if raw.uses_shared_memory else "sent"), outcome
@@ -141,8 +148,11 @@ def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer
                 for times in (copied, lent):
                     for layer in paged.caches:
                         layer.zero_()  # each connector must write every byte it claims
+                    if stored:
+                        assert raw.recv_tensor(timeout=120) is None
                     start = time.perf_counter()
-                    raw.send_tensor(torch.ones(1))
+                    if not stored:
+                        raw.send_tensor(torch.ones(1))
                     [result] = recv_kv_caches_and_hidden_states(
                         buffer, [KVRequest(tokens, PagedKV(paged, consumer_ids))], timeout=120)
                     times.append(time.perf_counter() - start)
@@ -169,12 +179,16 @@ def main() -> None:
     parser.add_argument("--path", choices=sorted(PATHS), default="shared-memory")
     parser.add_argument("--buffer", choices=["simple", "listener"], default="simple",
                         help="a SimpleBuffer, or a BufferListener the consumer dials (the vLLM connector's)")
+    parser.add_argument("--stored", action="store_true",
+                        help="the producer stores each entry before the consumer asks (as in vLLM)")
     args = parser.parse_args()
     mib = [int(size) for size in args.mib.split(",")]
-    shared, rows = run_two_ranks(worker, (free_port(span=4), mib, args.repeats, args.path, args.buffer))
+    shared, rows = run_two_ranks(worker, (free_port(span=4), mib, args.repeats, args.path, args.buffer,
+                                          args.stored))
     print(f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
           f"layout; payloads {'through shared memory' if shared else 'over the transport'}; lookup buffer: "
-          f"{args.buffer}; medians of {args.repeats}, one way, timed by the consumer")
+          f"{args.buffer}; entries {'stored before' if args.stored else 'built after'} the ask; medians of "
+          f"{args.repeats}, one way, timed by the consumer")
     print(f"{'size':>8} | {'pipe alone ms':>13} | {'connector ms':>12} | {'lent ms':>7} | {'pipe GB/s':>9} | "
           f"{'connector GB/s':>14} | {'lent GB/s':>9} | {'connector/pipe':>14} | {'lent/pipe':>9}")
     print("-" * 124)

@@ -126,12 +126,15 @@ def test_bench_buffer_compares_drop_select_with_the_raw_pipe_and_fills(tmp_path:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("path", ["shared-memory", "transport"])
-def test_bench_connector_compares_a_paged_transfer_with_the_pipe_alone(tmp_path: Path, path: str) -> None:
-    command = [sys.executable, "benchmarks/bench_connector.py", "--mib", "2,4", "--repeats", "1", "--path", path]
+@pytest.mark.parametrize(("path", "extra"), [("shared-memory", []), ("transport", []), ("shared-memory", ["--stored"])])
+def test_bench_connector_compares_a_paged_transfer_with_the_pipe_alone(tmp_path: Path, path: str,
+                                                                        extra: list[str]) -> None:
+    command = [sys.executable, "benchmarks/bench_connector.py", "--mib", "2,4", "--repeats", "1", "--path", path,
+               *extra]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
     assert ("through shared memory" if path == "shared-memory" else "over the transport") in result.stdout
+    assert ("stored before" if extra else "built after") in result.stdout
     for size in ("2 MiB", "4 MiB"):
         cells = table_cells(result.stdout, size)
         assert len(cells) == 9 and all(re.fullmatch(rf"{NUMBER}x?", cell) for cell in cells[1:]), cells

@@ -154,6 +154,16 @@ def _move_into_shared_memory(address: int, nbytes: int, storage: torch.UntypedSt
     return ExportedMemory(address, nbytes, ExportDescriptor(fd, os.fstat(fd).st_ino, nbytes), storage)
 
 
+def stat_peer_memfd(path: str, name: str) -> os.stat_result | None:
+    """The status of ``path`` (a peer's ``/proc/PID/fd/FD``) if it is a regular memfd named ``name``,
+    else None; OSError if it cannot be read. Only such a file is ever opened or mapped, never another
+    file (or a FIFO, whose open would block) the peer has open under that number."""
+    status = os.stat(path)
+    if not os.readlink(path).startswith(f"/memfd:{name}") or not stat.S_ISREG(status.st_mode):
+        return None
+    return status
+
+
 class PeerMemory:
     """A peer's export, mapped read-only here. Thread-safe; unmapped once this object has died."""
 
@@ -173,10 +183,7 @@ class PeerMemory:
         """
         path = f"/proc/{pid}/fd/{descriptor.fd}"
         try:
-            # Only a kvbridge export is ever opened, never another file (or a FIFO, whose open would
-            # block) that the peer has open under that number.
-            status = os.stat(path)
-            if not os.readlink(path).startswith(f"/memfd:{_EXPORT_NAME}") or not stat.S_ISREG(status.st_mode):
+            if stat_peer_memfd(path, _EXPORT_NAME) is None:
                 raise KVProtocolError(f"{path} is not a kvbridge export")
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:

@@ -43,7 +43,6 @@ import math
 import os
 import secrets
 import socket
-import stat
 import struct
 import threading
 import time
@@ -56,6 +55,7 @@ import torch.distributed as dist
 
 from kv_pipe import auth
 from kv_pipe.errors import KVProtocolError, KVTransferError
+from kv_pipe.exported_memory import stat_peer_memfd
 from kv_pipe.parallel_copy import copy_bytes
 from kv_pipe.protocol import SHARED_DATA_START, SHARED_REGION_ALIGN
 from kv_pipe.rendezvous import swap_bytes
@@ -120,11 +120,8 @@ class Segment:
     def open_peer(cls, pid: int, fd: int, nbytes: int) -> Segment:
         """Map the peer's segment through ``/proc``; raise OSError if it is not what was announced."""
         path = f"/proc/{pid}/fd/{fd}"
-        # Only a kvbridge segment of the announced size is ever mapped, never another file (or a
-        # FIFO, whose open would block) that the announced process has open.
-        status = os.stat(path)
-        if (not os.readlink(path).startswith(f"/memfd:{_SEGMENT_NAME}") or not stat.S_ISREG(status.st_mode)
-                or status.st_size != nbytes):
+        status = stat_peer_memfd(path, _SEGMENT_NAME)
+        if status is None or status.st_size != nbytes:
             raise OSError(f"{path} is not a kvbridge shared-memory segment of {nbytes} bytes")
         try:
             return cls(path, nbytes)

@@ -51,12 +51,14 @@ def test_a_lent_tensor_lies_in_exports_or_is_not_made():
     first, second = (page_aligned_empty((1 << 16,), torch.float32) for _ in range(2))
     for memory in (first, second):
         memory.copy_(torch.rand(memory.shape))
-        export_host_memory(memory)
+    exports = [export_host_memory(memory) for memory in (first, second)]
     outside = torch.rand(1 << 16)  # never exported
     both = [(first.data_ptr() + 4096, 8192), (second.data_ptr(), 4096), (first.data_ptr(), 4096)]
     lent = LentTensor.over((4, 1024), torch.float32, both)
     assert lent is not None and len(lent.exports) == 2
-    assert [index for index, _ in lent.places] == [0, 1, 0] and lent.places[0][1] == 4096
+    # Each piece names its export (in whatever order the exports lie in memory) and its offset there.
+    assert [lent.exports[index] for index, _ in lent.places] == [exports[0], exports[1], exports[0]]
+    assert [int(offset) for _, offset in lent.places] == [4096, 0, 0]
     assert LentTensor.over((1024,), torch.float32, [(outside.data_ptr(), 4096)]) is None
     past_the_end = [(first.data_ptr() + first.nbytes - 2048, 4096)]
     assert LentTensor.over((1024,), torch.float32, past_the_end) is None

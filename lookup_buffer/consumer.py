@@ -3,9 +3,11 @@
 Two threads serve every calling thread, so the consumer holds the same few sockets and descriptors
 however many threads call drop_select (and however short-lived they are):
 
-* The control thread owns the only ZeroMQ socket (a DEALER). Calling threads queue their requests
-  and ring its doorbell; it stamps each with the producer's session and the next counter, signs
-  and sends it, and hands each refusal the producer sends back to the call it names.
+* One ZeroMQ socket (a DEALER) carries the selects. A calling thread stamps its request with the
+  producer's session and the next counter, signs it and sends it itself, so that a select costs
+  no thread hand-off before it leaves. Requests made before the session is known wait in a queue
+  the control thread sends once it is. The control thread also hands each refusal the producer
+  sends back to the call it names.
 * The reader thread reads the data pipe: the producer's session header first, then outcome after
   outcome (a hit's header and tensors, a miss, a refusal for lack of room, the producer closing),
   each handed to the call of its request id.
@@ -102,9 +104,11 @@ class BufferConsumer:
         self._hits = self._misses = self._waits = self._received_bytes = 0
         self._session: bytes | None = None  # set once by the reader thread
 
-        # Calling threads -> control thread.
+        # Sending a select: the session, the counter of the last select sent, and the selects made
+        # before the session arrived (the control thread sends those).
+        self._send_lock = threading.Lock()
         self._outbox: collections.deque[_Call] = collections.deque()
-        self._counter = 0  # of the last request sent (control thread)
+        self._counter = 0
         self._endpoint = Endpoint(zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
         self._control = threading.Thread(target=self._run_control, name="kvbuf-consumer-control", daemon=True)
         self._reader = threading.Thread(target=self._read_pipe, name="kvbuf-consumer-reader", daemon=True)
@@ -128,8 +132,11 @@ class BufferConsumer:
         try:
             # A copy of the tokens: the caller's tensors are theirs again once this call returns.
             call.request = select_request(request_id, tokens, roi_array, wait_ms, borrow=borrow)
-            self._outbox.append(call)
-            self._endpoint.doorbell.ring()
+            with self._send_lock:
+                if self._session is None:
+                    self._outbox.append(call)
+                else:
+                    self._send(call)
             query = MatchKey(tokens, roi_array)  # needed only to check a hit: built while the request travels
             self._await(call, wait_ms / 1000 + self._config.kv_timeout)
             result = self._conclude(call, query)
@@ -297,32 +304,33 @@ class BufferConsumer:
             self._fail(KVTransferError(f"lookup buffer: the control thread failed: {exc!r}"))
 
     def _send_queued(self) -> None:
-        session = self._session
-        if session is None:
-            return  # the reader rings the doorbell once the session has arrived
-        while self._outbox:
-            call = self._outbox.popleft()
-            request, call.request = call.request, None
-            if request is None or call.done.is_set():
-                continue  # the select gave up, or the buffer stopped, meanwhile
-            self._counter += 1
-            stamped = msgspec.structs.replace(request, session=session, counter=self._counter)
-            frame = encode_request(self._signer, stamped)
-            try:
-                self._endpoint.socket.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                call.error = KVPeerLostError(
-                    f"lookup buffer: {HIGH_WATER_MARK} selects queued unsent to {self._address}; "
-                    f"the producer is unreachable"
-                )
-                call.done.set()
+        with self._send_lock:
+            if self._session is None:
+                return  # the reader rings the doorbell once the session has arrived
+            while self._outbox:
+                self._send(self._outbox.popleft())
+
+    def _send(self, call: _Call) -> None:
+        """Stamp, sign and send ``call``'s select (hold ``_send_lock``: counters go out in order)."""
+        request, call.request = call.request, None
+        if request is None or call.done.is_set():
+            return  # the select gave up, or the buffer stopped, meanwhile
+        self._counter += 1
+        stamped = msgspec.structs.replace(request, session=self._session, counter=self._counter)
+        try:
+            self._endpoint.send([encode_request(self._signer, stamped)])
+        except zmq.Again:
+            call.error = KVPeerLostError(
+                f"lookup buffer: {HIGH_WATER_MARK} selects queued unsent to {self._address}; "
+                f"the producer is unreachable"
+            )
+            call.done.set()
+        except zmq.ZMQError as exc:  # closed meanwhile
+            call.error = KVPipeClosedError(f"lookup buffer: the select could not be sent: {exc}")
+            call.done.set()
 
     def _take_refusals(self) -> None:
-        while True:
-            try:
-                frames = self._endpoint.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in self._endpoint.received(HIGH_WATER_MARK):
             try:
                 if len(frames) != 1:
                     raise KVProtocolError(f"the producer sent a refusal of {len(frames)} frames")
@@ -353,7 +361,8 @@ class BufferConsumer:
             if first.status is not OutcomeStatus.SESSION:
                 raise KVProtocolError(f"lookup buffer: the producer's first header is a {first.status.name}, "
                                       f"not its session")
-            self._session = first.session
+            with self._send_lock:
+                self._session = first.session
             self._endpoint.doorbell.ring()  # the control thread sends what was queued meanwhile
             while True:
                 self._route_one(self._next_tensor())

@@ -112,7 +112,11 @@ class Endpoint:
     """A control thread's end of the channel: one socket in a ZeroMQ context of its own, and a doorbell
     other threads ring to wake the control thread's :meth:`wait`.
 
-    Only the owning thread uses the socket; :meth:`close` once that thread has stopped.
+    Any thread may :meth:`send`; only the owning thread waits and receives. ZeroMQ sockets are not
+    thread-safe, so the socket is touched only under a lock, and the owner sleeps on the socket's
+    notification descriptor (``ZMQ_FD``) instead of polling the socket itself: a sender never meets a
+    poll in progress, and a select goes out from its caller's thread without waking anyone.
+    :meth:`close` once the owning thread has stopped.
 
     Raises:
         KVConfigError: the address cannot be bound (see :func:`open_socket`).
@@ -122,34 +126,64 @@ class Endpoint:
         self.doorbell = Doorbell()
         self._context = zmq.Context(io_threads=1)
         try:
-            self.socket = open_socket(self._context, kind, address, max_message_bytes, bind)
+            self._socket = open_socket(self._context, kind, address, max_message_bytes, bind)
         except BaseException:
             self._context.term()
             self.doorbell.close()
             raise
+        self._socket_lock = threading.Lock()
         #: The address bound or connected, with the port the kernel chose for a ``*`` port.
-        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT) if bind else address
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT) if bind else address
         self._poller = zmq.Poller()
-        self._poller.register(self.socket, zmq.POLLIN)
+        self._poller.register(self._socket.getsockopt(zmq.FD), zmq.POLLIN)
         self._poller.register(self.doorbell.fileno(), zmq.POLLIN)
 
     def wait(self, timeout_ms: int) -> None:
-        """Sleep until a message arrives or the doorbell rings, at most ``timeout_ms``. Clears the
-        doorbell before the caller looks at what rang it, so that a later ring wakes the next wait."""
-        self._poller.poll(timeout_ms)
+        """Sleep until a message may have arrived or the doorbell rings, at most ``timeout_ms``.
+        Clears the doorbell before the caller looks at what rang it, so that a later ring wakes the
+        next wait. The caller then takes every message waiting (:meth:`received`, :meth:`routed`)."""
+        # ZMQ_FD is readable while the socket has unprocessed events, not while a message waits: a
+        # message already taken in makes it unreadable, hence the look at ZMQ_EVENTS first.
+        with self._socket_lock:
+            waiting = self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        if not waiting:
+            self._poller.poll(timeout_ms)
         self.doorbell.clear()
+
+    def send(self, frames: list[bytes]) -> None:
+        """Send a message without blocking. Any thread.
+
+        Raises:
+            zmq.Again: the message cannot be queued (the high-water mark, or no peer to route it to).
+            zmq.ZMQError: another failure of the socket.
+        """
+        with self._socket_lock:
+            if self._socket.closed:
+                raise zmq.ZMQError(zmq.ENOTSOCK, "the control channel is closed")
+            self._socket.send_multipart(frames, zmq.NOBLOCK)
+            # Sending may take in an arriving message and leave ZMQ_FD unreadable: wake the owner.
+            waiting = self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        if waiting:
+            self.doorbell.ring()
+
+    def received(self, limit: int) -> Iterator[list[bytes]]:
+        """Up to ``limit`` messages already waiting, without blocking, each as its frames."""
+        for _ in range(limit):
+            try:
+                with self._socket_lock:
+                    frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            yield frames
 
     def routed(self, limit: int) -> Iterator[tuple[bytes, list[bytes]]]:
         """Up to ``limit`` messages already waiting on this ROUTER socket, without blocking: each as
         the sender's identity and the frames that follow it."""
-        for _ in range(limit):
-            try:
-                identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for identity, *frames in self.received(limit):
             yield identity, frames
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        with self._socket_lock:
+            self._socket.close(linger=0)
         self._context.term()
         self.doorbell.close()

@@ -279,7 +279,7 @@ class BufferListener(KVLookupBufferBase):
             return
         control_port = int(control.address.rsplit(":", 1)[1])
         reply = encode_connect_reply(self._signer, nonce, store_socket.getsockname()[1], control_port)
-        self._endpoint.socket.send_multipart([identity, reply], zmq.NOBLOCK)
+        self._endpoint.send([identity, reply])
         threading.Thread(target=self._set_up, args=(store_socket, control), name="kvbuf-listener-setup",
                          daemon=True).start()
 
@@ -333,7 +333,7 @@ class BufferListener(KVLookupBufferBase):
             logger.warning("lookup buffer: refused a connect request (%d so far): %s", refused, message)
         try:
             frame = encode_refusal(self._signer, 0, reason, message)
-            self._endpoint.socket.send_multipart([identity, frame], zmq.NOBLOCK)
+            self._endpoint.send([identity, frame])
         except zmq.ZMQError as exc:
             logger.debug("lookup buffer: refusal to %s dropped: %s", identity.hex(), exc)
 

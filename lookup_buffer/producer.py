@@ -521,7 +521,7 @@ class BufferProducer:
         try:
             # A ROUTER drops (never blocks on) messages to unknown or saturated peers.
             frame = encode_refusal(self._signer, request_id, reason, message)
-            self._endpoint.socket.send_multipart([identity, frame], zmq.NOBLOCK)
+            self._endpoint.send([identity, frame])
         except zmq.ZMQError as exc:
             logger.debug("lookup buffer: refusal to %s dropped: %s", identity.hex(), exc)
 

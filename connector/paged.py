@@ -12,6 +12,7 @@ and works for every dtype (CPU ``index_copy_`` has no float8 kernel).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -66,16 +67,15 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(_BITS_DTYPES[tensor.element_size()])
 
 
-def _runs(block_ids: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(position, first block id, count)`` of each run of consecutive ids in ``block_ids``."""
-    ids = block_ids.tolist()
-    runs = []
-    start = 0
-    for index in range(1, len(ids) + 1):
-        if index == len(ids) or ids[index] != ids[index - 1] + 1:
-            runs.append((start, ids[start], index - start))
-            start = index
-    return runs
+def _runs(block_ids: torch.Tensor) -> np.ndarray:
+    """``(position, first block id, count)`` of each run of consecutive ids in ``block_ids``, as an
+    ``[n, 3]`` int64 array."""
+    ids = block_ids.cpu().numpy().astype(np.int64, copy=False)
+    if not len(ids):
+        return np.zeros((0, 3), dtype=np.int64)
+    starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
+    counts = np.diff(starts, append=len(ids))
+    return np.stack([starts, ids[starts], counts], axis=1)
 
 
 def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_ids: torch.Tensor,
@@ -91,7 +91,8 @@ def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_i
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
     else:
         out = empty(shape, first.dtype)
-    _copy_runs([(out[layer], cache) for layer, cache in enumerate(caches)], layout.block_dim, _runs(block_ids))
+    _copy_runs([(out[layer], cache) for layer, cache in enumerate(caches)], layout.block_dim,
+               _runs(block_ids).tolist())
     return out
 
 
@@ -103,7 +104,7 @@ def scatter_blocks(
     ``blocks[layer]`` is indexed along ``layout.block_dim`` in the order of ``block_ids``; the caller
     has checked shapes and dtypes.
     """
-    runs = [(block, position, count) for position, block, count in _runs(block_ids)]
+    runs = _runs(block_ids)[:, [1, 0, 2]].tolist()
     _copy_runs([(cache, blocks[layer]) for layer, cache in enumerate(caches)], layout.block_dim, runs)
 
 
@@ -182,6 +183,19 @@ class PagedKVCaches:
     def block_size(self) -> int:
         return self.caches[0].shape[self.layout.block_size_dim]
 
+    @functools.cached_property
+    def block_starts(self) -> tuple[np.ndarray, int] | None:
+        """The address of block 0 of every layer (and index of the dimensions before the blocks'),
+        in order, and a block's bytes; None unless each block is one piece of host memory. Computed
+        once: the caches never move (exporting them keeps their addresses)."""
+        starts = []
+        for cache in self.caches:
+            found = _block_pieces(cache, self.layout.block_dim)
+            if found is None:
+                return None
+            starts += found[0]
+        return np.array(starts, dtype=np.int64), found[1]
+
     def export(self) -> None:
         """Share the caches' memory with same-host pipe peers, in place
         (:func:`kv_pipe.exported_memory.export_host_memory`), so that a request's blocks can be lent
@@ -229,16 +243,12 @@ class PagedKV(KVStorage):
         """The request's blocks as ``(address, nbytes)`` pieces (an ``[n, 2]`` int64 array), in the
         byte order of :meth:`pack`'s tensor (a run of consecutive blocks is one piece); None unless
         each block of every layer is one piece of host memory."""
-        dim = self.caches.layout.block_dim
-        runs = np.array(_runs(self.block_ids), dtype=np.int64).reshape(-1, 3)
-        starts = []
-        for cache in self.caches.caches:
-            found = _block_pieces(cache, dim)
-            if found is None:
-                return None
-            starts += found[0]
-            block_bytes = found[1]
-        firsts = np.array(starts, dtype=np.int64)[:, None] + runs[None, :, 1] * block_bytes
+        found = self.caches.block_starts
+        if found is None:
+            return None
+        starts, block_bytes = found
+        runs = _runs(self.block_ids)
+        firsts = starts[:, None] + runs[None, :, 1] * block_bytes
         sizes = np.broadcast_to(runs[None, :, 2] * block_bytes, firsts.shape)
         return np.stack([firsts.reshape(-1), sizes.reshape(-1)], axis=1)
 

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+import zmq
 
 from kv_pipe import KVTransferConfig
 from kv_pipe.errors import (
@@ -28,7 +29,7 @@ from kv_pipe.errors import (
     KVTimeoutError,
 )
 from lookup_buffer import KVInvalidRequestError, SimpleBuffer, matching
-from lookup_buffer.control import Doorbell, control_address
+from lookup_buffer.control import Doorbell, Endpoint, control_address
 from lookup_buffer.matching import TOKEN_DTYPES, MatchKey, token_arrays
 from lookup_buffer.producer import BufferProducer
 from lookup_buffer.protocol import (
@@ -401,6 +402,82 @@ def test_control_address_and_doorbell() -> None:
     assert select.select([bell], [], [], 0)[0] == []
     bell.close()
     bell.ring()  # harmless after close
+
+
+def test_an_endpoint_owner_wakes_for_every_answer_while_other_threads_send() -> None:
+    """Threads send on one endpoint while its owner sleeps on ZMQ_FD; every answer must wake it. A
+    send that takes in an answer on the owner's behalf must ring the owner's doorbell, else the owner
+    sleeps its whole (here 10-minute) wait and the joins below fail."""
+    router = Endpoint(zmq.ROUTER, "tcp://127.0.0.1:*", 1 << 16, bind=True)
+    dealer = Endpoint(zmq.DEALER, router.address, 1 << 16, bind=False)
+    senders, per_sender = 4, 500
+    total = senders * per_sender
+    answered: list[bytes] = []
+    stop = threading.Event()
+
+    def echo() -> None:  # the router's owner answers every message
+        echoed = 0
+        while echoed < total and not stop.is_set():
+            router.wait(600_000)
+            for identity, frames in router.routed(256):
+                router.send([identity, *frames])
+                echoed += 1
+
+    def collect() -> None:  # the dealer's owner takes the answers
+        while len(answered) < total and not stop.is_set():
+            dealer.wait(600_000)
+            answered.extend(frames[0] for frames in dealer.received(256))
+
+    def send(sender: int) -> None:
+        for index in range(per_sender):
+            message = f"{sender}:{index}".encode()
+            while True:
+                try:
+                    dealer.send([message])
+                    break
+                except zmq.Again:  # the high-water mark: the router's owner is behind
+                    time.sleep(0.001)
+
+    owners = [threading.Thread(target=echo), threading.Thread(target=collect)]
+    threads = owners + [threading.Thread(target=send, args=(sender,)) for sender in range(senders)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "an endpoint's owner slept through a message"
+        assert sorted(answered) == sorted(f"{s}:{i}".encode() for s in range(senders) for i in range(per_sender))
+    finally:
+        stop.set()
+        router.doorbell.ring()
+        dealer.doorbell.ring()
+        for thread in owners:
+            thread.join(10)
+        dealer.close()
+        router.close()
+
+
+def test_a_send_that_takes_in_an_answer_rings_the_owners_doorbell() -> None:
+    """The owner sleeps on ZMQ_FD, which a send from another thread can drain by taking in an answer
+    on the owner's behalf: that send must ring the owner's doorbell instead."""
+    router = Endpoint(zmq.ROUTER, "tcp://127.0.0.1:*", 1 << 16, bind=True)
+    dealer = Endpoint(zmq.DEALER, router.address, 1 << 16, bind=False)
+    try:
+        assert list(dealer.received(1)) == []  # now an arriving answer signals ZMQ_FD
+        dealer.send([b"ping"])
+        router.wait(10_000)
+        [(identity, frames)] = list(router.routed(1))
+        router.send([identity, *frames])
+        notifier = dealer._socket.getsockopt(zmq.FD)
+        assert select.select([notifier], [], [], 10)[0], "the answer never reached the dealer"
+        dealer.doorbell.clear()
+        dealer.send([b"another"])  # from a thread that is not the owner
+        assert select.select([dealer.doorbell], [], [], 0)[0] == [dealer.doorbell]
+        dealer.wait(600_000)  # returns at once
+        assert [frames for frames in dealer.received(2)] == [[b"ping"]]
+    finally:
+        dealer.close()
+        router.close()
 
 
 def test_simple_buffer_refuses_kv_both() -> None:

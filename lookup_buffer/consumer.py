@@ -19,9 +19,9 @@ tokens and roi match the query.
 
 A select that may borrow (:mod:`lookup_buffer.loans`) can get lent items: the reader maps the
 producer's export through the pipe (once per export) and hands out :class:`BorrowedTensor` objects
-over it. Releasing one checks the loan's stamp and sends a release on the data pipe (the calling
-thread sends it; nothing answers). A lent entry that never reaches its caller (the select gave up,
-or the entry failed a check) is released at once.
+over it. Releasing one checks the loan's stamp and has a release sent on the data pipe (by the
+control thread: nothing answers it, so the caller need not wait for it). A lent entry that never
+reaches its caller (the select gave up, or the entry failed a check) is released at once.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class BufferConsumer:
         self._send_lock = threading.Lock()
         self._outbox: collections.deque[_Call] = collections.deque()
         self._counter = 0
+        self._releases: collections.deque[int] = collections.deque()  # request ids, for the control thread
         self._endpoint = Endpoint(zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
         self._control = threading.Thread(target=self._run_control, name="kvbuf-consumer-control", daemon=True)
         self._reader = threading.Thread(target=self._read_pipe, name="kvbuf-consumer-reader", daemon=True)
@@ -150,11 +151,22 @@ class BufferConsumer:
                 self._give_back(call.items)
 
     def _forget(self, request_id: int) -> None:
-        """Send the release of the entry lent to select ``request_id``; nothing answers it."""
-        try:
-            self._pipe.send_tensor(torch.from_numpy(make_release(request_id)), timeout=self._config.kv_timeout)
-        except KVTransferError as exc:  # the producer takes it back after its kv_timeout anyway
-            logger.warning("lookup buffer: could not release the entry lent to request %d: %s", request_id, exc)
+        """Have the release of the entry lent to select ``request_id`` sent (by the control thread:
+        nothing answers a release, so no caller waits for it to go out)."""
+        self._releases.append(request_id)
+        self._endpoint.doorbell.ring()
+
+    def _send_releases(self) -> None:
+        """Send the releases queued so far (control thread, and close before the pipe closes)."""
+        while self._releases:
+            try:
+                request_id = self._releases.popleft()
+            except IndexError:  # close() took the last one meanwhile
+                return
+            try:
+                self._pipe.send_tensor(torch.from_numpy(make_release(request_id)), timeout=self._config.kv_timeout)
+            except KVTransferError as exc:  # the producer takes it back after its kv_timeout anyway
+                logger.warning("lookup buffer: could not release the entry lent to request %d: %s", request_id, exc)
 
     def _give_back(self, items: tuple[object, ...]) -> None:
         """Release, without waiting, a lent entry that its caller never got."""
@@ -190,6 +202,7 @@ class BufferConsumer:
         for call in calls:
             call.done.set()  # each raises KVPipeClosedError unless its outcome is in
         self._endpoint.doorbell.ring()  # the control thread stops
+        self._send_releases()  # the producer's loans end returned, not dropped with the pipe
         pipe_error = None
         try:
             self._pipe.close()  # ends the reader's recv_tensor
@@ -299,6 +312,7 @@ class BufferConsumer:
                 self._endpoint.wait(_MAX_POLL_MS)
                 self._send_queued()
                 self._take_refusals()
+                self._send_releases()
         except Exception as exc:  # a bug; fail loudly rather than leave calls waiting
             logger.exception("lookup buffer control thread failed")
             self._fail(KVTransferError(f"lookup buffer: the control thread failed: {exc!r}"))

@@ -162,7 +162,7 @@ class Borrowing:
     """Consumer: one borrowed entry, released once (by any of its tensors). Thread-safe.
 
     ``stamp_address`` is where this side maps the loan's word in the producer's :class:`LoanTable`;
-    ``give_back()`` sends the release (without waiting for anything).
+    ``give_back()`` has the release sent (without waiting for anything).
     """
 
     def __init__(self, stamp_address: int, stamp: int, give_back: Callable[[], None],

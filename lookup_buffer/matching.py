@@ -26,13 +26,21 @@ TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 class MatchKey:
     """Positions selected by a roi and the tokens at them, in one canonical byte string."""
 
-    __slots__ = ("digest", "canonical")
+    __slots__ = ("canonical", "_digest")
 
     def __init__(self, tokens: np.ndarray, roi: np.ndarray) -> None:
         positions = np.flatnonzero(roi).astype(TOKEN_WIRE_DTYPE)
         # Both halves have the same length, so the concatenation is unambiguous.
         self.canonical = positions.tobytes() + tokens[positions].astype(TOKEN_WIRE_DTYPE).tobytes()
-        self.digest = hashlib.blake2b(self.canonical, digest_size=16).digest()
+        self._digest: bytes | None = None
+
+    @property
+    def digest(self) -> bytes:
+        """The blake2b digest of the canonical bytes, made when first needed: a consumer only
+        compares keys, and a long prompt's digest costs tens of microseconds."""
+        if self._digest is None:
+            self._digest = hashlib.blake2b(self.canonical, digest_size=16).digest()
+        return self._digest
 
     def __hash__(self) -> int:
         return hash(self.digest)

@@ -417,7 +417,7 @@ def parse_header(header: torch.Tensor | None) -> Outcome:
         described = "None" if header is None else f"a {header.dtype} tensor of shape {tuple(header.shape)}"
         raise KVProtocolError(f"expected a lookup-buffer header on the data pipe, got {described}")
     words = (header if header.device.type == "cpu" else header.cpu()).numpy()
-    magic, version, request_id, status_code, count, dtype_code, flags = (int(word) for word in words[:_HEADER_FIXED])
+    magic, version, request_id, status_code, count, dtype_code, flags = words[:_HEADER_FIXED].tolist()
     if magic != TAG_MAGIC or version != PROTOCOL_VERSION:
         raise KVProtocolError(
             f"bad lookup-buffer header: magic {magic:#x}, version {version} (expected {TAG_MAGIC:#x}, "
@@ -515,19 +515,21 @@ def parse_loan_descriptor(tensor: torch.Tensor) -> LoanDescriptor:
         raise KVProtocolError(f"expected a loan descriptor, got a {tensor.dtype} tensor of shape {tuple(tensor.shape)}")
     words = tensor.numpy()
     try:
-        magic, dtype_code, ndim = (int(word) for word in words[:3])
+        magic, dtype_code, ndim = words[:3].tolist()
         dtype = CODE_TO_DTYPE.get(dtype_code)
         if magic != LOAN_MAGIC or dtype is None or not 0 <= ndim <= MAX_NDIM:
             raise ValueError(f"magic {magic:#x}, dtype code {dtype_code}, {ndim} dimensions")
-        shape = tuple(int(size) for size in words[3:3 + ndim])
+        shape = tuple(words[3:3 + ndim].tolist())
         at = 3 + ndim
         export_count = int(words[at])
         if not 0 <= export_count <= len(words):
             raise ValueError(f"{export_count} exports")
-        exports = [ExportDescriptor(*(int(word) for word in words[at + 1 + 3 * index: at + 4 + 3 * index]))
-                   for index in range(export_count)]
+        listed = words[at + 1:at + 1 + 3 * export_count].tolist()
+        exports = [ExportDescriptor(*listed[index:index + 3]) for index in range(0, len(listed), 3)]
+        if len(exports) != export_count:
+            raise ValueError(f"{export_count} exports in {len(listed)} words")
         at += 1 + 3 * export_count
-        stamp = tuple(int(word) for word in words[at:at + 3])
+        stamp = tuple(words[at:at + 3].tolist())
         piece_count = int(words[at + 3])
         triples = words[at + 4:]
         if min(shape, default=0) < 0 or piece_count < 0 or len(triples) != 3 * piece_count or len(stamp) != 3 or \

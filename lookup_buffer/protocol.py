@@ -117,7 +117,6 @@ class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True)
     borrow: bool = False
 
 
-
 class Refusal(msgspec.Struct, tag="refusal", tag_field="type", frozen=True):
     """Producer -> consumer: a request that was not accepted, or not answered because the data pipe is
     broken. ``request_id`` is the request's if it could be read, else 0; ``message`` says why."""
@@ -259,7 +258,6 @@ def select_request(
         wait_ms=wait_ms,
         borrow=borrow,
     )
-
 
 
 def encode_request(signer: ControlSigner, request: SelectRequest) -> bytes:
@@ -471,7 +469,7 @@ def make_release(request_id: int) -> np.ndarray:
 def parse_release(tensor: torch.Tensor | None) -> int:
     """The request id of a release received on the data pipe; KVProtocolError for anything else."""
     if tensor is not None and tensor.dtype == torch.int64 and tensor.shape == (3,) and tensor.device.type == "cpu":
-        magic, version, request_id = (int(word) for word in tensor.numpy())
+        magic, version, request_id = tensor.numpy().tolist()
         if magic == RELEASE_MAGIC and version == PROTOCOL_VERSION and request_id >= 0:
             return request_id
     got = "None" if tensor is None else f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"

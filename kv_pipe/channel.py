@@ -1,8 +1,12 @@
 """How a pipe's frames and payload chunks travel: process groups, or a local socket on one host.
 
 * :class:`GroupChannel`: the pipe's two torch.distributed groups (gloo or NCCL), one per direction,
-  frames and payloads told apart by tag. Only the pipe's own threads use it: NCCL needs every
-  operation on a communicator issued in order from one place.
+  frames and payloads told apart by tag. Whoever holds a direction's role posts its operations, so
+  they are issued in order as NCCL needs. A send is posted and returned from at once (gloo writes
+  what the socket takes and leaves the rest to its own thread); the pipe waits for its completion
+  later, off the caller's path. A posted receive cannot be abandoned: a torch.distributed wait that
+  times out breaks the connection for good, so a receive ends only when a frame arrives or the peer
+  is lost.
 * :class:`SocketChannel`: on one host, once shared memory is set up (:mod:`kv_pipe.shared_memory`),
   a connected Unix stream socket between the two processes. A frame is sent as its length and its
   bytes; a payload that is not in shared memory follows its frame as plain bytes. A socket reaches
@@ -34,16 +38,40 @@ _LENGTH = struct.Struct("<Q")  # a frame's byte count, before its bytes on a soc
 
 
 class Channel(abc.ABC):
-    #: Whether callers may send and receive on it themselves (one at a time per direction).
-    caller_driven: bool
+    #: Whether a receive can give up at a deadline (else it lasts until a frame comes or the peer is
+    #: lost, and only a caller with time to spare may wait in it).
+    interruptible: bool
 
     @abc.abstractmethod
+    def post(self, tensor: torch.Tensor, tag: int) -> object | None:
+        """Start sending ``tensor`` (contiguous, 1-D uint8): a frame (TAG_FRAME) or a payload chunk.
+        Returns None once it is sent, else a handle to :meth:`finish`; until then ``tensor`` must
+        stay alive and unchanged, and later posts go out after it."""
+
+    @abc.abstractmethod
+    def finish(self, handle: object) -> None:
+        """Wait until the send behind ``handle`` (from :meth:`post`) has completed."""
+
     def send(self, tensor: torch.Tensor, tag: int) -> None:
-        """Send ``tensor`` (contiguous, 1-D uint8): a frame (TAG_FRAME) or a payload chunk."""
+        """Send ``tensor`` and wait until it has left."""
+        handle = self.post(tensor, tag)
+        if handle is not None:
+            self.finish(handle)
 
     @abc.abstractmethod
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         """Receive a frame into ``tensor`` (at most its size) or a payload chunk of exactly its size."""
+
+    @abc.abstractmethod
+    def recv_frame_by(self, frame: torch.Tensor, wait_until: float | None, spin: float = 0.0) -> bool:
+        """Receive a frame into ``frame``; False if none started by the monotonic time ``wait_until``
+        (None: wait up to the silence bound; ignored where not :attr:`interruptible`), polling
+        without pause for the first ``spin`` seconds where that is possible."""
+
+    @abc.abstractmethod
+    def readable(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a frame to start; True if one may have (at once where
+        not :attr:`interruptible`: only a receive can tell)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -51,18 +79,28 @@ class Channel(abc.ABC):
 
 
 class GroupChannel(Channel):
-    caller_driven = False
+    interruptible = False
 
     def __init__(self, outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer_rank: int) -> None:
         self.outgoing = outgoing
         self.incoming = incoming
         self._peer = peer_rank
 
-    def send(self, tensor: torch.Tensor, tag: int) -> None:
-        self.outgoing.send([tensor], self._peer, tag).wait()
+    def post(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self.outgoing.send([tensor], self._peer, tag)  # the work holds the tensor until done
+
+    def finish(self, handle: dist.Work) -> None:
+        handle.wait()
 
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         self.incoming.recv([tensor], self._peer, tag).wait()
+
+    def recv_frame_by(self, frame: torch.Tensor, wait_until: float | None, spin: float = 0.0) -> bool:
+        self.recv(frame, TAG_FRAME)
+        return True
+
+    def readable(self, timeout: float) -> bool:
+        return True
 
     def close(self) -> None:
         self.outgoing = self.incoming = None  # the pipe keeps the store alive as long as the groups
@@ -72,7 +110,7 @@ class SocketChannel(Channel):
     """A connected stream socket, kept in blocking mode and driven with MSG_DONTWAIT and poll, so
     that every wait has its own bound: ``silence`` seconds without progress is a lost peer."""
 
-    caller_driven = True
+    interruptible = True
 
     def __init__(self, sock: socket.socket, silence: float) -> None:
         sock.setblocking(True)
@@ -80,11 +118,14 @@ class SocketChannel(Channel):
         self.silence = silence
         self._length = bytearray(_LENGTH.size)
 
-    def send(self, tensor: torch.Tensor, tag: int) -> None:
+    def post(self, tensor: torch.Tensor, tag: int) -> None:
         data = memoryview(tensor.numpy()).cast("B")
         if tag == TAG_FRAME:
             self._write(memoryview(_LENGTH.pack(len(data))))
         self._write(data)
+
+    def finish(self, handle: object) -> None:
+        raise AssertionError("a socket's posts complete before they return: there is nothing to finish")
 
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         if tag == TAG_FRAME:
@@ -93,9 +134,7 @@ class SocketChannel(Channel):
             self._read(memoryview(tensor.numpy()).cast("B"), None)
 
     def recv_frame_by(self, frame: torch.Tensor, wait_until: float | None, spin: float = 0.0) -> bool:
-        """Receive a frame into ``frame``; False if none started by the monotonic time ``wait_until``
-        (None: wait up to the silence bound), polling without pause for the first ``spin`` seconds
-        (a peer that answers within them is seen without a kernel wake-up)."""
+        # Spinning, a peer that answers within ``spin`` is seen without a kernel wake-up.
         length = memoryview(self._length)
         if not self._read(length, wait_until, spin):
             return False
@@ -107,7 +146,6 @@ class SocketChannel(Channel):
         return True
 
     def readable(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for bytes (or the end of the connection) to read."""
         return bool(_poll(self.sock, select.POLLIN, timeout))
 
     def close(self) -> None:

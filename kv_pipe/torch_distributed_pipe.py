@@ -202,7 +202,10 @@ class TorchDistributedPipe(KVPipeBase):
         # holds a role is the only one using that direction of the channel.
         self._send_role = threading.Lock()
         self._recv_role = threading.Lock()
-        self._callers_receiving = 0
+        self._callers_receiving = 0  # callers holding the receive role
+        self._waiting_for_role = 0  # callers that would receive themselves, waiting for the role
+        self._waiting_for_thread = 0  # callers that must leave the receiving to the receiver thread
+        self._last_caller_received = -math.inf  # when a caller last gave the receive role back
         self._spin = SPIN_SECONDS[0]
 
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
@@ -283,8 +286,9 @@ class TorchDistributedPipe(KVPipeBase):
                     raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
                 if self._closing:
                     raise KVPipeClosedError("recv_tensor on a closed pipe")
-                receive_here = self._channel.caller_driven and self._recv_role.acquire(blocking=False)
-                if not receive_here and not _wait(self._items, deadline):
+                may_receive_here = self._may_receive_here(deadline)
+                receive_here = may_receive_here and self._recv_role.acquire(blocking=False)
+                if not receive_here and not self._wait_for_an_item(may_receive_here, deadline):
                     raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
                 self._callers_receiving += receive_here
             if receive_here:
@@ -294,11 +298,35 @@ class TorchDistributedPipe(KVPipeBase):
                     self._recv_role.release()
                     with self._lock:
                         self._callers_receiving -= 1
-                if not arrived:
+                        self._last_caller_received = time.monotonic()
+                        if self._waiting_for_thread:
+                            self._receiver_parked.notify()
+                if arrived is False:
                     with self._lock:
                         if not self._recv_queue:
                             self._raise_if_failed()
                             raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
+
+    def _may_receive_here(self, deadline: float | None) -> bool:
+        """Whether a caller with ``deadline`` may receive frames itself: on a local socket always, on
+        the groups if it has time to spare (a receive there lasts until the peer's next frame)."""
+        return self._channel.interruptible or self._has_time_for_the_groups(deadline)
+
+    def _wait_for_an_item(self, may_receive_here: bool, deadline: float | None) -> bool:
+        """Wait for an item, the end of the stream, or (``may_receive_here``) the receive role to
+        come free; False once ``deadline`` passed (hold ``_lock``)."""
+        if may_receive_here:
+            self._waiting_for_role += 1
+        else:
+            self._waiting_for_thread += 1
+            self._receiver_parked.notify()  # this caller waits for the receiver thread
+        try:
+            return _wait(self._items, deadline)
+        finally:
+            if may_receive_here:
+                self._waiting_for_role -= 1
+            else:
+                self._waiting_for_thread -= 1
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = _deadline(timeout)
@@ -373,7 +401,7 @@ class TorchDistributedPipe(KVPipeBase):
                     )
             self._credit.reserve(cost)
             self._queued_messages += len(unit)
-            if not (self._channel.caller_driven and not self._send_queue and self._waits_for_no_wire(unit)
+            if not (not self._send_queue and self._may_send_here(unit, deadline)
                     and self._send_role.acquire(blocking=False)):
                 self._send_queue.append(unit)
                 self._sender_doorbell.put(None)
@@ -390,13 +418,30 @@ class TorchDistributedPipe(KVPipeBase):
             self._send_role.release()
         self._raise_if_failed()
 
-    def _waits_for_no_wire(self, unit: list[_Outgoing]) -> bool:
-        """Whether a caller may send ``unit`` itself: its payloads all go through shared memory, so
-        it waits for no wire (a payload over the socket goes through the sender thread, as a
-        caller's wait may not outlast its timeout)."""
+    def _may_send_here(self, unit: list[_Outgoing], deadline: float | None) -> bool:
+        """Whether a caller may send ``unit`` itself (hold ``_lock``); else the sender thread does, as
+        a caller's wait may not outlast its timeout.
+
+        On a local socket: if its payloads all go through shared memory (a frame leaves at once, a
+        payload written to the socket waits for the wire). Over the groups: if every item travels
+        inside a frame and the caller has time to spare (see :meth:`_has_time_for_the_groups`): a
+        frame leaves once the peer has posted its next receive, which a live peer does within the
+        keepalive interval, and a payload waits for the wire.
+        """
+        if self._shared is None:
+            inline = self._wire.frame_bytes - HEADER_BYTES
+            return self._has_time_for_the_groups(deadline) and all(message.nbytes <= inline for message in unit)
         payloads = [message.data for message in unit
                     if message.kind is FrameKind.TENSOR and message.nbytes >= SHARED_MIN_BYTES]
         return not payloads or self._shared.room_for(payloads)
+
+    def _has_time_for_the_groups(self, deadline: float | None) -> bool:
+        """Whether a caller with ``deadline`` may wait in an operation on the groups: one ends when
+        the peer has done its part (a frame sent, a receive posted), which a live peer does within
+        the keepalive interval, and it cannot be abandoned earlier (a torch.distributed wait that
+        times out breaks the connection for good). Only a caller with twice that interval to spare
+        keeps its deadline in one."""
+        return deadline is None or deadline - time.monotonic() >= 2 * self._keepalive_interval
 
     def _prepare_own_unit(self, unit: list[_Outgoing]) -> tuple[list[FrameHeader], list[_Outgoing]]:
         """Headers for a unit a caller sends itself, with the regions to give back (hold ``_lock``)."""
@@ -575,6 +620,8 @@ class TorchDistributedPipe(KVPipeBase):
         return headers
 
     def _transmit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> bool:
+        """Send the unit's frames and payloads: each frame with its payloads posted together, then
+        waited for (the frame is written again next)."""
         offset = 0
         payloads = []  # tensors of this frame's records that do not fit inside it
         for header, message in zip(headers, unit, strict=True):
@@ -589,19 +636,19 @@ class TorchDistributedPipe(KVPipeBase):
                 offset = next_record_offset(offset, header.nbytes if header.inline else 0)
                 continue
             used = offset + HEADER_BYTES + (header.nbytes if header.inline else 0)
-            self._send(self._wire.frame_to_send(used), TAG_FRAME)
-            for flat in payloads:
-                for start, end in chunk_bounds(flat.numel()):
-                    self._send(flat[start:end], TAG_PAYLOAD)
+            try:  # torch.distributed's errors derive from RuntimeError
+                posted = [self._channel.post(self._wire.frame_to_send(used), TAG_FRAME)]
+                for flat in payloads:
+                    posted += [self._channel.post(flat[start:end], TAG_PAYLOAD)
+                               for start, end in chunk_bounds(flat.numel())]
+                for handle in posted:
+                    if handle is not None:
+                        self._channel.finish(handle)
+            except (RuntimeError, OSError) as exc:
+                raise _TransportError(exc) from exc
             offset = 0
             payloads.clear()
         return True
-
-    def _send(self, tensor: torch.Tensor, tag: int) -> None:
-        try:
-            self._channel.send(tensor, tag)
-        except (RuntimeError, OSError) as exc:  # torch.distributed's errors derive from RuntimeError
-            raise _TransportError(exc) from exc
 
     def _queue_final_frame(self, kind: FrameKind) -> None:
         """Queue CLOSE or CLOSE_ACK, after which this side sends nothing (hold ``_lock``)."""
@@ -613,14 +660,10 @@ class TorchDistributedPipe(KVPipeBase):
     # ------------------------------------------------------------------ receiver thread
 
     def _recv_loop(self) -> None:
-        if not self._channel.caller_driven:
-            while self._run(self._receive_frame, action="receiving"):
-                pass
-            return
-        # A local socket: take in what arrives while no caller is receiving it.
+        """Take in what arrives while no caller is receiving it."""
         while True:
             with self._lock:
-                while self._callers_receiving and not self._peer_finished and self._error is None:
+                while self._callers_keep_the_channel() and not self._peer_finished and self._error is None:
                     self._receiver_parked.wait(RECEIVER_PARK_SECONDS)
                 if self._peer_finished or self._error is not None:
                     return
@@ -631,14 +674,34 @@ class TorchDistributedPipe(KVPipeBase):
             try:
                 if self._peer_finished or self._error is not None:
                     return
-                while self._run(self._receive_frame, time.monotonic(), action="receiving") is True:
+                while (self._run(self._receive_frame, time.monotonic(), action="receiving") is True
+                       and not (self._waiting_for_role and not self._channel.interruptible)):
                     pass
             finally:
                 self._recv_role.release()
+                with self._lock:
+                    if self._waiting_for_role:
+                        self._items.notify_all()  # a caller takes the role and receives itself
 
-    def _receive_until_an_item(self, deadline: float | None) -> bool:
+    def _callers_keep_the_channel(self) -> bool:
+        """Whether the receiver thread leaves receiving to callers for now (hold ``_lock``).
+
+        A receive on the groups cannot be abandoned, so there the thread also stays away while a
+        caller waits for the role and for a while after a caller received: a caller that receives
+        again soon (a ping-pong) then finds the role free rather than the thread inside a receive.
+        """
+        if self._callers_receiving:
+            return True
+        if self._channel.interruptible:
+            return False
+        if self._waiting_for_thread:
+            return False
+        return bool(self._waiting_for_role) or time.monotonic() - self._last_caller_received < RECEIVER_PARK_SECONDS
+
+    def _receive_until_an_item(self, deadline: float | None) -> bool | None:
         """Receive frames here (hold the receive role) until an item, the end of the stream or a
-        failure is queued, or until ``deadline``. False if nothing of the sort came by then.
+        failure is queued, or until ``deadline``. False if nothing of the sort came by then; None
+        if the caller must leave the receiving to the receiver thread (its deadline is near).
 
         It looks at the pipe's state at least every RECEIVER_PARK_SECONDS, so that a failure
         elsewhere (which cannot wake a poll) reaches it soon."""
@@ -649,6 +712,8 @@ class TorchDistributedPipe(KVPipeBase):
             with self._lock:
                 if self._recv_queue or self._peer_finished or self._error is not None:
                     return True
+                if not self._may_receive_here(deadline):
+                    return None
             outcome = self._run(self._receive_frame, min(wait_until, time.monotonic() + RECEIVER_PARK_SECONDS),
                                 spin, action="receiving")
             if outcome is None:
@@ -661,14 +726,11 @@ class TorchDistributedPipe(KVPipeBase):
             self._spin = spin = max(shortest, 1.5 * waited) if waited * 1.5 < longest else shortest
             started = time.monotonic()
 
-    def _receive_frame(self, wait_until: float | None = None, spin: float = 0.0) -> bool | None:
-        """Receive one frame and queue what it carries. False once nothing more will come.
-
-        With ``wait_until`` (a local socket only), None if no frame started by that monotonic time.
-        """
-        if wait_until is None:
-            self._recv(self._wire.frame_to_receive(), TAG_FRAME)
-        elif not self._recv_frame_by(wait_until, spin):
+    def _receive_frame(self, wait_until: float, spin: float = 0.0) -> bool | None:
+        """Receive one frame and queue what it carries. False once nothing more will come; None if
+        no frame started by the monotonic time ``wait_until`` (a local socket only: a receive on the
+        groups lasts until a frame comes)."""
+        if not self._recv_frame_by(wait_until, spin):
             return None
         first, items = self._receive_records()
         with self._lock:

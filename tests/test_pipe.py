@@ -304,6 +304,37 @@ def body_timeouts_and_idle(rank: int, port: int) -> str:
         return "ok"
 
 
+def body_short_timeouts_beside_a_long_kv_timeout(rank: int, port: int) -> str:
+    """A caller's timeout holds however seldom frames come: with kv_timeout=20 a live, idle peer
+    sends a keepalive every 5 s, and a receive on the groups cannot end before a frame does. Each
+    round, a caller without a timeout takes an item (receiving itself there), and at once a caller
+    with 0.5 s finds nothing: it must leave the waiting to the receiver thread and return on time.
+    Then long and short waits alternate with the peer's items."""
+    with TorchDistributedPipe(config(rank, port, kv_timeout=20.0)) as pipe:
+        if rank == 1:
+            for attempt in range(3):
+                assert pipe.recv_tensor().item() == attempt
+                start = time.monotonic()
+                with pytest.raises(KVTimeoutError):
+                    pipe.recv_tensor(timeout=0.5)
+                took = time.monotonic() - start
+                assert took < 2.5, f"attempt {attempt}: a 0.5 s timeout took {took:.1f} s"
+                pipe.send_tensor(torch.tensor(attempt))
+            for index in range(20):
+                item = pipe.recv_tensor(timeout=None if index % 2 else 0.5 + 0.1 * index)
+                assert item.item() == index
+            pipe.send_tensor(None)
+            return "ok"
+        for attempt in range(3):
+            pipe.send_tensor(torch.tensor(attempt))
+            assert pipe.recv_tensor(timeout=60).item() == attempt
+        for index in range(20):
+            time.sleep(0.1 if index % 3 == 0 else 0.0)
+            pipe.send_tensor(torch.tensor(index))
+        assert pipe.recv_tensor(timeout=60) is None
+        return "ok"
+
+
 def body_mismatched_timeouts(rank: int, port: int) -> str:
     """Sides with different kv_timeout: the idle pipe outlives the shorter one several times over
     (keepalives follow the shorter timeout; following one's own would let the peer's receive fail)."""
@@ -688,13 +719,11 @@ def body_bug_while_sending(rank: int, port: int, where: str) -> str:
     time.sleep(0.2)  # the receiving caller waits
     pipe._frame_headers = broken_frame_headers
     if where == "sender thread":
-        pipe._channel.caller_driven = False  # the unit goes through the queue even on one host
+        pipe._may_send_here = lambda unit, deadline: False  # the unit goes through the queue
         pipe.send_tensor(torch.ones(2))
         with pytest.raises(TypeError, match="a bug in the pipe"):
             pipe.flush(timeout=30)
     else:
-        if not pipe._channel.caller_driven:
-            return "no caller sends itself on this path"
         with pytest.raises(TypeError, match="a bug in the pipe"):
             pipe.send_tensor(torch.ones(2))
     receiver.join(40)
@@ -836,6 +865,13 @@ def test_large_tensor_256_mib():
 def test_recv_timeout_then_continue_and_long_idle():
     port = procs.free_port()
     assert procs.run_pair(body_timeouts_and_idle, (0, port), (1, port), timeout=100) == ("ok", "ok")
+
+
+@pytest.mark.timeout(120)
+def test_a_short_timeout_holds_while_keepalives_are_seconds_apart():
+    port = procs.free_port()
+    assert procs.run_pair(body_short_timeouts_beside_a_long_kv_timeout, (0, port), (1, port), timeout=100) == (
+        "ok", "ok")
 
 
 @pytest.mark.timeout(120)
@@ -1100,7 +1136,7 @@ def test_a_bug_in_a_transfer_thread_surfaces_as_itself():
 def test_a_bug_while_sending_surfaces_as_itself_to_every_caller(where: str):
     port = procs.free_port()
     outcome = procs.run_pair(body_bug_while_sending, (0, port, where), (1, port, where), timeout=80)
-    assert outcome in {("surfaced", "peer saw it"), ("no caller sends itself on this path", "peer saw it")}, outcome
+    assert outcome == ("surfaced", "peer saw it"), outcome
 
 
 @pytest.mark.timeout(90)

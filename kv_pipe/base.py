@@ -49,9 +49,11 @@ class KVPipeBase(abc.ABC):
 
         Ownership: the pipe keeps a reference to ``tensor`` (a contiguous tensor is not copied)
         until it has been sent; the caller must not modify it in place before :meth:`flush`
-        returns. Blocks only while the bytes in flight (queued, on the wire, or received but not
-        yet taken by the peer) would exceed ``kv_buffer_size``, at most ``timeout`` seconds
-        (``None``: as long as the peer is alive). Thread-safe.
+        returns. Blocks while the bytes in flight (queued, on the wire, or received but not yet
+        taken by the peer) would exceed ``kv_buffer_size``, at most ``timeout`` seconds (``None``:
+        as long as the peer is alive). A pipe may also send a small tensor from the calling thread
+        and return once its frame has left, if the caller has time to spare: it never waits for
+        the peer's user. Thread-safe.
 
         Raises:
             KVTransferError: the tensor alone exceeds ``kv_buffer_size``, its dtype cannot be

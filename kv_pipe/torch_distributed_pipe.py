@@ -3,11 +3,17 @@
 * The pipe builds its own groups (:mod:`kv_pipe.rendezvous`): ``ProcessGroupGloo`` on CPU,
   ``ProcessGroupNCCL`` on CUDA, one per direction, driven by the same ``send``/``recv`` calls. The
   default process group is never created, needed or touched.
-* Over the groups, two threads move everything. The *sender* takes units from a queue and sends
-  their frames and payloads; the *receiver* receives every frame the peer sends, validates it,
-  takes its payloads in and queues the items for :meth:`recv_tensor`. Callers never block in the
-  transport, so a caller's timeout never reaches it (any transport timeout closes gloo's
-  connection for good) and leaves the pipe usable.
+* Each direction has a role, held by one thread at a time. The *sender* thread sends the units
+  queued for it (and keepalives, credit, the close); the *receiver* thread receives the peer's
+  frames while no caller does, validates them, takes their payloads in and queues the items for
+  :meth:`recv_tensor`. A caller sends its own unit when nothing is queued ahead of it, and receives
+  frames itself while no one else does, so a message costs no thread hand-off (two kernel wake-ups,
+  about 100 µs).
+* Any transport timeout closes gloo's connection for good, and an operation on the groups ends only
+  once the peer has done its part (posted its receive, sent a frame), which a live peer does within
+  the keepalive interval. So over the groups only a caller with twice that interval to spare waits
+  in the transport, and only for frames (a payload waits for the wire); a caller in a hurry leaves
+  it to the threads and waits on a queue, and its timeout leaves the pipe usable.
 * The transport's own timeout is ``kv_timeout``, the liveness bound: each sender sends a keepalive
   frame whenever it has been quiet for a quarter of the shorter ``kv_timeout`` of the two sides, so
   a posted receive on a healthy connection always completes in time, an idle pipe stays healthy,
@@ -18,11 +24,8 @@
   the peer's user.
 * On one host, payloads travel through shared memory (:mod:`kv_pipe.shared_memory`): one copy into
   the sender's segment, the receiver's tensor a view of it; frames travel over a local socket
-  (:mod:`kv_pipe.channel`). There a caller sends its unit itself when nothing is queued ahead of it,
-  and receives frames itself when no one else is, so a message costs no thread hand-off (about
-  100 µs); the threads do the same work whenever no caller is there to do it (keepalives, credit,
-  regions given back, the peer's frames while the user is away). Frames, records, credit and
-  every check are the same on both channels.
+  (:mod:`kv_pipe.channel`), which any caller may use whatever its timeout: a poll of the socket
+  can end at a deadline. Frames, records, credit and every check are the same on both channels.
 * Headers are validated before any payload receive is posted (:mod:`kv_pipe.protocol`): gloo
   aborts the process if a message is larger than the receive buffer.
 * Only the transport's errors mean a lost peer. A bug in the pipe's own threads fails the pipe and
@@ -423,10 +426,9 @@ class TorchDistributedPipe(KVPipeBase):
         a caller's wait may not outlast its timeout.
 
         On a local socket: if its payloads all go through shared memory (a frame leaves at once, a
-        payload written to the socket waits for the wire). Over the groups: if every item travels
-        inside a frame and the caller has time to spare (see :meth:`_has_time_for_the_groups`): a
-        frame leaves once the peer has posted its next receive, which a live peer does within the
-        keepalive interval, and a payload waits for the wire.
+        payload written to the socket waits for the wire). Over the groups: if the caller has time
+        to spare (see :meth:`_has_time_for_the_groups`) and no tensor is larger than a frame holds,
+        so that it waits for at most a frame's worth of wire per item.
         """
         if self._shared is None:
             inline = self._wire.frame_bytes - HEADER_BYTES

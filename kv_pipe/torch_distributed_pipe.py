@@ -90,6 +90,10 @@ SPIN_SECONDS = (50e-6, 1e-3)
 #: While callers receive on a local socket, the receiver thread leaves the socket to them and looks
 #: again after this long: were it to wake at every arrival too, it would contend with them.
 RECEIVER_PARK_SECONDS = 0.05
+#: On the groups, the receiver thread leaves the receive role to callers for this long after one
+#: received, so that a caller receiving again soon (a ping-pong) finds it free. Meanwhile a peer's
+#: frame that no caller is receiving waits for the thread, and so may the peer's send (at most this).
+CALLERS_RETURN_SECONDS = 0.01
 #: How long credit and regions of the peer's segment whose tensors died wait to go back with a
 #: message that is sent anyway, before the sender thread sends them alone (a wake-up and a frame per
 #: message would cost more). Credit the peer asked for goes at once. The wait starts at the shortest;
@@ -208,7 +212,8 @@ class TorchDistributedPipe(KVPipeBase):
         self._callers_receiving = 0  # callers holding the receive role
         self._waiting_for_role = 0  # callers that would receive themselves, waiting for the role
         self._waiting_for_thread = 0  # callers that must leave the receiving to the receiver thread
-        self._last_caller_received = -math.inf  # when a caller last gave the receive role back
+        self._last_caller_received = -math.inf  # when callers last had the receive role
+        self._role_wanted = False  # a caller waited for the role since the receiver thread took it
         self._spin = SPIN_SECONDS[0]
 
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
@@ -320,6 +325,7 @@ class TorchDistributedPipe(KVPipeBase):
         come free; False once ``deadline`` passed (hold ``_lock``)."""
         if may_receive_here:
             self._waiting_for_role += 1
+            self._role_wanted = True
         else:
             self._waiting_for_thread += 1
             self._receiver_parked.notify()  # this caller waits for the receiver thread
@@ -665,8 +671,11 @@ class TorchDistributedPipe(KVPipeBase):
         """Take in what arrives while no caller is receiving it."""
         while True:
             with self._lock:
-                while self._callers_keep_the_channel() and not self._peer_finished and self._error is None:
-                    self._receiver_parked.wait(RECEIVER_PARK_SECONDS)
+                while not self._peer_finished and self._error is None:
+                    pause = self._callers_keep_the_channel()
+                    if not pause:
+                        break
+                    self._receiver_parked.wait(pause)
                 if self._peer_finished or self._error is not None:
                     return
             self._channel.readable(min(self._keepalive_interval, self._last_received + self.config.kv_timeout
@@ -677,28 +686,32 @@ class TorchDistributedPipe(KVPipeBase):
                 if self._peer_finished or self._error is not None:
                     return
                 while (self._run(self._receive_frame, time.monotonic(), action="receiving") is True
-                       and not (self._waiting_for_role and not self._channel.interruptible)):
+                       and not (self._role_wanted and not self._channel.interruptible)):
                     pass
             finally:
                 self._recv_role.release()
                 with self._lock:
-                    if self._waiting_for_role:
-                        self._items.notify_all()  # a caller takes the role and receives itself
+                    if self._role_wanted:  # a caller waited for the role meanwhile: it is the callers' now
+                        self._role_wanted = False
+                        self._last_caller_received = time.monotonic()
+                        self._items.notify_all()
 
-    def _callers_keep_the_channel(self) -> bool:
-        """Whether the receiver thread leaves receiving to callers for now (hold ``_lock``).
+    def _callers_keep_the_channel(self) -> float:
+        """How long the receiver thread leaves receiving to callers before it looks again; 0 to
+        receive now (hold ``_lock``).
 
         A receive on the groups cannot be abandoned, so there the thread also stays away while a
-        caller waits for the role and for a while after a caller received: a caller that receives
-        again soon (a ping-pong) then finds the role free rather than the thread inside a receive.
+        caller waits for the role and for CALLERS_RETURN_SECONDS after a caller received: a caller
+        that receives again soon (a ping-pong) then finds the role free rather than the thread
+        inside a receive.
         """
         if self._callers_receiving:
-            return True
-        if self._channel.interruptible:
-            return False
-        if self._waiting_for_thread:
-            return False
-        return bool(self._waiting_for_role) or time.monotonic() - self._last_caller_received < RECEIVER_PARK_SECONDS
+            return RECEIVER_PARK_SECONDS
+        if self._channel.interruptible or self._waiting_for_thread:
+            return 0.0
+        if self._waiting_for_role:
+            return RECEIVER_PARK_SECONDS
+        return max(0.0, self._last_caller_received + CALLERS_RETURN_SECONDS - time.monotonic())
 
     def _receive_until_an_item(self, deadline: float | None) -> bool | None:
         """Receive frames here (hold the receive role) until an item, the end of the stream or a

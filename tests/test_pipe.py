@@ -349,19 +349,25 @@ def body_mismatched_timeouts(rank: int, port: int) -> str:
 
 def body_run_ahead(rank: int, port: int, count: int) -> str:
     """While the receiving user is away, the pipe keeps taking frames in: the sender hands all of
-    them to the wire long before the user is back."""
+    them to the wire long before the user is back, even right after that user received itself."""
     generator = torch.Generator().manual_seed(11)
     items = [random_tensor(generator, torch.int32, (17 + index,)) for index in range(count)]
     with TorchDistributedPipe(config(rank, port, kv_timeout=4.0)) as pipe:
         if rank == 0:
+            time.sleep(0.5)  # the peer's user waits in recv_tensor: the peer's receiver thread hands it the role
+            pipe.send_tensor(torch.tensor(-2))
+            time.sleep(0.2)  # meanwhile that user receives on the transport itself
             pipe.send_tensor(torch.tensor(-1))
             assert pipe.recv_tensor(timeout=30).item() == -1  # the peer received in its own thread
+            start = time.monotonic()
             for item in items:
                 pipe.send_tensor(item, timeout=30)
             pipe.flush(timeout=3.0)  # the peer's user sleeps 6 s: its pipe, not its user, took these
+            assert time.monotonic() - start < 4.0, "the sends waited for the peer's user"
             pipe.send_tensor(None)
             assert pipe.recv_tensor(timeout=30) is None
             return "sent"
+        assert pipe.recv_tensor().item() == -2
         assert pipe.recv_tensor().item() == -1
         pipe.send_tensor(torch.tensor(-1))
         time.sleep(6.0)

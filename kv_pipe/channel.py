@@ -1,12 +1,11 @@
 """How a pipe's frames and payload chunks travel: process groups, or a local socket on one host.
 
 * :class:`GroupChannel`: the pipe's two torch.distributed groups (gloo or NCCL), one per direction,
-  frames and payloads told apart by tag. Whoever holds a direction's role posts its operations, so
-  they are issued in order as NCCL needs. A send is posted and returned from at once (gloo writes
-  what the socket takes and leaves the rest to its own thread); the pipe waits for its completion
-  later, off the caller's path. A posted receive cannot be abandoned: a torch.distributed wait that
-  times out breaks the connection for good, so a receive ends only when a frame arrives or the peer
-  is lost.
+  frames and payloads told apart by tag. Whoever holds a direction's role (a pipe thread or a
+  caller) issues its operations, so they are issued in order as NCCL needs. A frame and the
+  payloads behind it are posted together, then waited for. No wait can be abandoned: a
+  torch.distributed wait that times out breaks the connection for good, so a receive ends only when
+  a frame arrives or the peer is lost.
 * :class:`SocketChannel`: on one host, once shared memory is set up (:mod:`kv_pipe.shared_memory`),
   a connected Unix stream socket between the two processes. A frame is sent as its length and its
   bytes; a payload that is not in shared memory follows its frame as plain bytes. A socket reaches

@@ -210,7 +210,6 @@ class TorchDistributedPipe(KVPipeBase):
         self._send_role = threading.Lock()
         self._recv_role = threading.Lock()
         self._callers_receiving = 0  # callers holding the receive role
-        self._waiting_for_role = 0  # callers that would receive themselves, waiting for the role
         self._waiting_for_thread = 0  # callers that must leave the receiving to the receiver thread
         self._last_caller_received = -math.inf  # when callers last had the receive role
         self._role_wanted = False  # a caller waited for the role since the receiver thread took it
@@ -324,18 +323,14 @@ class TorchDistributedPipe(KVPipeBase):
         """Wait for an item, the end of the stream, or (``may_receive_here``) the receive role to
         come free; False once ``deadline`` passed (hold ``_lock``)."""
         if may_receive_here:
-            self._waiting_for_role += 1
             self._role_wanted = True
-        else:
-            self._waiting_for_thread += 1
-            self._receiver_parked.notify()  # this caller waits for the receiver thread
+            return _wait(self._items, deadline)
+        self._waiting_for_thread += 1
+        self._receiver_parked.notify()  # this caller waits for the receiver thread
         try:
             return _wait(self._items, deadline)
         finally:
-            if may_receive_here:
-                self._waiting_for_role -= 1
-            else:
-                self._waiting_for_thread -= 1
+            self._waiting_for_thread -= 1
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = _deadline(timeout)
@@ -700,17 +695,15 @@ class TorchDistributedPipe(KVPipeBase):
         """How long the receiver thread leaves receiving to callers before it looks again; 0 to
         receive now (hold ``_lock``).
 
-        A receive on the groups cannot be abandoned, so there the thread also stays away while a
-        caller waits for the role and for CALLERS_RETURN_SECONDS after a caller received: a caller
-        that receives again soon (a ping-pong) then finds the role free rather than the thread
-        inside a receive.
+        A receive on the groups cannot be abandoned, so there the thread also stays away for
+        CALLERS_RETURN_SECONDS after a caller received, or after it handed the role to a caller
+        that waited for it: a caller that receives again soon (a ping-pong) then finds the role free
+        rather than the thread inside a receive.
         """
         if self._callers_receiving:
             return RECEIVER_PARK_SECONDS
         if self._channel.interruptible or self._waiting_for_thread:
             return 0.0
-        if self._waiting_for_role:
-            return RECEIVER_PARK_SECONDS
         return max(0.0, self._last_caller_received + CALLERS_RETURN_SECONDS - time.monotonic())
 
     def _receive_until_an_item(self, deadline: float | None) -> bool | None:

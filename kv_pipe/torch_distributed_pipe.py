@@ -432,7 +432,7 @@ class TorchDistributedPipe(KVPipeBase):
         so that it waits for at most a frame's worth of wire per item.
         """
         if self._shared is None:
-            inline = self._wire.frame_bytes - HEADER_BYTES
+            inline = record_inline_capacity(self._wire.frame_bytes, 0)
             return self._has_time_for_the_groups(deadline) and all(message.nbytes <= inline for message in unit)
         payloads = [message.data for message in unit
                     if message.kind is FrameKind.TENSOR and message.nbytes >= SHARED_MIN_BYTES]

@@ -5,8 +5,9 @@ into host buffers allocated once and reused:
 
 * memcpy: ``torch`` ``copy_`` with one thread, in rank 0 alone: the ceiling of any copy.
 * raw gloo: ``ProcessGroupGloo`` send/recv into a reused buffer; ping-pong, one-way = round trip / 2.
-* the kvbridge pipe with payloads over the transport, and with payloads through shared memory
-  (the same-host path; across hosts it does not exist): ping-pong, one-way = round trip / 2.
+* the kvbridge pipe with payloads over the transport, sent from the pipe's own memory
+  (``pipe.empty``), and with payloads through shared memory (the same-host path; across hosts it
+  does not exist), sent from the plain buffer: ping-pong, one-way = round trip / 2.
 * Mooncake's transfer engine (TCP transport, P2P handshake) and NIXL (UCX backend, DRAM to DRAM):
   one completed write from rank 0's buffer into rank 1's. No one reads the target meanwhile, and
   rank 1 is not told.
@@ -203,6 +204,11 @@ class Pipe(Transport):
 
     def prepare(self, ctx: Context, nbytes: int) -> Step | None:
         pipe, source = self.pipe, ctx.source[:nbytes]
+        if not self.shared:
+            # The transport path sends a tensor in the pipe's own memory (pipe.empty, which the lookup
+            # buffer fills) without a copy, every time. A lent shared-memory region goes in place only
+            # once, so the same-host path, resending one tensor, is timed with its one copy.
+            source = pipe.empty((nbytes,), torch.uint8).copy_(source)
 
         def round_trip() -> torch.Tensor:
             if ctx.rank == 0:

@@ -7,6 +7,10 @@ arrays own the memory and ``torch.from_numpy`` keeps the array alive exactly as 
 which a weakref finalizer on the array observes. Views the caller takes keep the storage, and so the
 buffer, alive. The finalizer may run in any thread inside any lock, the pool's own included, so it
 only notes the buffer; the next call of the pool takes it back.
+
+A buffer may be allocated with *headroom*: its first bytes belong to the pool's user, never to a
+tensor made from the rest, so the pipe can write a frame header there and send header and tensor as
+one message without copying the tensor (see :meth:`HostMemoryPool.headroom`).
 """
 
 from __future__ import annotations
@@ -40,9 +44,12 @@ class HostMemoryPool:
         self._idle_bytes = 0
         self._lock = threading.Lock()
         self._dropped: collections.deque[np.ndarray] = collections.deque()  # appended to by finalizers
+        self._headroom: dict[int, int] = {}  # buffer address -> headroom, while a tensor uses the buffer
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        if nbytes < POOL_MIN_BYTES:
+    def allocate(self, nbytes: int, headroom: int = 0) -> torch.Tensor:
+        """A buffer of ``nbytes``; with ``headroom``, its first ``headroom`` bytes are the caller's to
+        keep out of the tensors it makes from the buffer (see :meth:`headroom`)."""
+        if nbytes < POOL_MIN_BYTES and not headroom:
             return torch.empty(nbytes, dtype=torch.uint8)
         size = size_class(nbytes)
         with self._lock:
@@ -56,8 +63,23 @@ class HostMemoryPool:
         if backing is None:
             backing = np.empty(size, dtype=np.uint8)
         view = backing[:nbytes]
-        weakref.finalize(view, self._dropped.append, backing)
+        address = view.ctypes.data
+        if headroom:
+            self._headroom[address] = headroom
+        weakref.finalize(view, self._drop, backing, address)
         return torch.from_numpy(view)
+
+    def headroom(self, tensor: torch.Tensor) -> int:
+        """The headroom in front of ``tensor``: that of its buffer if the buffer was allocated with one
+        and ``tensor`` starts right after it, else 0. Thread-safe."""
+        start = tensor.untyped_storage().data_ptr()
+        headroom = self._headroom.get(start, 0)
+        return headroom if tensor.data_ptr() - start == headroom else 0
+
+    def _drop(self, backing: np.ndarray, address: int) -> None:
+        # The buffer's memory may be freed from now on: another storage could start at its address.
+        self._headroom.pop(address, None)
+        self._dropped.append(backing)
 
     def _take_back(self) -> None:
         """Pool the buffers whose tensors died, within ``max_idle_bytes`` (hold ``_lock``)."""

@@ -233,7 +233,8 @@ class TorchDistributedPipe(KVPipeBase):
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A new tensor to fill and send: on the same-host path it lies in this side's shared-memory
         segment, and :meth:`send_tensor` hands it to the peer without copying it; otherwise it is
-        pooled memory of the pipe's device (warm pages: fresh ones cost more than the wire).
+        pooled memory of the pipe's device (warm pages: fresh ones cost more than the wire), and a
+        host tensor is sent from where it lies, with its frame's header written in front of it.
 
         Once sent, its memory is also the peer's tensor: do not modify it after sending. Its region
         is reused only once both the peer's tensor and every local reference to it have died.
@@ -246,7 +247,7 @@ class TorchDistributedPipe(KVPipeBase):
             lent = shared.lend(shape, dtype)
             if lent is not None:
                 return lent
-        return self._wire.allocate(nbytes).view(dtype).reshape(shape)
+        return self._wire.allocate_to_send(nbytes).view(dtype).reshape(shape)
 
     @property
     def uses_shared_memory(self) -> bool:

@@ -7,7 +7,10 @@ Two strategies behind one interface, so that the pipe's threads run the same cod
   long as its records, since gloo accepts a message shorter than the posted receive. A large inline
   item (from :data:`INLINE_VIEW_MIN_BYTES`) is received as a view of its frame, not a copy: the
   frame's buffer is the item's memory from then on (at most 2.5 times its size), and the next frame
-  is received into another buffer from the pool.
+  is received into another buffer from the pool. The same way round, a large item alone in its
+  frame that lies in pipe memory with room for a header in front (from :meth:`Wire.allocate_to_send`,
+  or a received view) is sent from where it lies: its header is written in front of it, and no
+  copy is made.
 * :class:`DeviceWire` (NCCL): frames are device memory, each header is packed on the host and copied
   to its record's place, and a frame is always sent whole, since NCCL needs receives of the exact size.
 """
@@ -72,6 +75,11 @@ class Wire(abc.ABC):
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 buffer on the pipe's device to receive a payload into; owned by the caller."""
 
+    def allocate_to_send(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 buffer on the pipe's device for a tensor the caller fills and sends; owned by
+        the caller, and sent fastest."""
+        return self.allocate(nbytes)
+
 
 class HostWire(Wire):
     frame_bytes = HOST_FRAME_BYTES
@@ -83,18 +91,31 @@ class HostWire(Wire):
         self._send_address = self.send_frame.data_ptr()
         self._recv_bytes = memoryview(self.recv_frame.numpy())
         self._frame_lent = False  # a received item is a view of the receive frame
+        self._frame_in_place: torch.Tensor | None = None  # a frame written in front of its item
 
     def _new_receive_frame(self) -> torch.Tensor:
-        # Pooled, since it may become a received item's memory and come back when that dies.
-        return self._memory.allocate(self.frame_bytes)
+        # Pooled, since it may become a received item's memory and come back when that dies; its
+        # first header's room stays out of that item, so the item can be sent on without a copy.
+        return self._memory.allocate(self.frame_bytes, headroom=HEADER_BYTES)
 
     def write_record(self, offset: int, header: FrameHeader, data: torch.Tensor | None) -> None:
+        if (not offset and not header.more and header.inline and header.nbytes >= INLINE_VIEW_MIN_BYTES
+                and self._memory.headroom(data) >= HEADER_BYTES):
+            # The bytes in front are the pipe's: header and item leave as one message, uncopied.
+            flat = flat_bytes(data)
+            frame = flat.as_strided((HEADER_BYTES + header.nbytes,), (1,), flat.storage_offset() - HEADER_BYTES)
+            pack_header(header, memoryview(frame.numpy())[:HEADER_BYTES])
+            self._frame_in_place = frame
+            return
         pack_header(header, self._send_bytes[offset : offset + HEADER_BYTES])
         if header.inline and header.nbytes:
             # A plain memory copy: a byte view of the tensor costs more than the copy itself at 4 KiB.
             ctypes.memmove(self._send_address + offset + HEADER_BYTES, data.data_ptr(), header.nbytes)
 
     def frame_to_send(self, used_bytes: int) -> torch.Tensor:
+        if self._frame_in_place is not None:
+            frame, self._frame_in_place = self._frame_in_place, None
+            return frame
         return self.send_frame[:used_bytes]
 
     def read_header(self, offset: int) -> memoryview:
@@ -118,6 +139,11 @@ class HostWire(Wire):
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         return self._memory.allocate(nbytes)
+
+    def allocate_to_send(self, nbytes: int) -> torch.Tensor:
+        if nbytes < INLINE_VIEW_MIN_BYTES:
+            return self.allocate(nbytes)
+        return self._memory.allocate(HEADER_BYTES + nbytes, headroom=HEADER_BYTES)[HEADER_BYTES:]
 
 
 class DeviceWire(Wire):

@@ -67,3 +67,22 @@ def test_a_buffer_dropped_inside_the_pools_own_lock_comes_back_later():
     with pool._lock:
         del tensor
     assert pool.idle_bytes == POOL_MIN_BYTES
+
+
+def test_headroom_is_known_only_for_a_live_buffer_allocated_with_it_and_a_tensor_right_after_it():
+    """Only bytes the pool's user keeps out of every tensor may be written in front of one: never
+    those of a buffer without headroom (a caller's slice may start at the same offset), and never
+    once the buffer went back, when the address may hold another tensor's memory."""
+    pool = HostMemoryPool(max_idle_bytes=64 << 20)
+    nbytes = POOL_MIN_BYTES + 512
+    framed = pool.allocate(nbytes, headroom=512)
+    assert pool.headroom(framed[512:]) == 512
+    assert pool.headroom(framed[512:1000].view(torch.int32)) == 512  # a view of its start, any dtype
+    assert pool.headroom(framed) == 0 and pool.headroom(framed[513:]) == 0 and pool.headroom(framed[1024:]) == 0
+    address = framed.data_ptr()
+    del framed
+    gc.collect()
+    plain = pool.allocate(nbytes)
+    assert plain.data_ptr() == address, "the pool did not reuse the buffer: the test proves nothing"
+    assert pool.headroom(plain[512:]) == 0, "a buffer reused without headroom still claimed it"
+    assert pool.headroom(torch.empty(1 << 10, dtype=torch.uint8)[512:]) == 0  # not the pool's memory

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe.channel import TAG_FRAME
 from kv_pipe.errors import (
     KVConfigError,
     KVPeerLostError,
@@ -24,6 +25,7 @@ from kv_pipe.errors import (
     KVTransferError,
 )
 from kv_pipe.protocol import DTYPE_TO_CODE, HEADER_BYTES, HOST_FRAME_BYTES, MAX_NDIM
+from kv_pipe.wire import INLINE_VIEW_MIN_BYTES
 from tests import procs
 from tests.pipe_forgery import connect_as_forger, drain_until_dropped, send_records
 from tests.tensors import as_received, exchange_both_ways, random_tensor, same_bits
@@ -493,6 +495,57 @@ def body_backpressure(rank: int, port: int) -> int:
         return 40
 
 
+
+def body_sent_from_where_it_lies(rank: int, port: int) -> dict:
+    """Rank 0 sends tensors it filled in pipe memory, each twice (a buffer sent again), and one
+    whose caller owns the bytes in front of it; rank 1 checks each and sends the large inline ones
+    back as it received them. Each side reports which tensors went as a frame posted from the
+    tensor's own memory (its header in front of it), and rank 0 that nothing it holds changed."""
+    generator = torch.Generator().manual_seed(31)
+    cases = [(torch.float32, (INLINE_CAPACITY // 4,)),  # fills a frame's inline area
+             (torch.bfloat16, (3, 100_003)),  # inline, from the size a received one is a view
+             (torch.uint8, (INLINE_VIEW_MIN_BYTES - 1,)),  # inline, below that size
+             (torch.float64, (INLINE_CAPACITY // 8 + 1,))]  # a payload after its frame
+    wants = [random_tensor(generator, dtype, shape) for dtype, shape in cases]
+    echoed = 2
+    posted_frames = set()
+    with TorchDistributedPipe(config(rank, port, kv_buffer_size=32 << 20)) as pipe:
+        post = pipe._channel.post
+
+        def recording_post(tensor: torch.Tensor, tag: int):
+            if tag == TAG_FRAME:
+                posted_frames.add(tensor.data_ptr())
+            return post(tensor, tag)
+
+        pipe._channel.post = recording_post
+        if rank == 0:
+            filled = [pipe.empty(want.shape, want.dtype).copy_(want) for want in wants]
+            for tensor in filled:
+                pipe.send_tensor(tensor)
+                pipe.send_tensor(tensor)
+            whole = random_tensor(generator, torch.float32, (128 + INLINE_CAPACITY // 8,))
+            front = whole[:128].clone()
+            pipe.send_tensor(whole[128:])  # its caller's bytes lie right in front of it
+            pipe.flush(timeout=30)
+            for want in wants[:echoed]:
+                assert same_bits(pipe.recv_tensor(timeout=30), want)
+            assert same_bits(whole[:128], front), "the pipe wrote into its caller's memory"
+            for tensor, want in zip(filled, wants, strict=True):
+                assert same_bits(tensor, want), "a sent tensor changed"
+            return {"in place": [tensor.data_ptr() - HEADER_BYTES in posted_frames for tensor in filled]}
+        received = []
+        for want in wants:
+            for _ in range(2):
+                received.append(pipe.recv_tensor(timeout=30))
+                assert same_bits(received[-1], want)
+        assert pipe.recv_tensor(timeout=30).numel() == INLINE_CAPACITY // 8
+        echoes = received[: 2 * echoed : 2]
+        for tensor in echoes:
+            pipe.send_tensor(tensor)
+        pipe.flush(timeout=30)
+        return {"echoes in place": [tensor.data_ptr() - HEADER_BYTES in posted_frames for tensor in echoes]}
+
+
 def body_close_orderly(rank: int, port: int) -> str:
     pipe = TorchDistributedPipe(config(rank, port))
     if rank == 0:
@@ -908,6 +961,18 @@ def test_simultaneous_sends_both_ways_do_not_wait_for_each_other():
 def test_backpressure_blocks_sender_without_loss():
     port = procs.free_port()
     assert procs.run_pair(body_backpressure, (0, port), (1, port), timeout=100) == (40, 40)
+
+
+@pytest.mark.timeout(120)
+def test_pipe_memory_is_sent_from_where_it_lies_and_nothing_else_is_written(payload_path: str):
+    """Over the transport, a large inline tensor in pipe memory (from ``empty``, or received) goes
+    as one frame with its header written in front of it: no copy. The same-host path sends frames
+    from its own buffer (its payloads lie in shared memory instead)."""
+    port = procs.free_port()
+    sender, receiver = procs.run_pair(body_sent_from_where_it_lies, (0, port), (1, port), timeout=100)
+    over_the_transport = payload_path == "off"
+    assert sender == {"in place": [over_the_transport, over_the_transport, False, False]}, sender
+    assert receiver == {"echoes in place": [over_the_transport, over_the_transport]}, receiver
 
 
 @pytest.mark.timeout(120)

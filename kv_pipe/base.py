@@ -51,9 +51,9 @@ class KVPipeBase(abc.ABC):
         until it has been sent; the caller must not modify it in place before :meth:`flush`
         returns. Blocks while the bytes in flight (queued, on the wire, or received but not yet
         taken by the peer) would exceed ``kv_buffer_size``, at most ``timeout`` seconds (``None``:
-        as long as the peer is alive). A pipe may also send a small tensor from the calling thread
-        and return once its frame has left, if the caller has time to spare: it never waits for
-        the peer's user. Thread-safe.
+        as long as the peer is alive); calls that wait get room in the order they began waiting.
+        A pipe may also send a small tensor from the calling thread and return once its frame has
+        left, if the caller has time to spare: it never waits for the peer's user. Thread-safe.
 
         Raises:
             KVTransferError: the tensor alone exceeds ``kv_buffer_size``, its dtype cannot be

@@ -187,6 +187,7 @@ class TorchDistributedPipe(KVPipeBase):
         self._lock = threading.RLock()
         self._items = threading.Condition(self._lock)  # recv_tensor: an item, or the end of the stream
         self._room = threading.Condition(self._lock)  # send_tensor: credit
+        self._credit_waiters: collections.deque[object] = collections.deque()  # senders waiting for credit, in turn
         self._transmitted = threading.Condition(self._lock)  # flush: messages on the wire
         # The sender thread sleeps on a queue, not a condition: a finalizer may ring it from inside any
         # lock (SimpleQueue.put is reentrant), and a ring between its look and its sleep is not lost.
@@ -393,17 +394,9 @@ class TorchDistributedPipe(KVPipeBase):
         ``deadline`` (``timeout`` seconds after the user's call began)."""
         cost = sum(message.cost for message in unit)
         with self._lock:
-            while True:
-                self._raise_if_unusable_for_send()
-                if self._credit.has_room(cost):
-                    break
-                if self._credit.ask():
-                    self._sender_doorbell.put(None)  # the sender thread tells the peer we are waiting
-                if not _wait(self._room, deadline):
-                    raise KVTimeoutError(
-                        f"send_tensor: the in-flight budget of {self._credit.budget} bytes stayed full "
-                        f"for {timeout:g} s (the peer is not taking what was sent)"
-                    )
+            self._raise_if_unusable_for_send()
+            if self._credit_waiters or not self._credit.has_room(cost):
+                self._wait_for_credit(cost, timeout, deadline)
             self._credit.reserve(cost)
             self._queued_messages += len(unit)
             if not (not self._send_queue and self._may_send_here(unit, deadline)
@@ -422,6 +415,30 @@ class TorchDistributedPipe(KVPipeBase):
         finally:
             self._send_role.release()
         self._raise_if_failed()
+
+    def _wait_for_credit(self, cost: int, timeout: float | None, deadline: float | None) -> None:
+        """Wait until the budget has room for a unit of ``cost`` and no sender that waited longer is
+        still waiting (hold ``_lock``). Credit goes to senders in the order they asked for it, so a
+        large unit is not overtaken for ever by another thread's stream of small ones."""
+        turn = object()
+        self._credit_waiters.append(turn)
+        try:
+            while True:
+                if self._credit_waiters[0] is turn:
+                    if self._credit.has_room(cost):
+                        return
+                    if self._credit.ask():
+                        self._sender_doorbell.put(None)  # the sender thread tells the peer we are waiting
+                if not _wait(self._room, deadline):
+                    raise KVTimeoutError(
+                        f"send_tensor: the in-flight budget of {self._credit.budget} bytes stayed full "
+                        f"for {timeout:g} s (the peer is not taking what was sent)"
+                    )
+                self._raise_if_unusable_for_send()
+        finally:
+            if self._credit_waiters[0] is turn and len(self._credit_waiters) > 1:
+                self._room.notify_all()  # the next in line may find room at once
+            self._credit_waiters.remove(turn)
 
     def _may_send_here(self, unit: list[_Outgoing], deadline: float | None) -> bool:
         """Whether a caller may send ``unit`` itself (hold ``_lock``); else the sender thread does, as

@@ -496,6 +496,50 @@ def body_backpressure(rank: int, port: int) -> int:
 
 
 
+def body_credit_in_turn(rank: int, port: int) -> dict:
+    """Rank 0 keeps the budget full with a stream of small tensors from one thread, then sends a
+    large one from another; rank 1 takes one item a millisecond. The large one must get its credit
+    in turn, before the small ones sent after it began to wait, not once the stream has ended."""
+    small, count, started_after = 16 << 10, 400, 100  # 64 KiB int32 tensors; the budget holds 64
+    large = random_tensor(torch.Generator().manual_seed(5), torch.float32, (3 << 18,))  # 3 MiB
+    with TorchDistributedPipe(config(rank, port, kv_buffer_size=4 << 20, kv_timeout=20)) as pipe:
+        if rank == 0:
+            sent = 0
+            streaming = threading.Event()
+
+            def stream() -> None:
+                nonlocal sent
+                for index in range(count):
+                    pipe.send_tensor(torch.full((small,), index, dtype=torch.int32), timeout=30)
+                    sent = index + 1
+                    if sent == started_after:
+                        streaming.set()
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            assert streaming.wait(30)
+            before = sent
+            pipe.send_tensor(large, timeout=30)
+            thread.join(60)
+            assert not thread.is_alive()
+            pipe.send_tensor(None)
+            pipe.flush(timeout=30)
+            return {"small ones sent before the large one": before}
+        order = []
+        while (item := pipe.recv_tensor(timeout=30)) is not None:
+            if item.numel() == small:
+                assert bool((item == item[0]).all())
+                order.append(int(item[0]))
+            else:
+                assert same_bits(item, large)
+                order.append("large")
+            time.sleep(0.001)
+        position = order.index("large")
+        assert order[:position] + order[position + 1 :] == list(range(count)), "small ones lost or reordered"
+        return {"small ones received before the large one": position}
+
+
+
 def body_sent_from_where_it_lies(rank: int, port: int) -> dict:
     """Rank 0 sends tensors it filled in pipe memory, each twice (a buffer sent again), and one
     whose caller owns the bytes in front of it; rank 1 checks each and sends the large inline ones
@@ -961,6 +1005,17 @@ def test_simultaneous_sends_both_ways_do_not_wait_for_each_other():
 def test_backpressure_blocks_sender_without_loss():
     port = procs.free_port()
     assert procs.run_pair(body_backpressure, (0, port), (1, port), timeout=100) == (40, 40)
+
+
+@pytest.mark.timeout(120)
+def test_a_large_send_waiting_for_credit_is_not_overtaken_by_a_stream_of_small_ones():
+    port = procs.free_port()
+    sender, receiver = procs.run_pair(body_credit_in_turn, (0, port), (1, port), timeout=100)
+    before = sender["small ones sent before the large one"]
+    overtaken = receiver["small ones received before the large one"] - before
+    # Only a small send already under way when the large one began to wait may go ahead of it; the
+    # others wait their turn behind it (taken out of turn, all 300 came first).
+    assert overtaken <= 1, (before, overtaken)
 
 
 @pytest.mark.timeout(120)

@@ -23,10 +23,18 @@ import ctypes
 import torch
 
 from kv_pipe.host_memory import HostMemoryPool
-from kv_pipe.protocol import DEVICE_FRAME_BYTES, HEADER_BYTES, HOST_FRAME_BYTES, FrameHeader, pack_header
+from kv_pipe.protocol import (
+    DEVICE_FRAME_BYTES,
+    HEADER_BYTES,
+    HOST_FRAME_BYTES,
+    FrameHeader,
+    pack_header,
+    record_inline_capacity,
+)
 
-#: From this size a received inline item is a view of its frame rather than a copy: the copy would
-#: cost more than taking another frame buffer from the pool.
+#: From this size a received inline item is a view of its frame rather than a copy (the copy would
+#: cost more than taking another frame buffer from the pool), and one in pipe memory is sent from
+#: where it lies.
 INLINE_VIEW_MIN_BYTES = 512 << 10
 
 
@@ -141,7 +149,9 @@ class HostWire(Wire):
         return self._memory.allocate(nbytes)
 
     def allocate_to_send(self, nbytes: int) -> torch.Tensor:
-        if nbytes < INLINE_VIEW_MIN_BYTES:
+        # Room for a header only where it can be used: a larger tensor is a payload after its frame,
+        # and the room would cost it a larger size class.
+        if not INLINE_VIEW_MIN_BYTES <= nbytes <= record_inline_capacity(self.frame_bytes, 0):
             return self.allocate(nbytes)
         return self._memory.allocate(HEADER_BYTES + nbytes, headroom=HEADER_BYTES)[HEADER_BYTES:]
 

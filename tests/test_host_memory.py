@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from kv_pipe.host_memory import POOL_MIN_BYTES, HostMemoryPool, size_class
+from kv_pipe.protocol import HEADER_BYTES, HOST_FRAME_BYTES
+from kv_pipe.wire import INLINE_VIEW_MIN_BYTES, HostWire
 
 
 def test_buffer_comes_back_only_after_every_view_is_gone():
@@ -86,3 +88,14 @@ def test_headroom_is_known_only_for_a_live_buffer_allocated_with_it_and_a_tensor
     assert plain.data_ptr() == address, "the pool did not reuse the buffer: the test proves nothing"
     assert pool.headroom(plain[512:]) == 0, "a buffer reused without headroom still claimed it"
     assert pool.headroom(torch.empty(1 << 10, dtype=torch.uint8)[512:]) == 0  # not the pool's memory
+
+
+def test_only_tensors_that_can_travel_inline_get_room_for_a_header():
+    """Room in front costs a larger size class: a payload-sized tensor (sent after its frame, never
+    in place) must not pay for it."""
+    wire = HostWire(torch.device("cpu"), max_idle_bytes=256 << 20)
+    inline = wire.allocate_to_send(INLINE_VIEW_MIN_BYTES)
+    assert inline.untyped_storage().nbytes() == INLINE_VIEW_MIN_BYTES + HEADER_BYTES
+    for nbytes in (INLINE_VIEW_MIN_BYTES - 1, HOST_FRAME_BYTES - HEADER_BYTES + 1, 64 << 20):
+        tensor = wire.allocate_to_send(nbytes)
+        assert tensor.untyped_storage().nbytes() == nbytes, nbytes

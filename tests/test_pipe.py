@@ -1013,9 +1013,10 @@ def test_a_large_send_waiting_for_credit_is_not_overtaken_by_a_stream_of_small_o
     sender, receiver = procs.run_pair(body_credit_in_turn, (0, port), (1, port), timeout=100)
     before = sender["small ones sent before the large one"]
     overtaken = receiver["small ones received before the large one"] - before
-    # Only a small send already under way when the large one began to wait may go ahead of it; the
-    # others wait their turn behind it (taken out of turn, all 300 came first).
-    assert overtaken <= 1, (before, overtaken)
+    # Only small sends already under way when the large one began to wait may go ahead of it: one,
+    # or a few more if this thread was descheduled on its way into the pipe (the stream gets one
+    # in a millisecond). Out of turn, all 300 that followed would come first.
+    assert overtaken <= 8, (before, overtaken)
 
 
 @pytest.mark.timeout(120)

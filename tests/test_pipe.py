@@ -772,8 +772,10 @@ def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
             raise TypeError("a bug in the pipe")
 
         pipe._wire.read_inline = broken_read_inline
-        pipe.send_tensor(None)  # the bug is in place: rank 0 may send
         with pytest.raises(TypeError, match="a bug in the pipe"):
+            # The bug is in place: rank 0 may send. Its answer can come, and the receiver thread
+            # fail the pipe, before this send returns, which then reports it.
+            pipe.send_tensor(None)
             pipe.recv_tensor(timeout=30)
         with pytest.raises(TypeError):  # the pipe is failed: every later call says so
             pipe.send_tensor(torch.ones(2))

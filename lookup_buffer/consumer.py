@@ -110,6 +110,7 @@ class BufferConsumer:
         self._outbox: collections.deque[_Call] = collections.deque()
         self._counter = 0
         self._releases: collections.deque[int] = collections.deque()  # request ids, for the control thread
+        self._release_lock = threading.Lock()
         self._endpoint = Endpoint(zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
         self._control = threading.Thread(target=self._run_control, name="kvbuf-consumer-control", daemon=True)
         self._reader = threading.Thread(target=self._read_pipe, name="kvbuf-consumer-reader", daemon=True)
@@ -157,16 +158,17 @@ class BufferConsumer:
         self._endpoint.doorbell.ring()
 
     def _send_releases(self) -> None:
-        """Send the releases queued so far (control thread, and close before the pipe closes)."""
-        while self._releases:
-            try:
+        """Send the releases queued so far (control thread, and close before the pipe closes). One
+        caller at a time: close's call returns only once a release the control thread took out of
+        the queue has gone out as well, so none is sent into a closing pipe."""
+        with self._release_lock:
+            while self._releases:
                 request_id = self._releases.popleft()
-            except IndexError:  # close() took the last one meanwhile
-                return
-            try:
-                self._pipe.send_tensor(torch.from_numpy(make_release(request_id)), timeout=self._config.kv_timeout)
-            except KVTransferError as exc:  # the producer takes it back after its kv_timeout anyway
-                logger.warning("lookup buffer: could not release the entry lent to request %d: %s", request_id, exc)
+                try:
+                    self._pipe.send_tensor(torch.from_numpy(make_release(request_id)), timeout=self._config.kv_timeout)
+                except KVTransferError as exc:  # the producer takes it back after its kv_timeout anyway
+                    logger.warning("lookup buffer: could not release the entry lent to request %d: %s",
+                                   request_id, exc)
 
     def _give_back(self, items: tuple[object, ...]) -> None:
         """Release, without waiting, a lent entry that its caller never got."""

@@ -63,8 +63,9 @@ class HostMemoryPool:
         if backing is None:
             backing = np.empty(size, dtype=np.uint8)
         view = backing[:nbytes]
-        address = view.ctypes.data
-        if headroom:
+        address = None
+        if headroom:  # only then is the address needed: most buffers are for payloads
+            address = view.ctypes.data
             self._headroom[address] = headroom
         weakref.finalize(view, self._drop, backing, address)
         return torch.from_numpy(view)
@@ -76,9 +77,10 @@ class HostMemoryPool:
         headroom = self._headroom.get(start, 0)
         return headroom if tensor.data_ptr() - start == headroom else 0
 
-    def _drop(self, backing: np.ndarray, address: int) -> None:
-        # The buffer's memory may be freed from now on: another storage could start at its address.
-        self._headroom.pop(address, None)
+    def _drop(self, backing: np.ndarray, address: int | None) -> None:
+        if address is not None:
+            # The buffer's memory may be freed from now on: another storage could start at its address.
+            self._headroom.pop(address, None)
         self._dropped.append(backing)
 
     def _take_back(self) -> None:

@@ -7,10 +7,15 @@ makes them so without moving the tensor: it copies the whole pages under the ten
 an anonymous shared-memory file (``memfd_create``) and maps that file over the very same addresses
 (``MAP_FIXED``), so every tensor and view over the storage keeps working, reading and writing the
 shared pages. The file is sealed against shrinking and growing: a peer that maps it can never fault
-on a page the exporter took away.
+on a page the exporter took away. Once the exporter has mapped it, it is also sealed against future
+writes (``F_SEAL_FUTURE_WRITE``, Linux 5.1): through whatever descriptor it is opened, even
+read-write through ``/proc/PID/fd/FD``, nobody can ``write`` it, punch holes in it or map it
+writable any more, while the exporter's own mapping, made before the seal, keeps writing. A kernel
+that cannot add that seal gets no export at all (:class:`KVConfigError`; callers then copy).
 
 A pipe peer maps the export read-only (:class:`PeerMemory`, through ``/proc/PID/fd/FD`` of a peer
-the pipe already proved to be on this host): it can read the exporter's memory, never change it.
+the pipe already proved to be on this host), and only an export that carries every seal: it can read
+the exporter's memory, never change it, and what it reads only the exporter can have written.
 What it reads is steered only by offsets that are checked against the mapping here.
 
 Only the whole pages inside the storage are exported: the partial pages at its ends may belong to
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import fcntl
 import math
 import mmap
@@ -39,8 +45,12 @@ from kv_pipe.errors import KVConfigError, KVProtocolError
 
 _EXPORT_NAME = "kvbridge-export"
 _PAGE = mmap.PAGESIZE
-#: Seals every export carries: its size can never change under a peer's mapping.
-REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: Linux 5.1: no new ``write``, hole punch or writable shared mapping through any descriptor; mappings
+#: made before keep writing. Python's fcntl module may lack the constant.
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+#: Seals every export carries: its size can never change under a peer's mapping, and only the
+#: exporter's own mapping can change its contents.
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10  # not in Python's mmap module: the pages at the address are replaced, or nothing is
 
@@ -89,7 +99,8 @@ def export_host_memory(tensor: torch.Tensor) -> ExportedMemory:
 
     Raises:
         KVConfigError: the tensor is not in host memory, its storage holds no whole page, or the
-            kernel refused (no ``memfd_create`` or ``mmap``; the message says which).
+            kernel refused (no ``memfd_create``, ``mmap`` or ``F_SEAL_FUTURE_WRITE``; the message
+            says which). Nothing is exported then.
     """
     if tensor.device.type != "cpu":
         raise KVConfigError(f"only host memory can be exported, not {tensor.device}")
@@ -104,6 +115,7 @@ def export_host_memory(tensor: torch.Tensor) -> ExportedMemory:
                 return export
             if export.address < end and start < export.address + export.nbytes:
                 raise KVConfigError("the storage overlaps memory exported before, but not exactly")
+        _check_write_seal()
         export = _move_into_shared_memory(start, end - start, storage)
         _exports.append(export)
     return export
@@ -135,11 +147,39 @@ def find_exports(pieces: np.ndarray) -> tuple[tuple[ExportedMemory, ...], np.nda
     return tuple(exports[i] for i in used), np.stack([local, pieces[:, 0] - starts[index]], axis=1)
 
 
+def _add_seals(fd: int, seals: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+
+
+_write_seal_refusal: str | None = None  # None: not asked yet; "": the kernel seals; else why it cannot
+
+
+def _check_write_seal() -> None:
+    """KVConfigError unless the kernel can seal a memfd against future writes. Asked once, on a
+    scratch memfd (the seal would forbid the exporter's own writable mapping), before anything is
+    moved: an export that others could write is never made. Call it under ``_exports_lock``."""
+    global _write_seal_refusal
+    if _write_seal_refusal is None:
+        try:
+            fd = os.memfd_create(_EXPORT_NAME + "-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                _add_seals(fd, REQUIRED_SEALS)
+            finally:
+                os.close(fd)
+            _write_seal_refusal = ""
+        except OSError as exc:
+            _write_seal_refusal = "the kernel lacks it (Linux 5.1 or later has it)" if exc.errno == errno.EINVAL \
+                else str(exc)
+    if _write_seal_refusal:
+        raise KVConfigError(f"host memory is not exported: it could not be sealed against writes by other processes "
+                            f"(F_SEAL_FUTURE_WRITE): {_write_seal_refusal}")
+
+
 def _move_into_shared_memory(address: int, nbytes: int, storage: torch.UntypedStorage) -> ExportedMemory:
     fd = os.memfd_create(_EXPORT_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+        _add_seals(fd, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # at once: no page can be taken from under the mmap
         view = (ctypes.c_char * nbytes).from_address(address)
         written = 0
         while written < nbytes:
@@ -150,6 +190,15 @@ def _move_into_shared_memory(address: int, nbytes: int, storage: torch.UntypedSt
     except OSError as exc:
         os.close(fd)
         raise KVConfigError(f"cannot move {nbytes} bytes into shared memory: {exc}") from exc
+    try:
+        # Only now: the future-write seal forbids every writable mapping made after it, this one too.
+        _add_seals(fd, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+    except OSError as exc:
+        # The storage stays over the file, which keeps working as its memory; the descriptor,
+        # through which others could open it, is closed, and nothing is exported.
+        os.close(fd)
+        raise KVConfigError(f"host memory is not exported: it could not be sealed against writes by other processes "
+                            f"(F_SEAL_FUTURE_WRITE): {exc}") from exc
     # The descriptor stays open for the life of the process: peers map the export through it.
     return ExportedMemory(address, nbytes, ExportDescriptor(fd, os.fstat(fd).st_ino, nbytes), storage)
 

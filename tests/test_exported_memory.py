@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
+import json
 import os
+import select
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe import KVTransferConfig, TorchDistributedPipe, exported_memory
 from kv_pipe.errors import KVConfigError, KVProtocolError
-from kv_pipe.exported_memory import REQUIRED_SEALS, ExportDescriptor, export_host_memory
+from kv_pipe.exported_memory import F_SEAL_FUTURE_WRITE, REQUIRED_SEALS, ExportDescriptor, export_host_memory
 from tests import procs
 from tests.tensors import random_tensor, same_bits
 
@@ -69,6 +74,106 @@ def test_offsets_of_an_export_are_bounded():
     assert export.offset_of(export.address + 8, 16) == 8
     assert export.offset_of(export.address - 1, 1) is None
     assert export.offset_of(export.address + export.nbytes - 4, 8) is None
+
+
+# A process of the same user opens the export through /proc as a peer would, but read-write, and
+# tries every way to change it; then it maps it as a peer does and reports what it reads there.
+_INTRUDER = r"""
+import ctypes, errno, json, mmap, os, sys
+from kv_pipe.exported_memory import ExportDescriptor, PeerMemory
+
+pid, fd, inode, nbytes = (int(word) for word in sys.argv[1:])
+path = f"/proc/{pid}/fd/{fd}"
+libc = ctypes.CDLL(None, use_errno=True)
+outcomes = {}
+
+
+def attempt(name, change):
+    try:
+        writable = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            change(writable)
+        finally:
+            os.close(writable)
+        outcomes[name] = "changed"
+    except OSError as exc:
+        outcomes[name] = errno.errorcode.get(exc.errno, str(exc))
+
+
+def map_writable(writable):
+    with mmap.mmap(writable, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mapping:
+        mapping[:8] = bytes(8 * [0xFF])
+
+
+def punch_a_hole(writable):  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE: the pages read as zeros
+    if libc.fallocate(writable, 3, ctypes.c_long(0), ctypes.c_long(nbytes)):
+        raise OSError(ctypes.get_errno(), "fallocate")
+
+
+attempt("map writable", map_writable)
+attempt("pwrite", lambda writable: os.pwrite(writable, bytes(8 * [0xFF]), 0))
+attempt("write", lambda writable: os.write(writable, bytes(8 * [0xFF])))
+attempt("punch a hole", punch_a_hole)
+peer = PeerMemory.open(pid, ExportDescriptor(fd, inode, nbytes))
+if libc.mprotect(ctypes.c_void_p(peer.address), ctypes.c_size_t(nbytes), mmap.PROT_READ | mmap.PROT_WRITE):
+    outcomes["make the peer mapping writable"] = errno.errorcode[ctypes.get_errno()]
+else:
+    outcomes["make the peer mapping writable"] = "changed"
+print(json.dumps(outcomes), flush=True)
+sys.stdin.readline()  # the exporter writes through its own tensor meanwhile
+print(ctypes.string_at(peer.address, nbytes).hex(), flush=True)
+"""
+
+
+def test_nobody_but_the_exporter_can_write_an_export():
+    generator = torch.Generator().manual_seed(11)
+    tensor = random_tensor(generator, torch.float32, (3, 3001))
+    before = tensor.clone()
+    export = export_host_memory(tensor)
+    head, nbytes = export.address - tensor.data_ptr(), export.nbytes
+    assert fcntl.fcntl(export.descriptor.fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
+    descriptor = export.descriptor
+    intruder = subprocess.Popen(
+        [sys.executable, "-c", _INTRUDER, str(os.getpid()), str(descriptor.fd), str(descriptor.inode), str(nbytes)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=procs.REPO)
+    try:
+        assert select.select([intruder.stdout], [], [], 120)[0], "the intruder did not report in time"
+        outcomes = json.loads(intruder.stdout.readline())
+        assert outcomes == {"map writable": "EPERM", "pwrite": "EPERM", "write": "EPERM", "punch a hole": "EPERM",
+                            "make the peer mapping writable": "EACCES"}, outcomes
+        assert same_bits(tensor, before)  # not a bit changed
+        # The exporter's own mapping, made before the seal, still writes; the peer's mapping sees it.
+        replacement = random_tensor(generator, torch.float32, (3, 3001))
+        tensor.copy_(replacement)
+        assert same_bits(tensor, replacement)
+        seen, _ = intruder.communicate("go\n", timeout=120)
+    finally:
+        if intruder.poll() is None:
+            intruder.kill()
+        intruder.wait(timeout=30)
+    assert intruder.returncode == 0
+    assert bytes.fromhex(seen.strip()) == _flat_bits(replacement)[head:head + nbytes].numpy().tobytes()
+
+
+def test_no_export_where_the_kernel_cannot_seal_it_against_writes(monkeypatch):
+    def old_kernel(fd: int, seals: int) -> None:  # before Linux 5.1: the seal is unknown
+        if seals & F_SEAL_FUTURE_WRITE:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+
+    monkeypatch.setattr(exported_memory, "_add_seals", old_kernel)
+    monkeypatch.setattr(exported_memory, "_write_seal_refusal", None)  # ask the (old) kernel again
+    tensor = torch.rand(1 << 16)
+    before, address = tensor.clone(), tensor.data_ptr()
+    for _ in range(2):  # the answer is remembered, and refused the same way
+        with pytest.raises(KVConfigError, match=r"sealed against writes.*F_SEAL_FUTURE_WRITE.*Linux 5\.1"):
+            export_host_memory(tensor)
+    # Nothing was moved: the tensor's pages are still its own private memory, as they were.
+    assert tensor.data_ptr() == address and same_bits(tensor, before)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(word, 16) for word in line.split()[0].split("-"))
+            assert not (start < address + tensor.nbytes and address < end and "memfd:" in line), line
 
 
 # ---------------------------------------------------------------- bodies run in the child processes

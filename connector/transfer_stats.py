@@ -17,6 +17,7 @@ COUNTERS = (
     "save_seconds",  # time spent gathering and inserting
     "lent_requests",  # saved requests whose blocks were lent, not copied (a subset of saved_requests)
     "returned_requests",  # saved requests whose blocks vLLM was told it may free (finished sending)
+    "taken_back",  # saved requests whose entry was taken back: vLLM preempted the request, or a TP rank failed
     "load_hits",  # requests whose KV was loaded
     "load_misses",  # no entry within kv_load_timeout, or an entry that failed the checks
     "load_errors",  # transport errors (peer lost, pipe closed, protocol)
@@ -25,6 +26,7 @@ COUNTERS = (
     "load_seconds",  # time spent waiting for, receiving and writing entries
     "drained",  # entries taken and dropped: vLLM's prefix cache already held their blocks
     "expired_entries",  # producer: entries no consumer took within kv_entry_timeout, dropped
+    "evicted_entries",  # producer: entries nobody had taken when the full buffer made room for newer ones
 )
 
 

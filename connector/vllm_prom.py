@@ -6,8 +6,9 @@ them each interval's aggregated stats ``data`` (:class:`connector.vllm_stats.KVB
 Series (``vllm:kvbridge_*``): every counter of :data:`connector.transfer_stats.COUNTERS` as a
 Prometheus counter (``_total``); ``transfer_seconds`` (one save or load: gather and insert, or
 select and write) and ``load_wait_seconds`` (from the claim of a request's KV to its blocks being
-written, waiting for a late entry included) as histograms; ``connections``, the open connections
-to the peer instance, as a gauge.
+written, waiting for a late entry included) as histograms; the gauges of
+:data:`connector.vllm_worker.GAUGES` (connections, entries held, bytes buffered, loans out, blocks
+lent, loads in flight), updated each engine step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from connector.transfer_stats import COUNTERS
-from connector.vllm_stats import CONNECTIONS, SAMPLES
+from connector.vllm_stats import SAMPLES
+from connector.vllm_worker import GAUGES
 
 PREFIX = "vllm:kvbridge_"
 
@@ -30,6 +32,8 @@ _COUNTER_HELP = {
     "save_seconds": "Seconds spent gathering and inserting KV.",
     "lent_requests": "Saved requests whose KV blocks were lent where they lie instead of copied.",
     "returned_requests": "Saved requests whose KV blocks the prefill instance handed back to vLLM.",
+    "taken_back": "Saved requests whose entry the prefill instance took back (preempted, or a TP rank's save "
+                  "failed).",
     "load_hits": "Requests whose KV the decode instance loaded.",
     "load_misses": "Loads without a usable entry within kv_load_timeout.",
     "load_errors": "Loads failed by a transport error (peer lost, protocol).",
@@ -38,11 +42,22 @@ _COUNTER_HELP = {
     "load_seconds": "Seconds spent waiting for, receiving and writing KV.",
     "drained": "Entries taken and dropped (vLLM held their blocks, or the request was aborted).",
     "expired_entries": "Entries the prefill instance dropped: no decode instance took them within kv_entry_timeout.",
+    "evicted_entries": "Entries the prefill instance dropped, untaken, to make room for newer ones (buffer full).",
 }
 
 _HISTOGRAM_HELP = {
     "transfer_seconds": "Seconds of one transfer: a save (gather and insert) or a load (select and write).",
     "load_wait_seconds": "Seconds from the claim of a request's KV to its blocks being written.",
+}
+
+_GAUGE_HELP = {
+    "connections": "Open kvbridge connections: decode instances connected to this prefill instance, or prefill "
+                   "instances this decode instance loads from (per TP rank).",
+    "entries_held": "Entries the prefill instance holds for decode instances now.",
+    "bytes_buffered": "Bytes of the entries the prefill instance holds now (lent or copied).",
+    "loans_out": "Saved requests whose KV blocks vLLM keeps for kvbridge now (lent, not yet handed back).",
+    "blocks_lent": "KV blocks vLLM keeps for kvbridge now.",
+    "loads_in_flight": "Loads the decode instance has started and not yet reported to vLLM.",
 }
 
 #: From 1 ms to 60 s: a hit on one host takes milliseconds, a late entry up to kv_load_timeout.
@@ -58,9 +73,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         self._counters = {name: self._per_engine(self._counter_cls, name, _COUNTER_HELP[name]) for name in COUNTERS}
         self._histograms = {name: self._per_engine(self._histogram_cls, name, _HISTOGRAM_HELP[name],
                                                    buckets=_BUCKETS) for name in SAMPLES}
-        self._connections = self._per_engine(
-            self._gauge_cls, CONNECTIONS, "Open kvbridge connections: decode instances connected to this prefill "
-            "instance, or prefill instances this decode instance loads from (per TP rank).")
+        self._gauges = {name: self._per_engine(self._gauge_cls, name, _GAUGE_HELP[name]) for name in GAUGES}
 
     def _per_engine(self, cls: type[PromMetric], name: str, documentation: str, **kwargs: Any) -> dict[int, Any]:
         metric = cls(name=PREFIX + name, documentation=documentation, labelnames=self._labelnames, **kwargs)
@@ -74,6 +87,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         for name, histogram in self._histograms.items():
             for value in transfer_stats_data.get(name, ()):
                 histogram[engine_idx].observe(value)
-        change = transfer_stats_data.get(CONNECTIONS, 0)
-        if change:
-            self._connections[engine_idx].inc(change)
+        for name, gauge in self._gauges.items():
+            change = transfer_stats_data.get(name, 0)
+            if change:
+                gauge[engine_idx].inc(change)

@@ -45,6 +45,10 @@ class KVBridgeMetadata(KVConnectorMetadata):
     #: Finished requests whose blocks vLLM keeps until the workers report them finished sending:
     #: every request that was handed to them to save (its blocks may be lent).
     held: list[str] = dataclasses.field(default_factory=list)
+    #: Saved requests whose entries the workers take back before this step runs: vLLM preempted
+    #: them (their blocks are freed, and may be written by this very step) or not every TP rank
+    #: saved its share (the request was announced with 0 tokens, so nobody asks for it).
+    take_back: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -91,7 +95,8 @@ class SchedulerSide:
         self.num_workers = num_workers  # TP ranks: a request is saved when all of them saved their share
         self.address = address  # producer: where its workers listen (kv_ip, kv_port), announced with each prefix
         self.engine_id = engine_id
-        self._unsaved: dict[str, list[int]] = {}  # producer: req_id -> transfer prefix not saved yet
+        self._prefixes: dict[str, list[int]] = {}  # producer: req_id -> transfer prefix tokens, until finished
+        self._unsaved: dict[str, None] = {}  # producer: requests whose transfer prefix is not saved yet, in order
         self._saving: dict[str, int] = {}  # producer: req_id -> prefix tokens handed to the workers
         self._saved: dict[str, int] = {}  # producer: prefix tokens the workers saved (0: failed), still running
         self._pending: dict[str, tuple[dict[str, int], int]] = {}  # producer: announcement, prefix in flight
@@ -101,6 +106,7 @@ class SchedulerSide:
         # consumer: transfer prefix found in vLLM's prefix cache: drain it at the producer named here
         self._covered: dict[str, tuple[str, int] | None] = {}
         self._held: list[str] = []  # producer: finished requests whose blocks vLLM keeps, not yet told
+        self._take_back: list[str] = []  # producer: saved requests whose entries must go, not yet told
 
     # ------------------------------------------------------------------ consumer
 
@@ -159,6 +165,12 @@ class SchedulerSide:
 
         A request is saved in the step that completes its transfer prefix (with chunked prefill,
         the step of the chunk that crosses it); ``block_ids_of`` gives its current block ids.
+
+        Preemption: vLLM frees a preempted request's blocks without a connector call and may give
+        them to the requests of this very step, whose forward pass writes them. So the entry of a
+        saved request that vLLM lists as preempted is taken back by the workers before this step's
+        forward pass (:meth:`connector.vllm_worker.WorkerSide.take_back`), and the request is saved
+        again from its new blocks once it has recomputed its prefix.
         """
         meta = KVBridgeMetadata()
         for req_id in self._pending:
@@ -171,6 +183,10 @@ class SchedulerSide:
         self._loads.clear()
         meta.refused, self._refused = self._refused, {}
         meta.held, self._held = self._held, []
+        if self.is_producer:
+            for req_id in scheduler_output.preempted_req_ids or ():
+                self._preempted(req_id)
+        meta.take_back, self._take_back = self._take_back, []
         for new_req in scheduler_output.scheduled_new_reqs:
             if new_req.req_id in self._covered and new_req.req_id not in self._loaded:
                 prompt = new_req.prompt_token_ids or []
@@ -188,12 +204,13 @@ class SchedulerSide:
             computed[new_req.req_id] = new_req.num_computed_tokens
             prompt = new_req.prompt_token_ids or []
             prefix = transfer_prefix_len(len(prompt), self.block_size)
-            if prefix and new_req.req_id not in self._unsaved:
-                self._unsaved[new_req.req_id] = list(prompt[:prefix])
+            if prefix and new_req.req_id not in self._prefixes:
+                self._prefixes[new_req.req_id] = list(prompt[:prefix])
+                self._unsaved[new_req.req_id] = None
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for req_id in [r for r in self._unsaved if r in scheduled and r in computed]:
-            tokens = self._unsaved[req_id]
+            tokens = self._prefixes[req_id]
             if computed[req_id] + scheduled[req_id] < len(tokens):
                 continue  # chunked prefill: the prefix is not complete after this step
             blocks = list(block_ids_of(req_id)[: len(tokens) // self.block_size])
@@ -201,6 +218,14 @@ class SchedulerSide:
             self._saving[req_id] = len(tokens)
             del self._unsaved[req_id]
         return meta
+
+    def _preempted(self, req_id: str) -> None:
+        """vLLM preempted ``req_id`` and freed its blocks: take its entry back, save it again later."""
+        if req_id not in self._prefixes:
+            return
+        if self._saving.pop(req_id, None) is not None or self._saved.pop(req_id, None) is not None:
+            self._take_back.append(req_id)
+        self._unsaved[req_id] = None
 
     def record_saves(self, outcomes: KVBridgeWorkerMetadata) -> None:
         """Take in the workers' save outcomes of a step (see the module docstring)."""
@@ -212,7 +237,10 @@ class SchedulerSide:
             elif req_id in self._saving:
                 prefix = self._saving.pop(req_id)
                 self._saved[req_id] = prefix if saved else 0
-            # else: a late outcome of a request already announced (see build_meta) or aborted.
+            else:
+                continue  # a late outcome of a request already announced (see build_meta), preempted or aborted
+            if not saved and outcomes.saved.get(req_id, 0) > 0:
+                self._take_back.append(req_id)  # announced with 0 tokens: the ranks that saved hold it for nobody
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Forget a finished or aborted request. The producer announces the prefix it saved, and
@@ -224,6 +252,7 @@ class SchedulerSide:
         self._refused.pop(req_id, None)
         self._loaded.discard(req_id)
         self._covered.pop(req_id, None)
+        self._prefixes.pop(req_id, None)
         self._unsaved.pop(req_id, None)
         in_flight = self._saving.pop(req_id, None)
         host, port = self.address

@@ -31,6 +31,13 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
     a key here: vLLM's command line and logs would show it. ``KVBRIDGE_KV_SECRET`` /
     ``KVBRIDGE_KV_SECRET_FILE`` in the instance's environment work too.
 
+Of the kvbridge fields, ``kv_evict_unclaimed`` defaults to true here (false in
+:class:`kv_pipe.KVTransferConfig`): when the prefill instance's buffer is full, the oldest entries no
+decode instance has taken yet (their client went away, their request was prefilled twice, their
+decode instance never came) give way to new saves, and their lent blocks go back to vLLM,
+instead of every new save failing until they expire. ``kv_save_timeout`` then matters only with
+``"kv_evict_unclaimed": false``.
+
 Roles: ``kv_producer`` (prefill) or ``kv_consumer`` (decode); ``kv_both`` is refused, as a lookup
 buffer carries KV one way. A producer listens at its ``kv_ip:kv_port`` (an address of its own host,
 which it announces in ``kv_transfer_params``); a consumer loads from the producer a request's
@@ -100,6 +107,8 @@ class ConnectorSettings:
             raise KVConfigError(f"KVBridgeConnector needs kv_role 'kv_producer' (prefill instance) or 'kv_consumer' "
                                 f"(decode instance), got {kv_role!r}: a kvbridge lookup buffer carries KV one way")
         bridge_values.setdefault("kv_rank", 0 if kv_role == "kv_producer" else 1)
+        # Unselected entries must not hold the budget (and vLLM's lent blocks) until they expire.
+        bridge_values.setdefault("kv_evict_unclaimed", True)
         bridge_values["kv_secret"] = resolve_secret(environ, options[SECRET_FILE_KEY])
         bridge = KVTransferConfig.from_dict(bridge_values)
         for name in ("kv_load_timeout", "kv_save_timeout"):

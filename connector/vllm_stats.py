@@ -5,7 +5,7 @@ vLLM collects ``get_kv_connector_stats()`` from every worker each step, aggregat
 the connector's Prometheus metrics (:mod:`connector.vllm_prom`). The counters are those of
 :class:`connector.transfer_stats.TransferStats`; beside them ``data`` holds the observations of
 :class:`connector.vllm_worker.Observations`: per-transfer and per-load seconds (lists, for
-histograms) and the change in open connections.
+histograms) and the change of each gauge of :data:`connector.vllm_worker.GAUGES`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from connector.transfer_stats import TransferStats
-from connector.vllm_worker import Observations
+from connector.vllm_worker import GAUGES, Observations
 
 #: Keys of ``data`` holding one value per event (concatenated when aggregated).
 SAMPLES = ("transfer_seconds", "load_wait_seconds")
-#: Key of ``data`` holding the change in open connections (summed when aggregated).
-CONNECTIONS = "connections"
 
 
 @dataclasses.dataclass
@@ -32,7 +30,8 @@ class KVBridgeStats(TransferStats, KVConnectorStats):
         super().__post_init__()
         for name in SAMPLES:
             self.data[name] = list(self.data.get(name, ()))
-        self.data.setdefault(CONNECTIONS, 0)
+        for name in GAUGES:  # each holds the gauge's change (summed when aggregated)
+            self.data.setdefault(name, 0)
 
     @classmethod
     def from_data(cls, data: dict[str, Any] | None) -> KVBridgeStats:
@@ -41,26 +40,30 @@ class KVBridgeStats(TransferStats, KVConnectorStats):
     @classmethod
     def of_worker(cls, counters: TransferStats, observed: Observations) -> KVBridgeStats:
         return cls(data={**counters.data, "transfer_seconds": observed.transfer_seconds,
-                         "load_wait_seconds": observed.load_wait_seconds, CONNECTIONS: observed.connections})
+                         "load_wait_seconds": observed.load_wait_seconds,
+                         **{name: observed.gauges.get(name, 0) for name in GAUGES}})
 
     def aggregate(self, other: Any) -> Any:
         super().aggregate(other)
         for name in SAMPLES:
             self.data[name] = self.data[name] + list(other.data.get(name, ()))
-        self.data[CONNECTIONS] += other.data.get(CONNECTIONS, 0)
+        for name in GAUGES:
+            self.data[name] += other.data.get(name, 0)
         return self
 
     def reset(self) -> None:
         super().reset()
         for name in SAMPLES:
             self.data[name] = []
-        self.data[CONNECTIONS] = 0
+        for name in GAUGES:
+            self.data[name] = 0
 
     def reduce(self) -> dict[str, int | float]:
-        """The counters, the connection change, and how many transfers the interval saw."""
+        """The counters, the gauges' changes, and how many transfers the interval saw."""
         reduced = {name: value for name, value in super().reduce().items() if name not in SAMPLES}
         reduced["transfers"] = len(self.data["transfer_seconds"])
         return reduced
 
     def is_empty(self) -> bool:
-        return super().is_empty() and not self.data[CONNECTIONS] and not any(self.data[name] for name in SAMPLES)
+        return (super().is_empty() and not any(self.data[name] for name in GAUGES)
+                and not any(self.data[name] for name in SAMPLES))

@@ -24,12 +24,15 @@ How it works:
   The request's ``kv_transfer_params`` announce the prefix, and this producer's address, only if
   every worker saved it (their outcomes come back as worker metadata), so a decode instance
   never waits for KV that a full buffer kept from being saved. Any number of decode instances
-  connect to it; entries nobody takes expire after ``kv_entry_timeout``.
+  connect to it; entries nobody takes expire after ``kv_entry_timeout``, or give way to newer
+  ones when the buffer is full. A request vLLM preempts after its save has its entry taken back
+  before vLLM reuses its blocks, and is saved again once recomputed.
 * Consumer: the scheduler claims the transfer prefix of each new request (minus what vLLM's
-  prefix cache already holds) as an asynchronous load; a load thread of the worker connects to
-  the producer the request's ``kv_transfer_params`` name (once; the connection is kept), takes
-  the entry with the same tokens out of its buffer (waiting for it if it is not there yet) and
-  writes it into the blocks vLLM allocated, while the engine keeps stepping its other requests;
+  prefix cache already holds) as an asynchronous load; the worker connects to the producer the
+  request's ``kv_transfer_params`` name (once, in a dial thread; the connection is kept), then a
+  load thread takes the entry with the same tokens out of its buffer (waiting for it if it is not
+  there yet) and writes it into the blocks vLLM allocated, while the engine keeps stepping its
+  other requests;
   ``get_finished`` then reports the request and vLLM schedules it. Requests are matched by token
   content: vLLM gives each engine's copy of a request its own id. So any router that forwards
   ``kv_transfer_params`` (vllm-router's P/D mode, kvbridge's proxy) routes xPyD.
@@ -136,6 +139,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         name = backend.get_name() if backend is not None else "unknown"
         isa = getattr(layer, "isa", None)
         return f"{name}/{isa}" if isa else name
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Here, not in start_load_kv: vLLM binds the metadata before the step's forward pass, which
+        # may write the blocks of a preempted request, but starts asynchronous loads after it.
+        self._require_worker().take_back(self._metadata().take_back)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta, worker = self._metadata(), self._require_worker()

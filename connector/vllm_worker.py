@@ -6,9 +6,11 @@ lives in :mod:`connector.vllm_v1`, so this class can be driven directly by tests
 Connections: a producer worker listens (:class:`lookup_buffer.BufferListener`) at its
 ``kv_ip:kv_port + tp_rank`` and serves every consumer that connects, all from one set of entries.
 A consumer worker connects to a producer when a load first names it
-(:class:`lookup_buffer.ProducerConnections`), in the load thread, and keeps the connection for
-later requests. Each new connection first exchanges both sides' KV layouts
-(:mod:`connector.compat`): an incompatible pair is refused with an error naming every difference.
+(:class:`lookup_buffer.ProducerConnections`), in a dial thread of that producer's, and keeps the
+connection for later requests; a load takes a load thread only once its producer is connected, so
+a producer that cannot be reached never holds up another's loads. Each new connection first
+exchanges both sides' KV layouts (:mod:`connector.compat`): an incompatible pair is refused with an
+error naming every difference.
 
 Loads are asynchronous: each runs in a load thread (:mod:`connector.vllm_loads`) while vLLM keeps
 stepping its other requests, and writes straight into the blocks vLLM allocated.
@@ -48,7 +50,7 @@ from kv_pipe.parallel_copy import copy_pieces
 from lookup_buffer import BufferListener, ProducerConnections, dial
 from lookup_buffer.base import BufferStats, KVLookupBufferBase
 from lookup_buffer.connections import Address
-from lookup_buffer.errors import KVInvalidRequestError
+from lookup_buffer.errors import KVEntryTakenBackError, KVInvalidRequestError
 from lookup_buffer.listener import OnConnect
 from lookup_buffer.loans import BorrowedTensor, Loan
 
@@ -92,16 +94,24 @@ class _LoadTarget(PagedKV):
                               for piece in key.slice_pieces(row * row_bytes + skipped, row_bytes - skipped)])
 
 
+#: What a worker holds now, exported as gauges. Each returns to 0 once nothing is in flight:
+#: ``connections`` (consumers connected to this producer, or producers this consumer uses),
+#: ``entries_held`` and ``bytes_buffered`` (the producer's stored entries, lent or copied),
+#: ``loans_out`` and ``blocks_lent`` (saved requests whose blocks vLLM keeps for kvbridge, and how
+#: many blocks), ``loads_in_flight`` (the consumer's loads not reported to vLLM yet).
+GAUGES = ("connections", "entries_held", "bytes_buffered", "loans_out", "blocks_lent", "loads_in_flight")
+
+
 @dataclasses.dataclass
 class Observations:
-    """Per-event values since the last report (histograms), and the change in open connections."""
+    """Per-event values since the last report (histograms), and the change of each gauge of :data:`GAUGES`."""
 
     transfer_seconds: list[float] = dataclasses.field(default_factory=list)  # per save or load
     load_wait_seconds: list[float] = dataclasses.field(default_factory=list)  # claim to blocks written
-    connections: int = 0
+    gauges: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not (self.transfer_seconds or self.load_wait_seconds or self.connections)
+        return not (self.transfer_seconds or self.load_wait_seconds or any(self.gauges.values()))
 
 
 def find_layout(cache: torch.Tensor, num_blocks: int, block_size: int, name: str) -> PagedKVLayout:
@@ -147,13 +157,14 @@ class WorkerSide:
         self._caches: PagedKVCaches | None = None
         self._buffer: KVLookupBufferBase | None = None  # the producer's listener
         self._producers: ProducerConnections | None = None  # the consumer's connections
-        self._reported_connections = 0
-        self._reported_expired = 0
+        self._reported_gauges = dict.fromkeys(GAUGES, 0)
+        self._reported_dropped = {"expired_entries": 0, "evicted_entries": 0}  # the buffer's counts reported so far
         self._loads = LoadTracker()
         self._saved: set[str] = set()  # request ids whose save succeeded / failed since the last report
         self._unsaved: set[str] = set()
         self._lends = False  # producer: its caches are exported, and saves lend their blocks
         self._kept: dict[str, Loan | None] = {}  # producer: every request saved, with its loan if lent
+        self._lent_blocks: dict[str, int] = {}  # producer: blocks of each request in _kept
         self._held: set[str] = set()  # producer: finished requests whose blocks vLLM keeps until reported
         self._interval = TransferStats()
         self._observed = Observations()
@@ -212,8 +223,10 @@ class WorkerSide:
             except KVTransferError as exc:
                 logger.warning("kvbridge: closing the lookup buffer: %s", exc)
         if self._producers is not None:
-            self._producers.close()  # in-flight loads fail at once rather than wait for their entries
-        self._loads.close()
+            # In-flight loads fail at once rather than wait for their entries, and loads waiting for
+            # a connection are completed; then the attempts in flight end (bounded by their timeouts).
+            self._producers.close()
+        self._loads.close()  # waits for the load threads, drops drains not started yet
         total = self.total_stats()
         if not total.is_empty():
             logger.info("kvbridge totals: %s", total.reduce())
@@ -253,6 +266,7 @@ class WorkerSide:
             self._add(save_failures=1, save_seconds=time.perf_counter() - start)
             return False
         self._kept[spec.req_id] = result.loan
+        self._lent_blocks[spec.req_id] = len(spec.block_ids)
         self._add(saved_requests=1, lent_requests=int(result.loan is not None), saved_blocks=len(spec.block_ids),
                   saved_bytes=result.num_bytes, save_seconds=result.seconds)
         self._observe(transfer_seconds=result.seconds)
@@ -263,6 +277,25 @@ class WorkerSide:
         reports them (each was handed to this worker to save)."""
         self._held.update(req_ids)
 
+    def take_back(self, req_ids: Iterable[str]) -> None:
+        """Take back the entries of these saved requests before vLLM's next forward pass may write
+        their blocks (a preempted request's blocks are freed and given to others): an entry still
+        stored leaves the buffer, one lent out has its stamp cleared (its borrower's load fails
+        and nothing it copied is used), one being copied out is waited for. Entries that were
+        copied into the buffer hold no blocks; they stay until taken or expired."""
+        for req_id in req_ids:
+            loan = self._kept.get(req_id)
+            if req_id not in self._held:
+                self._kept.pop(req_id, None)  # saved again, if at all, once its prefix is recomputed
+                self._lent_blocks.pop(req_id, None)
+            if loan is None or loan.outcome is not None:
+                continue
+            if loan.take_back(self.settings.bridge.kv_timeout):
+                self._add(taken_back=1)
+            else:
+                logger.error("kvbridge: the entry of request %s was still being copied out after %g s; its blocks "
+                             "may change under the copy", req_id, self.settings.bridge.kv_timeout)
+
     def take_finished_sending(self) -> set[str]:
         """Held requests whose blocks this worker no longer needs, each once: saved by a copy, or
         lent and the loan has ended (taken and released, copied for a consumer on another host,
@@ -271,6 +304,7 @@ class WorkerSide:
                 if req_id in self._kept and (self._kept[req_id] is None or self._kept[req_id].outcome is not None)}
         for req_id in done:
             del self._kept[req_id]
+            self._lent_blocks.pop(req_id, None)
         self._held -= done
         if done:
             self._add(returned_requests=len(done))
@@ -285,15 +319,27 @@ class WorkerSide:
     # ------------------------------------------------------------------ consumer
 
     def start_loads(self, loads: Sequence[LoadSpec]) -> None:
-        """Start each request's load in a load thread (see :mod:`connector.vllm_loads`); drains
-        (entries whose blocks vLLM already holds) are done here, without waiting."""
+        """Start each request's load (see :mod:`connector.vllm_loads`) and each drain (an entry whose
+        blocks vLLM already holds); waits for neither a connection nor a transfer.
+
+        A load takes a load thread only once its producer's connection is open
+        (:meth:`lookup_buffer.ProducerConnections.when_ready`): loads naming a producer that is
+        being connected to wait without a thread, and a producer that cannot be reached (the
+        attempt failed, or it failed recently and its backoff has not passed) fails its own loads
+        without ever taking one."""
         for spec in loads:
             if spec.drain:
                 self._drain(spec)
+                continue
+            claimed = time.perf_counter()
+            ticket = self._loads.begin(spec.req_id, spec.block_ids[spec.skip_blocks:])
+            if self._producers is None:
+                self._load_job(spec, ticket, claimed, KVConfigError("the consumer is not connected"))
             else:
-                claimed = time.perf_counter()
-                self._loads.start(spec.req_id, spec.block_ids[spec.skip_blocks:],
-                                  lambda ticket, spec=spec, claimed=claimed: self._load_job(spec, ticket, claimed))
+                self._producers.when_ready(
+                    self.producer_address(spec.producer),
+                    lambda ready, spec=spec, ticket=ticket, claimed=claimed: self._load_job(spec, ticket, claimed,
+                                                                                            ready))
 
     def refuse_loads(self, refused: Mapping[str, Sequence[int]]) -> None:
         """Report each request in ``refused`` finished at once, its blocks failed: vLLM waits for
@@ -312,32 +358,43 @@ class WorkerSide:
         """Block ids of failed loads reported by :meth:`take_finished_loads`, each once."""
         return self._loads.take_failed_blocks()
 
-    def _load_job(self, spec: LoadSpec, ticket: LoadTicket, claimed: float) -> set[int]:
-        """One request's load, in a load thread; returns the blocks that failed."""
-        start = time.perf_counter()
-        reason = self._load_one(spec, ticket)
-        if not ticket.cancelled.is_set():
-            self._observe(load_wait_seconds=time.perf_counter() - claimed)
-        if reason is None or ticket.cancelled.is_set():
-            # A finished request's blocks are not reported: vLLM may give them to another request.
-            return set()
-        logger.warning("kvbridge: KV of request %s (%d tokens) not loaded, vLLM recomputes it: %s",
-                       spec.req_id, len(spec.token_ids), reason)
-        self._add(load_seconds=time.perf_counter() - start)
-        return set(spec.block_ids[spec.skip_blocks:])
+    def _load_job(self, spec: LoadSpec, ticket: LoadTicket, claimed: float,
+                  ready: KVLookupBufferBase | Exception) -> None:
+        """One request's load once its producer's connection is ``ready``, or known not to be (an
+        error): run the transfer in a load thread, or report the load failed at once. Called in the
+        engine's thread or a dial thread; never blocks."""
 
-    def _load_one(self, spec: LoadSpec, ticket: LoadTicket) -> str | None:
-        """Load one request; return why it failed, or None on success (or when cancelled)."""
-        if self._producers is None:
-            self._add(load_errors=1)
-            return "the consumer is not connected"
+        def conclude(reason: str | None, start: float) -> set[int]:
+            """The blocks that failed, for a load that failed for ``reason`` (None: it did not)."""
+            if not ticket.cancelled.is_set():
+                self._observe(load_wait_seconds=time.perf_counter() - claimed)
+            if reason is None or ticket.cancelled.is_set():
+                # A finished request's blocks are not reported: vLLM may give them to another request.
+                return set()
+            logger.warning("kvbridge: KV of request %s (%d tokens) not loaded, vLLM recomputes it: %s",
+                           spec.req_id, len(spec.token_ids), reason)
+            self._add(load_seconds=time.perf_counter() - start)
+            return set(spec.block_ids[spec.skip_blocks:])
+
+        def transfer(ticket: LoadTicket, buffer: KVLookupBufferBase) -> set[int]:
+            start = time.perf_counter()
+            return conclude(self._load_one(spec, ticket, buffer), start)
+
+        try:
+            if isinstance(ready, Exception):  # no connection: fails without taking a load thread
+                self._add(load_errors=1)
+                self._loads.finish(ticket, conclude(str(ready), time.perf_counter()))
+            else:
+                self._loads.run(ticket, lambda ticket: transfer(ticket, ready))
+        except Exception:  # a bug here must not leave vLLM waiting for the request forever
+            logger.exception("kvbridge: the load of request %s failed", spec.req_id)
+            self._loads.finish(ticket, ticket.block_ids)
+
+    def _load_one(self, spec: LoadSpec, ticket: LoadTicket, buffer: KVLookupBufferBase) -> str | None:
+        """Load one request over ``buffer``, the open connection to its producer, in a load thread;
+        return why it failed, or None on success (or when cancelled)."""
         caches = self._require_caches()
         address = self.producer_address(spec.producer)
-        try:
-            buffer = self._producers.get(address)
-        except KVTransferError as exc:
-            self._add(load_errors=1)
-            return str(exc)
         target = _LoadTarget(caches, spec.block_ids, skip_blocks=spec.skip_blocks, cancelled=ticket.cancelled)
         request = _kv_request(spec.token_ids, target)
         try:
@@ -361,40 +418,55 @@ class WorkerSide:
         return None
 
     def _drain(self, spec: LoadSpec) -> None:
-        """Take and drop the entry of a request vLLM already holds, without waiting for it; only over
-        a connection that is open (the engine's thread never waits to connect: an entry left behind
-        expires at the producer)."""
+        """Take and drop the entry of a request vLLM already holds, without waiting for it: in the
+        loads' thread for work that reports nothing (:meth:`LoadTracker.start_unreported`), never in
+        the engine's thread nor in a load thread, one drain at a time. Only over a connection that
+        is open, at this call and when the drain runs: a drain never connects (an entry left behind
+        expires at the producer). Nothing is reported to vLLM: the request does not wait for it."""
+        producers = self._producers
         address = self.producer_address(spec.producer)
-        buffer = self._producers.connected(address) if self._producers is not None else None
-        if buffer is None:
+        if producers is None or producers.connected(address) is None:
             return
-        tokens = torch.tensor(spec.token_ids, dtype=torch.int64)
-        try:
-            # Borrowed, a lent entry is given back unread: nobody copies what is dropped.
-            entry = buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0, borrow=True)
-        except KVTransferError as exc:
-            self._drop(address, buffer, exc)
-            return
-        for item in entry:
-            if isinstance(item, BorrowedTensor):
-                item.borrowing.forget()
-        if entry[0] is not None:
-            self._add(drained=1)
+
+        def drain() -> None:
+            buffer = producers.connected(address)
+            if buffer is None:  # dropped meanwhile
+                return
+            tokens = torch.tensor(spec.token_ids, dtype=torch.int64)
+            try:
+                # Borrowed, a lent entry is given back unread: nobody copies what is dropped. The
+                # select does not wait for an entry, only (at most kv_timeout) for the answer.
+                entry = buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0, borrow=True)
+            except KVTransferError as exc:
+                self._drop(address, buffer, exc)
+                return
+            for item in entry:
+                if isinstance(item, BorrowedTensor):
+                    item.borrowing.forget()
+            if entry[0] is not None:
+                self._add(drained=1)
+
+        self._loads.start_unreported(drain)
 
     # ------------------------------------------------------------------ stats
 
     def take_stats(self) -> tuple[TransferStats, Observations] | None:
         """Counters and observations since the last call, or None when nothing happened."""
-        connections = self.connections
+        gauges = self.gauges()
         buffer = self.buffer_stats()
-        expired = buffer.expired if buffer is not None else 0
+        dropped = {"expired_entries": buffer.expired if buffer is not None else 0,
+                   "evicted_entries": buffer.evicted if buffer is not None else 0}
         with self._stats_lock:
-            self._observed.connections += connections - self._reported_connections
-            self._reported_connections = connections
-            if expired > self._reported_expired:
-                self._interval.add(expired_entries=expired - self._reported_expired)
-                self._total.add(expired_entries=expired - self._reported_expired)
-                self._reported_expired = expired
+            for name, value in gauges.items():
+                change = value - self._reported_gauges[name]
+                if change:
+                    self._observed.gauges[name] = self._observed.gauges.get(name, 0) + change
+                    self._reported_gauges[name] = value
+            for name, count in dropped.items():
+                if count > self._reported_dropped[name]:
+                    self._interval.add(**{name: count - self._reported_dropped[name]})
+                    self._total.add(**{name: count - self._reported_dropped[name]})
+                    self._reported_dropped[name] = count
             if self._interval.is_empty() and self._observed.is_empty():
                 return None
             interval, self._interval = self._interval, TransferStats()
@@ -404,6 +476,15 @@ class WorkerSide:
     def buffer_stats(self) -> BufferStats | None:
         """The producer's lookup buffer counters (e.g. entries still held); None on a consumer."""
         return self._buffer.stats() if self._buffer is not None else None
+
+    def gauges(self) -> dict[str, int]:
+        """The current value of each of :data:`GAUGES`."""
+        buffer = self.buffer_stats()
+        lent = [req_id for req_id, loan in list(self._kept.items()) if loan is not None and loan.outcome is None]
+        return {"connections": self.connections, "entries_held": buffer.entries if buffer is not None else 0,
+                "bytes_buffered": buffer.bytes if buffer is not None else 0, "loans_out": len(lent),
+                "blocks_lent": sum(self._lent_blocks.get(req_id, 0) for req_id in lent),
+                "loads_in_flight": self._loads.in_flight()}
 
     @property
     def connections(self) -> int:
@@ -444,8 +525,9 @@ class WorkerSide:
         return self._caches
 
     def _drop(self, address: Address, buffer: KVLookupBufferBase, error: KVTransferError) -> None:
-        """A connection failed: drop it (a later load connects again); a refused select leaves it."""
-        if isinstance(error, (KVTimeoutError, KVBufferFullError, KVInvalidRequestError)):
+        """A connection failed: drop it (a later load connects again); a refused select, or an entry
+        its producer took back, leaves it."""
+        if isinstance(error, (KVTimeoutError, KVBufferFullError, KVInvalidRequestError, KVEntryTakenBackError)):
             return
         if self._producers is not None:
             self._producers.discard(address, buffer, error)

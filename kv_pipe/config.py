@@ -49,6 +49,12 @@ class KVTransferConfig:
             over a local socket, when both sides prove they share a host and network namespace,
             else everything over the transport), ``on`` (refuse to connect without it) or ``off``
             (always over the transport). CUDA pipes always use NCCL.
+        kv_evict_unclaimed: what a producer's lookup buffer does when an insert does not fit in
+            ``kv_buffer_size``. False (the default): the insert waits for selects or expiry to
+            free room, up to its timeout (backpressure: nothing inserted is lost). True: the
+            oldest entries no consumer has selected yet are evicted until it fits, so entries
+            whose consumer never comes give way to new ones instead of filling the budget until
+            they expire. The vLLM connector turns it on.
     """
 
     kv_role: str = "kv_both"
@@ -63,6 +69,7 @@ class KVTransferConfig:
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
     kv_shared_memory: str = "auto"
     kv_entry_timeout: float = 480.0
+    kv_evict_unclaimed: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -103,6 +110,8 @@ class KVTransferConfig:
             raise KVConfigError(
                 f"kv_shared_memory must be one of {SHARED_MEMORY_MODES}, got {self.kv_shared_memory!r}"
             )
+        if not isinstance(self.kv_evict_unclaimed, bool):
+            raise KVConfigError(f"kv_evict_unclaimed must be true or false, got {self.kv_evict_unclaimed!r}")
 
     @property
     def is_producer(self) -> bool:
@@ -142,8 +151,9 @@ class KVTransferConfig:
         ========================  =====================================================
 
         Every other field (``kv_buffer_size``, ``kv_buffer_device``, ``kv_timeout``,
-        ``kv_connect_timeout``, ``kv_secret``, ``kv_shared_memory``, ``kv_entry_timeout``) is read
-        from ``KVBRIDGE_<FIELD>`` or keeps its default. Keyword ``overrides`` beat the environment.
+        ``kv_connect_timeout``, ``kv_secret``, ``kv_shared_memory``, ``kv_entry_timeout``,
+        ``kv_evict_unclaimed``: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``) is
+        read from ``KVBRIDGE_<FIELD>`` or keeps its default. Keyword ``overrides`` beat the environment.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -182,7 +192,20 @@ def _parse_field(field: dataclasses.Field, key: str, text: str) -> Any:
             return float(text)
         except ValueError:
             raise KVConfigError(f"environment variable {key} must be a number, got {text!r}") from None
+    if field.name == "kv_evict_unclaimed":
+        return _parse_bool(key, text)
     return text
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_bool(key: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise KVConfigError(f"environment variable {key} must be one of {_TRUE + _FALSE}, got {text!r}")
 
 
 def local_address_towards(remote_ip: str) -> str:

@@ -78,6 +78,9 @@ class BufferStats:
     rejected: int = 0
     #: Entries dropped because no consumer selected them within ``kv_entry_timeout`` (producer).
     expired: int = 0
+    #: Entries nobody had selected, evicted (oldest first) to make room for newer ones in a full
+    #: budget (producer, with ``kv_evict_unclaimed``).
+    evicted: int = 0
     #: Selects answered with an entry.
     hits: int = 0
     #: Selects answered "not there" after their wait.
@@ -122,12 +125,15 @@ class KVLookupBufferBase(abc.ABC):
         Any of key, value and hidden may be lent (see *Lending* above): the call then returns the
         entry's :class:`~lookup_buffer.loans.Loan`, and None otherwise.
 
-        Blocks while the entry does not fit in the byte budget, at most ``timeout`` seconds
-        (``None``: ``kv_timeout``). Thread-safe.
+        When the entry does not fit in the byte budget: with ``kv_evict_unclaimed``, the oldest
+        entries no consumer has selected yet are evicted until it fits (their loans end
+        ``evicted``; a select for them misses), and the call never waits; without it (the
+        default), the call blocks until selects or expiry free enough room, at most ``timeout``
+        seconds (``None``: ``kv_timeout``). Thread-safe.
 
         Raises:
-            KVBufferFullError: the budget stayed full for ``timeout``, or the entry alone is larger
-                than the budget (at once); the entry was not stored.
+            KVBufferFullError: the budget stayed full for ``timeout`` (without eviction), or the
+                entry alone is larger than the budget (at once); the entry was not stored.
             KVInvalidRequestError: the arguments break the contract above.
             KVPeerLostError / KVPipeClosedError / KVProtocolError: the consumer died or closed,
                 or the buffer was closed (also wakes an insert blocked on a full buffer).

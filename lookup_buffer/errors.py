@@ -11,6 +11,11 @@ class KVInvalidRequestError(KVTransferError, ValueError):
     """An argument breaks the contract (wrong type, dtype, shape, or a roi that selects nothing)."""
 
 
+class KVEntryTakenBackError(KVTransferError):
+    """A borrowed entry was taken back by its producer before it was released: what was copied from it
+    must not be used. The connection stays usable; only this entry is lost."""
+
+
 def fresh_error(error: KVTransferError) -> KVTransferError:
     """A copy of ``error`` (same class and message) to raise in one more caller.
 

@@ -86,7 +86,8 @@ class BufferListener(KVLookupBufferBase):
         config: ``kv_ip``/``kv_port`` (+ ``port_offset``) is where consumers ask to connect;
             ``kv_buffer_size`` bounds the bytes held for all consumers together (each connection's
             pipe has this budget too; a consumer with a smaller one is refused, as it could not
-            receive every entry); ``kv_entry_timeout`` drops entries nobody selects.
+            receive every entry); ``kv_entry_timeout`` drops entries nobody selects;
+            ``kv_evict_unclaimed`` lets a new entry evict the oldest unselected ones from a full budget.
         port_offset: added to ``kv_port`` (e.g. a TP rank).
         on_connect: see :data:`OnConnect`.
 
@@ -107,7 +108,8 @@ class BufferListener(KVLookupBufferBase):
         self._on_connect = on_connect
         self._pipe_factory = pipe_factory
         self._max_item_bytes = config.kv_buffer_size - message_cost(0)
-        self._store = EntryStore(config.kv_buffer_size, self._max_item_bytes, config.kv_entry_timeout)
+        self._store = EntryStore(config.kv_buffer_size, self._max_item_bytes, config.kv_entry_timeout,
+                                 config.kv_evict_unclaimed)
         self._memory = HostMemoryPool(config.kv_buffer_size)
         self._signer = ControlSigner(config.kv_secret)
         self._lock = threading.Lock()  # guards the connection sets, totals and the closed flag

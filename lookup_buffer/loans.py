@@ -34,9 +34,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kv_pipe.errors import KVPeerLostError, KVTransferError
+from kv_pipe.errors import KVTransferError
 from kv_pipe.exported_memory import ExportedMemory, PeerMemory, export_host_memory, find_exports, page_aligned_empty
 from kv_pipe.parallel_copy import copy_pieces
+from lookup_buffer.errors import KVEntryTakenBackError
 
 #: How a loan ended.
 RETURNED = "returned"  # the borrower gave them back (copied, or refused by its checks)
@@ -44,6 +45,8 @@ SENT = "sent"  # the bytes were copied into the data pipe for a consumer that do
 EXPIRED = "expired"  # no consumer selected the entry within kv_entry_timeout
 RECLAIMED = "reclaimed"  # a consumer borrowed it and did not give it back within kv_timeout
 DROPPED = "dropped"  # the buffer closed, or failed, or the borrowing consumer was lost
+EVICTED = "evicted"  # nobody had selected it when the full buffer made room for a newer entry
+TAKEN_BACK = "taken back"  # the producer needed the memory again before the loan ended (Loan.take_back)
 
 #: ``(address, nbytes)`` pieces that, read one after another, hold a tensor's bytes.
 Pieces = Sequence[tuple[int, int]]
@@ -93,12 +96,23 @@ def loan_table() -> LoanTable:
 
 
 class Loan:
-    """The producer's handle on the memory of one lent entry. Thread-safe."""
+    """The producer's handle on the memory of one lent entry. Thread-safe.
+
+    The buffer that stores the entry tells the loan what happens to it: :meth:`stored_in` (how to
+    take the entry out of its store), then at most one of :meth:`begin_copy` (the entry is copied
+    for a consumer that does not borrow) and :meth:`lend_out` (a consumer borrows it, under a stamp
+    word of the :class:`LoanTable`), then :meth:`end`. The owner of the memory may
+    :meth:`take_back` the loan at any time.
+    """
 
     def __init__(self) -> None:
         self._ended = threading.Event()
         self._outcome: str | None = None
         self._lock = threading.Lock()
+        self._withdraw: Callable[[], object] | None = None
+        self._slot: int | None = None  # its stamp word in the loan table while lent out
+        self._copying = False
+        self._taking_back = False
 
     @property
     def outcome(self) -> str | None:
@@ -110,13 +124,63 @@ class Loan:
         self._ended.wait(timeout)
         return self._outcome
 
+    def stored_in(self, withdraw: Callable[[], object]) -> None:
+        """Buffer: the entry is stored; ``withdraw()`` takes it out of the store if it is still there."""
+        with self._lock:
+            self._withdraw = withdraw
+
+    def begin_copy(self) -> bool:
+        """Buffer: the entry is about to be copied out (then ended :data:`SENT`); False if the loan
+        ended or is being taken back: nothing may be read from it any more."""
+        with self._lock:
+            if self._outcome is not None or self._taking_back:
+                return False
+            self._copying = True
+            return True
+
+    def lend_out(self, slot: int) -> bool:
+        """Buffer: a borrower gets the entry under the stamp in ``slot`` of the loan table, which
+        :meth:`end` clears and frees; False (the slot is left to the caller) if the loan ended or is
+        being taken back: the borrower must not get it."""
+        with self._lock:
+            if self._outcome is not None or self._taking_back:
+                return False
+            self._slot = slot
+            return True
+
     def end(self, outcome: str) -> bool:
-        """End the loan with ``outcome`` unless it already ended; whether this call ended it."""
+        """End the loan with ``outcome`` unless it already ended; whether this call ended it. A loan
+        lent out has its stamp cleared first, so that a borrower that copies after this sees that it
+        must not use what it copied."""
         with self._lock:
             if self._outcome is not None:
                 return False
+            slot, self._slot = self._slot, None
+            self._withdraw = None  # the store's entry is gone, or soon will be
+            if slot is not None:
+                loan_table().clear(slot)
             self._outcome = outcome
         self._ended.set()
+        return True
+
+    def take_back(self, timeout: float) -> bool:
+        """Owner: end the loan now, whatever stage it is in, because the memory is about to change.
+
+        An entry still stored leaves its store; one lent out has its stamp cleared (its borrower's
+        release then fails with :class:`KVEntryTakenBackError`, whatever it copied is not used); one
+        being copied out is waited for, at most ``timeout`` seconds. Returns True once nobody reads
+        the memory any more (the loan has ended), False if a copy out did not finish in time.
+        """
+        with self._lock:
+            if self._outcome is not None:
+                return True
+            self._taking_back = True
+            copying, withdraw = self._copying, self._withdraw
+        if copying:
+            return self._ended.wait(timeout)
+        if withdraw is not None:
+            withdraw()
+        self.end(TAKEN_BACK)
         return True
 
 
@@ -186,8 +250,8 @@ class Borrowing:
         """Check that the loan held until now, and give the entry back. Later calls return at once.
 
         Raises:
-            KVPeerLostError: the producer had taken the memory back (the borrow outlived its
-                ``kv_timeout``): what was copied may be wrong.
+            KVEntryTakenBackError: the producer had taken the memory back (the borrow outlived its
+                ``kv_timeout``, or the producer needed the memory): what was copied may be wrong.
         """
         with self._lock:
             if self._released:
@@ -196,8 +260,9 @@ class Borrowing:
         held = self._word.value == self._stamp  # after every copy out of the loan: see the module's docstring
         self._give_back()
         if not held:
-            raise KVPeerLostError("lookup buffer: the producer took back a lent entry before it was released "
-                                  "(the borrow outlived its kv_timeout): what was copied from it may be wrong")
+            raise KVEntryTakenBackError("lookup buffer: the producer took back a lent entry before it was released "
+                                        "(the borrow outlived its kv_timeout, or the producer needed the memory): "
+                                        "what was copied from it may be wrong")
 
 
 class BorrowedTensor:

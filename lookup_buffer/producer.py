@@ -133,7 +133,8 @@ class BufferProducer:
         self._config = config
         self._owns_store = store is None
         # An entry whose tensors the pipe would refuse is refused at insert, not halfway through a hit.
-        self._store = store or EntryStore(config.kv_buffer_size, pipe.max_tensor_bytes, config.kv_entry_timeout)
+        self._store = store or EntryStore(config.kv_buffer_size, pipe.max_tensor_bytes, config.kv_entry_timeout,
+                                          config.kv_evict_unclaimed)
         self._lock = threading.Lock()  # guards the counters and the failure state below
         self._hits = self._misses = self._waits = self._bad_messages = self._sent_bytes = 0
         self._failure: KVTransferError | None = None
@@ -146,9 +147,9 @@ class BufferProducer:
         self._waiting = 0
         self._waiting_key_bytes = 0
         self._sequence = itertools.count()
-        # Loans lent out to this consumer, by select, with when they are taken back and their slot in
-        # the loan table: until released or taken back (under _lock: the watcher ends them too).
-        self._lent_out: dict[int, tuple[Loan, float, int]] = {}
+        # Loans lent out to this consumer, by select, with when they are reclaimed: until released or
+        # reclaimed (under _lock: the watcher ends them too). Their owner may end them first.
+        self._lent_out: dict[int, tuple[Loan, float]] = {}
 
         self._signer = ControlSigner(config.kv_secret)
         self._session = auth.new_nonce()
@@ -265,8 +266,8 @@ class BufferProducer:
         """End every loan lent out on this connection."""
         with self._lock:
             lent, self._lent_out = list(self._lent_out.values()), {}
-        for loan, _, slot in lent:
-            _end_lent(loan, slot, outcome)
+        for loan, _ in lent:
+            loan.end(outcome)
 
     def _fail(self, error: KVTransferError) -> None:
         """The data pipe is unusable: refuse inserts and selects from now on."""
@@ -406,13 +407,22 @@ class BufferProducer:
         # Lent only to a consumer that asked and can map it; else (or with no slot free) copied.
         lends = entry.loan is not None and waiter.borrow and self._pipe.uses_shared_memory
         taken = loan_table().take() if lends else None
+        if entry.loan is not None and not (entry.loan.lend_out(taken[0]) if taken is not None
+                                           else entry.loan.begin_copy()):
+            # Its owner took it back between the store and here: the memory is no longer the entry's.
+            if taken is not None:
+                loan_table().clear(taken[0])
+            with self._lock:
+                self._misses += 1
+            self._answer(waiter, OutcomeStatus.MISS)
+            return
         # Counted before the tensors go: the consumer may have them, and its select may have
         # returned, before send_tensors does here; stats on both sides agree once selects return.
         with self._lock:
             self._hits += 1
             self._sent_bytes += entry.nbytes
             if taken is not None:
-                self._lent_out[waiter.request_id] = (entry.loan, time.monotonic() + self._config.kv_timeout, taken[0])
+                self._lent_out[waiter.request_id] = (entry.loan, time.monotonic() + self._config.kv_timeout)
         try:
             if taken is not None:
                 items = [torch.from_numpy(_loan_descriptor(item, *taken)) if isinstance(item, LentTensor)
@@ -435,8 +445,7 @@ class BufferProducer:
             if taken is not None:
                 with self._lock:
                     self._lent_out.pop(waiter.request_id, None)
-                _end_lent(entry.loan, taken[0], DROPPED)
-            elif entry.loan is not None:
+            if entry.loan is not None:
                 entry.loan.end(DROPPED)
             self._fail(exc)
             message = f"the producer could not send the entry on the data pipe: {exc}"
@@ -448,15 +457,15 @@ class BufferProducer:
         with self._lock:
             lent = self._lent_out.pop(request_id, None)
         if lent is not None:
-            _end_lent(lent[0], lent[2], RETURNED)
+            lent[0].end(RETURNED)
 
     def _reclaim(self, now: float) -> None:
         """Take back the loans their consumer did not release within kv_timeout."""
         with self._lock:
-            overdue = [request_id for request_id, (_, deadline, _) in self._lent_out.items() if deadline <= now]
+            overdue = [request_id for request_id, (_, deadline) in self._lent_out.items() if deadline <= now]
             loans = [self._lent_out.pop(request_id) for request_id in overdue]
-        for loan, _, slot in loans:
-            _end_lent(loan, slot, RECLAIMED)
+        for loan, _ in loans:
+            loan.end(RECLAIMED)
         if loans:
             logger.warning("lookup buffer: %d lent entries not released within kv_timeout (%g s) were taken back; "
                            "their borrower finds them taken back when it releases them", len(loans),
@@ -533,9 +542,3 @@ def _loan_descriptor(item: LentTensor, slot: int, stamp: int) -> np.ndarray:
     return make_loan_descriptor(exports, item.shape, item.dtype, item.places, item.pieces[:, 1],
                                 (len(exports) - 1, slot * table.words.element_size(), stamp))
 
-
-def _end_lent(loan: Loan, slot: int, outcome: str) -> None:
-    """End a loan lent out: its stamp is cleared first, so that a borrower that copies after this
-    sees that it must not use what it copied."""
-    loan_table().clear(slot)
-    loan.end(outcome)

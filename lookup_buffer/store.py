@@ -2,12 +2,16 @@
 
 One store may serve several connections (a producer with many consumers): :meth:`EntryStore.pop`
 is atomic, so an entry goes to exactly one select.
+
+When the byte budget is full, a store made with ``evict_unclaimed`` makes room for a new entry by
+evicting the oldest entries nobody has selected yet; one without it makes the insert wait.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import threading
 import time
@@ -16,8 +20,13 @@ import torch
 
 from kv_pipe.errors import KVBufferFullError, KVTransferError
 from lookup_buffer.errors import fresh_error
-from lookup_buffer.loans import DROPPED, EXPIRED, LentTensor, Loan
+from lookup_buffer.loans import DROPPED, EVICTED, EXPIRED, LentTensor, Loan
 from lookup_buffer.matching import MatchKey
+
+logger = logging.getLogger(__name__)
+
+#: At most one warning about evictions per this many seconds; it counts every eviction since the last.
+EVICTION_LOG_INTERVAL = 10.0
 
 
 class Entry:
@@ -47,26 +56,36 @@ class StoreCounters:
     inserts_blocked: int
     rejected: int
     expired: int
+    evicted: int
 
 
 class EntryStore:
-    """Entries by :class:`MatchKey`; ``put`` blocks while the byte budget is full.
+    """Entries by :class:`MatchKey`, within a byte budget of ``capacity_bytes``.
 
     ``max_item_bytes`` bounds each single tensor (what the data pipe can carry in one message).
-    Waiting inserts are woken in no particular order (a large entry may wait behind small ones).
     An entry not popped within ``entry_timeout`` seconds is dropped by the next :meth:`expire`.
+
+    When an entry does not fit: with ``evict_unclaimed``, ``put`` evicts the oldest stored entries
+    (never one already popped) until it fits, and their loans end :data:`~lookup_buffer.loans.EVICTED`;
+    without it, ``put`` blocks until pops or expiry free enough room. Waiting inserts are woken in no
+    particular order (a large entry may wait behind small ones).
     """
 
-    def __init__(self, capacity_bytes: int, max_item_bytes: int, entry_timeout: float = math.inf) -> None:
+    def __init__(self, capacity_bytes: int, max_item_bytes: int, entry_timeout: float = math.inf,
+                 evict_unclaimed: bool = False) -> None:
         self._capacity = capacity_bytes
         self._max_item = max_item_bytes
         self._entry_timeout = entry_timeout
+        self._evict_unclaimed = evict_unclaimed
         self._cond = threading.Condition()
         self._entries: dict[MatchKey, collections.deque[Entry]] = {}
         # Every stored entry in insertion order, which is also expiry order (one timeout for all).
         # A popped entry leaves it at once: the store must hold no tensor it no longer counts.
         self._by_age: collections.OrderedDict[Entry, MatchKey] = collections.OrderedDict()
         self._expired = 0
+        self._evicted = 0
+        self._unlogged_evictions = (0, 0)  # entries and bytes evicted since the last warning
+        self._next_eviction_log = -math.inf
         self._count = 0
         self._bytes = 0
         self._peak = 0
@@ -77,13 +96,20 @@ class EntryStore:
         self._error: KVTransferError | None = None
 
     def put(self, key: MatchKey, entry: Entry, timeout: float) -> None:
-        """Store ``entry``, waiting at most ``timeout`` seconds for room.
+        """Store ``entry``: evicting the oldest unclaimed entries to make room (``evict_unclaimed``),
+        else waiting at most ``timeout`` seconds for room.
 
         Raises:
             KVBufferFullError: the entry (or one of its tensors) is too large, or no room came in time.
             KVTransferError: the store was stopped (the error given to :meth:`stop`).
         """
         deadline = time.monotonic() + timeout
+        try:
+            self._put(key, entry, deadline, timeout)
+        finally:
+            self._log_evictions()
+
+    def _put(self, key: MatchKey, entry: Entry, deadline: float, timeout: float) -> None:
         with self._cond:
             if entry.nbytes > self._capacity or entry.largest > self._max_item:
                 self._rejected += 1
@@ -94,6 +120,12 @@ class EntryStore:
                 )
             waited = False
             while self._error is None and self._bytes + entry.nbytes > self._capacity:
+                if self._evict_unclaimed and self._by_age:
+                    # Every byte counted is a stored entry's (a popped one leaves the budget at
+                    # once), so evicting makes room for any entry within the capacity; the wait
+                    # below serves a store that does not evict.
+                    self._evict_oldest()
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self._rejected += 1
@@ -112,6 +144,8 @@ class EntryStore:
             entry.expires = time.monotonic() + self._entry_timeout
             self._entries.setdefault(key, collections.deque()).append(entry)
             self._by_age[entry] = key
+            if entry.loan is not None:
+                entry.loan.stored_in(lambda: self.withdraw(entry))
             self._count += 1
             self._bytes += entry.nbytes
             self._peak = max(self._peak, self._bytes)
@@ -127,6 +161,17 @@ class EntryStore:
             entry = queue.popleft()
             self._forget(key, queue, entry)
             return entry
+
+    def withdraw(self, entry: Entry) -> bool:
+        """Remove ``entry`` if it is still stored (its owner takes it back); whether it was."""
+        with self._cond:
+            key = self._by_age.get(entry)
+            if key is None:
+                return False
+            queue = self._entries[key]
+            queue.remove(entry)
+            self._forget(key, queue, entry)
+            return True
 
     def expire(self, now: float | None = None) -> tuple[int, int]:
         """Drop every entry stored longer than ``entry_timeout``; return the entries and bytes dropped."""
@@ -145,7 +190,40 @@ class EntryStore:
                 self._expired += 1
                 entries += 1
                 nbytes += entry.nbytes
+        self._log_evictions()  # called periodically: the last evictions are reported within the interval
         return entries, nbytes
+
+    def _evict_oldest(self) -> None:
+        """Drop the oldest stored entry to make room for a new one (under the lock); its loan ends
+        :data:`~lookup_buffer.loans.EVICTED`."""
+        entry, key = next(iter(self._by_age.items()))
+        queue = self._entries[key]
+        # Entries of one key are stored in insertion order: the store's oldest is its key's oldest.
+        if queue[0] is not entry:
+            raise AssertionError("lookup buffer store: entries of one key out of insertion order")
+        queue.popleft()
+        self._forget(key, queue, entry)
+        if entry.loan is not None:
+            entry.loan.end(EVICTED)
+        self._evicted += 1
+        entries, nbytes = self._unlogged_evictions
+        self._unlogged_evictions = (entries + 1, nbytes + entry.nbytes)
+
+    def _log_evictions(self) -> None:
+        """Warn about evictions not reported yet, at most once per :data:`EVICTION_LOG_INTERVAL`."""
+        if not self._unlogged_evictions[0]:  # the common case, without the lock (checked again under it)
+            return
+        now = time.monotonic()
+        with self._cond:
+            entries, nbytes = self._unlogged_evictions
+            if not entries or now < self._next_eviction_log:
+                return
+            self._unlogged_evictions = (0, 0)
+            self._next_eviction_log = now + EVICTION_LOG_INTERVAL
+            total, capacity = self._evicted, self._capacity
+        logger.warning("lookup buffer full (kv_buffer_size %d bytes): %d entries (%d bytes) that no consumer had "
+                       "selected were evicted, oldest first, to make room for new ones (%d evicted in all)",
+                       capacity, entries, nbytes, total)
 
     def _forget(self, key: MatchKey, queue: collections.deque[Entry], entry: Entry) -> None:
         """Account for ``entry`` just taken off ``queue`` (under the lock)."""
@@ -187,4 +265,5 @@ class EntryStore:
                 inserts_blocked=self._blocked,
                 rejected=self._rejected,
                 expired=self._expired,
+                evicted=self._evicted,
             )

@@ -35,15 +35,17 @@ _CTX = mp.get_context("spawn")
 # ---------------------------------------------------------------------- model and prompts
 
 
-def make_tiny_llama(path: Path, with_tokenizer: bool = False) -> str:
+def make_tiny_llama(path: Path, with_tokenizer: bool = False, max_positions: int = 512) -> str:
     """Save a random 2-layer Llama (1.7 M parameters) into ``path``; optionally a word-level tokenizer
-    (:func:`word`) with a chat template, for the OpenAI chat endpoint."""
+    (:func:`word`) with a chat template, for the OpenAI chat endpoint. ``max_positions`` bounds
+    vLLM's ``--max-model-len``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=0,
+                         eos_token_id=1)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     if with_tokenizer:
@@ -519,6 +521,11 @@ def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, do
                 failed.append(sorted(load_and_wait(worker, arg, timeout)))
             else:
                 buffers[0].enabled = arg
+        # Drains run in the background and report nothing to vLLM: wait for them to be counted.
+        drains = sum(spec.drain for kind, arg in steps if kind == "load" for spec in arg)
+        deadline = time.monotonic() + timeout
+        while worker.total_stats().data["drained"] < drains and time.monotonic() < deadline:
+            time.sleep(0.01)
         return {"failed": failed, "stats": worker.total_stats().data, "caches": [c.numpy() for c in worker.caches]}
     finally:
         done.set()

@@ -80,7 +80,7 @@ class Instance:
 
 
 def instance(model: str, name: str, role: str, kv_port: int, core: int, logs: Path,
-             multiprocess: bool = False) -> Instance:
+             multiprocess: bool = False, serve_args: list[str] = SERVE_ARGS) -> Instance:
     """A prefill (``kv_producer``) or decode (``kv_consumer``) instance pinned to ``core``. Decode
     instances fail a request whose load failed (``kv_load_failure_policy: fail``), so a load that
     silently failed cannot pass as a hit."""
@@ -88,7 +88,7 @@ def instance(model: str, name: str, role: str, kv_port: int, core: int, logs: Pa
     transfer = serve.kv_transfer_config(role, "127.0.0.1", kv_port, dict(KV_EXTRA))
     if role == "kv_consumer":
         transfer["kv_load_failure_policy"] = "fail"
-    command = serve.vllm_serve_command(model, "127.0.0.1", port, transfer, SERVE_ARGS)
+    command = serve.vllm_serve_command(model, "127.0.0.1", port, transfer, serve_args)
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
     return Instance(name, role, port, kv_port, core, command, env, logs)
 

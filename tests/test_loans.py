@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from kv_pipe.errors import KVPeerLostError, KVProtocolError
+from kv_pipe.errors import KVProtocolError
 from kv_pipe.exported_memory import ExportDescriptor, export_host_memory, page_aligned_empty
 from kv_pipe.parallel_copy import copy_pieces
 from lookup_buffer import SimpleBuffer
+from lookup_buffer.errors import KVEntryTakenBackError
 from lookup_buffer.loans import BorrowedTensor, Borrowing, LentTensor, LoanTable, release_all
 from lookup_buffer.protocol import make_loan_descriptor, make_release, parse_loan_descriptor
 from tests import _buffer_procs as bodies
@@ -77,7 +78,7 @@ def test_a_borrower_sees_a_loan_taken_back_by_its_stamp():
         borrowing = Borrowing(table.words.data_ptr() + 8 * slot, stamp, lambda: given_back.append(1), None)
         if cleared:
             table.clear(slot)  # the producer took it back before the borrower looked
-            with pytest.raises(KVPeerLostError, match="took back"):
+            with pytest.raises(KVEntryTakenBackError, match="took back"):
                 borrowing.release()
         else:
             borrowing.release()
@@ -231,7 +232,7 @@ def consumer_holds_too_long(buffer: SimpleBuffer, sync: dict, seed: int) -> dict
     try:
         release_all(got)
         outcome = "released"
-    except KVPeerLostError as exc:
+    except KVEntryTakenBackError as exc:
         outcome = str(exc)
     return {"outcome": outcome, "copy": same_bits(copied, key)}
 
@@ -271,7 +272,7 @@ def consumer_closes_holding(buffer: SimpleBuffer, sync: dict, seed: int) -> str:
     bodies.wait_event(sync, "stage2")  # the producer has ended the loan
     try:
         release_all(got)
-    except KVPeerLostError:
+    except KVEntryTakenBackError:
         return "taken back"
     return "released"
 

@@ -17,6 +17,8 @@ from tests import test_vllm_serving as serving
 model, reference, stack = serving.model, serving.reference, serving.stack
 NAME = serving.NAME
 PROMPTS = vp.make_prompts(seed=11)
+#: Gauges that are 0 on an idle instance.
+IDLE_GAUGES = ("entries_held", "bytes_buffered", "loans_out", "blocks_lent", "loads_in_flight")
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -85,3 +87,10 @@ def test_both_instances_export_kvbridge_series_after_traffic(stack: dict[str, st
     # Lent on this host, and every saved request's blocks handed back to vLLM, without new traffic.
     assert sum(total(one, "lent_requests_total") for one in prefills) > 0
     wait_for(stack["prefills"], ("returned_requests_total",), moved + 1)
+    # Nothing leaks: once idle, every gauge but the connections is back at 0 on every instance.
+    deadline = time.monotonic() + 60
+    while any(total(scrape(url), *IDLE_GAUGES) for url in [*stack["prefills"], *stack["decodes"]]):
+        assert time.monotonic() < deadline, {url: scrape(url) for url in [*stack["prefills"], *stack["decodes"]]}
+        time.sleep(0.5)
+    for url in [*stack["prefills"], *stack["decodes"]]:
+        assert {name for (name, _) in scrape(url)} >= {"vllm:kvbridge_" + name for name in IDLE_GAUGES}

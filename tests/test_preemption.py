@@ -1,0 +1,209 @@
+"""A saved request's entry never outlives vLLM's hold on its blocks.
+
+vLLM frees a preempted request's blocks without telling the connector, and the same step's forward
+pass may write them for another request. The producer's scheduler side therefore lists the saved
+requests vLLM preempted, and the workers take their entries back before that forward pass: an
+entry still stored leaves the buffer, one borrowed has its stamp cleared (its borrower's load
+fails, the connection stays), and the request is saved again from its new blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec
+from connector.vllm_scheduler import KVBridgeWorkerMetadata, SchedulerSide
+from lookup_buffer.loans import TAKEN_BACK
+from tests import _vllm_procs as vp
+from tests.procs import free_port
+from tests.test_vllm_connector import FAKE_TOKENS, B, cached_data, make_request, new_req_data, scheduler_output
+
+# ====================================================================== scheduler side
+
+
+def _preempted(output: Any, *req_ids: str) -> Any:
+    output.preempted_req_ids = set(req_ids)
+    return output
+
+
+def test_a_preempted_saved_request_is_taken_back_and_saved_again_from_its_new_blocks() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    tokens = list(range(500, 600))  # prefix 96: 3 blocks
+    request = make_request("r", tokens)
+    first = side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3, 4], 0)], {"r": 100}),
+                            {"r": [1, 2, 3, 4]}.__getitem__)
+    assert first.saves == [SaveSpec("r", tokens[:96], [1, 2, 3])] and first.take_back == []
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))
+    blocks = {"r": [1, 2, 3, 4]}.__getitem__
+    decoding = side.build_meta(scheduler_output([], {"r": 1}, cached_data(["r"], [100])), blocks)
+    assert decoding.saves == [] and decoding.take_back == []
+    # vLLM preempts "r" to make room: blocks 1-4 are freed and may be written by this very step.
+    preempted = side.build_meta(_preempted(scheduler_output([], {}), "r"), {}.__getitem__)
+    assert preempted.take_back == ["r"] and preempted.saves == []
+    # Resumed, it recomputes its prompt in new blocks, in two chunks: saved again once its prefix is.
+    new_blocks = {"r": [7, 8, 9, 5]}.__getitem__
+    chunk = side.build_meta(scheduler_output([], {"r": 64}, cached_data(["r"], [0])), new_blocks)
+    assert chunk.saves == [] and chunk.take_back == []
+    again = side.build_meta(scheduler_output([], {"r": 37}, cached_data(["r"], [64])), new_blocks)
+    assert again.saves == [SaveSpec("r", tokens[:96], [7, 8, 9])]
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))
+    request.num_computed_tokens = 101
+    held, params = side.request_finished(request)
+    assert held and params[PARAMS_KEY]["prefix_tokens"] == 96
+
+
+def test_a_request_preempted_before_its_save_took_effect_is_taken_back_and_its_late_outcome_ignored() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    tokens = list(range(700, 765))  # prefix 64
+    request = make_request("r", tokens)
+    side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 65}), {"r": [1, 2, 3]}.__getitem__)
+    # With asynchronous scheduling the next schedule may preempt it before the save's outcome came back.
+    preempted = side.build_meta(_preempted(scheduler_output([], {}), "r"), {}.__getitem__)
+    assert preempted.take_back == ["r"]
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))  # the taken-back save's outcome
+    held, params = side.request_finished(request)  # aborted while waiting to resume: nothing was saved since
+    assert (held, params[PARAMS_KEY]["prefix_tokens"]) == (False, 0)
+
+
+def test_preempted_requests_never_saved_are_not_taken_back() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    request = make_request("r", list(range(200)))
+    side.build_meta(scheduler_output([new_req_data(request, [1, 2], 0)], {"r": 64}), {}.__getitem__)  # chunked
+    assert side.build_meta(_preempted(scheduler_output([], {}), "r", "unknown"), {}.__getitem__).take_back == []
+
+
+def test_entries_of_a_request_some_tp_ranks_failed_to_save_are_taken_back() -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False, num_workers=2)
+    requests = {name: make_request(name, list(range(start, start + 65))) for name, start in
+                (("both", 0), ("one", 100), ("none", 200))}
+    new = [new_req_data(request, [index], 0) for index, request in enumerate(requests.values())]
+    side.build_meta(scheduler_output(new, {name: 65 for name in requests}), lambda req_id: [1, 2, 3])
+    finished = {name: side.request_finished(request) for name, request in requests.items()}
+    rank0 = KVBridgeWorkerMetadata.of_one_worker({"both", "one"}, {"none"})
+    rank1 = KVBridgeWorkerMetadata.of_one_worker({"both"}, {"one", "none"})
+    side.record_saves(rank0.aggregate(rank1))
+    assert {name: params[PARAMS_KEY]["prefix_tokens"] for name, (_, params) in finished.items()} == {
+        "both": 64, "one": 0, "none": 0}
+    # Rank 0 holds an entry of "one" that nobody will ask for: it goes at once, not when it expires.
+    assert side.build_meta(scheduler_output([], {}), {}.__getitem__).take_back == ["one"]
+
+
+# ====================================================================== workers, over a real pipe
+
+#: Requests saved lent: "stored" is taken back before anyone selects it, "borrowed" while a consumer
+#: copies it, "kept" is never taken back.
+SAVES = [SaveSpec("stored", FAKE_TOKENS["a"], [3, 6]), SaveSpec("borrowed", FAKE_TOKENS["b"], [1, 4, 7]),
+         SaveSpec("kept", FAKE_TOKENS["c"], [2])]
+
+
+def taking_back_producer_body(port: int, saved: Any, borrowed: Any, taken_back: Any, done: Any,
+                              timeout: float) -> dict[str, Any]:
+    """Save SAVES lent; take back "stored" and, once the consumer borrowed it, "borrowed", each time
+    writing noise into the blocks as the forward pass of the step that reuses them would."""
+    from kv_pipe.exported_memory import page_aligned_empty
+
+    caches = [page_aligned_empty(cache.shape, cache.dtype).copy_(cache) for cache in vp.fake_caches(1)]
+    worker = vp.fake_worker("kv_producer", port, vp.FAKE_BLOCK_SIZE, caches, {})
+    loans = {}
+    try:
+        with torch.inference_mode():
+            worker.save(SAVES)
+        loans = dict(worker._kept)
+        worker.take_back(["stored"])
+        _scribble(caches, SAVES[0].block_ids)
+        saved.set()
+        if not borrowed.wait(timeout):
+            raise TimeoutError("the consumer did not borrow")
+        worker.take_back(["borrowed"])
+        _scribble(caches, SAVES[1].block_ids)
+        taken_back.set()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the consumer did not finish within {timeout} s")
+        deadline = time.monotonic() + timeout
+        while loans["kept"].outcome is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {"outcomes": {req_id: loan.outcome for req_id, loan in loans.items()},
+                "stats": worker.total_stats().data, "entries_left": worker.buffer_stats().entries}
+    finally:
+        worker.close()
+
+
+def _scribble(caches: list[torch.Tensor], block_ids: list[int]) -> None:
+    for cache in caches:
+        cache[block_ids] = torch.full_like(cache[block_ids], -7.25)
+
+
+class _PausingBuffer:
+    """The consumer's connection, pausing a borrowed select of ``pause_token`` after it returned and
+    before its bytes are copied, until the producer has taken the entry back."""
+
+    def __init__(self, buffer: Any, pause_token: int, borrowed: Any, taken_back: Any) -> None:
+        self._buffer, self._pause_token = buffer, pause_token
+        self._borrowed, self._taken_back = borrowed, taken_back
+
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
+                    borrow: bool = False) -> list[Any]:
+        entry = self._buffer.drop_select(input_tokens, roi, timeout=timeout, borrow=borrow)
+        if int(input_tokens[0]) == self._pause_token:
+            self._borrowed.set()
+            if not self._taken_back.wait(60):
+                raise TimeoutError("the producer did not take the entry back")
+        return entry
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._buffer, name)
+
+
+def taking_back_consumer_body(port: int, saved: Any, borrowed: Any, taken_back: Any, done: Any,
+                              timeout: float) -> dict[str, Any]:
+    from lookup_buffer import dial
+
+    dials = []
+
+    def pausing(settings: Any, host: str, producer_port: int, on_connect: Any) -> _PausingBuffer:
+        dials.append(producer_port)
+        return _PausingBuffer(dial(settings.bridge, host, producer_port, on_connect), FAKE_TOKENS["b"][0],
+                              borrowed, taken_back)
+
+    worker = vp.fake_worker("kv_consumer", port, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 0.5},
+                            dialer=pausing)
+    try:
+        if not saved.wait(timeout):
+            raise TimeoutError(f"the producer did not save within {timeout} s")
+        failed = [sorted(vp.load_and_wait(worker, [LoadSpec(spec.req_id, spec.token_ids, targets, 0)], timeout))
+                  for spec, targets in zip(SAVES, ([0, 5], [6, 8, 1], [4]), strict=True)]
+        return {"failed": failed, "stats": worker.total_stats().data, "dials": dials, "connections": worker.connections,
+                "caches": [cache.numpy() for cache in worker.caches]}
+    finally:
+        done.set()
+        worker.close()
+
+
+@pytest.mark.timeout(120)
+def test_entries_taken_back_are_never_loaded_and_the_connection_stays() -> None:
+    port = free_port()
+    with vp.Engines() as engines:
+        flags = {name: engines.event() for name in ("saved", "borrowed", "taken_back", "done")}
+        engines.start("producer", taking_back_producer_body, {}, port=port, timeout=60, **flags)
+        engines.start("consumer", taking_back_consumer_body, {}, port=port, timeout=60, **flags)
+        results = engines.wait(["producer", "consumer"], timeout=100)
+    producer, consumer = results["producer"], results["consumer"]
+    # "stored" left the buffer: a miss, nothing written. "borrowed" was copied from overwritten memory:
+    # the load failed (vLLM recomputes those blocks). "kept" arrived bit-exact over the same connection.
+    assert consumer["failed"] == [[0, 5], [1, 6, 8], []]
+    stats = consumer["stats"]
+    assert (stats["load_hits"], stats["load_misses"], stats["load_errors"]) == (1, 1, 1)
+    assert consumer["dials"] == [port] and consumer["connections"] == 1
+    before, source = [c.numpy() for c in vp.fake_caches(2)], [c.numpy() for c in vp.fake_caches(1)]
+    for layer, got in enumerate(consumer["caches"]):
+        assert np.array_equal(got[4].view(np.uint32), source[layer][2].view(np.uint32)), f"layer {layer}"
+        # The taken-back "stored" wrote nothing; the failed "borrowed" blocks are vLLM's to recompute.
+        assert np.array_equal(got[[0, 5]].view(np.uint32), before[layer][[0, 5]].view(np.uint32))
+    assert producer["outcomes"] == {"stored": TAKEN_BACK, "borrowed": TAKEN_BACK, "kept": "returned"}
+    assert producer["stats"]["taken_back"] == 2 and producer["entries_left"] == 0
+

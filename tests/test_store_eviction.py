@@ -1,0 +1,268 @@
+"""A full lookup buffer that evicts (``kv_evict_unclaimed``): the oldest entries nobody selected give way
+to new inserts, never the reverse. The store alone, then a SimpleBuffer pair in two processes and a
+BufferListener with a consumer over real pipes."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from typing import Any
+
+import pytest
+import torch
+
+from connector.vllm_settings import ConnectorSettings
+from kv_pipe import KVTransferConfig
+from kv_pipe.errors import KVBufferFullError, KVConfigError
+from lookup_buffer import BufferListener, SimpleBuffer, dial
+from lookup_buffer import store as store_module
+from lookup_buffer.loans import EVICTED, SENT, Loan
+from lookup_buffer.matching import MatchKey, token_arrays
+from lookup_buffer.producer import make_entry
+from lookup_buffer.store import Entry, EntryStore
+from tests import _buffer_procs as bodies
+from tests import procs
+from tests.tensors import random_tensor, same_bits
+
+pytestmark = pytest.mark.timeout(120)
+
+HOST = "127.0.0.1"
+
+
+def request(index: int, nbytes: int = 4096) -> list[torch.Tensor | None]:
+    """``[tokens, roi, key, value, hidden]`` of request ``index``: random KV, tokens unique to it."""
+    generator = torch.Generator().manual_seed(1000 + index)
+    tokens = torch.randint(1, 1 << 40, (8,), generator=generator)
+    tokens[0] = index + 1
+    key = random_tensor(generator, torch.bfloat16, (2, nbytes // 8))  # nbytes / 2
+    value = random_tensor(generator, torch.float32, (nbytes // 8,))  # nbytes / 2
+    return [tokens, torch.ones(8, dtype=torch.bool), key, value, None]
+
+
+def stored(index: int, nbytes: int = 4096) -> tuple[MatchKey, Entry, list]:
+    """Request ``index`` as the store holds it, with a loan to watch what becomes of it."""
+    given = request(index, nbytes)
+    key, entry = make_entry(*given)
+    entry.loan = Loan()
+    return key, entry, given
+
+
+def raw(index: int, nbytes: int) -> tuple[MatchKey, Entry]:
+    """An entry of exactly ``nbytes`` random bytes under its own key, with a loan."""
+    generator = torch.Generator().manual_seed(2000 + index)
+    key = MatchKey(*token_arrays(torch.tensor([index + 1]), torch.ones(1, dtype=torch.bool)))
+    return key, Entry((random_tensor(generator, torch.uint8, (nbytes,)),), nbytes, loan=Loan())
+
+
+def same_entry(got: Entry | None, want: Entry) -> bool:
+    return got is not None and len(got.items) == len(want.items) and all(
+        same_bits(a, b) for a, b in zip(got.items, want.items, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------- the store
+
+
+def test_a_full_store_evicts_the_oldest_unclaimed_entries_for_new_ones() -> None:
+    made = [stored(index) for index in range(5)]
+    size = made[0][1].nbytes
+    assert all(entry.nbytes == size for _, entry, _ in made)
+    store = EntryStore(capacity_bytes=3 * size + size // 2, max_item_bytes=1 << 20, evict_unclaimed=True)
+    for key, entry, _ in made:
+        store.put(key, entry, timeout=0)  # never waits, never refused
+    counters = store.counters()
+    assert (counters.evicted, counters.entries, counters.bytes, counters.inserts, counters.rejected) == (
+        2, 3, 3 * size, 5, 0)
+    assert [entry.loan.outcome for _, entry, _ in made] == [EVICTED, EVICTED, None, None, None]
+    for key, _, _ in made[:2]:
+        assert store.pop(key) is None  # evicted: a select misses
+    for key, entry, given in made[2:]:
+        got = store.pop(key)
+        assert same_entry(got, entry)
+        assert same_bits(got.items[1], given[2]) and same_bits(got.items[2], given[3])  # bit-exact
+        assert got.loan.outcome is None  # its loan is the selecting consumer's to end
+    counters = store.counters()
+    assert (counters.evicted, counters.entries, counters.bytes) == (2, 0, 0)
+    assert counters.peak_bytes <= 3 * size + size // 2
+
+
+def test_a_large_entry_evicts_as_many_of_the_oldest_as_it_needs_and_no_more() -> None:
+    store = EntryStore(capacity_bytes=1000, max_item_bytes=1000, evict_unclaimed=True)
+    sizes = {"a": 300, "b": 200, "c": 250, "d": 150, "e": 450, "f": 100, "g": 600}
+    made = {name: raw(index, size) for index, (name, size) in enumerate(sizes.items())}
+
+    def put(name: str) -> None:
+        store.put(made[name][0], made[name][1], timeout=0)
+
+    def evicted() -> list[str]:
+        return [name for name, (_, entry) in made.items() if entry.loan.outcome == EVICTED]
+
+    for name in "abcd":  # 900 bytes
+        put(name)
+    assert evicted() == []
+    put("e")  # 450 more: a (300) is not enough, a and b (500) are
+    assert evicted() == ["a", "b"] and store.counters().bytes == 850
+    put("f")  # fits as it is
+    assert evicted() == ["a", "b"] and store.counters().bytes == 950
+    with pytest.raises(KVBufferFullError, match="does not fit"):
+        store.put(*raw(99, 1001), timeout=0)  # larger than the budget: refused at once, nothing evicted
+    assert evicted() == ["a", "b"] and store.counters().rejected == 1
+    put("g")  # 600 more: c, d and e go, f stays
+    assert evicted() == ["a", "b", "c", "d", "e"]
+    counters = store.counters()
+    assert (counters.evicted, counters.entries, counters.bytes) == (5, 2, 700)
+    for name in "abcde":
+        assert store.pop(made[name][0]) is None
+    for name in "fg":
+        assert same_entry(store.pop(made[name][0]), made[name][1])
+
+
+def test_a_popped_entry_is_never_evicted_and_one_key_stays_first_in_first_out() -> None:
+    store = EntryStore(capacity_bytes=3000, max_item_bytes=3000, evict_unclaimed=True)
+    taken_key, taken = raw(0, 1000)
+    twin_key, older_twin = raw(1, 1000)
+    _, newer_twin = raw(1, 1000)  # same key as older_twin
+    store.put(taken_key, taken, timeout=0)
+    store.put(twin_key, older_twin, timeout=0)
+    store.put(twin_key, newer_twin, timeout=0)
+    assert store.pop(taken_key) is taken  # selected: its bytes leave the budget at once
+    others = [raw(index, 1000) for index in (2, 3)]
+    for key, entry in others:
+        store.put(key, entry, timeout=0)
+    # Room for the first without eviction; the second evicts the oldest stored entry, the older twin.
+    assert taken.loan.outcome is None and older_twin.loan.outcome == EVICTED and newer_twin.loan.outcome is None
+    assert same_bits(taken.items[0], raw(0, 1000)[1].items[0])  # the taker's entry is intact
+    assert store.pop(twin_key) is newer_twin and store.pop(twin_key) is None
+    assert [store.pop(key) for key, _ in others] == [entry for _, entry in others]
+    assert store.counters().evicted == 1
+
+
+def test_without_eviction_a_full_store_still_refuses_after_its_timeout() -> None:
+    store = EntryStore(capacity_bytes=2000, max_item_bytes=2000)  # the default: backpressure
+    made = [raw(index, 1000) for index in range(3)]
+    for key, entry in made[:2]:
+        store.put(key, entry, timeout=0)
+    with pytest.raises(KVBufferFullError, match="full"):
+        store.put(*made[2], timeout=0.05)
+    counters = store.counters()
+    assert (counters.evicted, counters.entries, counters.rejected) == (0, 2, 1)
+    assert [entry.loan.outcome for _, entry in made] == [None, None, None]
+
+
+def test_evictions_are_logged_with_their_counts_at_most_once_per_interval(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(store_module, "EVICTION_LOG_INTERVAL", 3600.0)
+    store = EntryStore(capacity_bytes=2000, max_item_bytes=2000, evict_unclaimed=True)
+    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+        for index in range(6):
+            store.put(*raw(index, 1000), timeout=0)
+        store.expire()
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings  # the first eviction; the next three wait for the interval
+    assert "1 entries (1000 bytes)" in warnings[0] and "1 evicted in all" in warnings[0]
+    caplog.clear()
+    monkeypatch.setattr(store, "_next_eviction_log", 0.0)  # the interval has passed
+    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+        store.expire()  # the periodic call reports what the inserts did not
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "3 entries (3000 bytes)" in warnings[0] and "4 evicted in all" in warnings[0]
+
+
+# ---------------------------------------------------------------------------------------------- the setting
+
+
+def test_the_setting_is_validated_read_from_the_environment_and_on_in_the_vllm_connector() -> None:
+    assert KVTransferConfig().kv_evict_unclaimed is False
+    with pytest.raises(KVConfigError, match="kv_evict_unclaimed"):
+        KVTransferConfig(kv_evict_unclaimed="yes")
+    assert KVTransferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "true"}).kv_evict_unclaimed is True
+    assert KVTransferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "0"}).kv_evict_unclaimed is False
+    with pytest.raises(KVConfigError, match="KVBRIDGE_KV_EVICT_UNCLAIMED"):
+        KVTransferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "maybe"})
+    producer = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_ip": HOST}, {})
+    assert producer.bridge.kv_evict_unclaimed is True
+    backpressure = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_evict_unclaimed": False}, {})
+    assert backpressure.bridge.kv_evict_unclaimed is False
+
+
+# ---------------------------------------------------------------------------------------------- over pipes
+
+BUDGET = 256 << 10  # room for 4 requests of CHUNK bytes, not 5
+CHUNK = 60 << 10
+ABANDONED, LIVE = 2, 4
+
+
+def producer_evicts(buffer: SimpleBuffer, sync: dict) -> dict:
+    for index in range(ABANDONED + LIVE):
+        assert buffer.insert(*request(index, CHUNK), timeout=0) is None
+    sync["inserted"].set()
+    return {"evicted": buffer.stats().evicted}
+
+
+def consumer_after_evictions(buffer: SimpleBuffer, sync: dict) -> dict:
+    bodies.wait_event(sync, "inserted")
+    outcome: dict[str, Any] = {"missed": [], "hit": []}
+    for index in reversed(range(ABANDONED + LIVE)):  # the newest first
+        want = request(index, CHUNK)
+        got = buffer.drop_select(want[0], want[1], timeout=0)
+        if got[0] is None:
+            outcome["missed"].append(index)
+        else:
+            bodies.check_entry(got, want, f"request {index}")
+            outcome["hit"].append(index)
+    return outcome
+
+
+def test_a_simple_buffer_pair_misses_the_evicted_entries_and_hits_the_newest() -> None:
+    port = procs.free_port()
+    sync = {name: mp.get_context("spawn").Event() for name in bodies.SYNC_EVENTS}
+    changes = {"kv_buffer_size": BUDGET, "kv_evict_unclaimed": True}
+    results = procs.new_queue()
+    processes = [procs.start(bodies.run_side, (rank, port, body, changes, sync), results, rank)
+                 for rank, body in ((0, producer_evicts), (1, consumer_after_evictions))]
+    outcomes = procs.collect(processes, results, 100)
+    producer, consumer = outcomes[0], outcomes[1]
+    assert consumer["result"] == {"missed": [1, 0], "hit": [5, 4, 3, 2]}
+    assert producer["result"] == {"evicted": ABANDONED}
+    p, c = producer["stats"], consumer["stats"]
+    assert (p["evicted"], p["inserts"], p["rejected"], p["entries"], p["bytes"]) == (ABANDONED, 6, 0, 0, 0)
+    assert (p["hits"], p["misses"]) == (c["hits"], c["misses"]) == (LIVE, ABANDONED)
+    assert producer["close_error"] is None and consumer["close_error"] is None
+
+
+def test_a_listener_full_of_abandoned_entries_still_saves_and_serves_new_ones() -> None:
+    """Prefills nobody decodes fill the budget; the next ones are saved at once (timeout 0) and a
+    consumer gets them, while the abandoned ones it asks for are gone."""
+    port = procs.free_port()
+    budget = 1 << 20
+    size = 200_000  # room for 5 requests
+    producer = KVTransferConfig(kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0, kv_buffer_size=budget,
+                                kv_evict_unclaimed=True)
+    consumer = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_timeout=5.0, kv_buffer_size=budget)
+    with BufferListener(producer) as listener, dial(consumer, HOST, port) as buffer:
+        for index in range(16):  # abandoned
+            listener.insert(*request(index, size), timeout=0)
+        live = [request(100 + index, size) for index in range(2)]
+        for given in live:
+            listener.insert(*given, timeout=0)
+        for given in live:
+            bodies.check_entry(buffer.drop_select(given[0], given[1], timeout=0), given, "a live request")
+        oldest, newest_abandoned = request(0, size), request(15, size)
+        assert buffer.drop_select(oldest[0], oldest[1], timeout=0) == [None] * 5
+        bodies.check_entry(buffer.drop_select(newest_abandoned[0], newest_abandoned[1], timeout=0), newest_abandoned,
+                           "the newest abandoned request")
+        stats = listener.stats()
+        assert (stats.evicted, stats.inserts, stats.rejected, stats.hits) == (18 - 5, 18, 0, 3)
+        assert stats.entries == 2 and stats.peak_bytes <= budget
+
+
+def test_a_lent_entrys_loan_ends_evicted_so_its_memory_is_the_producers_again() -> None:
+    """The vLLM producer's case: an evicted entry's loan ends, the others' stay until taken."""
+    made = [stored(index, 2048) for index in range(4)]
+    size = made[0][1].nbytes
+    store = EntryStore(capacity_bytes=2 * size + size // 2, max_item_bytes=1 << 20, evict_unclaimed=True)
+    for key, entry, _ in made:
+        store.put(key, entry, timeout=0)
+    assert [entry.loan.wait(0) for _, entry, _ in made] == [EVICTED, EVICTED, None, None]
+    key, entry, _ = made[3]
+    assert store.pop(key) is entry and entry.loan.end(SENT) and entry.loan.outcome == SENT
+    assert made[2][1].loan.outcome is None  # still stored: still lent

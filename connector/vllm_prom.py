@@ -32,6 +32,8 @@ _COUNTER_HELP = {
     "save_seconds": "Seconds spent gathering and inserting KV.",
     "lent_requests": "Saved requests whose KV blocks were lent where they lie instead of copied.",
     "returned_requests": "Saved requests whose KV blocks the prefill instance handed back to vLLM.",
+    "unlent_requests": "Lent entries the prefill instance copied into its buffer, nobody having taken them "
+                       "within kv_lend_lease, to hand their blocks back to vLLM.",
     "taken_back": "Saved requests whose entry the prefill instance took back (preempted, or a TP rank's save "
                   "failed).",
     "load_hits": "Requests whose KV the decode instance loaded.",

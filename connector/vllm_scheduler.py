@@ -106,6 +106,7 @@ class SchedulerSide:
         # consumer: transfer prefix found in vLLM's prefix cache: drain it at the producer named here
         self._covered: dict[str, tuple[str, int] | None] = {}
         self._held: list[str] = []  # producer: finished requests whose blocks vLLM keeps, not yet told
+        self._abandoned: list[LoadSpec] = []  # consumer: entries of requests finished before their load, to drain
         self._take_back: list[str] = []  # producer: saved requests whose entries must go, not yet told
 
     # ------------------------------------------------------------------ consumer
@@ -182,6 +183,8 @@ class SchedulerSide:
         meta.loads = list(self._loads.values())
         self._loads.clear()
         meta.refused, self._refused = self._refused, {}
+        meta.loads.extend(self._abandoned)
+        self._abandoned.clear()
         meta.held, self._held = self._held, []
         if self.is_producer:
             for req_id in scheduler_output.preempted_req_ids or ():
@@ -247,6 +250,8 @@ class SchedulerSide:
         has vLLM keep the blocks of every request its workers were asked to save (they may be lent)
         until the workers report it finished sending."""
         req_id = request.request_id
+        if self.is_consumer and req_id not in self._loaded:
+            self._drain_abandoned(request)
         handed_to_workers = req_id in self._saving or req_id in self._saved
         self._loads.pop(req_id, None)
         self._refused.pop(req_id, None)
@@ -265,6 +270,22 @@ class SchedulerSide:
         if handed_to_workers:
             self._held.append(req_id)
         return handed_to_workers, {PARAMS_KEY: announcement}
+
+
+    def _drain_abandoned(self, request: Any) -> None:
+        """A request finished (aborted) before its load began: have the worker take and drop the entry
+        its producer announced, so that it does not wait there for nobody."""
+        if request.prompt_token_ids is None:
+            return
+        prefix = transfer_prefix_len(request.num_prompt_tokens, self.block_size)
+        if prefix == 0 or _announced_prefix(request.kv_transfer_params) != prefix:
+            return
+        try:
+            producer = announced_producer(request.kv_transfer_params)
+        except ValueError:
+            return
+        self._abandoned.append(LoadSpec(req_id=request.request_id, token_ids=list(request.prompt_token_ids[:prefix]),
+                                        block_ids=[], skip_blocks=0, producer=producer))
 
 
 def _announcement(params: Mapping[str, Any] | None) -> Mapping[str, Any]:

@@ -26,6 +26,12 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
     and one on another host gets them copied when it takes them. vLLM keeps a lent request's blocks
     until then (or until the entry expires, or its borrower is lost or holds it past
     ``kv_timeout``); they count against ``kv_buffer_size`` like copied entries.
+``kv_lend_lease`` (seconds, default 10)
+    Producer: how long after a request's end its lent blocks may stay lent. An entry no decode
+    instance has taken by then (its client went away, its decode instance is late or never comes)
+    is copied into the lookup buffer, where it stays selectable until it expires or gives way to
+    newer entries, and vLLM gets its blocks back for new requests: an abandoned request holds host
+    memory for a while, never the prefill instance's KV cache.
 ``kv_secret_file`` (path, default unset)
     A file holding the shared secret (see :mod:`connector.secret`). The secret itself is never
     a key here: vLLM's command line and logs would show it. ``KVBRIDGE_KV_SECRET`` /
@@ -60,6 +66,7 @@ _OPTION_DEFAULTS: dict[str, Any] = {
     "kv_load_timeout": 5.0,
     "kv_save_timeout": 0.0,
     "kv_lend_blocks": True,
+    "kv_lend_lease": 10.0,
     SECRET_FILE_KEY: None,
 }
 
@@ -73,12 +80,14 @@ class ConnectorSettings:
         load_timeout: see the module docstring (``kv_load_timeout``).
         save_timeout: see ``kv_save_timeout``.
         lend_blocks: see ``kv_lend_blocks``.
+        lend_lease: see ``kv_lend_lease``.
     """
 
     bridge: KVTransferConfig
     load_timeout: float
     save_timeout: float
     lend_blocks: bool = True
+    lend_lease: float = 10.0
 
     @classmethod
     def from_vllm(cls, kv_role: str, kv_port: int, kv_buffer_device: str,
@@ -111,14 +120,15 @@ class ConnectorSettings:
         bridge_values.setdefault("kv_evict_unclaimed", True)
         bridge_values["kv_secret"] = resolve_secret(environ, options[SECRET_FILE_KEY])
         bridge = KVTransferConfig.from_dict(bridge_values)
-        for name in ("kv_load_timeout", "kv_save_timeout"):
+        for name in ("kv_load_timeout", "kv_save_timeout", "kv_lend_lease"):
             value = options[name]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise KVConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         if not isinstance(options["kv_lend_blocks"], bool):
             raise KVConfigError(f"kv_lend_blocks must be true or false, got {options['kv_lend_blocks']!r}")
         return cls(bridge=bridge, load_timeout=float(options["kv_load_timeout"]),
-                   save_timeout=float(options["kv_save_timeout"]), lend_blocks=options["kv_lend_blocks"])
+                   save_timeout=float(options["kv_save_timeout"]), lend_blocks=options["kv_lend_blocks"],
+                   lend_lease=float(options["kv_lend_lease"]))
 
 
 def listen_port_offset(tp_rank: int) -> int:

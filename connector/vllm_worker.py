@@ -165,7 +165,7 @@ class WorkerSide:
         self._lends = False  # producer: its caches are exported, and saves lend their blocks
         self._kept: dict[str, Loan | None] = {}  # producer: every request saved, with its loan if lent
         self._lent_blocks: dict[str, int] = {}  # producer: blocks of each request in _kept
-        self._held: set[str] = set()  # producer: finished requests whose blocks vLLM keeps until reported
+        self._held: dict[str, float] = {}  # producer: finished requests whose blocks vLLM keeps, and since when
         self._interval = TransferStats()
         self._observed = Observations()
         self._total = TransferStats()
@@ -182,6 +182,10 @@ class WorkerSide:
         """
         self._caches = PagedKVCaches(list(caches), layout)
         first = self._caches.caches[0]
+        if first.device.type == "cuda" and self.settings.bridge.kv_device_index is None:
+            # The worker's GPU, never the current device of whichever thread builds a pipe later.
+            bridge = self.settings.bridge.replace(kv_device_index=first.device.index)
+            self.settings = dataclasses.replace(self.settings, bridge=bridge)
         block_shape = layout.block_shape(first, 1)
         self.identity = msgspec.structs.replace(self.identity, num_layers=len(caches), block_shape=block_shape,
                                                 dtype=str(first.dtype), layout=layout.name)
@@ -275,7 +279,8 @@ class WorkerSide:
     def hold(self, req_ids: Iterable[str]) -> None:
         """vLLM finished these requests and keeps their blocks until :meth:`take_finished_sending`
         reports them (each was handed to this worker to save)."""
-        self._held.update(req_ids)
+        now = time.monotonic()
+        self._held.update(dict.fromkeys(req_ids, now))
 
     def take_back(self, req_ids: Iterable[str]) -> None:
         """Take back the entries of these saved requests before vLLM's next forward pass may write
@@ -299,16 +304,37 @@ class WorkerSide:
     def take_finished_sending(self) -> set[str]:
         """Held requests whose blocks this worker no longer needs, each once: saved by a copy, or
         lent and the loan has ended (taken and released, copied for a consumer on another host,
-        expired, or taken back)."""
+        expired, evicted, taken back, or copied into the buffer because nobody took it within
+        ``kv_lend_lease`` of the request's end)."""
+        self._end_overdue_loans()
         done = {req_id for req_id in self._held
                 if req_id in self._kept and (self._kept[req_id] is None or self._kept[req_id].outcome is not None)}
         for req_id in done:
             del self._kept[req_id]
+            del self._held[req_id]
             self._lent_blocks.pop(req_id, None)
-        self._held -= done
         if done:
             self._add(returned_requests=len(done))
         return done
+
+    def _end_overdue_loans(self) -> None:
+        """Copy into the buffer the entries of finished requests still lent ``kv_lend_lease`` after
+        the request's end: their KV stays available to a decode instance that comes late, and vLLM
+        gets the blocks back for new requests. Unused entries thus hold host memory, which gives way
+        to new saves, never vLLM's KV cache."""
+        if self._buffer is None:
+            return
+        due = time.monotonic() - self.settings.lend_lease
+        for req_id, since in list(self._held.items()):
+            loan = self._kept.get(req_id)
+            if since > due or loan is None or loan.outcome is not None:
+                continue
+            try:
+                if self._buffer.unlend(loan):
+                    self._add(unlent_requests=1)
+            except KVTransferError as exc:  # a copy into pipe memory that failed: the loan ended dropped
+                logger.warning("kvbridge: the entry of request %s could not be copied out of its blocks: %s",
+                               req_id, exc)
 
     def take_save_outcomes(self) -> tuple[set[str], set[str]]:
         """Request ids saved, and not saved, since the last call (vLLM asks once per step)."""

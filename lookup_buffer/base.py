@@ -144,6 +144,13 @@ class KVLookupBufferBase(abc.ABC):
         memory the buffer sends fastest; a plain ``torch.empty`` here. Do not modify it once inserted."""
         return torch.empty(tuple(shape), dtype=dtype)
 
+    def unlend(self, loan: Loan) -> bool:
+        """Producer: end ``loan`` by copying its entry's lent bytes into memory of this buffer's own,
+        if nobody has selected the entry yet: the lent memory is the caller's again, and the entry
+        stays selectable (:data:`~lookup_buffer.loans.COPIED`). Returns whether it did; False also
+        for a buffer that does not lend. Thread-safe; blocks for the copy."""
+        return False
+
     @abc.abstractmethod
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
                     borrow: bool = False) -> SelectResult:

@@ -46,6 +46,7 @@ EXPIRED = "expired"  # no consumer selected the entry within kv_entry_timeout
 RECLAIMED = "reclaimed"  # a consumer borrowed it and did not give it back within kv_timeout
 DROPPED = "dropped"  # the buffer closed, or failed, or the borrowing consumer was lost
 EVICTED = "evicted"  # nobody had selected it when the full buffer made room for a newer entry
+COPIED = "copied"  # nobody had selected it when its lender asked for the memory back: the entry now holds a copy
 TAKEN_BACK = "taken back"  # the producer needed the memory again before the loan ended (Loan.take_back)
 
 #: ``(address, nbytes)`` pieces that, read one after another, hold a tensor's bytes.

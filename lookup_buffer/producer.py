@@ -192,6 +192,14 @@ class BufferProducer:
         """A tensor in this connection's pipe memory (:meth:`kv_pipe.KVPipeBase.empty`)."""
         return self._pipe.empty(shape, dtype)
 
+    def unlend(self, loan: Loan) -> bool:
+        """See :meth:`lookup_buffer.base.KVLookupBufferBase.unlend` (the copy goes into pipe memory)."""
+        match_key = self._store.unlend(loan, self._pipe.empty)
+        if match_key is None:
+            return False
+        self.notify_inserted(match_key)
+        return True
+
     def notify_inserted(self, key: MatchKey) -> None:
         """An entry under ``key`` was stored: serve the selects waiting for it. Any thread."""
         self._inserted.append(key)

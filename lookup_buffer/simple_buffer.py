@@ -77,6 +77,9 @@ class SimpleBuffer(KVLookupBufferBase):
         a hit's tensors made here go to the consumer without a copy."""
         return self._data_pipe.empty(shape, dtype)
 
+    def unlend(self, loan: Loan) -> bool:
+        return isinstance(self._side, BufferProducer) and self._side.unlend(loan)
+
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
                     borrow: bool = False) -> SelectResult:
         if not isinstance(self._side, BufferConsumer):

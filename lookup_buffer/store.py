@@ -15,12 +15,13 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kv_pipe.errors import KVBufferFullError, KVTransferError
 from lookup_buffer.errors import fresh_error
-from lookup_buffer.loans import DROPPED, EVICTED, EXPIRED, LentTensor, Loan
+from lookup_buffer.loans import COPIED, DROPPED, EVICTED, EXPIRED, LentTensor, Loan
 from lookup_buffer.matching import MatchKey
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,41 @@ class EntryStore:
             queue.remove(entry)
             self._forget(key, queue, entry)
             return True
+
+    def unlend(self, loan: Loan, empty: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> MatchKey | None:
+        """Replace the stored entry lent under ``loan`` by a copy of its bytes in tensors made by
+        ``empty``, and end the loan :data:`~lookup_buffer.loans.COPIED`: its memory is the lender's
+        again, and the entry can still be selected. Returns the entry's key (selects waiting for it
+        must be told), or None when no entry of that loan is stored (selected, or gone).
+
+        The entry leaves the store while its bytes are copied: a select meanwhile waits for it, or
+        misses if it does not wait. It comes back as the newest entry, charged as before; if the
+        budget has no room for it by then, it is dropped (counted as evicted).
+        """
+        with self._cond:
+            found = next((item for item in self._by_age.items() if item[0].loan is loan), None)
+            if found is None:
+                return None
+            entry, key = found
+            queue = self._entries[key]
+            queue.remove(entry)
+            self._forget(key, queue, entry)
+        if not loan.begin_copy():  # its owner is taking it back: nothing may be read from it
+            return None
+        try:
+            items = tuple(item.materialize(empty) if isinstance(item, LentTensor) else item for item in entry.items)
+        except BaseException:
+            loan.end(DROPPED)
+            raise
+        loan.end(COPIED)
+        copy = Entry(items, entry.nbytes)
+        try:
+            self.put(key, copy, timeout=0)
+        except KVTransferError:
+            with self._cond:
+                self._evicted += 1
+            return None
+        return key
 
     def expire(self, now: float | None = None) -> tuple[int, int]:
         """Drop every entry stored longer than ``entry_timeout``; return the entries and bytes dropped."""

@@ -1,10 +1,13 @@
-"""A saved request's entry never outlives vLLM's hold on its blocks.
+"""The life of a lent block: a saved request's entry never outlives vLLM's hold on its blocks, and
+never holds them for nobody.
 
 vLLM frees a preempted request's blocks without telling the connector, and the same step's forward
 pass may write them for another request. The producer's scheduler side therefore lists the saved
 requests vLLM preempted, and the workers take their entries back before that forward pass: an
 entry still stored leaves the buffer, one borrowed has its stamp cleared (its borrower's load
-fails, the connection stays), and the request is saved again from its new blocks.
+fails, the connection stays), and the request is saved again from its new blocks. A finished
+request's blocks stay lent at most ``kv_lend_lease``: then its entry is copied into the buffer and
+vLLM gets the blocks back. A decode request aborted before its load has its entry drained.
 """
 
 from __future__ import annotations
@@ -91,6 +94,22 @@ def test_entries_of_a_request_some_tp_ranks_failed_to_save_are_taken_back() -> N
         "both": 64, "one": 0, "none": 0}
     # Rank 0 holds an entry of "one" that nobody will ask for: it goes at once, not when it expires.
     assert side.build_meta(scheduler_output([], {}), {}.__getitem__).take_back == ["one"]
+
+
+def test_a_decode_request_aborted_before_its_load_has_its_announced_entry_drained() -> None:
+    side = SchedulerSide(B, is_producer=False, is_consumer=True)
+    announced = {PARAMS_KEY: {"prefix_tokens": 64, "host": "10.1.2.3", "port": 14600}}
+    waiting = make_request("waiting", list(range(900, 965)), announced)
+    assert side.num_new_matched_tokens(waiting, 0) == 64  # vLLM asked, then the client went away
+    loaded = make_request("loaded", list(range(1000, 1065)), announced)
+    side.after_alloc(loaded, [1, 2, 3], side.num_new_matched_tokens(loaded, 0))
+    plain = make_request("plain", list(range(1100, 1165)))  # no announcement: no entry anywhere
+    for request in (waiting, loaded, plain):
+        side.request_finished(request)
+    (drain,) = side.build_meta(scheduler_output([], {}), {}.__getitem__).loads
+    assert (drain.req_id, drain.token_ids, drain.drain, drain.producer) == (
+        "waiting", list(range(900, 964)), True, ("10.1.2.3", 14600))
+    assert side.build_meta(scheduler_output([], {}), {}.__getitem__).loads == []  # once
 
 
 # ====================================================================== workers, over a real pipe
@@ -182,6 +201,66 @@ def taking_back_consumer_body(port: int, saved: Any, borrowed: Any, taken_back: 
     finally:
         done.set()
         worker.close()
+
+
+def lease_producer_body(port: int, saved: Any, copied: Any, done: Any, timeout: float) -> dict[str, Any]:
+    """Save SAVES lent with a lease of 0 s; once they are held (finished), the next step copies them
+    into the buffer and hands their blocks back; then scribble over the blocks, as vLLM would."""
+    from kv_pipe.exported_memory import page_aligned_empty
+
+    caches = [page_aligned_empty(cache.shape, cache.dtype).copy_(cache) for cache in vp.fake_caches(1)]
+    worker = vp.fake_worker("kv_producer", port, vp.FAKE_BLOCK_SIZE, caches, {"kv_lend_lease": 0.0})
+    try:
+        with torch.inference_mode():
+            worker.save(SAVES)
+        loans = dict(worker._kept)
+        worker.hold([spec.req_id for spec in SAVES])
+        returned = worker.take_finished_sending()
+        for spec in SAVES:
+            _scribble(caches, spec.block_ids)
+        gauges = worker.gauges()
+        saved.set()
+        copied.set()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the consumer did not finish within {timeout} s")
+        return {"returned": returned, "outcomes": {req_id: loan.outcome for req_id, loan in loans.items()},
+                "stats": worker.total_stats().data, "gauges": gauges}
+    finally:
+        worker.close()
+
+
+def lease_consumer_body(port: int, saved: Any, copied: Any, done: Any, timeout: float) -> dict[str, Any]:
+    worker = vp.fake_worker("kv_consumer", port, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 0.5})
+    try:
+        if not (saved.wait(timeout) and copied.wait(timeout)):
+            raise TimeoutError(f"the producer did not save within {timeout} s")
+        failed = sorted(vp.load_and_wait(worker, [LoadSpec(spec.req_id, spec.token_ids, targets, 0) for spec, targets
+                                                  in zip(SAVES, ([0, 5], [6, 8, 1], [4]), strict=True)], timeout))
+        return {"failed": failed, "caches": [cache.numpy() for cache in worker.caches]}
+    finally:
+        done.set()
+        worker.close()
+
+
+@pytest.mark.timeout(120)
+def test_blocks_lent_past_the_lease_go_back_to_vllm_and_their_entries_still_load_bit_exact() -> None:
+    port = free_port()
+    with vp.Engines() as engines:
+        flags = {name: engines.event() for name in ("saved", "copied", "done")}
+        engines.start("producer", lease_producer_body, {}, port=port, timeout=60, **flags)
+        engines.start("consumer", lease_consumer_body, {}, port=port, timeout=60, **flags)
+        results = engines.wait(["producer", "consumer"], timeout=100)
+    producer, consumer = results["producer"], results["consumer"]
+    assert producer["returned"] == {spec.req_id for spec in SAVES}  # in the step after their lease ran out
+    assert set(producer["outcomes"].values()) == {"copied"} and producer["stats"]["unlent_requests"] == 3
+    assert producer["gauges"]["loans_out"] == 0 and producer["gauges"]["blocks_lent"] == 0
+    assert producer["gauges"]["entries_held"] == 3
+    # The blocks were overwritten after they were handed back: the consumer got the copies, bit-exact.
+    assert consumer["failed"] == []
+    source = [c.numpy() for c in vp.fake_caches(1)]
+    for layer, got in enumerate(consumer["caches"]):
+        for targets, spec in zip(([0, 5], [6, 8, 1], [4]), SAVES, strict=True):
+            assert np.array_equal(got[targets].view(np.uint32), source[layer][spec.block_ids].view(np.uint32))
 
 
 @pytest.mark.timeout(120)

@@ -114,7 +114,9 @@ class ProducerConnections:
             done.set()
 
         self.when_ready(address, ready)
-        done.wait()
+        if not done.wait(self._attempt_bound()):
+            raise KVPeerLostError(f"lookup buffer: the attempt to connect to the producer at {_name(address)} "
+                                  f"did not end within {self._attempt_bound():g} s")
         result = outcome[0]
         if isinstance(result, Exception):
             raise result
@@ -172,9 +174,16 @@ class ProducerConnections:
         if wait:
             for thread in dials:
                 if thread is not threading.current_thread():
-                    thread.join()
+                    thread.join(self._attempt_bound())
+                    if thread.is_alive():
+                        logger.error("lookup buffer: an attempt to connect did not end within %g s; left behind",
+                                     self._attempt_bound())
 
     # ------------------------------------------------------------------ internals
+
+    def _attempt_bound(self) -> float:
+        """Longer than one attempt can take: the dial waits at most about twice ``kv_timeout``."""
+        return 3 * self._config.kv_timeout + 1.0
 
     def _ready_now(self, address: Address, producer: _Producer) -> KVLookupBufferBase | Exception | None:
         """What a request for ``producer`` gets at once, or None if it must wait for an attempt

@@ -7,6 +7,14 @@ blocks and which one counts the tokens of a block.
 
 Index operations run on an integer view of the same element size, which copies the bits exactly
 and works for every dtype (CPU ``index_copy_`` has no float8 kernel).
+
+Caches on a GPU are gathered and scattered on that GPU (one indexed copy per layer). When the
+tensor on the other side lives elsewhere (the host-staged mode: GPU caches, a host pipe), the blocks
+cross between host and GPU in one copy: gathered on the GPU, then copied once into the buffer's host
+memory (the pipe's shared-memory segment, pinned for it); received in host memory, copied once to
+the GPU and scattered there. These run on a stream of the calling thread's own, after the work it
+queued before, and are done when the call returns (:func:`kv_pipe.device.staged_copies`), so the
+engine's streams never wait for them and vLLM may use the blocks as soon as a load is reported.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import numpy as np
 import torch
 
 from connector.base import EmptyTensor, KVStorage, host_empty
+from kv_pipe.device import copy_between, staged_copies
 from kv_pipe.errors import KVConfigError
 from kv_pipe.exported_memory import export_host_memory
 from kv_pipe.parallel_copy import copy_many
@@ -84,6 +93,8 @@ def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_i
 
     Returns a tensor of shape ``[num_layers, *layout.block_shape(cache, len(block_ids))]`` with the
     caches' dtype, made by ``empty(shape, dtype)`` (default: ``torch.empty`` on the caches' device).
+    Where ``empty`` makes it on another device than the caches' (GPU caches, host memory), the blocks
+    are gathered on the caches' device and cross once.
     """
     first = caches[0]
     shape = (len(caches), *layout.block_shape(first, len(block_ids)))
@@ -91,8 +102,18 @@ def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_i
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
     else:
         out = empty(shape, first.dtype)
-    _copy_runs([(out[layer], cache) for layer, cache in enumerate(caches)], layout.block_dim,
-               _runs(block_ids).tolist())
+    if first.device.type == "cpu":
+        staged = out if out.device.type == "cpu" else torch.empty(shape, dtype=first.dtype)
+        _copy_runs([(staged[layer], cache) for layer, cache in enumerate(caches)], layout.block_dim,
+                   _runs(block_ids).tolist())
+        if staged is not out:
+            copy_between(out, staged)
+        return out
+    with staged_copies(first.device):
+        staged = out if out.device == first.device else torch.empty(shape, dtype=first.dtype, device=first.device)
+        gather_indexed(caches, layout.block_dim, block_ids, staged)
+        if staged is not out:
+            out.copy_(staged, non_blocking=True)  # the one crossing; done when the block ends
     return out
 
 
@@ -102,10 +123,37 @@ def scatter_blocks(
     """Write ``blocks`` (as returned by :func:`gather_blocks`) into blocks ``block_ids`` of ``caches``.
 
     ``blocks[layer]`` is indexed along ``layout.block_dim`` in the order of ``block_ids``; the caller
-    has checked shapes and dtypes.
+    has checked shapes and dtypes. ``blocks`` may lie on another device than the caches (host memory
+    received for GPU caches): it then crosses once, and is scattered on the caches' device.
     """
-    runs = _runs(block_ids)[:, [1, 0, 2]].tolist()
-    _copy_runs([(cache, blocks[layer]) for layer, cache in enumerate(caches)], layout.block_dim, runs)
+    first = caches[0]
+    if first.device.type == "cpu":
+        if blocks.device.type != "cpu":
+            host = torch.empty(blocks.shape, dtype=blocks.dtype)
+            copy_between(host, blocks)
+            blocks = host
+        runs = _runs(block_ids)[:, [1, 0, 2]].tolist()
+        _copy_runs([(cache, blocks[layer]) for layer, cache in enumerate(caches)], layout.block_dim, runs)
+        return
+    with staged_copies(first.device):
+        staged = blocks if blocks.device == first.device else blocks.to(first.device, non_blocking=True)
+        scatter_indexed(caches, layout.block_dim, block_ids, staged)
+
+
+def gather_indexed(caches: Sequence[torch.Tensor], dim: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[layer] = caches[layer]`` at ``block_ids`` along ``dim``: one indexed copy per layer on the
+    caches' device (all of ``out`` and the caches on one device), bit-exact for every dtype."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).to(caches[0].device, non_blocking=True)
+    for layer, cache in enumerate(caches):
+        torch.index_select(_bits(cache), dim, ids, out=_bits(out[layer]))
+
+
+def scatter_indexed(caches: Sequence[torch.Tensor], dim: int, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``caches[layer]`` at ``block_ids`` along ``dim`` = ``blocks[layer]``: one indexed copy per
+    layer on the caches' device (``blocks`` there too), bit-exact for every dtype."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).to(caches[0].device, non_blocking=True)
+    for layer, cache in enumerate(caches):
+        _bits(cache).index_copy_(dim, ids, _bits(blocks[layer]))
 
 
 def _copy_runs(pairs: list[tuple[torch.Tensor, torch.Tensor]], dim: int, runs: list[tuple[int, int, int]]) -> None:
@@ -264,10 +312,9 @@ class PagedKV(KVStorage):
         return None if lent is None else (lent, None)
 
     def pack(self, empty: EmptyTensor = host_empty) -> tuple[torch.Tensor, torch.Tensor | None]:
-        device = self.caches.caches[0].device
-        # A buffer's memory is host memory: a device cache gathers on its device (the pipe moves it).
-        maker = empty if device.type == "cpu" else None
-        return gather_blocks(self.caches.caches, self.caches.layout, self.block_ids, maker), None
+        # Straight into the buffer's memory: from GPU caches into a host pipe's memory, one copy
+        # after a gather on the GPU (host-staged); on a CUDA pipe, a gather into its device memory.
+        return gather_blocks(self.caches.caches, self.caches.layout, self.block_ids, empty), None
 
     def mismatch(self, key: torch.Tensor | None, value: torch.Tensor | None) -> str | None:
         if key is None:

@@ -1,8 +1,9 @@
 """How a pipe's frames and payload chunks travel: process groups, or a local socket on one host.
 
 * :class:`GroupChannel`: the pipe's two torch.distributed groups (gloo or NCCL), one per direction,
-  frames and payloads told apart by tag. Whoever holds a direction's role (a pipe thread or a
-  caller) issues its operations, so they are issued in order as NCCL needs. A frame and the
+  frames and payloads told apart by tag. Whoever holds a direction's role issues its operations, so
+  they are issued in order as NCCL needs: on gloo a pipe thread or a caller, on NCCL only the pipe's
+  threads (:attr:`Channel.callers_may_post`), each on the pipe's own stream for its direction. A frame and the
   payloads behind it are posted together, then waited for. No wait can be abandoned: a
   torch.distributed wait that times out breaks the connection for good, so a receive ends only when
   a frame arrives or the peer is lost.
@@ -25,6 +26,7 @@ import select
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,10 @@ class Channel(abc.ABC):
     #: Whether a receive can give up at a deadline (else it lasts until a frame comes or the peer is
     #: lost, and only a caller with time to spare may wait in it).
     interruptible: bool
+    #: Whether a caller's thread may send and receive frames itself rather than leave it to the
+    #: pipe's threads. Not on NCCL: an NCCL operation runs on the issuing thread's current stream,
+    #: and its wait makes that stream (an engine's) wait, for a receive until the peer's next frame.
+    callers_may_post: bool = True
 
     @abc.abstractmethod
     def post(self, tensor: torch.Tensor, tag: int) -> object | None:
@@ -80,7 +86,12 @@ class Channel(abc.ABC):
 class GroupChannel(Channel):
     interruptible = False
 
-    def __init__(self, outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer_rank: int) -> None:
+    def __init__(self, outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer_rank: int,
+                 callers_may_post: bool = True, settle: Callable[[], None] | None = None) -> None:
+        """``settle``: called after each wait; on NCCL it blocks until the operation is done (a wait
+        there only orders the current stream), so that every operation ends as on gloo."""
+        self.callers_may_post = callers_may_post
+        self._settle = settle or (lambda: None)
         self.outgoing = outgoing
         self.incoming = incoming
         self._peer = peer_rank
@@ -90,9 +101,11 @@ class GroupChannel(Channel):
 
     def finish(self, handle: dist.Work) -> None:
         handle.wait()
+        self._settle()
 
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         self.incoming.recv([tensor], self._peer, tag).wait()
+        self._settle()
 
     def recv_frame_by(self, frame: torch.Tensor, wait_until: float | None, spin: float = 0.0) -> bool:
         self.recv(frame, TAG_FRAME)

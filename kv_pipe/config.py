@@ -36,7 +36,15 @@ class KVTransferConfig:
         kv_ip: address of rank 0, where the rendezvous and control channel listen.
         kv_port: first port used (see docs/configuration.md, "Ports").
         kv_buffer_size: byte budget: bytes a pipe keeps in flight, and bytes a lookup buffer holds.
-        kv_buffer_device: ``cpu`` (gloo) or ``cuda`` (NCCL; tensors received on the current device).
+        kv_buffer_device: ``cpu`` (gloo, or shared memory on one host) or ``cuda`` (NCCL; tensors are
+            received on the GPU ``kv_device_index``). ``cpu`` with KV caches on a GPU is the host-staged
+            mode: the connector copies blocks between the GPU and the pipe's host memory, which works
+            on any GPU box, one GPU included.
+        kv_device_index: this side's GPU. With ``cuda``: the pipe's device (NCCL's communicators are
+            bound to it, its streams live there); needed when more than one GPU is visible, and never
+            taken from the calling thread's current device. With ``cpu`` (host-staged): the GPU the
+            KV is copied from and to; the pipe then pins its shared-memory segments for that copy.
+            None: no GPU (``cpu``), or the only visible one (``cuda``).
         kv_timeout: seconds after which a silent peer is declared lost; also the default bound of
             blocking waits such as a full lookup buffer. Must exceed the time one 64 MiB chunk takes
             on the wire.
@@ -64,6 +72,7 @@ class KVTransferConfig:
     kv_port: int = 14579
     kv_buffer_size: int = 1 << 30
     kv_buffer_device: str = "cpu"
+    kv_device_index: int | None = None
     kv_timeout: float = 30.0
     kv_connect_timeout: float = 300.0
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
@@ -98,6 +107,8 @@ class KVTransferConfig:
             raise KVConfigError(
                 f"kv_buffer_device must be one of {KV_BUFFER_DEVICES}, got {self.kv_buffer_device!r}"
             )
+        if self.kv_device_index is not None and (not _is_int(self.kv_device_index) or self.kv_device_index < 0):
+            raise KVConfigError(f"kv_device_index must be None or a GPU index >= 0, got {self.kv_device_index!r}")
         for name in ("kv_timeout", "kv_connect_timeout", "kv_entry_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -148,9 +159,11 @@ class KVTransferConfig:
         ``kv_ip``                 ``MASTER_ADDR``
         ``kv_port``               ``MASTER_PORT`` + 1 (torchrun's store keeps MASTER_PORT)
         ``kv_parallel_size``      2 (``WORLD_SIZE`` must be 2 when torchrun launches both)
+        ``kv_device_index``       ``LOCAL_RANK``, only with ``kv_buffer_device=cuda``
         ========================  =====================================================
 
-        Every other field (``kv_buffer_size``, ``kv_buffer_device``, ``kv_timeout``,
+        Every other field (``kv_buffer_size``, ``kv_buffer_device``, ``kv_device_index`` (``none``
+        for None), ``kv_timeout``,
         ``kv_connect_timeout``, ``kv_secret``, ``kv_shared_memory``, ``kv_entry_timeout``,
         ``kv_evict_unclaimed``: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``) is
         read from ``KVBRIDGE_<FIELD>`` or keeps its default. Keyword ``overrides`` beat the environment.
@@ -170,6 +183,9 @@ class KVTransferConfig:
         if "kv_role" not in values:
             values["kv_role"] = "kv_producer" if values.get("kv_rank", 0) == 0 else "kv_consumer"
         values.update(overrides)
+        if (values.get("kv_buffer_device") == "cuda" and "kv_device_index" not in values
+                and "LOCAL_RANK" in env):  # torchrun: one GPU per local rank
+            values["kv_device_index"] = _parse_int("LOCAL_RANK", env["LOCAL_RANK"])
         return cls(**values)
 
 
@@ -187,6 +203,8 @@ def _parse_int(key: str, text: str) -> int:
 def _parse_field(field: dataclasses.Field, key: str, text: str) -> Any:
     if field.name in ("kv_rank", "kv_parallel_size", "kv_port", "kv_buffer_size"):
         return _parse_int(key, text)
+    if field.name == "kv_device_index":
+        return None if text.strip().lower() in ("", "none") else _parse_int(key, text)
     if field.name in ("kv_timeout", "kv_connect_timeout", "kv_entry_timeout"):
         try:
             return float(text)

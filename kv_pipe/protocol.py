@@ -39,7 +39,7 @@ import torch
 from kv_pipe.errors import KVProtocolError, KVTransferError
 
 MAGIC = 0x4B5642524447  # "KVBRDG"
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 HEADER_WORDS = 64
 HEADER_BYTES = HEADER_WORDS * 8
 HOST_FRAME_BYTES = HEADER_BYTES + (1 << 20)
@@ -255,8 +255,9 @@ def chunk_bounds(nbytes: int) -> list[tuple[int, int]]:
 # The rendezvous greeting, exchanged through the TCPStore before the process group exists, so that
 # incompatible peers are told why instead of failing inside gloo.
 _HELLO_PREFIX = struct.Struct("<qq")  # magic, version: read first, so any version is told apart
-_HELLO = struct.Struct("<qqqqqq")
+_HELLO = struct.Struct("<qqqqqq16s")
 DEVICE_CODES = {"cpu": 0, "cuda": 1}
+GPU_ID_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,10 +267,15 @@ class Hello:
     device: str
     #: The sender's kv_timeout: both sides send keepalives often enough for the shorter one.
     timeout_ms: int
+    #: The UUID of the sender's GPU (a CUDA pipe's device); empty for a host pipe. Two sides on one
+    #: GPU are refused: NCCL cannot connect two processes on the same device.
+    gpu_id: bytes = b""
 
     def pack(self) -> bytes:
+        if len(self.gpu_id) not in (0, GPU_ID_BYTES):
+            raise ValueError(f"a GPU identity has {GPU_ID_BYTES} bytes, got {len(self.gpu_id)}")
         return _HELLO.pack(MAGIC, PROTOCOL_VERSION, self.frame_bytes, self.max_in_flight,
-                           DEVICE_CODES[self.device], self.timeout_ms)
+                           DEVICE_CODES[self.device], self.timeout_ms, self.gpu_id)
 
     @classmethod
     def unpack(cls, data: bytes) -> Hello:
@@ -285,9 +291,9 @@ class Hello:
             )
         if len(data) != _HELLO.size:
             raise KVProtocolError(f"peer's rendezvous greeting has {len(data)} bytes, expected {_HELLO.size}")
-        _, _, frame_bytes, max_in_flight, device_code, timeout_ms = _HELLO.unpack(data)
+        _, _, frame_bytes, max_in_flight, device_code, timeout_ms, gpu_id = _HELLO.unpack(data)
         devices = {code: name for name, code in DEVICE_CODES.items()}
         if device_code not in devices or frame_bytes <= HEADER_BYTES or max_in_flight <= 0 or timeout_ms <= 0:
             raise KVProtocolError(f"peer's rendezvous greeting is malformed: {_HELLO.unpack(data)}")
         return cls(frame_bytes=frame_bytes, max_in_flight=max_in_flight, device=devices[device_code],
-                   timeout_ms=timeout_ms)
+                   timeout_ms=timeout_ms, gpu_id=b"" if gpu_id == bytes(GPU_ID_BYTES) else gpu_id)

@@ -11,10 +11,23 @@
    sends only on its outgoing group and receives only on its incoming one: NCCL runs a
    communicator's sends and receives to one peer on one stream, so a receive kept posted (a pipe
    always has one) would hold every later send to that peer behind it.
+   Both groups are connected here, eagerly, in the same order on both sides, before any traffic:
+   first the 0 -> 1 group, then the 1 -> 0 group, each bound to the pipe's explicit device
+   (``eager_connect_single_device`` on NCCL); then one primer byte crosses each group, 0 -> 1 first.
+   Creating an NCCL communicator is collective and blocks until both sides join the *same* one: had
+   each side connected lazily at its first operation (a send, on its outgoing group), rank 0 would
+   wait in one communicator while rank 1 waits in the other, both until ``kv_timeout``. The primer
+   creates whatever communicator the backend keeps for point-to-point operations the same way.
 5. With ``kv_secret``, a second challenge-response runs over the two groups themselves before any
    tensor moves. The store is unauthenticated, and the transport's connection addresses travel
    through it: a stranger who rewrites them could divert a group to itself. This binds the groups to
    the peer that proved the secret.
+
+Two sides on the same GPU are refused after the greeting, before any group exists: NCCL cannot
+connect two processes on one device; the error names the host-staged mode, which can.
+
+On CUDA the caller runs this on the pipe's set-up stream with the pipe's device current
+(:class:`kv_pipe.device.CudaPipeStreams`); nothing here looks at the calling thread's current device.
 
 Every step has a bound (``kv_connect_timeout`` to find the peer, ``kv_timeout`` after that) and
 fails with an error that names the cause.
@@ -31,13 +44,17 @@ import torch.distributed as dist
 
 from kv_pipe import auth
 from kv_pipe.config import KVTransferConfig, local_address_towards
-from kv_pipe.errors import KVPeerLostError, KVProtocolError, KVTransferError
+from kv_pipe.device import describe_gpu
+from kv_pipe.errors import KVConfigError, KVPeerLostError, KVProtocolError, KVTransferError
 from kv_pipe.protocol import Hello
 
 _ARRIVALS_KEY = "kvbridge/arrivals"
 #: Starts a greeting that says why its side refused to pair.
 _REFUSAL = b"kvbridge-refused:"
 _AUTH_TAG = 7  # the tag of the challenge-response over the groups; frames use others
+_PRIMER_TAG = 9  # the tag of the primer byte that connects each group; nothing else uses it
+#: The groups, in the order both sides create and prime them: (label, sending rank).
+GROUP_ORDER = (("0to1", 0), ("1to0", 1))
 
 
 @dataclasses.dataclass
@@ -61,6 +78,7 @@ def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.dev
         KVPeerLostError: no peer within ``kv_connect_timeout``, the rendezvous already served a pair,
             or the peer vanished during setup.
         KVProtocolError: the peer is incompatible or failed authentication.
+        KVConfigError: both sides are on the same GPU (the message names the host-staged mode).
     """
     rank = config.kv_rank
     store = _open_store(config, port, listener)
@@ -75,8 +93,9 @@ def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.dev
             reason = peer_greeting[len(_REFUSAL):].decode(errors="replace")
             raise KVPeerLostError(f"kvbridge pipe rank {rank}: the peer refused to pair: {reason}")
         peer_hello = Hello.unpack(peer_greeting)
+        check_distinct_gpus(hello, peer_hello)
         authenticate_store(store, rank, config.kv_secret)
-    except (KVProtocolError, KVPeerLostError):
+    except (KVProtocolError, KVPeerLostError, KVConfigError):
         raise
     except (RuntimeError, OSError) as exc:  # torch's store errors derive from RuntimeError
         raise KVPeerLostError(f"kvbridge pipe rank {rank}: rendezvous with the peer failed: {exc}") from exc
@@ -87,6 +106,19 @@ def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.dev
         )
     store.set_timeout(datetime.timedelta(seconds=config.kv_timeout))
     outgoing, incoming = _create_groups(config, store, device)
+    try:
+        prime_groups(outgoing, incoming, rank, device)
+    except KVTransferError:
+        raise
+    except (RuntimeError, OSError) as exc:
+        if config.kv_secret:  # the groups are not authenticated yet: whoever answered may be a stranger
+            raise KVProtocolError(
+                f"authentication failed: the process connected to this side's groups did not answer their "
+                f"primer within kv_timeout (a stranger who rewrote the store's keys, or a lost peer): {exc}"
+            ) from exc
+        raise KVPeerLostError(
+            f"kvbridge pipe rank {rank}: the peer vanished while the groups connected: {exc}"
+        ) from exc
     if config.kv_secret:
         authenticate_groups(outgoing, incoming, rank, config.kv_secret, device)
     return Connection(store, outgoing, incoming, peer_hello)
@@ -169,17 +201,29 @@ def authenticate_store(store: dist.Store, rank: int, secret: str | None) -> None
         )
 
 
+def check_distinct_gpus(mine: Hello, peer: Hello) -> None:
+    """Refuse a peer on this side's own GPU (both greetings name it): NCCL cannot connect two
+    processes on one device, and would only fail later with a lost peer."""
+    if mine.gpu_id and mine.gpu_id == peer.gpu_id:
+        raise KVConfigError(
+            f"both sides of this pipe use the same GPU ({describe_gpu(mine.gpu_id)}): NCCL cannot connect two "
+            f"processes on one GPU. Use the host-staged mode instead: kv_buffer_device='cpu' on both sides "
+            f"(KV caches stay on the GPU; the connector copies blocks through the pipe's host memory, "
+            f"shared memory on one host), or give each side its own GPU (kv_device_index)"
+        )
+
+
 def _create_groups(config: KVTransferConfig, store: dist.Store,
                    device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This side's (outgoing, incoming) groups."""
+    """This side's (outgoing, incoming) groups, both connected: created in :data:`GROUP_ORDER` on
+    both sides (construction is collective), each bound to ``device`` where the backend binds."""
     rank = config.kv_rank
     timeout = datetime.timedelta(seconds=config.kv_timeout)
     groups = {}
-    # Both sides build the 0 -> 1 group first: group construction is collective.
-    for sender in (0, 1):
-        prefix = f"kvbridge/group/{sender}to{1 - sender}"
+    for label, sender in GROUP_ORDER:
         try:
-            groups[sender] = _create_group(dist.PrefixStore(prefix, store), rank, timeout, device, config.kv_ip)
+            groups[sender] = _create_group(dist.PrefixStore(f"kvbridge/group/{label}", store), rank, timeout, device,
+                                           config.kv_ip, label)
         except (RuntimeError, OSError) as exc:
             raise KVPeerLostError(
                 f"kvbridge pipe rank {rank}: could not connect the group for rank {sender}'s sends: {exc}"
@@ -188,17 +232,50 @@ def _create_groups(config: KVTransferConfig, store: dist.Store,
 
 
 def _create_group(store: dist.Store, rank: int, timeout: datetime.timedelta, device: torch.device,
-                  kv_ip: str) -> dist.ProcessGroup:
+                  kv_ip: str, label: str) -> dist.ProcessGroup:
+    """One connected group of the pair (``label`` names it, for tests and messages)."""
     if device.type == "cuda":
-        # Unverified on GPU (no GPU in this project's CI): same calls, NCCL backend.
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
+        return _create_nccl_group(store, rank, timeout, device)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     # Listen on the interface that faces the peer, not on whatever the host name resolves to.
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(kv_ip))]
-    return dist.ProcessGroupGloo(store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, 2, options)  # gloo connects both ends here
+
+
+def _create_nccl_group(store: dist.Store, rank: int, timeout: datetime.timedelta,
+                       device: torch.device) -> dist.ProcessGroup:
+    """An NCCL group whose communicator is created now, on ``device`` (what ``device_id=`` of
+    ``init_process_group`` does: ``eager_connect_single_device``), not at its first operation on
+    whatever device is current then. Unverified on a GPU in this project's CI."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.is_high_priority_stream = False
+    group = dist.ProcessGroupNCCL(store, rank, 2, options)
+    group.eager_connect_single_device(device)
+    return group
+
+
+def prime_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, device: torch.device) -> None:
+    """Send one byte through each group, in :data:`GROUP_ORDER` on both sides, and check it arrived.
+
+    Whatever a backend sets up at a group's first point-to-point operation (NCCL: the communicator it
+    keeps for a pair of ranks) is set up here, one group after the other on both sides, not at each
+    side's first frame, where the two sides would start on different groups.
+    """
+    peer = 1 - rank
+    for _, sender in GROUP_ORDER:
+        probe = torch.full((1,), 0x5A + sender, dtype=torch.uint8, device=device)
+        if sender == rank:
+            outgoing.send([probe], peer, _PRIMER_TAG).wait()
+        else:
+            received = torch.zeros_like(probe)
+            incoming.recv([received], peer, _PRIMER_TAG).wait()
+            if int(received.cpu()[0]) != 0x5A + sender:  # .cpu() waits for the receive on CUDA
+                raise KVProtocolError(f"kvbridge pipe rank {rank}: the peer's primer on its group was "
+                                      f"{int(received.cpu()[0])}, not {0x5A + sender}: not a kvbridge pipe")
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def authenticate_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, secret: str,

@@ -26,6 +26,13 @@
   the sender's segment, the receiver's tensor a view of it; frames travel over a local socket
   (:mod:`kv_pipe.channel`), which any caller may use whatever its timeout: a poll of the socket
   can end at a deadline. Frames, records, credit and every check are the same on both channels.
+* On CUDA (NCCL) the device is the configured one (``kv_device_index``), never the calling thread's
+  current device, and only the pipe's own threads issue NCCL operations, each on a stream of its own
+  (:mod:`kv_pipe.device`): callers hand their units to the sender thread and take items from the
+  receiver thread's queue, so no engine stream ever waits behind a receive the pipe keeps posted.
+* Host-staged mode: a CPU pipe sends a caller's CUDA tensor by copying it once, on a stream of the
+  caller's thread, straight into the pipe's memory (shared memory on one host, pinned for that copy
+  when ``kv_device_index`` names the GPU).
 * Headers are validated before any payload receive is posted (:mod:`kv_pipe.protocol`): gloo
   aborts the process if a message is larger than the receive buffer.
 * Only the transport's errors mean a lost peer. A bug in the pipe's own threads fails the pipe and
@@ -45,6 +52,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kv_pipe import device as devices
 from kv_pipe import rendezvous, shared_memory
 from kv_pipe.base import KVPipeBase
 from kv_pipe.channel import TAG_FRAME, TAG_PAYLOAD, GroupChannel, SocketChannel
@@ -112,11 +120,12 @@ class _Outgoing:
     """One queued item: a frame kind and, for tensors, the contiguous data on the pipe's device.
     The send queue holds units: lists of items that go out back to back."""
 
-    __slots__ = ("kind", "data", "nbytes", "cost", "in_place")
+    __slots__ = ("kind", "data", "nbytes", "cost", "in_place", "ready")
 
-    def __init__(self, kind: FrameKind, data: torch.Tensor | None = None) -> None:
+    def __init__(self, kind: FrameKind, data: torch.Tensor | None = None, ready: object | None = None) -> None:
         self.kind = kind
         self.data = data
+        self.ready = ready  # CUDA: an event on the caller's stream after which ``data`` is complete
         self.nbytes = 0 if data is None else data.nbytes
         self.cost = message_cost(self.nbytes)
         self.in_place = False  # the data already lies in this side's shared-memory segment
@@ -151,11 +160,15 @@ class TorchDistributedPipe(KVPipeBase):
         self.port = config.kv_port + port_offset if listener is None else listener.getsockname()[1]
         if not 1 <= self.port <= 65535:
             raise KVConfigError(f"the pipe's port kv_port + port_offset = {self.port} is not a valid port")
-        self.device = _select_device(config.kv_buffer_device)
-        self._wire = wire_for(self.device, max_idle_bytes=config.kv_buffer_size)
+        self.device = devices.select_device(config)
+        self._streams = devices.pipe_streams(self.device)
+        with self._streams.context("setup"):
+            self._wire = wire_for(self.device, max_idle_bytes=config.kv_buffer_size)
         hello = Hello(frame_bytes=self._wire.frame_bytes, max_in_flight=config.kv_buffer_size,
-                      device=config.kv_buffer_device, timeout_ms=max(1, round(config.kv_timeout * 1000)))
-        connection = rendezvous.connect(config, self.port, hello, self.device, listener)
+                      device=config.kv_buffer_device, timeout_ms=max(1, round(config.kv_timeout * 1000)),
+                      gpu_id=devices.gpu_identity(self.device))
+        with self._streams.context("setup"):  # NCCL set-up on the pipe's device and stream, not the caller's
+            connection = rendezvous.connect(config, self.port, hello, self.device, listener)
         self._store = connection.store
         self._outgoing_group = connection.outgoing
         self._incoming_group = connection.incoming
@@ -165,14 +178,21 @@ class TorchDistributedPipe(KVPipeBase):
         # for the shorter of the two.
         self._keepalive_interval = min(config.kv_timeout, peer_hello.timeout_ms / 1000) / 4
         try:
-            self._shared = shared_memory.establish(self._outgoing_group, self._incoming_group, self.rank,
-                                                   config.kv_shared_memory, self._credit.budget, self.device)
+            with self._streams.context("setup"):
+                self._shared = shared_memory.establish(self._outgoing_group, self._incoming_group, self.rank,
+                                                       config.kv_shared_memory, self._credit.budget, self.device)
+                self._streams.synchronize()
         except (RuntimeError, OSError) as exc:
             raise KVPeerLostError(f"pipe rank {self.rank}: the peer vanished during setup: {exc}") from exc
         if self._shared is not None:
             self._channel = SocketChannel(self._shared.connection, silence=config.kv_timeout)
         else:
-            self._channel = GroupChannel(self._outgoing_group, self._incoming_group, self.peer_rank)
+            # Callers may post operations themselves on gloo (no thread hand-off per message), never
+            # on NCCL: there an operation runs on the issuing thread's current stream.
+            self._channel = GroupChannel(self._outgoing_group, self._incoming_group, self.peer_rank,
+                                         callers_may_post=self.device.type == "cpu",
+                                         settle=self._streams.synchronize)
+        self._pinned = self._pin_segments()
         # Regions of the peer's segment whose tensors died, to give back. Appended to by finalizers,
         # which may run in any thread at any moment: a deque's append and popleft are atomic.
         self._freed: collections.deque[int] = collections.deque()
@@ -251,6 +271,23 @@ class TorchDistributedPipe(KVPipeBase):
         return self._wire.allocate_to_send(nbytes).view(dtype).reshape(shape)
 
     @property
+    def host_staged_device(self) -> torch.device | None:
+        """The GPU this host pipe stages KV for (``kv_device_index`` on a CPU pipe), or None."""
+        index = self.config.kv_device_index
+        if self.device.type != "cpu" or index is None or not torch.cuda.is_available():
+            return None
+        return torch.device("cuda", index)
+
+    def _pin_segments(self) -> list[int]:
+        """Host-staged mode on one host: pin both shared-memory segments for the GPU's copies (the
+        caller's device-to-host copy lands in this side's segment, the peer's is read by its
+        host-to-device copy), so that each is one DMA transfer. The addresses pinned."""
+        if self._shared is None or self.host_staged_device is None:
+            return []
+        return [segment.address for segment in (self._shared.own, self._shared.peer)
+                if devices.pin_host_memory(segment.address, segment.nbytes)]
+
+    @property
     def uses_shared_memory(self) -> bool:
         """Whether the same-host path is up: payloads through shared memory and frames over a local
         socket, in both directions (see ``kv_shared_memory``)."""
@@ -289,6 +326,7 @@ class TorchDistributedPipe(KVPipeBase):
                     tensor, cost = self._recv_queue.popleft()
                     self._credit.take(cost)
                     self._report_credit()
+                    self._streams.hand_over(tensor)
                     return tensor
                 self._raise_if_failed()
                 if self._peer_finished:
@@ -318,7 +356,10 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _may_receive_here(self, deadline: float | None) -> bool:
         """Whether a caller with ``deadline`` may receive frames itself: on a local socket always, on
-        the groups if it has time to spare (a receive there lasts until the peer's next frame)."""
+        gloo's groups if it has time to spare (a receive there lasts until the peer's next frame),
+        on NCCL's never (only the pipe's threads issue NCCL operations, on the pipe's streams)."""
+        if not self._channel.callers_may_post:
+            return False
         return self._channel.interruptible or self._has_time_for_the_groups(deadline)
 
     def _wait_for_an_item(self, may_receive_here: bool, deadline: float | None) -> bool:
@@ -364,6 +405,9 @@ class TorchDistributedPipe(KVPipeBase):
             self._outgoing_group = self._incoming_group = None
             self._channel.close()
             self._store = None
+            for address in self._pinned:  # before the segments can be unmapped
+                devices.unpin_host_memory(address)
+            self._pinned = []
             self._shared = None  # received tensors keep the peer's segment mapped while they live
         with self._lock:
             unsent = self._queued_messages - self._sent_messages
@@ -386,8 +430,15 @@ class TorchDistributedPipe(KVPipeBase):
                 f"(max_tensor_bytes: the smaller kv_buffer_size of the two sides, less bookkeeping)"
             )
         # Contiguous, on the pipe's device, and memory that holds exactly the tensor's values.
-        data = tensor.detach().to(self.device).resolve_conj().resolve_neg().contiguous()
-        return _Outgoing(FrameKind.TENSOR, data)
+        tensor = tensor.detach().resolve_conj().resolve_neg()
+        if tensor.device.type != "cpu" and self.device.type == "cpu":
+            # Host-staged: one copy from the GPU straight into the pipe's memory (on one host, a
+            # region of the shared-memory segment that is sent without another copy).
+            data = self.empty(tensor.shape, tensor.dtype)
+            devices.copy_between(data, tensor)
+            return _Outgoing(FrameKind.TENSOR, data)
+        data = tensor.to(self.device).contiguous()
+        return _Outgoing(FrameKind.TENSOR, data, self._streams.ready_event(data))
 
     def _queue_unit(self, unit: list[_Outgoing], timeout: float | None, deadline: float | None) -> None:
         """Queue ``unit`` for the sender thread once the budget has room for it, waiting until
@@ -449,6 +500,8 @@ class TorchDistributedPipe(KVPipeBase):
         to spare (see :meth:`_has_time_for_the_groups`) and no tensor is larger than a frame holds,
         so that it waits for at most a frame's worth of wire per item.
         """
+        if not self._channel.callers_may_post:
+            return False  # NCCL: only the sender thread sends, on its own stream
         if self._shared is None:
             inline = record_inline_capacity(self._wire.frame_bytes, 0)
             return self._has_time_for_the_groups(deadline) and all(message.nbytes <= inline for message in unit)
@@ -485,6 +538,10 @@ class TorchDistributedPipe(KVPipeBase):
     # ------------------------------------------------------------------ sender thread
 
     def _send_loop(self) -> None:
+        with self._streams.context("send"):
+            self._send_frames()
+
+    def _send_frames(self) -> None:
         while True:
             if not self._wait_for_work():
                 return
@@ -646,6 +703,9 @@ class TorchDistributedPipe(KVPipeBase):
         offset = 0
         payloads = []  # tensors of this frame's records that do not fit inside it
         for header, message in zip(headers, unit, strict=True):
+            if message.ready is not None:  # CUDA: the caller's stream made the data; this stream waits for it
+                self._streams.wait_ready(message.ready)
+                message.ready = None
             self._wire.write_record(offset, header, message.data)
             if header.place:
                 if not message.in_place:
@@ -682,6 +742,10 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _recv_loop(self) -> None:
         """Take in what arrives while no caller is receiving it."""
+        with self._streams.context("recv"):
+            self._receive_frames()
+
+    def _receive_frames(self) -> None:
         while True:
             with self._lock:
                 while not self._peer_finished and self._error is None:
@@ -759,6 +823,7 @@ class TorchDistributedPipe(KVPipeBase):
         if not self._recv_frame_by(wait_until, spin):
             return None
         first, items = self._receive_records()
+        self._streams.synchronize()  # CUDA: the items are complete before any caller sees them
         with self._lock:
             if self._credit.on_frame(first.consumed, first.want_credit):
                 self._room.notify_all()
@@ -885,14 +950,6 @@ class TorchDistributedPipe(KVPipeBase):
         (hold ``_lock``)."""
         for condition in (self._items, self._room, self._transmitted, self._receiver_parked):
             condition.notify_all()
-
-
-def _select_device(kind: str) -> torch.device:
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise KVTransferError("kv_buffer_device='cuda' but torch sees no CUDA device")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -163,11 +163,15 @@ class DeviceWire(Wire):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self._staging = bytearray(HEADER_BYTES)  # headers are packed and parsed on the host
+        # Headers are packed and parsed on the host: one buffer per frame, as each frame is used by
+        # its own thread (the sender's and the receiver's).
+        self._send_staging = bytearray(HEADER_BYTES)
+        self._recv_staging = bytearray(HEADER_BYTES)
 
     def write_record(self, offset: int, header: FrameHeader, data: torch.Tensor | None) -> None:
-        pack_header(header, self._staging)
-        self.send_frame[offset : offset + HEADER_BYTES].copy_(torch.frombuffer(self._staging, dtype=torch.uint8))
+        pack_header(header, self._send_staging)
+        # From pageable memory, the copy has taken the bytes when it returns: the buffer can be reused.
+        self.send_frame[offset : offset + HEADER_BYTES].copy_(torch.frombuffer(self._send_staging, dtype=torch.uint8))
         if header.inline and header.nbytes:
             start = offset + HEADER_BYTES
             self.send_frame[start : start + header.nbytes].copy_(flat_bytes(data))
@@ -176,8 +180,8 @@ class DeviceWire(Wire):
         return self.send_frame
 
     def read_header(self, offset: int) -> memoryview:
-        self._staging[:] = self.recv_frame[offset : offset + HEADER_BYTES].cpu().numpy().tobytes()
-        return memoryview(self._staging)
+        self._recv_staging[:] = self.recv_frame[offset : offset + HEADER_BYTES].cpu().numpy().tobytes()
+        return memoryview(self._recv_staging)
 
     def read_inline(self, start: int, header: FrameHeader) -> torch.Tensor:
         return self.recv_frame[start : start + header.nbytes].clone().view(header.dtype).reshape(header.shape)

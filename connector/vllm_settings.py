@@ -26,7 +26,7 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
     and one on another host gets them copied when it takes them. vLLM keeps a lent request's blocks
     until then (or until the entry expires, or its borrower is lost or holds it past
     ``kv_timeout``); they count against ``kv_buffer_size`` like copied entries.
-``kv_lend_lease`` (seconds, default 10)
+``kv_lend_lease`` (seconds, default 2)
     Producer: how long after a request's end its lent blocks may stay lent. An entry no decode
     instance has taken by then (its client went away, its decode instance is late or never comes)
     is copied into the lookup buffer, where it stays selectable until it expires or gives way to
@@ -66,7 +66,7 @@ _OPTION_DEFAULTS: dict[str, Any] = {
     "kv_load_timeout": 5.0,
     "kv_save_timeout": 0.0,
     "kv_lend_blocks": True,
-    "kv_lend_lease": 10.0,
+    "kv_lend_lease": 2.0,
     SECRET_FILE_KEY: None,
 }
 
@@ -87,7 +87,7 @@ class ConnectorSettings:
     load_timeout: float
     save_timeout: float
     lend_blocks: bool = True
-    lend_lease: float = 10.0
+    lend_lease: float = 2.0
 
     @classmethod
     def from_vllm(cls, kv_role: str, kv_port: int, kv_buffer_device: str,

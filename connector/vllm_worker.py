@@ -94,6 +94,10 @@ class _LoadTarget(PagedKV):
                               for piece in key.slice_pieces(row * row_bytes + skipped, row_bytes - skipped)])
 
 
+#: Requests saved by a copy that a worker remembers at most (a request vLLM preempted and then
+#: aborted before its next save is never reported finished).
+MAX_COPIED_REMEMBERED = 10_000
+
 #: What a worker holds now, exported as gauges. Each returns to 0 once nothing is in flight:
 #: ``connections`` (consumers connected to this producer, or producers this consumer uses),
 #: ``entries_held`` and ``bytes_buffered`` (the producer's stored entries, lent or copied),
@@ -165,6 +169,7 @@ class WorkerSide:
         self._lends = False  # producer: its caches are exported, and saves lend their blocks
         self._kept: dict[str, Loan | None] = {}  # producer: every request saved, with its loan if lent
         self._lent_blocks: dict[str, int] = {}  # producer: blocks of each request in _kept
+        self._copied: dict[str, None] = {}  # producer: requests saved by a copy, until finished (in order)
         self._held: dict[str, float] = {}  # producer: finished requests whose blocks vLLM keeps, and since when
         self._interval = TransferStats()
         self._observed = Observations()
@@ -251,6 +256,10 @@ class WorkerSide:
 
     def _save_one(self, spec: SaveSpec) -> bool:
         """Save one request; return whether its entry is in the lookup buffer."""
+        if spec.req_id in self._copied:
+            # Saved again after a preemption: its copy, made before, is still in the buffer (or was
+            # taken), and holds the same prefix's KV. A second entry would wait for nobody.
+            return True
         self._kept[spec.req_id] = None  # vLLM keeps its blocks once finished: see take_finished_sending
         if self._buffer is None:
             self._add(save_failures=1)
@@ -271,6 +280,10 @@ class WorkerSide:
             return False
         self._kept[spec.req_id] = result.loan
         self._lent_blocks[spec.req_id] = len(spec.block_ids)
+        if result.loan is None:
+            self._copied[spec.req_id] = None
+            while len(self._copied) > MAX_COPIED_REMEMBERED:  # requests preempted, then aborted unsaved
+                self._copied.pop(next(iter(self._copied)))
         self._add(saved_requests=1, lent_requests=int(result.loan is not None), saved_blocks=len(spec.block_ids),
                   saved_bytes=result.num_bytes, save_seconds=result.seconds)
         self._observe(transfer_seconds=result.seconds)
@@ -287,8 +300,10 @@ class WorkerSide:
         their blocks (a preempted request's blocks are freed and given to others): an entry still
         stored leaves the buffer, one lent out has its stamp cleared (its borrower's load fails
         and nothing it copied is used), one being copied out is waited for. Entries that were
-        copied into the buffer hold no blocks; they stay until taken or expired."""
+        copied into the buffer hold no blocks and stay: the request's next save keeps them."""
         for req_id in req_ids:
+            if req_id in self._copied:
+                continue
             loan = self._kept.get(req_id)
             if req_id not in self._held:
                 self._kept.pop(req_id, None)  # saved again, if at all, once its prefix is recomputed
@@ -312,6 +327,7 @@ class WorkerSide:
         for req_id in done:
             del self._kept[req_id]
             del self._held[req_id]
+            self._copied.pop(req_id, None)
             self._lent_blocks.pop(req_id, None)
         if done:
             self._add(returned_requests=len(done))
@@ -397,7 +413,8 @@ class WorkerSide:
             if reason is None or ticket.cancelled.is_set():
                 # A finished request's blocks are not reported: vLLM may give them to another request.
                 return set()
-            logger.warning("kvbridge: KV of request %s (%d tokens) not loaded, vLLM recomputes it: %s",
+            logger.warning("kvbridge: KV of request %s (%d tokens) not loaded, vLLM recomputes it or fails the "
+                           "request (kv_load_failure_policy): %s",
                            spec.req_id, len(spec.token_ids), reason)
             self._add(load_seconds=time.perf_counter() - start)
             return set(spec.block_ids[spec.skip_blocks:])

@@ -80,12 +80,14 @@ class Instance:
 
 
 def instance(model: str, name: str, role: str, kv_port: int, core: int, logs: Path,
-             multiprocess: bool = False, serve_args: list[str] = SERVE_ARGS) -> Instance:
+             multiprocess: bool = False, serve_args: list[str] = SERVE_ARGS,
+             kv_extra: dict[str, Any] | None = None) -> Instance:
     """A prefill (``kv_producer``) or decode (``kv_consumer``) instance pinned to ``core``. Decode
     instances fail a request whose load failed (``kv_load_failure_policy: fail``), so a load that
-    silently failed cannot pass as a hit."""
+    silently failed cannot pass as a hit. ``kv_extra`` adds to (or overrides) :data:`KV_EXTRA` in
+    the connector's ``kv_connector_extra_config``, e.g. a short ``kv_entry_timeout``."""
     port = free_port(1)
-    transfer = serve.kv_transfer_config(role, "127.0.0.1", kv_port, dict(KV_EXTRA))
+    transfer = serve.kv_transfer_config(role, "127.0.0.1", kv_port, {**KV_EXTRA, **(kv_extra or {})})
     if role == "kv_consumer":
         transfer["kv_load_failure_policy"] = "fail"
     command = serve.vllm_serve_command(model, "127.0.0.1", port, transfer, serve_args)

@@ -24,7 +24,15 @@ from connector.vllm_scheduler import KVBridgeWorkerMetadata, SchedulerSide
 from lookup_buffer.loans import TAKEN_BACK
 from tests import _vllm_procs as vp
 from tests.procs import free_port
-from tests.test_vllm_connector import FAKE_TOKENS, B, cached_data, make_request, new_req_data, scheduler_output
+from tests.test_vllm_connector import (
+    FAKE_TOKENS,
+    B,
+    _FailingInserts,
+    cached_data,
+    make_request,
+    new_req_data,
+    scheduler_output,
+)
 
 # ====================================================================== scheduler side
 
@@ -110,6 +118,22 @@ def test_a_decode_request_aborted_before_its_load_has_its_announced_entry_draine
     assert (drain.req_id, drain.token_ids, drain.drain, drain.producer) == (
         "waiting", list(range(900, 964)), True, ("10.1.2.3", 14600))
     assert side.build_meta(scheduler_output([], {}), {}.__getitem__).loads == []  # once
+
+
+def test_a_preempted_request_saved_by_a_copy_keeps_its_one_entry() -> None:
+    buffer = _FailingInserts({})
+    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
+                            listener_factory=lambda settings, offset, on_connect: buffer)
+    try:
+        worker.save([SAVES[0]])
+        worker.take_back([SAVES[0].req_id])  # preempted: its copy holds no block and stays
+        worker.save([SaveSpec(SAVES[0].req_id, SAVES[0].token_ids, [5, 8])])  # recomputed in new blocks
+        assert worker.take_save_outcomes() == ({SAVES[0].req_id}, set())
+        assert buffer.inserted == [SAVES[0].token_ids]  # one entry, not a second one waiting for nobody
+        worker.hold([SAVES[0].req_id])
+        assert worker.take_finished_sending() == {SAVES[0].req_id}
+    finally:
+        worker.close()
 
 
 # ====================================================================== workers, over a real pipe

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ from kv_pipe.protocol import Hello
 _ARRIVALS_KEY = "kvbridge/arrivals"
 #: Starts a greeting that says why its side refused to pair.
 _REFUSAL = b"kvbridge-refused:"
+_MIN_DIAL_SECONDS = 0.1  # the shortest try at reaching rank 0's store
 _AUTH_TAG = 7  # the tag of the challenge-response over the groups; frames use others
 _PRIMER_TAG = 9  # the tag of the primer byte that connects each group; nothing else uses it
 #: The groups, in the order both sides create and prime them: (label, sending rank).
@@ -142,15 +144,36 @@ def _open_store(config: KVTransferConfig, port: int, listener: socket.socket | N
     listen_fd = None
     if rank == 0:
         listen_fd = listener.detach() if listener is not None else _listen_on(config.kv_ip, port)
+    timeout = datetime.timedelta(seconds=config.kv_connect_timeout)
     try:
-        return dist.TCPStore(config.kv_ip, port, world_size=2, is_master=rank == 0,
-                             timeout=datetime.timedelta(seconds=config.kv_connect_timeout),
-                             wait_for_workers=True, master_listen_fd=listen_fd)
+        if rank == 0:
+            return dist.TCPStore(config.kv_ip, port, world_size=2, is_master=True, timeout=timeout,
+                                 wait_for_workers=True, master_listen_fd=listen_fd)
+        store = _dial_store(config.kv_ip, port, time.monotonic() + config.kv_connect_timeout)
+        store.set_timeout(timeout)
+        return store
     except (RuntimeError, OSError) as exc:  # DistStoreError, DistNetworkError, connection errors
         raise KVPeerLostError(
             f"kvbridge pipe rank {rank}: no peer at {config.kv_ip}:{port} within "
             f"{config.kv_connect_timeout:g} s (kv_connect_timeout): {exc}"
         ) from exc
+
+
+def _dial_store(host: str, port: int, deadline: float) -> dist.TCPStore:
+    """Connect to rank 0's store by ``deadline``.
+
+    One TCPStore client retries on its own after a pause, and a try that fails late can take about
+    three times its timeout; so each try gets a third of the time left and tries repeat until the
+    deadline, which keeps the whole wait within ``kv_connect_timeout``.
+    """
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            return dist.TCPStore(host, port, world_size=2, is_master=False,
+                                 timeout=datetime.timedelta(seconds=max(remaining / 3, _MIN_DIAL_SECONDS)))
+        except (RuntimeError, OSError):
+            if deadline - time.monotonic() <= _MIN_DIAL_SECONDS:
+                raise
 
 
 def _listen_on(host: str, port: int) -> int:

@@ -220,14 +220,6 @@ class BufferListener(KVLookupBufferBase):
         shape = tuple(shape)
         return self._memory.allocate(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
 
-    def unlend(self, loan: Loan) -> bool:
-        match_key = self._store.unlend(loan, self.empty)
-        if match_key is None:
-            return False
-        for connection in self._live_connections():
-            connection.notify_inserted(match_key)
-        return True
-
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
                     borrow: bool = False) -> SelectResult:
         raise KVConfigError("drop_select() needs kv_role='kv_consumer'; this buffer is the producer's listener")

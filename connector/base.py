@@ -136,6 +136,8 @@ class KVSendResult:
     num_bytes: int
     seconds: float
     loan: Loan | None = None
+    #: Of ``seconds``: packing the KV out of the caches (a copy), or describing where it lies (lent).
+    copy_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +148,21 @@ class KVRecvResult:
         hit: the KV (and the hidden state, if asked for) was written into the caller's memory.
         reason: why it is a miss; ``None`` on a hit.
         num_bytes: bytes received for the request (0 when nothing arrived).
-        seconds: time spent waiting for and receiving the entry.
+        seconds: time spent waiting for and receiving the entry, and writing it.
+        wait_seconds: of ``seconds``, from the select sent until the entry's header (a lent entry's
+            descriptor) arrived; for a buffer that does not say when the header arrived, until the
+            select returned (a copied entry's bytes received included).
+        receive_seconds: from the header until the entry's bytes were in hand, where the buffer says
+            when the header arrived and the bytes came after it; None otherwise (a lent entry's bytes
+            are read by the copy into the caller's memory).
+        copy_seconds: writing the entry into the caller's memory (for a lent entry the only copy,
+            straight out of the producer's memory); 0 on a miss.
     """
 
     hit: bool
     reason: str | None
     num_bytes: int
     seconds: float
+    wait_seconds: float = 0.0
+    receive_seconds: float | None = None
+    copy_seconds: float = 0.0

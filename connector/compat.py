@@ -2,8 +2,11 @@
 
 Each side sends a :class:`KVLayoutInfo` (msgpack, as one uint8 tensor: nothing is unpickled), then
 reads the peer's and compares. KV blocks are copied bit for bit, so everything that decides what
-the bits mean must be equal: model, dtype, block size, the shape of one layer's block, the number
-of layers, the cache layout (attention backend and, on CPU, its instruction set) and the TP size.
+the bits mean must be equal: model, dtype, block size, head size, the model's KV head count, the
+shape of one layer's block apart from its heads, the number of layers and the cache layout
+(attention backend and, on CPU, its instruction set). TP sizes may differ where one divides the
+other and the heads split over them (:mod:`connector.tp_layout`); anything else is refused naming
+both sides' values.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from connector import tp_layout
 from kv_pipe.base import KVPipeBase
 from kv_pipe.errors import KVConfigError, KVProtocolError
 
-VERSION = 1
+VERSION = 2
 #: Upper bound of an encoded message; the peer's tensor is checked before it is decoded.
 MAX_MESSAGE_BYTES = 1 << 16
 
@@ -32,6 +36,13 @@ class KVLayoutInfo(msgspec.Struct, frozen=True, kw_only=True):
     layout: str  # attention backend / interior layout, e.g. "CPU_ATTN/vec"
     tp_size: int
     tp_rank: int
+    #: The model's KV heads, over all TP ranks (0: not known, or a latent cache).
+    total_kv_heads: int = 0
+    head_size: int = 0  # 0: not known
+    #: The head dimension of ``block_shape`` (-1: none known); this rank's heads are its size.
+    head_dim: int = -1
+    #: An MLA-style cache: one latent per token, the same on every TP rank, no heads.
+    latent: bool = False
 
 
 class _Versioned(msgspec.Struct):
@@ -40,8 +51,10 @@ class _Versioned(msgspec.Struct):
     version: int
 
 
-#: Fields that must be equal on both sides, in the order differences are reported.
-_COMPARED = ("model", "dtype", "block_size", "num_layers", "block_shape", "layout", "tp_size", "tp_rank")
+#: Fields that must be equal on both sides, in the order differences are reported; ``block_shape``
+#: is compared apart from its head dimension, whose size follows from the TP size.
+_COMPARED = ("model", "dtype", "block_size", "head_size", "total_kv_heads", "latent", "num_layers", "head_dim",
+             "block_shape", "layout")
 
 
 def encode(info: KVLayoutInfo) -> torch.Tensor:
@@ -66,19 +79,53 @@ def decode(tensor: torch.Tensor | None) -> KVLayoutInfo:
         info = msgspec.msgpack.decode(data, type=KVLayoutInfo)
     except msgspec.DecodeError as exc:
         raise KVProtocolError(f"kvbridge handshake: malformed peer message: {exc}") from exc
-    if info.block_size <= 0 or info.num_layers <= 0 or info.tp_size <= 0 or not 0 <= info.tp_rank < info.tp_size:
-        raise KVProtocolError(f"kvbridge handshake: inconsistent peer message {info}")
+    if (info.block_size <= 0 or info.num_layers <= 0 or info.tp_size <= 0 or not 0 <= info.tp_rank < info.tp_size
+            or info.total_kv_heads < 0 or info.head_size < 0 or heads_problem(info) is not None):
+        raise KVProtocolError(f"kvbridge handshake: inconsistent peer message {info}: "
+                              f"{heads_problem(info) or 'a size out of range'}")
     return info
 
 
+def heads_problem(info: KVLayoutInfo) -> str | None:
+    """Why ``info``'s head fields contradict each other or its TP size, or None."""
+    if info.head_dim < 0:
+        return None if info.head_dim == -1 else f"head dimension {info.head_dim}"
+    if info.latent or info.head_dim >= len(info.block_shape):
+        return f"head dimension {info.head_dim} of a block of shape {info.block_shape} (latent: {info.latent})"
+    total, tp = info.total_kv_heads, info.tp_size
+    if total < 1 or (total % tp and tp % total):
+        return f"{total} KV heads cannot be split over {tp} TP ranks"
+    if info.block_shape[info.head_dim] != tp_layout.local_heads(total, tp):
+        return (f"{info.block_shape[info.head_dim]} KV heads in a block, but {total} KV heads over {tp} TP ranks "
+                f"give {tp_layout.local_heads(total, tp)} per rank")
+    return None
+
+
+def _without_heads(info: KVLayoutInfo) -> tuple[int, ...]:
+    shape = info.block_shape
+    return shape if info.head_dim < 0 else (*shape[:info.head_dim], *shape[info.head_dim + 1:])
+
+
 def check_compatible(local: KVLayoutInfo, peer: KVLayoutInfo) -> None:
-    """Raise KVConfigError naming every field that differs, or a role pairing that cannot work
-    (one side must produce, the other consume)."""
-    differences = [
-        f"{name}: this side {getattr(local, name)!r}, peer {getattr(peer, name)!r}"
-        for name in _COMPARED
-        if getattr(local, name) != getattr(peer, name)
-    ]
+    """Raise KVConfigError naming every field that differs (each with both sides' values), TP sizes
+    that cannot be paired (:func:`connector.tp_layout.tp_refusal`), or a role pairing that cannot
+    work (one side must produce, the other consume)."""
+    differences = []
+    for name in _COMPARED:
+        mine, theirs = getattr(local, name), getattr(peer, name)
+        if name == "block_shape":
+            if _without_heads(local) == _without_heads(peer):
+                continue
+            if local.head_dim >= 0:
+                name = "block_shape (apart from its KV heads)"
+        if mine != theirs:
+            differences.append(f"{name}: this side {mine!r}, peer {theirs!r}")
+    if not differences:
+        prefill, decode = (local, peer) if local.role == "kv_producer" else (peer, local)
+        refusal = tp_layout.tp_refusal(local.total_kv_heads, local.latent, local.head_dim >= 0, prefill.tp_size,
+                                       decode.tp_size)
+        if refusal is not None:
+            differences.append(f"tp_size: this side {local.tp_size}, peer {peer.tp_size}: {refusal}")
     if differences:
         raise KVConfigError("kvbridge: the peer instance is incompatible; " + "; ".join(differences))
     if {local.role, peer.role} != {"kv_producer", "kv_consumer"}:

@@ -1,6 +1,11 @@
 """Send a batch of requests' KV into a lookup buffer, and receive it back into the caller's caches.
 
 The contract (blocking, errors, hit versus miss) is stated in :mod:`connector.base`.
+
+Device-generic: KV and hidden states may live on a GPU while the buffer's memory is host memory
+(the host-staged mode). Each crosses once, into the buffer's memory on the producer and into the
+caller's tensors on the consumer, and every copy is done when the call returns
+(:func:`kv_pipe.device.copy_between`).
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from connector.base import KVRecvResult, KVRequest, KVSendResult
+from connector.base import EmptyTensor, KVRecvResult, KVRequest, KVSendResult
+from kv_pipe.device import copy_between
 from lookup_buffer import KVLookupBufferBase
 from lookup_buffer.loans import BorrowedTensor, LentTensor, release_all
 
@@ -32,11 +38,26 @@ def send_kv_caches_and_hidden_states(
         start = time.perf_counter()
         lent = request.kv.lend() if lend else None
         key, value = lent or request.kv.pack(buffer.empty)
+        copied = time.perf_counter()
         roi = request.roi
-        loan = buffer.insert(request.input_tokens, roi, key, value, request.hidden, timeout=timeout)
-        num_bytes = _nbytes(request.input_tokens, roi, key, value, request.hidden)
-        results.append(KVSendResult(num_bytes=num_bytes, seconds=time.perf_counter() - start, loan=loan))
+        hidden = _in_buffer_memory(request.hidden, buffer.empty)
+        loan = buffer.insert(request.input_tokens, roi, key, value, hidden, timeout=timeout)
+        num_bytes = _nbytes(request.input_tokens, roi, key, value, hidden)
+        results.append(KVSendResult(num_bytes=num_bytes, seconds=time.perf_counter() - start, loan=loan,
+                                    copy_seconds=copied - start))
     return results
+
+
+def _in_buffer_memory(tensor: torch.Tensor | None, empty: EmptyTensor) -> torch.Tensor | None:
+    """``tensor`` itself if it lies where the buffer keeps its tensors, else a copy there (a GPU
+    tensor and a host buffer: copied now, not when the pipe sends it, and the GPU memory is free)."""
+    if tensor is None or tensor.device.type == "cpu":
+        return tensor
+    staged = empty(tensor.shape, tensor.dtype)
+    if staged.device == tensor.device:
+        return tensor
+    copy_between(staged, tensor)
+    return staged
 
 
 def _mismatch(
@@ -74,12 +95,25 @@ def recv_kv_caches_and_hidden_states(
     for index, request in enumerate(requests):
         start = time.perf_counter()
         entry = buffer.drop_select(request.input_tokens, request.roi, timeout=timeout, borrow=True)
+        selected = time.perf_counter()
         try:
             result = _receive_one(index, request, *entry)
         finally:
             release_all(entry)  # KVPeerLostError if the producer took its memory back meanwhile
-        results.append(dataclasses.replace(result, seconds=time.perf_counter() - start))
+        results.append(dataclasses.replace(result, seconds=time.perf_counter() - start,
+                                           **_select_phases(entry, start, selected)))
     return results
+
+
+def _select_phases(entry: object, start: float, selected: float) -> dict[str, float | None]:
+    """The select's time (``start`` to ``selected``) split at the arrival of the entry's header,
+    where the buffer's result says when that was (an ``arrived`` attribute, a ``perf_counter``
+    time; see :class:`connector.base.KVRecvResult`)."""
+    arrived = getattr(entry, "arrived", None)
+    if not isinstance(arrived, float) or not start <= arrived <= selected:
+        return {"wait_seconds": selected - start}
+    lent = any(isinstance(item, BorrowedTensor) for item in entry)  # type: ignore[attr-defined]
+    return {"wait_seconds": arrived - start, "receive_seconds": None if lent else selected - arrived}
 
 
 def _receive_one(index: int, request: KVRequest, tokens: torch.Tensor | None, roi: torch.Tensor | None,
@@ -96,10 +130,12 @@ def _receive_one(index: int, request: KVRequest, tokens: torch.Tensor | None, ro
     if reason is not None:
         logger.warning("batch item %d (%d tokens): miss: %s", index, request.input_tokens.numel(), reason)
         return KVRecvResult(hit=False, reason=reason, num_bytes=num_bytes, seconds=0.0)
+    start = time.perf_counter()
     if isinstance(key, BorrowedTensor):
         request.kv.load_borrowed(key, value)
     else:
         request.kv.load(key, value)
     if request.hidden is not None:
-        request.hidden.copy_(hidden)
-    return KVRecvResult(hit=True, reason=None, num_bytes=num_bytes, seconds=0.0)
+        copy_between(request.hidden, hidden)
+    return KVRecvResult(hit=True, reason=None, num_bytes=num_bytes, seconds=0.0,
+                        copy_seconds=time.perf_counter() - start)

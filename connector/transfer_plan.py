@@ -8,10 +8,12 @@ one token to sample from, and a prompt that fits in one block transfers nothing.
 
 Matching: by token content. A producer's ``request_finished`` announces the prefix it saved and
 where it waits as ``kv_transfer_params = {"kvbridge": {"prefix_tokens": N, "host": H, "port": P,
-"engine_id": E}}`` (N is 0 when its save failed or never happened; ``H:P`` is the producer's
-``kv_ip:kv_port``, where its TP rank r listens at ``P + r``; ``E`` its vLLM engine id, for logs). A
-router passes that on to the decode request, which then claims exactly that prefix (nothing when N
-is 0), connects to ``H:P`` if it is not connected yet, and waits for the entry there.
+"engine_id": E, "tp_size": T}}`` (N is 0 when its save failed or never happened; ``H:P`` is the
+producer's ``kv_ip:kv_port``, where its TP rank r listens at ``P + r``; ``E`` its vLLM engine id,
+for logs; ``T`` its TP size). A router passes that on to the decode request, which then claims
+exactly that prefix (nothing when N is 0), connects to the ranks of ``H:P`` whose KV heads each of
+its own TP ranks holds (:mod:`connector.tp_layout`) if it is not connected yet, and waits for the
+entries there.
 Without an announcement (offline use) the consumer claims the transfer prefix but only takes an
 entry that is already in the buffer of its configured producer (``kv_ip:kv_port``).
 
@@ -51,6 +53,8 @@ class LoadSpec:
     a request sent to the decode instance alone never stalls its engine.
 
     ``producer``: the (host, port) the announcement named, or None for the configured producer.
+    ``producer_tp``: that producer's TP size as announced, or None (not announced: the consumer's
+    ``kv_producer_tp_size``, by default its own TP size).
     """
 
     req_id: str
@@ -59,6 +63,7 @@ class LoadSpec:
     skip_blocks: int
     wait: bool = False
     producer: tuple[str, int] | None = None
+    producer_tp: int | None = None
 
     @property
     def drain(self) -> bool:

@@ -6,7 +6,9 @@ them each interval's aggregated stats ``data`` (:class:`connector.vllm_stats.KVB
 Series (``vllm:kvbridge_*``): every counter of :data:`connector.transfer_stats.COUNTERS` as a
 Prometheus counter (``_total``); ``transfer_seconds`` (one save or load: gather and insert, or
 select and write) and ``load_wait_seconds`` (from the claim of a request's KV to its blocks being
-written, waiting for a late entry included) as histograms; the gauges of
+written, waiting for a late entry included) as histograms; the per-request phases of
+:data:`connector.vllm_worker.PHASES` as histograms (prefill: the save's copy, an entry's wait in
+the buffer until taken; decode: the wait for the entry, its receive, the copy into the cache); the gauges of
 :data:`connector.vllm_worker.GAUGES` (connections, entries held, bytes buffered, loans out, blocks
 lent, loads in flight), updated each engine step.
 """
@@ -20,7 +22,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from connector.transfer_stats import COUNTERS
 from connector.vllm_stats import SAMPLES
-from connector.vllm_worker import GAUGES
+from connector.vllm_worker import GAUGES, PHASES
 
 PREFIX = "vllm:kvbridge_"
 
@@ -50,6 +52,18 @@ _COUNTER_HELP = {
 _HISTOGRAM_HELP = {
     "transfer_seconds": "Seconds of one transfer: a save (gather and insert) or a load (select and write).",
     "load_wait_seconds": "Seconds from the claim of a request's KV to its blocks being written.",
+    # Per-request phases (connector.vllm_worker.PHASES). Prefill instance:
+    "save_copy_seconds": "Seconds of a save spent packing the KV blocks into the buffer's memory (a copy), or "
+                         "describing where they lie (lent).",
+    "entry_wait_seconds": "Seconds an entry waited in the prefill instance's buffer, from its store until a "
+                          "decode instance's select took it (the count: entries taken).",
+    # Decode instance, per load that hit:
+    "load_entry_wait_seconds": "Seconds from a load's select sent until its entry's header (or lent descriptor) "
+                               "arrived: the wait for the prefill instance.",
+    "load_receive_seconds": "Seconds from a copied entry's header until its bytes were received (not observed "
+                            "for a lent entry, whose bytes the copy reads).",
+    "load_copy_seconds": "Seconds writing a loaded entry into vLLM's KV cache blocks (for a lent entry the "
+                         "only copy, straight out of the prefill instance's memory).",
 }
 
 _GAUGE_HELP = {
@@ -64,6 +78,8 @@ _GAUGE_HELP = {
 
 #: From 1 ms to 60 s: a hit on one host takes milliseconds, a late entry up to kv_load_timeout.
 _BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+#: The phases from 100 µs (a lent save, a small copy) to 10 minutes (an entry waiting out kv_entry_timeout).
+_PHASE_BUCKETS = [0.0001, 0.00025, 0.0005, *_BUCKETS, 120.0, 300.0, 600.0]
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):
@@ -74,7 +90,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {name: self._per_engine(self._counter_cls, name, _COUNTER_HELP[name]) for name in COUNTERS}
         self._histograms = {name: self._per_engine(self._histogram_cls, name, _HISTOGRAM_HELP[name],
-                                                   buckets=_BUCKETS) for name in SAMPLES}
+                                                   buckets=_PHASE_BUCKETS if name in PHASES else _BUCKETS)
+                            for name in SAMPLES}
         self._gauges = {name: self._per_engine(self._gauge_cls, name, _GAUGE_HELP[name]) for name in GAUGES}
 
     def _per_engine(self, cls: type[PromMetric], name: str, documentation: str, **kwargs: Any) -> dict[int, Any]:

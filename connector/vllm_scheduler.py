@@ -26,6 +26,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
+from connector.vllm_settings import MAX_TP_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,8 @@ class SchedulerSide:
         self._refused: dict[str, list[int]] = {}  # consumer: claimed but not loadable, not yet handed over
         self._loaded: set[str] = set()  # consumer: requests that already had their one load attempt
         # consumer: transfer prefix found in vLLM's prefix cache: drain it at the producer named here
-        self._covered: dict[str, tuple[str, int] | None] = {}
+        # (address and TP size, if announced)
+        self._covered: dict[str, tuple[tuple[str, int] | None, int | None]] = {}
         self._held: list[str] = []  # producer: finished requests whose blocks vLLM keeps, not yet told
         self._abandoned: list[LoadSpec] = []  # consumer: entries of requests finished before their load, to drain
         self._take_back: list[str] = []  # producer: saved requests whose entries must go, not yet told
@@ -127,11 +129,12 @@ class SchedulerSide:
             return 0
         try:
             producer = announced_producer(request.kv_transfer_params)
+            producer_tp = announced_tp_size(request.kv_transfer_params)
         except ValueError as exc:
             logger.warning("kvbridge: request %s loads nothing: %s", request.request_id, exc)
             return 0
         if num_computed_tokens >= prefix:
-            self._covered[request.request_id] = producer  # idempotent: asking again changes nothing
+            self._covered[request.request_id] = (producer, producer_tp)  # idempotent: asking again changes nothing
             return 0
         self._covered.pop(request.request_id, None)
         return prefix - num_computed_tokens
@@ -156,6 +159,7 @@ class SchedulerSide:
             skip_blocks=local // self.block_size,
             wait=_announced_prefix(request.kv_transfer_params) == prefix,
             producer=announced_producer(request.kv_transfer_params),
+            producer_tp=announced_tp_size(request.kv_transfer_params),
         )
         self._loaded.add(request.request_id)
 
@@ -195,9 +199,10 @@ class SchedulerSide:
                 prompt = new_req.prompt_token_ids or []
                 prefix = transfer_prefix_len(len(prompt), self.block_size)
                 num_blocks = prefix // self.block_size
+                producer, producer_tp = self._covered[new_req.req_id]
                 meta.loads.append(LoadSpec(req_id=new_req.req_id, token_ids=list(prompt[:prefix]),
                                            block_ids=list(new_req.block_ids[0][:num_blocks]), skip_blocks=num_blocks,
-                                           producer=self._covered[new_req.req_id]))
+                                           producer=producer, producer_tp=producer_tp))
                 self._loaded.add(new_req.req_id)
             self._covered.pop(new_req.req_id, None)
         if not self.is_producer:
@@ -262,7 +267,7 @@ class SchedulerSide:
         in_flight = self._saving.pop(req_id, None)
         host, port = self.address
         announcement = {"prefix_tokens": self._saved.pop(req_id, 0), "host": host, "port": port,
-                        "engine_id": self.engine_id}
+                        "engine_id": self.engine_id, "tp_size": self.num_workers}
         if not self.is_producer:
             return False, None
         if in_flight is not None:
@@ -282,10 +287,11 @@ class SchedulerSide:
             return
         try:
             producer = announced_producer(request.kv_transfer_params)
+            producer_tp = announced_tp_size(request.kv_transfer_params)
         except ValueError:
             return
         self._abandoned.append(LoadSpec(req_id=request.request_id, token_ids=list(request.prompt_token_ids[:prefix]),
-                                        block_ids=[], skip_blocks=0, producer=producer))
+                                        block_ids=[], skip_blocks=0, producer=producer, producer_tp=producer_tp))
 
 
 def _announcement(params: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -317,3 +323,19 @@ def announced_producer(params: Mapping[str, Any] | None) -> tuple[str, int] | No
         return host, port
     raise ValueError(f"malformed producer address in kv_transfer_params: host {str(host)[:80]!r}, "
                      f"port {str(port)[:20]!r}")
+
+
+def announced_tp_size(params: Mapping[str, Any] | None) -> int | None:
+    """The TP size of the producer that announced ``kv_transfer_params``, if it said (None: an
+    announcement without it, e.g. from an older producer, or no announcement).
+
+    Raises:
+        ValueError: the parameters name a TP size that is not an integer from 1 to
+            :data:`connector.vllm_settings.MAX_TP_SIZE`; the request then loads nothing.
+    """
+    value = _announcement(params).get("tp_size")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TP_SIZE:
+        raise ValueError(f"malformed producer TP size in kv_transfer_params: {str(value)[:20]!r}")
+    return value

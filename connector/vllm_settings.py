@@ -32,6 +32,12 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
     is copied into the lookup buffer, where it stays selectable until it expires or gives way to
     newer entries, and vLLM gets its blocks back for new requests: an abandoned request holds host
     memory for a while, never the prefill instance's KV cache.
+``kv_producer_tp_size`` (int, default: this instance's TP size)
+    Consumer: the TP size of the prefill instance a request loads from when its
+    ``kv_transfer_params`` do not say (requests without an announcement, which load from
+    ``kv_ip:kv_port``; announcements name the prefill instance's TP size themselves). A decode
+    instance may have another TP size than its prefill instances where one divides the other
+    (:mod:`connector.tp_layout`).
 ``kv_secret_file`` (path, default unset)
     A file holding the shared secret (see :mod:`connector.secret`). The secret itself is never
     a key here: vLLM's command line and logs would show it. ``KVBRIDGE_KV_SECRET`` /
@@ -67,6 +73,7 @@ _OPTION_DEFAULTS: dict[str, Any] = {
     "kv_save_timeout": 0.0,
     "kv_lend_blocks": True,
     "kv_lend_lease": 2.0,
+    "kv_producer_tp_size": None,
     SECRET_FILE_KEY: None,
 }
 
@@ -81,6 +88,7 @@ class ConnectorSettings:
         save_timeout: see ``kv_save_timeout``.
         lend_blocks: see ``kv_lend_blocks``.
         lend_lease: see ``kv_lend_lease``.
+        producer_tp_size: see ``kv_producer_tp_size`` (None: this instance's own TP size).
     """
 
     bridge: KVTransferConfig
@@ -88,6 +96,7 @@ class ConnectorSettings:
     save_timeout: float
     lend_blocks: bool = True
     lend_lease: float = 2.0
+    producer_tp_size: int | None = None
 
     @classmethod
     def from_vllm(cls, kv_role: str, kv_port: int, kv_buffer_device: str,
@@ -126,13 +135,23 @@ class ConnectorSettings:
                 raise KVConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         if not isinstance(options["kv_lend_blocks"], bool):
             raise KVConfigError(f"kv_lend_blocks must be true or false, got {options['kv_lend_blocks']!r}")
+        producer_tp = options["kv_producer_tp_size"]
+        if producer_tp is not None and (isinstance(producer_tp, bool) or not isinstance(producer_tp, int)
+                                        or not 1 <= producer_tp <= MAX_TP_SIZE):
+            raise KVConfigError(f"kv_producer_tp_size must be a TP size from 1 to {MAX_TP_SIZE}, got {producer_tp!r}")
         return cls(bridge=bridge, load_timeout=float(options["kv_load_timeout"]),
                    save_timeout=float(options["kv_save_timeout"]), lend_blocks=options["kv_lend_blocks"],
-                   lend_lease=float(options["kv_lend_lease"]))
+                   lend_lease=float(options["kv_lend_lease"]), producer_tp_size=producer_tp)
+
+
+#: Largest TP size accepted in settings and announcements.
+MAX_TP_SIZE = 1024
 
 
 def listen_port_offset(tp_rank: int) -> int:
-    """Port offset of TP rank ``tp_rank``: a producer's rank r listens at ``kv_port + r``, and a
-    consumer's rank r connects there (equal TP sizes on both sides), so an instance with TP size t
-    uses ports ``kv_port .. kv_port + t - 1``; each connection adds two ports the kernel picks."""
+    """Port offset of TP rank ``tp_rank``: a producer's rank r listens at ``kv_port + r``, so an
+    instance with TP size t uses ports ``kv_port .. kv_port + t - 1`` (space instances' kv_ports at
+    least t apart); each connection adds two ports the kernel picks. A consumer's rank connects to
+    the producer ranks whose KV heads it holds (:func:`connector.tp_layout.plan_sources`): with
+    equal TP sizes, rank r to rank r."""
     return tp_rank

@@ -4,8 +4,9 @@ vLLM collects ``get_kv_connector_stats()`` from every worker each step, aggregat
 ``aggregate``, logs ``reduce()`` periodically ("KV Transfer metrics: ...") and hands ``data`` to
 the connector's Prometheus metrics (:mod:`connector.vllm_prom`). The counters are those of
 :class:`connector.transfer_stats.TransferStats`; beside them ``data`` holds the observations of
-:class:`connector.vllm_worker.Observations`: per-transfer and per-load seconds (lists, for
-histograms) and the change of each gauge of :data:`connector.vllm_worker.GAUGES`.
+:class:`connector.vllm_worker.Observations`: per-transfer and per-load seconds and the phases of
+:data:`connector.vllm_worker.PHASES` (lists, for histograms) and the change of each gauge of
+:data:`connector.vllm_worker.GAUGES`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from connector.transfer_stats import TransferStats
-from connector.vllm_worker import GAUGES, Observations
+from connector.vllm_worker import GAUGES, PHASES, Observations
 
-#: Keys of ``data`` holding one value per event (concatenated when aggregated).
-SAMPLES = ("transfer_seconds", "load_wait_seconds")
+#: Keys of ``data`` holding one value per event (concatenated when aggregated): per transfer, per
+#: load, and per-request phases (:data:`connector.vllm_worker.PHASES`).
+SAMPLES = ("transfer_seconds", "load_wait_seconds", *PHASES)
 
 
 @dataclasses.dataclass
@@ -41,6 +43,7 @@ class KVBridgeStats(TransferStats, KVConnectorStats):
     def of_worker(cls, counters: TransferStats, observed: Observations) -> KVBridgeStats:
         return cls(data={**counters.data, "transfer_seconds": observed.transfer_seconds,
                          "load_wait_seconds": observed.load_wait_seconds,
+                         **{name: list(observed.phases.get(name, ())) for name in PHASES},
                          **{name: observed.gauges.get(name, 0) for name in GAUGES}})
 
     def aggregate(self, other: Any) -> Any:

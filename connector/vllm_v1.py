@@ -40,13 +40,15 @@ How it works:
   recomputes them under ``kv_load_failure_policy="recompute"`` or fails the request under
   ``"fail"`` (vLLM's default). Nothing waits longer than ``kv_load_timeout``.
 * On every new connection, before any KV moves, both sides exchange their model, KV dtype, block
-  size, block shape, layer count, cache layout and TP size (:mod:`connector.compat`); a mismatch
-  refuses that connection with an error naming every difference (logged on both sides; the
-  consumer's loads from that producer fail).
-* Only workers open connections. With tensor parallelism each TP rank has its own connection
-  to the same TP rank of the producer (equal TP sizes required): a producer's rank r listens at
-  ``kv_port + r`` (:func:`connector.vllm_settings.listen_port_offset`); each rank moves its own
-  heads' share of the KV. Pipeline parallelism is not supported.
+  size, head size, KV head count, block shape, layer count, cache layout and TP size and rank
+  (:mod:`connector.compat`); a mismatch refuses that connection with an error naming every
+  difference (logged on both sides; the consumer's loads from that producer fail).
+* Only workers open connections. With tensor parallelism a producer's rank r listens at
+  ``kv_port + r`` (:func:`connector.vllm_settings.listen_port_offset`) and saves its own KV heads;
+  each decode rank connects to the prefill ranks holding its heads (:mod:`connector.tp_layout`):
+  rank r to rank r at equal TP sizes, several whole entries gathered into its heads where the
+  prefill instance has more ranks, its part of one rank's heads where it has fewer (TP sizes
+  must divide one another). Pipeline parallelism is not supported.
 * Instances start in any order and may restart: a producer listens without waiting for anyone; a
   consumer connects when a request first needs a producer, and connects again after a connection
   failed (requests in between are recomputed or failed, per ``kv_load_failure_policy``).
@@ -116,10 +118,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
             )
 
             tp_rank = get_tensor_model_parallel_rank()
+            model = vllm_config.model_config
+            latent = bool(model.use_mla)  # one latent per token, the same on every TP rank
             identity = compat.KVLayoutInfo(
-                version=compat.VERSION, role=bridge.kv_role, model=vllm_config.model_config.model, dtype="",
+                version=compat.VERSION, role=bridge.kv_role, model=model.model, dtype="",
                 block_size=self._block_size, num_layers=0, block_shape=(), layout="",
-                tp_size=get_tensor_model_parallel_world_size(), tp_rank=tp_rank)
+                tp_size=get_tensor_model_parallel_world_size(), tp_rank=tp_rank,
+                total_kv_heads=0 if latent else model.get_total_num_kv_heads(), head_size=model.get_head_size(),
+                latent=latent)
             self._worker = WorkerSide(self._settings, identity, listen_port_offset(tp_rank))
 
     # ------------------------------------------------------------------ worker side

@@ -27,6 +27,7 @@ connecting keeps failing), so a restarted producer is used again without restart
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -36,10 +37,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import msgspec
 import torch
 
-from connector import compat
+from connector import compat, tp_layout
 from connector.base import KVRequest
 from connector.kv_transfer import recv_kv_caches_and_hidden_states, send_kv_caches_and_hidden_states
 from connector.paged import PagedKV, PagedKVCaches, PagedKVLayout, scatter_blocks
+from connector.tp_sources import SourceConnections, Sources
 from connector.transfer_plan import LoadSpec, SaveSpec
 from connector.transfer_stats import TransferStats
 from connector.vllm_loads import LoadTicket, LoadTracker
@@ -53,9 +55,12 @@ from lookup_buffer.connections import Address
 from lookup_buffer.errors import KVEntryTakenBackError, KVInvalidRequestError
 from lookup_buffer.listener import OnConnect
 from lookup_buffer.loans import BorrowedTensor, Loan
+from lookup_buffer.store import EntryStore
 
 logger = logging.getLogger(__name__)
 
+#: Most prefill instances of another TP size whose sources a consumer rank keeps planned.
+_MAX_PLANS = 1024
 #: Opens the producer's listener: (settings, port offset, on_connect) -> its buffer.
 ListenerFactory = Callable[[ConnectorSettings, int, OnConnect], KVLookupBufferBase]
 #: Connects a consumer to the producer at (host, port): (settings, host, port, on_connect) -> its buffer.
@@ -106,6 +111,16 @@ MAX_COPIED_REMEMBERED = 10_000
 GAUGES = ("connections", "entries_held", "bytes_buffered", "loans_out", "blocks_lent", "loads_in_flight")
 
 
+#: Per-request phases, one value per event (histograms). Producer: ``save_copy_seconds`` (of a save,
+#: packing the blocks into the buffer's memory, or describing where they lie when lent) and
+#: ``entry_wait_seconds`` (an entry from its store until a select took it). Consumer, per hit:
+#: ``load_entry_wait_seconds`` (the select sent until the entry's header or lent descriptor arrived),
+#: ``load_receive_seconds`` (the header until a copied entry's bytes were in hand; where the buffer
+#: says when the header arrived) and ``load_copy_seconds`` (the write into vLLM's blocks).
+PHASES = ("save_copy_seconds", "entry_wait_seconds", "load_entry_wait_seconds", "load_receive_seconds",
+          "load_copy_seconds")
+
+
 @dataclasses.dataclass
 class Observations:
     """Per-event values since the last report (histograms), and the change of each gauge of :data:`GAUGES`."""
@@ -113,9 +128,11 @@ class Observations:
     transfer_seconds: list[float] = dataclasses.field(default_factory=list)  # per save or load
     load_wait_seconds: list[float] = dataclasses.field(default_factory=list)  # claim to blocks written
     gauges: dict[str, int] = dataclasses.field(default_factory=dict)
+    phases: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # by name of PHASES
 
     def is_empty(self) -> bool:
-        return not (self.transfer_seconds or self.load_wait_seconds or any(self.gauges.values()))
+        return not (self.transfer_seconds or self.load_wait_seconds or any(self.gauges.values())
+                    or any(self.phases.values()))
 
 
 def find_layout(cache: torch.Tensor, num_blocks: int, block_size: int, name: str) -> PagedKVLayout:
@@ -175,6 +192,10 @@ class WorkerSide:
         self._observed = Observations()
         self._total = TransferStats()
         self._stats_lock = threading.Lock()  # stats are read by tests/loggers from other threads
+        # Consumer: the prefill TP size and rank expected at each address dialed (checked on connecting),
+        # and the sources of each prefill instance of another TP size, by (host, port, TP size).
+        self._expected_peers: dict[Address, tuple[int, int]] = {}
+        self._sources: dict[tuple[str, int, int], Sources] = {}
 
     # ------------------------------------------------------------------ setup
 
@@ -193,7 +214,8 @@ class WorkerSide:
             self.settings = dataclasses.replace(self.settings, bridge=bridge)
         block_shape = layout.block_shape(first, 1)
         self.identity = msgspec.structs.replace(self.identity, num_layers=len(caches), block_shape=block_shape,
-                                                dtype=str(first.dtype), layout=layout.name)
+                                                dtype=str(first.dtype), layout=layout.name,
+                                                **self._head_fields(block_shape, layout))
         if self.settings.bridge.is_producer:
             if self.settings.lend_blocks:
                 try:
@@ -204,24 +226,79 @@ class WorkerSide:
             self._buffer = self._listener_factory(self.settings, self.port_offset, self._check_peer)
         else:
             settings = self.settings
-            self._producers = ProducerConnections(
+            # Each connection is checked against the prefill rank this rank dialed it for.
+            self._producers = SourceConnections(ProducerConnections(
                 settings.bridge, self._check_peer,
-                connect=lambda config, host, port, on_connect: self._dialer(settings, host, port, on_connect))
-        logger.info("kvbridge %s (TP rank %d) ready: %d layers, blocks of %s %s", self.identity.role,
-                    self.identity.tp_rank, len(caches), block_shape, first.dtype)
+                connect=lambda config, host, port, on_connect: self._dialer(
+                    settings, host, port, functools.partial(self._check_peer, address=(host, port)))))
+        logger.info("kvbridge %s (TP rank %d of %d) ready: %d layers, blocks of %s %s (heads along dimension %d)",
+                    self.identity.role, self.identity.tp_rank, self.identity.tp_size, len(caches), block_shape,
+                    first.dtype, self.identity.head_dim)
 
-    def _check_peer(self, pipe: KVPipeBase) -> compat.KVLayoutInfo:
-        """On each new connection: exchange layouts; KVConfigError names every difference."""
+    def _head_fields(self, block_shape: tuple[int, ...], layout: PagedKVLayout) -> dict[str, int]:
+        """This rank's KV heads in a block (:class:`compat.KVLayoutInfo` fields): the head dimension
+        and, when vLLM did not give it (tests), the model's head count as this rank's times the TP
+        size. A latent cache has none; a cache whose head dimension cannot be found gets -1 (then
+        only equal TP sizes pair)."""
+        identity = self.identity
+        if identity.latent:
+            return {"head_dim": -1}
+        heads = tp_layout.local_heads(identity.total_kv_heads, identity.tp_size) if identity.total_kv_heads else None
+        head_dim = tp_layout.find_head_dim(block_shape, layout.block_dim, layout.block_size_dim, heads)
+        if head_dim is None:
+            logger.warning("kvbridge: no dimension of %s KV heads in a block of shape %s (layout %s): only an "
+                           "instance of the same TP size can pair with this one", heads, block_shape, layout.name)
+            return {"head_dim": -1}
+        return {"head_dim": head_dim,
+                "total_kv_heads": identity.total_kv_heads or block_shape[head_dim] * identity.tp_size}
+
+    def _check_peer(self, pipe: KVPipeBase, address: Address | None = None) -> compat.KVLayoutInfo:
+        """On each new connection: exchange layouts; KVConfigError names every difference. A consumer
+        also checks that the producer at ``address`` is the prefill rank it dialed for
+        (:meth:`producer_address`)."""
         peer = compat.exchange(pipe, self.identity, timeout=self.settings.bridge.kv_timeout)
-        logger.info("kvbridge %s (TP rank %d) connected to a %s peer", self.identity.role, self.identity.tp_rank,
-                    peer.role)
+        expected = self._expected_peers.get(address) if address is not None else None
+        if expected is not None and (peer.tp_size, peer.tp_rank) != expected:
+            host, port = address
+            raise KVConfigError(
+                f"kvbridge: the prefill instance at {host}:{port} is TP rank {peer.tp_rank} of {peer.tp_size}; this "
+                f"decode rank (TP rank {self.identity.tp_rank} of {self.identity.tp_size}) loads from TP rank "
+                f"{expected[1]} of {expected[0]} there (the prefill TP size its kv_transfer_params announced, else "
+                f"kv_producer_tp_size, else this instance's own)")
+        logger.info("kvbridge %s (TP rank %d of %d) connected to a %s peer (TP rank %d of %d)", self.identity.role,
+                    self.identity.tp_rank, self.identity.tp_size, peer.role, peer.tp_rank, peer.tp_size)
         return peer
 
-    def producer_address(self, named: Address | None) -> Address:
+    def producer_address(self, named: Address | None, producer_tp: int | None = None) -> Address | Sources:
         """Where this TP rank loads from: the producer a request names (its listener's base address),
-        else the configured ``kv_ip:kv_port``; plus this rank's port offset."""
+        else the configured ``kv_ip:kv_port``. With the producer's TP size (``producer_tp``, else
+        ``kv_producer_tp_size``, else this instance's) equal to this instance's: its rank of this
+        rank's number, at the base port plus this rank's port offset. Otherwise the prefill ranks
+        whose heads this rank holds (:class:`connector.tp_sources.Sources`, planned by
+        :func:`connector.tp_layout.plan_sources`; a pairing it refuses fails the loads with why)."""
         host, port = named or (self.settings.bridge.kv_ip, self.settings.bridge.kv_port)
-        return host, port + self.port_offset
+        identity = self.identity
+        producer_tp = producer_tp or self.settings.producer_tp_size or identity.tp_size
+        if producer_tp == identity.tp_size:
+            address = (host, port + self.port_offset)
+            self._expected_peers[address] = (producer_tp, identity.tp_rank)
+            return address
+        key = (host, port, producer_tp)
+        sources = self._sources.get(key)
+        if sources is None:
+            try:
+                plan = tp_layout.plan_sources(identity.total_kv_heads, producer_tp, identity.tp_size,
+                                              identity.tp_rank, latent=identity.latent,
+                                              has_heads=identity.head_dim >= 0)
+                sources = Sources(host, port, producer_tp, tuple(plan), 1 + identity.head_dim)
+            except KVConfigError as exc:
+                sources = Sources(host, port, producer_tp, (), -1, refused=str(exc).removeprefix("kvbridge: "))
+            if len(self._sources) >= _MAX_PLANS:
+                self._sources.clear()
+            self._sources[key] = sources
+        for source in sources.plan:
+            self._expected_peers[sources.address(source)] = (producer_tp, source.rank)
+        return sources
 
     def close(self) -> None:
         self._loads.cancel_all()
@@ -286,7 +363,7 @@ class WorkerSide:
                 self._copied.pop(next(iter(self._copied)))
         self._add(saved_requests=1, lent_requests=int(result.loan is not None), saved_blocks=len(spec.block_ids),
                   saved_bytes=result.num_bytes, save_seconds=result.seconds)
-        self._observe(transfer_seconds=result.seconds)
+        self._observe(transfer_seconds=result.seconds, save_copy_seconds=result.copy_seconds)
         return True
 
     def hold(self, req_ids: Iterable[str]) -> None:
@@ -379,7 +456,7 @@ class WorkerSide:
                 self._load_job(spec, ticket, claimed, KVConfigError("the consumer is not connected"))
             else:
                 self._producers.when_ready(
-                    self.producer_address(spec.producer),
+                    self.producer_address(spec.producer, spec.producer_tp),
                     lambda ready, spec=spec, ticket=ticket, claimed=claimed: self._load_job(spec, ticket, claimed,
                                                                                             ready))
 
@@ -437,7 +514,7 @@ class WorkerSide:
         """Load one request over ``buffer``, the open connection to its producer, in a load thread;
         return why it failed, or None on success (or when cancelled)."""
         caches = self._require_caches()
-        address = self.producer_address(spec.producer)
+        address = self.producer_address(spec.producer, spec.producer_tp)
         target = _LoadTarget(caches, spec.block_ids, skip_blocks=spec.skip_blocks, cancelled=ticket.cancelled)
         request = _kv_request(spec.token_ids, target)
         try:
@@ -457,7 +534,8 @@ class WorkerSide:
             return result.reason
         self._add(load_hits=1, loaded_blocks=len(spec.block_ids) - spec.skip_blocks, loaded_bytes=result.num_bytes,
                   load_seconds=result.seconds)
-        self._observe(transfer_seconds=result.seconds)
+        self._observe(transfer_seconds=result.seconds, load_entry_wait_seconds=result.wait_seconds,
+                      load_receive_seconds=result.receive_seconds, load_copy_seconds=result.copy_seconds)
         return None
 
     def _drain(self, spec: LoadSpec) -> None:
@@ -467,7 +545,7 @@ class WorkerSide:
         is open, at this call and when the drain runs: a drain never connects (an entry left behind
         expires at the producer). Nothing is reported to vLLM: the request does not wait for it."""
         producers = self._producers
-        address = self.producer_address(spec.producer)
+        address = self.producer_address(spec.producer, spec.producer_tp)
         if producers is None or producers.connected(address) is None:
             return
 
@@ -496,6 +574,8 @@ class WorkerSide:
     def take_stats(self) -> tuple[TransferStats, Observations] | None:
         """Counters and observations since the last call, or None when nothing happened."""
         gauges = self.gauges()
+        store = _entry_store(self._buffer)
+        entry_waits = store.take_waits() if store is not None else []
         buffer = self.buffer_stats()
         dropped = {"expired_entries": buffer.expired if buffer is not None else 0,
                    "evicted_entries": buffer.evicted if buffer is not None else 0}
@@ -510,6 +590,8 @@ class WorkerSide:
                     self._interval.add(**{name: count - self._reported_dropped[name]})
                     self._total.add(**{name: count - self._reported_dropped[name]})
                     self._reported_dropped[name] = count
+            if entry_waits:
+                self._observed.phases.setdefault("entry_wait_seconds", []).extend(entry_waits)
             if self._interval.is_empty() and self._observed.is_empty():
                 return None
             interval, self._interval = self._interval, TransferStats()
@@ -548,12 +630,19 @@ class WorkerSide:
             self._interval.add(**counts)
             self._total.add(**counts)
 
-    def _observe(self, transfer_seconds: float | None = None, load_wait_seconds: float | None = None) -> None:
+    def _observe(self, transfer_seconds: float | None = None, load_wait_seconds: float | None = None,
+                 **phases: float | None) -> None:
+        """Record one event's values (None: not observed); ``phases`` by name of :data:`PHASES`."""
         with self._stats_lock:
             if transfer_seconds is not None:
                 self._observed.transfer_seconds.append(transfer_seconds)
             if load_wait_seconds is not None:
                 self._observed.load_wait_seconds.append(load_wait_seconds)
+            for name, value in phases.items():
+                if name not in PHASES:
+                    raise KeyError(f"unknown kvbridge phase {name!r}")
+                if value is not None:
+                    self._observed.phases.setdefault(name, []).append(value)
 
     # ------------------------------------------------------------------ helpers
 
@@ -574,6 +663,16 @@ class WorkerSide:
             return
         if self._producers is not None:
             self._producers.discard(address, buffer, error)
+
+
+def _entry_store(buffer: KVLookupBufferBase | None) -> EntryStore | None:
+    """The producer's entry store behind ``buffer`` (a BufferListener's, or a SimpleBuffer's
+    producer's), whose taken entries' waits the stats report; None for any other buffer."""
+    for owner in (buffer, getattr(buffer, "_side", None)):
+        store = getattr(owner, "_store", None)
+        if isinstance(store, EntryStore):
+            return store
+    return None
 
 
 def _kv_request(token_ids: Sequence[int], kv: PagedKV) -> KVRequest:

@@ -3,7 +3,7 @@
 ::
 
     python -m launch.serve MODEL --port 8000 [--prefill-instances N] [--decode-instances M]
-        [--kv-port 14579] [-- EXTRA VLLM SERVE ARGS]
+        [--prefill-tp P] [--decode-tp D] [--kv-port 14579] [-- EXTRA VLLM SERVE ARGS]
 
 starts N prefill instances (``kv_producer``) on HTTP ports from ``--prefill-port`` on, each
 listening for kvbridge at its own port from ``--kv-port`` on (one per TP rank), then M decode
@@ -16,9 +16,15 @@ prefill instance: the prefill's ``kv_transfer_params`` name it. Arguments after 
 of every instance of one kind. On several hosts, run the instances and the proxy yourself with the
 ``--kv-transfer-config`` this command logs, each prefill instance's ``kv_ip`` being its own host.
 
-Placement: on a CPU host each instance gets its own cores through ``VLLM_CPU_OMP_THREADS_BIND``
-(the host's cores split evenly; with fewer cores than instances, one core each, shared), unless
-the environment binds already or TP > 1.
+Tensor parallelism: ``--prefill-tp P`` and ``--decode-tp D`` give each kind of instance its own TP
+size (``--tensor-parallel-size`` after ``--`` gives both the same one); P and D must divide one
+another (:mod:`connector.tp_layout`). Prefill instances' kvbridge ports are P apart; decode
+instances are told P (``kv_producer_tp_size``) for requests that name no prefill instance.
+
+Placement: on a CPU host each TP rank of each instance gets its own cores through
+``VLLM_CPU_OMP_THREADS_BIND`` (the host's cores split evenly over all ranks, ``|`` between an
+instance's ranks; with fewer cores than ranks, one core each, shared round robin), unless the
+environment binds already.
 
 Secrets: the shared ``kv_secret`` is read once, from ``KVBRIDGE_KV_SECRET``,
 ``KVBRIDGE_KV_SECRET_FILE`` or ``kv_secret_file`` in ``--kv-extra`` (:mod:`connector.secret`), and
@@ -26,8 +32,9 @@ reaches the instances through their environment, never their command lines. Logg
 show ``--api-key`` values as redacted (``VLLM_API_KEY`` keeps the key out of ``ps`` too).
 
 Memory: on a CPU host, unless the vLLM arguments or an instance's environment size the KV cache,
-each instance gets a ``--kv-cache-memory-bytes`` chosen from the host's available memory, split
-over all instances (:mod:`launch.kv_memory`); the choice is logged.
+each instance gets a ``--kv-cache-memory-bytes`` (vLLM's size per TP rank) chosen from the host's
+available memory, split over all TP ranks of all instances (:mod:`launch.kv_memory`); the choice is
+logged.
 """
 
 from __future__ import annotations
@@ -169,13 +176,15 @@ def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[s
     refuse_inline_secret(args.kv_extra, "--kv-extra")
     extra = dict(args.kv_extra)
     secret = resolve_secret(environ, extra.pop(SECRET_FILE_KEY, None))
-    tp_size = tensor_parallel_size(serve_args)
-    kinds = (("prefill", "kv_producer", args.prefill_instances, args.prefill_port, args.prefill_env),
-             ("decode", "kv_consumer", args.decode_instances, args.decode_port, args.decode_env))
-    total = args.prefill_instances + args.decode_instances
-    binds = core_binds(cores, total, tp_size, environ)
+    prefill_tp, decode_tp = tp_sizes(args, serve_args)
+    kinds = (("prefill", "kv_producer", args.prefill_instances, args.prefill_port, args.prefill_env, prefill_tp,
+              args.prefill_tp is not None),
+             ("decode", "kv_consumer", args.decode_instances, args.decode_port, args.decode_env, decode_tp,
+              args.decode_tp is not None))
+    tps = [prefill_tp] * args.prefill_instances + [decode_tp] * args.decode_instances
+    binds = core_binds(cores, tps, environ)
     instances = []
-    for kind, role, count, first_port, pairs in kinds:
+    for kind, role, count, first_port, pairs, tp_size, tp_given in kinds:
         for index in range(count):
             name = kind if count == 1 else f"{kind}-{index}"
             env = instance_env(environ, pairs, secret)
@@ -183,19 +192,42 @@ def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[s
             if bind is not None and BIND_ENV not in env:
                 env[BIND_ENV] = bind
             vllm_args = list(serve_args)
+            if tp_given:
+                vllm_args += ["--tensor-parallel-size", str(tp_size)]
             if kv_budget is not None and not kv_memory.user_sized(serve_args, env):
-                kv_bytes = kv_memory.kv_cache_bytes(kv_budget, total)
+                kv_bytes = kv_memory.kv_cache_bytes(kv_budget, sum(tps))
                 vllm_args += ["--kv-cache-memory-bytes", str(kv_bytes)]
-                logger.info("%s instance: --kv-cache-memory-bytes %d (%d MiB: %.0f%% of the %d MiB available, split "
-                            "over %d instances, at most %d MiB); give --kv-cache-memory-bytes after -- to choose",
-                            name, kv_bytes, kv_bytes // kv_memory.MIB, kv_memory.KV_FRACTION * 100,
-                            kv_budget // kv_memory.MIB, total, kv_memory.KV_CAP_BYTES // kv_memory.MIB)
-            kv_port = args.kv_port + index * tp_size if role == "kv_producer" else args.kv_port
-            transfer = kv_transfer_config(role, args.kv_ip, kv_port, extra)
+                logger.info("%s instance: --kv-cache-memory-bytes %d per TP rank (%d MiB: %.0f%% of the %d MiB "
+                            "available, split over %d TP ranks of %d instances, at most %d MiB); give "
+                            "--kv-cache-memory-bytes after -- to choose", name, kv_bytes, kv_bytes // kv_memory.MIB,
+                            kv_memory.KV_FRACTION * 100, kv_budget // kv_memory.MIB, sum(tps), len(tps),
+                            kv_memory.KV_CAP_BYTES // kv_memory.MIB)
+            kv_port = args.kv_port + index * prefill_tp if role == "kv_producer" else args.kv_port
+            own_extra = dict(extra)
+            if role == "kv_consumer" and prefill_tp != decode_tp:
+                own_extra.setdefault("kv_producer_tp_size", prefill_tp)  # requests that name no prefill instance
+            transfer = kv_transfer_config(role, args.kv_ip, kv_port, own_extra)
             port = first_port + index
             instances.append(Instance(name, port, vllm_serve_command(args.model, args.host, port, transfer, vllm_args),
                                       env))
     return instances
+
+
+def tp_sizes(args: argparse.Namespace, serve_args: Sequence[str]) -> tuple[int, int]:
+    """The TP sizes of the prefill and the decode instances: ``--prefill-tp`` / ``--decode-tp``, else
+    the ``--tensor-parallel-size`` among the vLLM arguments (1 without it). KVConfigError for both
+    at once, or sizes that do not divide one another (kvbridge could move no KV between them)."""
+    common = tensor_parallel_size(serve_args)
+    given = {name: value for name, value in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp))
+             if value is not None}
+    if given and any(arg.partition("=")[0] in ("-tp", "--tensor-parallel-size") for arg in serve_args):
+        raise KVConfigError(f"{' and '.join(given)} and --tensor-parallel-size after -- both set TP sizes: give "
+                            f"--prefill-tp and --decode-tp only")
+    prefill, decode = args.prefill_tp or common, args.decode_tp or common
+    if max(prefill, decode) % min(prefill, decode):
+        raise KVConfigError(f"--prefill-tp {prefill} and --decode-tp {decode}: one TP size must divide the other "
+                            f"(a decode rank loads its KV heads from whole prefill ranks, or from part of one)")
+    return prefill, decode
 
 
 def tensor_parallel_size(serve_args: Sequence[str]) -> int:
@@ -214,19 +246,28 @@ def tensor_parallel_size(serve_args: Sequence[str]) -> int:
     return parsed
 
 
-def core_binds(cores: Sequence[int] | None, instances: int, tp_size: int,
-               environ: Mapping[str, str]) -> list[str | None]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` per instance: disjoint runs of cores when there are enough,
-    one core each, shared round robin, when there are not; None where vLLM should choose (no
-    cores given, the caller's environment binds already, or TP > 1, whose ranks need a bind each)."""
-    if not cores or BIND_ENV in environ or tp_size > 1:
-        return [None] * instances
+def core_binds(cores: Sequence[int] | None, tps: Sequence[int], environ: Mapping[str, str]) -> list[str | None]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per instance (``tps``: each one's TP size): every TP rank of
+    every instance gets a disjoint run of cores when there are enough, one core each, shared round
+    robin, when there are not; an instance's ranks are separated by ``|``. None where vLLM should
+    choose (no cores given, or the caller's environment binds already)."""
+    if not cores or BIND_ENV in environ:
+        return [None] * len(tps)
     cores = sorted(cores)
-    share = len(cores) // instances
+    ranks = sum(tps)
+    share = len(cores) // ranks
     if share == 0:
-        logger.info("%d instances on %d cores: they share cores", instances, len(cores))
-        return [str(cores[index % len(cores)]) for index in range(instances)]
-    return [",".join(str(core) for core in cores[index * share:(index + 1) * share]) for index in range(instances)]
+        logger.info("%d TP ranks of %d instances on %d cores: they share cores", ranks, len(tps), len(cores))
+    binds = []
+    rank = 0
+    for tp in tps:
+        lists = []
+        for _ in range(tp):
+            lists.append(",".join(str(core) for core in cores[rank * share:(rank + 1) * share]) if share
+                         else str(cores[rank % len(cores)]))
+            rank += 1
+        binds.append("|".join(lists))
+    return binds
 
 
 def _kv_budget() -> int | None:
@@ -275,6 +316,10 @@ def parser() -> argparse.ArgumentParser:
                         help="decode instances to start (HTTP ports from --decode-port on)")
     parser.add_argument("--prefill-port", type=int, default=8100, help="HTTP port of the first prefill instance")
     parser.add_argument("--decode-port", type=int, default=8200, help="HTTP port of the first decode instance")
+    parser.add_argument("--prefill-tp", type=_positive, default=None, metavar="P",
+                        help="TP size of each prefill instance (default: --tensor-parallel-size after --, else 1)")
+    parser.add_argument("--decode-tp", type=_positive, default=None, metavar="D",
+                        help="TP size of each decode instance; P and D must divide one another")
     parser.add_argument("--kv-ip", default="127.0.0.1", help="address the prefill instances listen on for kvbridge")
     parser.add_argument("--kv-port", type=int, default=14579,
                         help="kvbridge port of the first prefill instance (each one takes one per TP rank)")

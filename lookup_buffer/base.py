@@ -153,12 +153,19 @@ class KVLookupBufferBase(abc.ABC):
 
     @abc.abstractmethod
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> SelectResult:
+                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> SelectResult:
         """Consumer: take the entry matching ``(input_tokens, roi)`` out of the producer's buffer.
 
         With ``borrow=True`` a lent item may come as a :class:`~lookup_buffer.loans.BorrowedTensor`:
         copy its bytes out, then release it (``release_all(result)``); the producer takes back
         what is not released within its ``kv_timeout``, and the release then raises.
+
+        With ``part=(dim, start, stop)`` only that part of an entry is taken: each of its tensors
+        narrowed to ``[start, stop)`` along dimension ``dim``. The producer splits the entry into
+        equal parts of that width and keeps the others, each for a select naming it (e.g. the
+        decode TP ranks that each take some of a prefill rank's KV heads); a part select never takes
+        a whole entry's place, nor a whole select a part. The width must divide the tensors' size
+        there and ``start`` be a multiple of it, else the producer refuses the select.
 
         Returns ``[input_tokens, roi, key, value, hidden]`` of the entry (the producer's tensors,
         bit-exact, on the pipe's device; the entry is removed from the producer: "drop"), or five
@@ -168,7 +175,8 @@ class KVLookupBufferBase(abc.ABC):
         select at once, each gets exactly its own entry.
 
         Raises:
-            KVInvalidRequestError: the arguments break the contract of :meth:`insert`.
+            KVInvalidRequestError: the arguments break the contract of :meth:`insert`, or ``part``
+                is not ``(dim, start, stop)`` with ``0 <= start < stop``.
             KVPeerLostError: the producer died or did not answer within ``timeout + kv_timeout``.
             KVPipeClosedError: this buffer was closed (also wakes a waiting call), or the
                 producer closed its side.

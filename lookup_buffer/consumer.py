@@ -44,7 +44,7 @@ from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError, KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
 from lookup_buffer.base import BufferStats, SelectResult
 from lookup_buffer.control import HIGH_WATER_MARK, Endpoint
-from lookup_buffer.errors import fresh_error
+from lookup_buffer.errors import KVInvalidRequestError, fresh_error
 from lookup_buffer.loans import BorrowedTensor, Borrowing
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
@@ -120,9 +120,15 @@ class BufferConsumer:
 
     # ------------------------------------------------------------------ caller API
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, wait: float, borrow: bool = False
-                    ) -> SelectResult:
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, wait: float, borrow: bool = False,
+                    part: tuple[int, int, int] | None = None) -> SelectResult:
         tokens, roi_array = token_arrays(input_tokens, roi)
+        try:
+            # A copy of the tokens (the caller's tensors are theirs again once this call returns), and
+            # the part checked before anything is sent.
+            request = select_request(0, tokens, roi_array, 0, part=part)
+        except ValueError as exc:
+            raise KVInvalidRequestError(f"drop_select: {exc}") from None
         wait_ms = math.ceil(wait * 1000)
         with self._lock:
             self._raise_if_stopped()
@@ -132,8 +138,7 @@ class BufferConsumer:
             call = self._calls[request_id] = _Call(request_id, borrow)
         returned = False
         try:
-            # A copy of the tokens: the caller's tensors are theirs again once this call returns.
-            call.request = select_request(request_id, tokens, roi_array, wait_ms, borrow=borrow)
+            call.request = msgspec.structs.replace(request, request_id=request_id, wait_ms=wait_ms, borrow=borrow)
             with self._send_lock:
                 if self._session is None:
                     self._outbox.append(call)

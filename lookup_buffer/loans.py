@@ -114,6 +114,8 @@ class Loan:
         self._slot: int | None = None  # its stamp word in the loan table while lent out
         self._copying = False
         self._taking_back = False
+        self._parent: Loan | None = None  # a part's loan: the loan of the entry it was divided from
+        self._children: tuple[Loan, ...] = ()  # a divided entry's loan: the loans of its parts
 
     @property
     def outcome(self) -> str | None:
@@ -152,17 +154,58 @@ class Loan:
     def end(self, outcome: str) -> bool:
         """End the loan with ``outcome`` unless it already ended; whether this call ended it. A loan
         lent out has its stamp cleared first, so that a borrower that copies after this sees that it
-        must not use what it copied."""
+        must not use what it copied. A divided loan ends only through its parts (:meth:`divide`)."""
         with self._lock:
-            if self._outcome is not None:
+            if self._outcome is not None or self._children:
                 return False
             slot, self._slot = self._slot, None
             self._withdraw = None  # the store's entry is gone, or soon will be
             if slot is not None:
                 loan_table().clear(slot)
             self._outcome = outcome
+            parent = self._parent
         self._ended.set()
+        if parent is not None:
+            parent._part_ended()
         return True
+
+    @property
+    def children(self) -> tuple[Loan, ...]:
+        """The loans of the parts this loan's entry was divided into (:meth:`divide`); empty if it was not."""
+        return self._children
+
+    def divide(self, count: int) -> list[Loan] | None:
+        """Store: the entry is divided into ``count`` parts, each stored and selected on its own
+        (a select of part of an entry, e.g. of some KV heads): one new loan per part. This loan then
+        ends once all of theirs have ended (with their outcome, if all ended alike, else
+        :data:`TAKEN_BACK` or :data:`RETURNED` where any ended so, else the last one's), and
+        :meth:`take_back` takes all of them back. None, and nothing divided, if this loan has ended, is being taken
+        back, or its entry is being copied or lent out."""
+        with self._lock:
+            if (self._outcome is not None or self._taking_back or self._copying or self._slot is not None
+                    or self._children or count < 1):
+                return None
+            children = tuple(Loan() for _ in range(count))
+            for child in children:
+                child._parent = self
+            self._children = children
+            self._withdraw = None  # the whole entry leaves its store: its parts are withdrawn one by one
+            return list(children)
+
+    def _part_ended(self) -> None:
+        """One of this loan's parts ended: end this loan once all have."""
+        outcomes = [child.outcome for child in self._children]
+        if any(outcome is None for outcome in outcomes):
+            return
+        if len(set(outcomes)) == 1:
+            outcome = outcomes[0]
+        else:
+            outcome = next((kind for kind in (TAKEN_BACK, RETURNED) if kind in outcomes), outcomes[-1])
+        with self._lock:
+            if self._outcome is not None:
+                return
+            self._outcome = outcome
+        self._ended.set()
 
     def take_back(self, timeout: float) -> bool:
         """Owner: end the loan now, whatever stage it is in, because the memory is about to change.
@@ -176,7 +219,9 @@ class Loan:
             if self._outcome is not None:
                 return True
             self._taking_back = True
-            copying, withdraw = self._copying, self._withdraw
+            copying, withdraw, children = self._copying, self._withdraw, self._children
+        if children:  # every part, each at whatever stage it is (this loan ends with the last one)
+            return all([child.take_back(timeout) for child in children])
         if copying:
             return self._ended.wait(timeout)
         if withdraw is not None:
@@ -216,11 +261,50 @@ class LentTensor:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    def narrow(self, dim: int, start: int, length: int) -> LentTensor:
+        """The lent tensor of ``[start, start + length)`` along dimension ``dim`` (as ``torch.narrow``),
+        over the same memory: a part of an entry selected on its own (e.g. some of its KV heads).
+        ValueError if that range is not within the tensor."""
+        if not 0 <= dim < len(self.shape) or start < 0 or length < 1 or start + length > self.shape[dim]:
+            raise ValueError(f"[{start}, {start + length}) of dimension {dim} of a {self.shape} tensor")
+        inner = math.prod(self.shape[dim + 1:]) * self.dtype.itemsize  # bytes of one index along dim
+        starts = np.arange(math.prod(self.shape[:dim]), dtype=np.int64) * (self.shape[dim] * inner) + start * inner
+        index, offset, nbytes = cut(self.pieces[:, 1], starts, length * inner)
+        pieces = np.stack([self.pieces[index, 0] + offset, nbytes], axis=1)
+        places = np.stack([self.places[index, 0], self.places[index, 1] + offset], axis=1)
+        shape = (*self.shape[:dim], length, *self.shape[dim + 1:])
+        return LentTensor(shape, self.dtype, pieces, self.exports, places)
+
     def materialize(self, empty: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> torch.Tensor:
         """A copy of the bytes in a new tensor made by ``empty(shape, dtype)`` (contiguous)."""
         tensor = empty(self.shape, self.dtype)
         copy_pieces([(tensor.data_ptr(), self.nbytes)], self.pieces)
         return tensor
+
+
+def cut(sizes: np.ndarray, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte ranges ``[start, start + length)``, for each of ``starts``, of a stream made of pieces of
+    ``sizes`` bytes one after another, as the sub-pieces that hold them, range by range in order:
+    ``(piece index, offset in that piece, bytes)`` of each (int64 arrays). ValueError if a range
+    leaves the stream."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.cumsum(sizes)
+    begins = ends - sizes
+    total = int(ends[-1]) if len(ends) else 0
+    if len(starts) and (length < 0 or int(starts.min()) < 0 or int(starts.max()) + length > total):
+        raise ValueError(f"byte ranges of {length} bytes from {int(starts.min())} to {int(starts.max())} "
+                         f"of a stream of {total}")
+    low = np.searchsorted(ends, starts, side="right")  # the first piece ending after the range's start
+    high = np.searchsorted(begins, starts + length, side="left")  # past the last piece starting before its end
+    counts = np.maximum(high - low, 0)
+    ranges = np.repeat(np.arange(len(starts), dtype=np.int64), counts)
+    firsts = np.repeat(np.cumsum(counts) - counts, counts)
+    piece = np.repeat(low, counts) + np.arange(int(counts.sum()), dtype=np.int64) - firsts
+    first_byte = np.maximum(begins[piece], starts[ranges])
+    last_byte = np.minimum(ends[piece], starts[ranges] + length)
+    keep = last_byte > first_byte
+    return piece[keep], (first_byte - begins[piece])[keep], (last_byte - first_byte)[keep]
 
 
 class Borrowing:

@@ -57,7 +57,7 @@ from lookup_buffer.protocol import (
     parse_release,
     stamp_header,
 )
-from lookup_buffer.store import Entry, EntryStore
+from lookup_buffer.store import Entry, EntryStore, Part
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class _Waiter:
     borrow: bool = False
     waited: bool = False
     done: bool = False
+    part: Part | None = None  # the part of the entry it takes (None: all of it)
 
 
 Item = torch.Tensor | LentTensor
@@ -351,7 +352,7 @@ class BufferProducer:
                 self._refuse(identity, exc.request_id, exc.reason, str(exc))
                 continue
             waiter = _Waiter(identity, request.request_id, MatchKey(tokens, roi),
-                             time.monotonic() + request.wait_ms / 1000, borrow=request.borrow)
+                             time.monotonic() + request.wait_ms / 1000, borrow=request.borrow, part=request.part)
             self._on_select(waiter, request.wait_ms)
 
     def _check_fresh(self, request: SelectRequest) -> None:
@@ -398,15 +399,30 @@ class BufferProducer:
                 self._match(key)
 
     def _match(self, key: MatchKey) -> None:
-        """Serve the waiters of ``key`` in order while entries for it are stored."""
+        """Serve the waiters of ``key`` in order while entries for it are stored: a select of the whole
+        entry takes a whole one, a select of a part takes that part (splitting a whole entry if
+        need be); one that finds nothing leaves the next ones their chance."""
         queue = self._waiters[key]
+        unserved: collections.deque[_Waiter] = collections.deque()
+        whole_left = True  # until a whole select finds none, none will
         while queue and self._failure is None:
-            entry = self._store.pop(key)
-            if entry is None:
-                break
-            waiter = queue.popleft()
-            self._unpark(waiter)
-            self._send_hit(waiter, entry)
+            waiter = queue[0]
+            try:
+                if waiter.part is None:
+                    entry = self._store.pop(key) if whole_left else None
+                    whole_left = entry is not None
+                else:
+                    entry = self._store.pop_part(key, waiter.part)
+            except KVInvalidRequestError as exc:  # the entry cannot be divided as that select asks
+                queue.popleft()
+                self._unpark(waiter)
+                self._refuse(waiter.identity, waiter.request_id, "config", str(exc))
+                continue
+            unserved.append(queue.popleft())
+            if entry is not None:
+                self._unpark(unserved.pop())
+                self._send_hit(waiter, entry)
+        queue.extendleft(reversed(unserved))
         if not queue:
             del self._waiters[key]
 
@@ -439,6 +455,9 @@ class BufferProducer:
                 items = [item.materialize(self._pipe.empty) if isinstance(item, LentTensor) else item
                          for item in items]
                 entry.loan.end(SENT)
+            # A part of a copied entry (a strided view of it) goes straight into pipe memory: one copy.
+            items = [self._pipe.empty(item.shape, item.dtype).copy_(item)
+                     if isinstance(item, torch.Tensor) and not item.is_contiguous() else item for item in items]
             # timeout None: wait for pipe credit as long as the consumer is alive; a partial hit
             # would leave the stream out of step.
             stamp_header(header.numpy(), waiter.request_id, waiter.waited,

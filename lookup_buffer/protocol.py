@@ -20,6 +20,9 @@ Exchange:
   hidden states; a miss, a refusal for lack of room and the producer closing have a header only
   (:func:`make_outcome`). The consumer routes outcomes by request id, so concurrent requests never
   swap data.
+* A select may name a part of the entry (``part``: a range along one dimension of its tensors,
+  e.g. some KV heads); the producer then splits the entry into equal parts, sends that one and
+  keeps the others for the selects that name them (:meth:`lookup_buffer.store.EntryStore.pop_part`).
 * Lent entries (:mod:`lookup_buffer.loans`): a select that may borrow says so. If the producer lends
   it the entry, each lent item of the hit is a loan descriptor (:func:`make_loan_descriptor`): where
   the bytes lie in the producer's exported memory. Once the consumer has copied them it sends a
@@ -53,7 +56,7 @@ from kv_pipe.exported_memory import ExportDescriptor
 from kv_pipe.protocol import CODE_TO_DTYPE, DTYPE_TO_CODE, MAX_NDIM
 from lookup_buffer.matching import MAX_TOKENS, TOKEN_DTYPES, TOKEN_WIRE_DTYPE, MatchKey
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 #: Longest a producer holds a select waiting for an insert.
 MAX_WAIT_MS = 3_600_000
 MAX_MESSAGE_CHARS = 1000
@@ -115,6 +118,9 @@ class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True)
     wait_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)]
     #: The consumer can borrow lent entries (:mod:`lookup_buffer.loans`).
     borrow: bool = False
+    #: Take only this part of the entry (:data:`lookup_buffer.store.Part`): ``[dim, start, stop]``,
+    #: every tensor narrowed to ``[start, stop)`` along dimension ``dim``; absent: the whole entry.
+    part: tuple[int, int, int] | None = None
 
 
 class Refusal(msgspec.Struct, tag="refusal", tag_field="type", frozen=True):
@@ -241,9 +247,10 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
 
 def select_request(
     request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int, session: bytes = b"", counter: int = 0,
-    borrow: bool = False,
+    borrow: bool = False, part: tuple[int, int, int] | None = None,
 ) -> SelectRequest:
-    """A select of ``tokens``/``roi`` (as returned by :func:`lookup_buffer.matching.token_arrays`; copied).
+    """A select of ``tokens``/``roi`` (as returned by :func:`lookup_buffer.matching.token_arrays`; copied),
+    of the whole entry or only ``part`` of it (checked as :func:`decode_request` does: ValueError).
 
     The consumer fills in ``session`` and ``counter`` just before sending
     (``msgspec.structs.replace``): until then the request is not valid on the wire.
@@ -257,7 +264,26 @@ def select_request(
         roi=roi.astype(np.uint8).tobytes(),
         wait_ms=wait_ms,
         borrow=borrow,
+        part=_checked_part(part),
     )
+
+
+#: Bounds of a part's fields: a dimension of a tensor on the pipe, indices within 2**31.
+MAX_PART_INDEX = 1 << 31
+
+
+def _checked_part(part: Sequence[int] | None) -> tuple[int, int, int] | None:
+    """``part`` as a tuple; ValueError unless it is None or ``(dim, start, stop)`` with
+    ``0 <= dim <= MAX_NDIM`` (tensors of an entry carry at most MAX_NDIM dimensions, a paged key
+    one more) and ``0 <= start < stop <= MAX_PART_INDEX``."""
+    if part is None:
+        return None
+    values = tuple(part)
+    if (len(values) != 3 or any(isinstance(v, bool) or not isinstance(v, int) for v in values)
+            or not 0 <= values[0] <= MAX_NDIM or not 0 <= values[1] < values[2] <= MAX_PART_INDEX):
+        raise ValueError(f"a part must be [dim, start, stop] with 0 <= dim <= {MAX_NDIM} and "
+                         f"0 <= start < stop <= {MAX_PART_INDEX}, got {list(values)[:3]}")
+    return values
 
 
 def encode_request(signer: ControlSigner, request: SelectRequest) -> bytes:
@@ -286,6 +312,10 @@ def decode_request(signer: ControlSigner, frame: bytes) -> tuple[SelectRequest, 
         raise MessageError(
             "select request roi must be 0/1 bytes selecting at least one token", "malformed", request.request_id
         )
+    try:
+        _checked_part(request.part)
+    except ValueError as exc:
+        raise MessageError(f"select request: {exc}", "malformed", request.request_id) from None
     return request, np.frombuffer(request.tokens, dtype=TOKEN_WIRE_DTYPE), roi.view(np.bool_)
 
 

@@ -81,11 +81,11 @@ class SimpleBuffer(KVLookupBufferBase):
         return isinstance(self._side, BufferProducer) and self._side.unlend(loan)
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> SelectResult:
+                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> SelectResult:
         if not isinstance(self._side, BufferConsumer):
             raise KVConfigError(f"drop_select() needs kv_role='kv_consumer'; this buffer is {self.config.kv_role!r}")
         seconds = 0.0 if timeout is None else _seconds(timeout)
-        return self._side.drop_select(input_tokens, roi, seconds, borrow)
+        return self._side.drop_select(input_tokens, roi, seconds, borrow, part)
 
     @property
     def failure(self) -> Exception | None:

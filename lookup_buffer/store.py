@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kv_pipe.errors import KVBufferFullError, KVTransferError
-from lookup_buffer.errors import fresh_error
+from lookup_buffer.errors import KVInvalidRequestError, fresh_error
 from lookup_buffer.loans import COPIED, DROPPED, EVICTED, EXPIRED, LentTensor, Loan
 from lookup_buffer.matching import MatchKey
 
@@ -28,13 +28,21 @@ logger = logging.getLogger(__name__)
 
 #: At most one warning about evictions per this many seconds; it counts every eviction since the last.
 EVICTION_LOG_INTERVAL = 10.0
+#: How many waits of taken entries :meth:`EntryStore.take_waits` keeps between calls.
+TAKEN_WAITS_KEPT = 4096
+
+
+#: A part of an entry that a select may take on its own: ``(dim, start, stop)``, every tensor of the
+#: entry narrowed to ``[start, stop)`` along dimension ``dim`` (e.g. some of the KV heads of paged
+#: blocks, for a decode instance with more TP ranks than the prefill instance).
+Part = tuple[int, int, int]
 
 
 class Entry:
     """One inserted request: the tensors a hit sends (or lent tensors, with their ``loan``), and the
     bytes it is charged for."""
 
-    __slots__ = ("items", "nbytes", "largest", "expires", "loan", "lent")
+    __slots__ = ("items", "nbytes", "largest", "expires", "loan", "lent", "stored")
 
     def __init__(self, items: tuple[torch.Tensor | LentTensor, ...], nbytes: int, loan: Loan | None = None,
                  lent: tuple[bool, bool, bool] = (False, False, False)) -> None:
@@ -43,6 +51,7 @@ class Entry:
         self.nbytes = nbytes
         self.largest = max(item.nbytes for item in items)  # a lent item may be copied into one message too
         self.expires = math.inf  # set when stored
+        self.stored: float | None = None  # time.monotonic() when first stored (kept by a copy of it)
         self.loan = loan
 
 
@@ -95,6 +104,9 @@ class EntryStore:
         self._blocked = 0
         self._rejected = 0
         self._error: KVTransferError | None = None
+        # Seconds each popped entry waited since it was stored, until taken by take_waits (bounded:
+        # nobody may ever take them).
+        self._waits: collections.deque[float] = collections.deque(maxlen=TAKEN_WAITS_KEPT)
 
     def put(self, key: MatchKey, entry: Entry, timeout: float) -> None:
         """Store ``entry``: evicting the oldest unclaimed entries to make room (``evict_unclaimed``),
@@ -142,7 +154,10 @@ class EntryStore:
                     self._blocked -= 1
             if self._error is not None:
                 raise fresh_error(self._error)
-            entry.expires = time.monotonic() + self._entry_timeout
+            now = time.monotonic()
+            entry.expires = now + self._entry_timeout
+            if entry.stored is None:
+                entry.stored = now
             self._entries.setdefault(key, collections.deque()).append(entry)
             self._by_age[entry] = key
             if entry.loan is not None:
@@ -161,7 +176,67 @@ class EntryStore:
                 return None
             entry = queue.popleft()
             self._forget(key, queue, entry)
+            if entry.stored is not None:
+                self._waits.append(time.monotonic() - entry.stored)
             return entry
+
+    def pop_part(self, key: MatchKey, part: Part) -> Entry | None:
+        """Remove and return ``part`` of an entry under ``key``, or None; frees its bytes.
+
+        A part left by an earlier split comes first. Else the oldest whole entry under ``key`` is
+        split (:func:`split_entry`) into equal parts of ``part``'s width: this one is returned, the
+        others are stored under ``(key, their part)``, each selectable on its own, with the entry's
+        expiry and, if it was lent, a loan of its own (the entry's loan ends once all of theirs
+        have). Whole-entry selects never take a part, nor part selects of another width.
+
+        Raises:
+            KVInvalidRequestError: the oldest entry cannot be split so (nothing changed).
+        """
+        part = tuple(part)
+        with self._cond:
+            sub = (key, part)
+            queue = self._entries.get(sub)
+            if queue:
+                entry = queue.popleft()
+                self._forget(sub, queue, entry)
+            else:
+                queue = self._entries.get(key)
+                if not queue:
+                    return None
+                whole = queue[0]
+                parts = split_entry(whole, part)
+                if parts is None:  # its owner is taking it back: it leaves the store
+                    return None
+                queue.popleft()
+                self._forget(key, queue, whole)
+                entry = None
+                for piece_part, piece in parts:
+                    piece.expires, piece.stored = whole.expires, whole.stored
+                    if piece_part == part:
+                        entry = piece
+                    else:
+                        self._keep_part((key, piece_part), piece)
+            if entry.stored is not None:
+                self._waits.append(time.monotonic() - entry.stored)
+            return entry
+
+    def _keep_part(self, key: tuple[MatchKey, Part], entry: Entry) -> None:
+        """Store a part of a split entry, charged its share of the entry's bytes (under the lock)."""
+        self._entries.setdefault(key, collections.deque()).append(entry)
+        self._by_age[entry] = key
+        if entry.loan is not None:
+            entry.loan.stored_in(lambda: self.withdraw(entry))
+        self._count += 1
+        self._bytes += entry.nbytes
+
+    def take_waits(self) -> list[float]:
+        """Seconds each entry taken by :meth:`pop` since the last call had waited since it was stored
+        (first stored: an entry copied out of its loan counts from the lent entry's store); the
+        newest :data:`TAKEN_WAITS_KEPT` at most."""
+        with self._cond:
+            waits = list(self._waits)
+            self._waits.clear()
+            return waits
 
     def withdraw(self, entry: Entry) -> bool:
         """Remove ``entry`` if it is still stored (its owner takes it back); whether it was."""
@@ -175,15 +250,19 @@ class EntryStore:
             return True
 
     def unlend(self, loan: Loan, empty: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> MatchKey | None:
-        """Replace the stored entry lent under ``loan`` by a copy of its bytes in tensors made by
-        ``empty``, and end the loan :data:`~lookup_buffer.loans.COPIED`: its memory is the lender's
-        again, and the entry can still be selected. Returns the entry's key (selects waiting for it
-        must be told), or None when no entry of that loan is stored (selected, or gone).
+        """Replace the stored entry lent under ``loan`` (of a split entry: each of its parts still
+        stored) by a copy of its bytes in tensors made by ``empty``, and end the loan
+        :data:`~lookup_buffer.loans.COPIED`: its memory is the lender's again, and the entry can
+        still be selected. Returns the entry's key (selects waiting for it must be told), or None
+        when no entry of that loan is stored (selected, or gone).
 
         The entry leaves the store while its bytes are copied: a select meanwhile waits for it, or
         misses if it does not wait. It comes back as the newest entry, charged as before; if the
         budget has no room for it by then, it is dropped (counted as evicted).
         """
+        if loan.children:  # a split entry: each of its parts still stored
+            keys = [self.unlend(child, empty) for child in loan.children]
+            return next((key for key in keys if key is not None), None)
         with self._cond:
             found = next((item for item in self._by_age.items() if item[0].loan is loan), None)
             if found is None:
@@ -201,13 +280,14 @@ class EntryStore:
             raise
         loan.end(COPIED)
         copy = Entry(items, entry.nbytes)
+        copy.stored = entry.stored
         try:
             self.put(key, copy, timeout=0)
         except KVTransferError:
             with self._cond:
                 self._evicted += 1
             return None
-        return key
+        return key[0] if isinstance(key, tuple) else key  # a part's entry: waiting selects wait under its key
 
     def expire(self, now: float | None = None) -> tuple[int, int]:
         """Drop every entry stored longer than ``entry_timeout``; return the entries and bytes dropped."""
@@ -303,3 +383,40 @@ class EntryStore:
                 expired=self._expired,
                 evicted=self._evicted,
             )
+
+
+def split_entry(entry: Entry, part: Part) -> list[tuple[Part, Entry]] | None:
+    """``entry`` divided into equal parts of ``part``'s width along its dimension (``part`` among
+    them): every tensor of the entry narrowed there, lent ones over the same memory, each part with
+    a copy of the hit header and its share of the entry's bytes. None if the entry's loan can no
+    longer be divided (its owner is taking it back).
+
+    Raises:
+        KVInvalidRequestError: no such split: a tensor without that dimension or of another size
+            there than the key, a width that does not divide it, a start not at a multiple of it.
+    """
+    dim, start, stop = part
+    header, *items = entry.items
+    width = stop - start
+    size = items[0].shape[dim] if dim < len(items[0].shape) else 0
+    if width < 1 or size == 0 or size % width or start % width or stop > size or any(
+            dim >= len(item.shape) or item.shape[dim] != size for item in items):
+        shapes = ", ".join(str(tuple(item.shape)) for item in items)
+        raise KVInvalidRequestError(f"a select of [{start}, {stop}) along dimension {dim} cannot take part of an "
+                                    f"entry of tensors {shapes}: it must divide every one of them there into "
+                                    f"equal parts")
+    count = size // width
+    loans: list[Loan | None] = [None] * count
+    if entry.loan is not None:
+        divided = entry.loan.divide(count)
+        if divided is None:
+            return None
+        loans = list(divided)
+    share = entry.nbytes // count
+    parts = []
+    for index, loan in enumerate(loans):
+        narrowed = tuple(item.narrow(dim, index * width, width) for item in items)
+        nbytes = entry.nbytes - share * (count - 1) if index == 0 else share
+        parts.append(((dim, index * width, index * width + width),
+                      Entry((header.clone(), *narrowed), nbytes, loan=loan, lent=entry.lent)))
+    return parts

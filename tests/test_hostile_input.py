@@ -40,6 +40,8 @@ from lookup_buffer import SimpleBuffer
 from lookup_buffer.matching import MAX_TOKENS, token_arrays
 from lookup_buffer.protocol import (
     MAX_COUNTER,
+    MAX_NDIM,
+    MAX_PART_INDEX,
     MAX_REQUEST_BYTES,
     MAX_WAIT_MS,
     PROTOCOL_VERSION,
@@ -252,6 +254,11 @@ def expected_reason(frame: bytes) -> str:
     if len(tokens) == 0 or len(tokens) % 8 or len(roi) != len(tokens) // 8:
         return "malformed"
     if any(byte > 1 for byte in roi) or not any(roi):
+        return "malformed"
+    part = message.get("part")  # optional: [dim, start, stop] of the entry (a part select)
+    if part is not None and not (isinstance(part, list) and len(part) == 3 and is_int(part[0], 0, MAX_NDIM)
+                                 and is_int(part[1], 0, MAX_PART_INDEX - 1)
+                                 and is_int(part[2], part[1] + 1, MAX_PART_INDEX)):
         return "malformed"
     return "stale"
 

@@ -117,7 +117,8 @@ def test_two_prefill_and_two_decode_instances_get_ports_of_their_own(tp_args: li
     # Each prefill listens on its own ports (one per TP rank); decode instances fall back to prefill 0.
     assert [t["kv_port"] for t in transfers] == [15000, 15000 + tp, 15000, 15000]
     assert {t["kv_connector_extra_config"]["kv_ip"] for t in transfers} == {"127.0.0.1"}
-    assert all(option(i.command, "--kv-cache-memory-bytes") == str(1 * GIB) for i in instances)  # 8 GiB / 2 / 4
+    # 8 GiB / 2 / 4 instances of tp ranks each (vLLM's size is per TP rank)
+    assert all(option(i.command, "--kv-cache-memory-bytes") == str(1 * GIB // tp) for i in instances)
 
 
 def test_instances_are_spread_over_the_cores_or_share_them_when_there_are_too_few() -> None:
@@ -131,10 +132,9 @@ def test_instances_are_spread_over_the_cores_or_share_them_when_there_are_too_fe
 @pytest.mark.parametrize(("given", "environ", "tp_args"), [
     (["--decode-env", "VLLM_CPU_OMP_THREADS_BIND=7"], {}, []),
     ([], {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, []),
-    ([], {}, ["-tp", "2"]),
 ])
-def test_a_users_binding_stands_and_tensor_parallel_instances_are_not_bound(given: list[str], environ: dict,
-                                                                             tp_args: list[str]) -> None:
+def test_a_users_binding_stands(given: list[str], environ: dict, tp_args: list[str]) -> None:
+    # Tensor-parallel instances get a bind per rank: tests/test_tensor_parallel.py.
     instances = serve.plan(args(*given), [*SERVE_ARGS, *tp_args], environ, None, cores=[0, 1, 2, 3])
     prefill, decode = instances
     if given:

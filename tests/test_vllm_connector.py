@@ -190,7 +190,8 @@ def test_producer_announces_its_address_and_engine() -> None:
     side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 65}), lambda req_id: [1, 2, 3])
     held, params = side.request_finished(request)
     side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))
-    assert params == {PARAMS_KEY: {"prefix_tokens": 64, "host": "10.0.0.5", "port": 14579, "engine_id": "e7"}}
+    assert params == {PARAMS_KEY: {"prefix_tokens": 64, "host": "10.0.0.5", "port": 14579, "engine_id": "e7",
+                                   "tp_size": 1}}
     # Its blocks may be lent: vLLM keeps them until the workers, told in the next step, report them.
     assert held and side.build_meta(scheduler_output([], {}), _no_blocks).held == ["r"]
     assert side.build_meta(scheduler_output([], {}), _no_blocks).held == []  # told once
@@ -246,7 +247,7 @@ def test_producer_saves_once_the_prefix_is_computed_with_chunked_prefill() -> No
     assert step4.saves == []  # saved once
     request.num_computed_tokens = 201
     assert side.request_finished(request) == (True, {PARAMS_KEY: {"prefix_tokens": 192, "host": "127.0.0.1",
-                                                                  "port": 14579, "engine_id": ""}})
+                                                                  "port": 14579, "engine_id": "", "tp_size": 1}})
 
 
 def test_producer_announces_a_prefix_only_once_every_worker_saved_it() -> None:
@@ -315,7 +316,7 @@ def test_producer_announces_nothing_for_requests_aborted_before_their_save() -> 
     request = make_request("r", list(range(200)))
     side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 96}), _no_blocks)
     assert side.request_finished(request) == (False, {PARAMS_KEY: {"prefix_tokens": 0, "host": "127.0.0.1",
-                                                                   "port": 14579, "engine_id": ""}})
+                                                                   "port": 14579, "engine_id": "", "tp_size": 1}})
     later = side.build_meta(scheduler_output([], {"r": 96}, cached_data(["r"], [96])), _no_blocks)
     assert later.saves == []  # forgotten
 

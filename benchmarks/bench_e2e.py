@@ -1,0 +1,742 @@
+"""End to end, as a vLLM user sees it: one plain ``vllm serve``, kvbridge P/D, and vLLM's NixlConnector P/D.
+
+One run, the same vLLM CPU build, model and prompts through each setup:
+
+* **plain**: one ``vllm serve`` without a connector, on both cores (it computes every prompt);
+* **kvbridge**: a prefill (``kv_producer``, core 0) and a decode (``kv_consumer``, core 1) instance
+  with kvbridge's ``KVBridgeConnector``; each request is sent to the prefill instance with
+  ``max_tokens=1``, then to the decode instance with the returned ``kv_transfer_params``, as
+  kvbridge's proxy does;
+* **nixl**: the same pair with vLLM's own ``NixlConnector`` (PyPI ``nixl``, UCX), the prefill request
+  carrying ``kv_transfer_params = {"do_remote_decode": true, ...}``, as vLLM's toy proxy and
+  vllm-router do.
+
+With ``--netns`` the pairs also run across two network namespaces joined by a veth link (the
+prefill instance in one, the decode instance and the client in the other), unlimited and limited to
+1 Gbit/s (``tc tbf``); NIXL is then forced to TCP (``UCX_TLS=tcp``: UCX finds shared memory between
+namespaces otherwise). Needs root.
+
+Workload: a model with heavy KV and a light body (8 layers x 16 KV heads x 128 dims, fp32: 128 KiB
+of KV per token), prompts of ``--prompt`` tokens (1000: 125 MiB of KV each), greedy, every prompt
+used once per setup (no prefix cache hits), ``--max-tokens`` generated tokens (16).
+
+Measured per setup:
+
+* sequential TTFT, one request at a time, with its prefill leg (the prefill instance's answer) and
+  its decode leg (the decode request until its first token);
+* 1, 4 and 8 clients (``--clients``): TTFT and ITL p50/p99 and requests per second;
+* the prefill instance's throughput (``producer``): ``--producer-clients`` clients (4 and 8) send
+  prefill requests only (``max_tokens=1``) to the pair's prefill instance and, in alternating rounds
+  (``--rounds``) with the same prompts, to the same instance without a connector, started beside it
+  on the same core and idle meanwhile; the decode instance takes every entry (its one-token requests
+  go out from other threads, so the clients keep the prefill instance as busy as the plain one);
+* every answer (token ids) against the plain server's.
+
+Placement: the prefill instance's processes (API server, engine core, worker, every thread) run on
+core 0 and the decode instance's on core 1; the plain server on both. ``VLLM_CPU_OMP_THREADS_BIND``
+places vLLM's compute threads, and once an instance answers, every thread of its processes is pinned
+to its cores: vLLM's NIXL worker on CPU moves its thread to the last core of each NUMA node ("reserved
+for kv transfer"), which on a 2-core host puts both NIXL instances' forward passes on core 1.
+
+    python benchmarks/bench_e2e.py [--quick] [--setups plain,kvbridge,nixl] [--clients 1,4,8]
+        [--producer-clients 4,8] [--netns] [--out DIR]
+
+Prints the tables (and ``--json``), saves ``bench_e2e.png`` (matplotlib) and ``bench_e2e.json``.
+``--quick``: 300-token prompts, 4 tokens, 1 and 2 clients, few requests: a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from launch.serve import kv_transfer_config, stop, vllm_serve_command  # noqa: E402
+from tests import netns  # noqa: E402
+from tests._vllm_procs import save_word_tokenizer  # noqa: E402
+from tests.procs import free_port  # noqa: E402
+
+MODEL_NAME = "heavy-kv"
+VOCAB = 1024
+READY_TIMEOUT = 300.0
+REQUEST_TIMEOUT = 300.0
+LINK_RATE = "1gbit"
+#: What a NIXL prefill request carries (vLLM's toy proxy sends the same).
+NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    prompt: int = 1000
+    max_tokens: int = 16
+    sequential: int = 6
+    per_client: int = 4  # requests per client at each concurrency (at least 8 in all)
+    producer_requests: int = 6  # prefill requests per client in the producer measurement
+    clients: tuple[int, ...] = (1, 4, 8)
+    producer_clients: tuple[int, ...] = (4, 8)
+    rounds: int = 3  # of the producer measurement, alternating with the instance without a connector
+    kv_memory: int = 5 << 28  # 1.25 GiB: 8 requests of 1016 tokens at 128 KiB per token, each instance
+
+
+QUICK = Workload(prompt=300, max_tokens=4, sequential=2, per_client=2, producer_requests=3, clients=(1, 2),
+                 producer_clients=(2,), rounds=1, kv_memory=1 << 29)
+
+
+def make_model(path: Path, max_positions: int) -> str:
+    """A random Llama whose KV is heavy (128 KiB per token in fp32) and whose body is light."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=16, head_dim=128,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=0,
+                         eos_token_id=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    save_word_tokenizer(path)
+    return str(path)
+
+
+# ---------------------------------------------------------------------- instances
+
+
+def serve_args(workload: Workload) -> list[str]:
+    return ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", str(workload.prompt + workload.max_tokens + 64), "--block-size", "32", "--seed", "0",
+            "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(workload.kv_memory)]
+
+
+@dataclasses.dataclass
+class Server:
+    name: str
+    url: str
+    cores: set[int]
+    process: subprocess.Popen
+
+
+def _session_threads(leader: int) -> Iterator[int]:
+    """Every thread of every process in the session that ``leader`` leads."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            session = int(stat.rsplit(")", 1)[1].split()[3])
+            if session != leader:
+                continue
+            yield from (int(tid) for tid in os.listdir(f"/proc/{entry}/task"))
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def pin(server: Server) -> int:
+    """Pin every thread of the server's processes to its cores; how many threads."""
+    count = 0
+    for tid in _session_threads(server.process.pid):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, server.cores)
+            count += 1
+    return count
+
+
+def wait_up(server: Server) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while True:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with code {server.process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{server.name} was not up within {READY_TIMEOUT:g} s") from None
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def servers(specs: list[dict[str, Any]], log_dir: Path, tag: str, hosts: netns.TwoHosts | None = None
+            ) -> Iterator[list[Server]]:
+    """Start each ``{"name", "argv", "env", "cores", "host" (index), "address", "port"}`` one after another,
+    wait until it answers, pin it; stop them all on exit."""
+    started: list[Server] = []
+    try:
+        for spec in specs:
+            log = open(log_dir / f"{tag}-{spec['name']}.log", "wb")  # noqa: SIM115 - closed with the process
+            cores = sorted(spec["cores"])
+            extra = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]),
+                     "VLLM_LOGGING_LEVEL": "WARNING", **spec.get("env", {})}
+            argv, env = spec["argv"], {**os.environ, **extra}
+            if hosts is not None:
+                argv, env = ["ip", "netns", "exec", hosts.names[spec["host"]], *argv], netns.child_env(extra)
+            process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            server = Server(spec["name"], f"http://{spec['address']}:{spec['port']}", set(spec["cores"]), process)
+            started.append(server)
+            wait_up(server)
+            pin(server)
+        yield started
+    finally:
+        stop_all([server.process for server in started])
+
+
+def stop_all(processes: list[subprocess.Popen]) -> None:
+    """Stop each server (SIGTERM, 30 s grace), then SIGKILL whatever is left of its session
+    (vLLM's engine core and worker processes outlive an API server that was killed)."""
+    try:
+        stop(processes)
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------- one request
+
+
+@dataclasses.dataclass
+class Record:
+    """One request: times (``time.monotonic``) and the tokens it generated."""
+
+    start: float
+    prefill_done: float | None  # the prefill instance's answer (P/D setups)
+    tokens: list[float]  # arrival of each generated token's chunk
+    token_ids: list[int]
+    cached: int | None  # prompt tokens vLLM reports cached (loaded from the prefill instance)
+
+    @property
+    def ttft(self) -> float:
+        return self.tokens[0] - self.start
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.tokens, self.tokens[1:], strict=False)]
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT)
+
+
+def _body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+
+
+def prefill(setup: str, url: str, prompt: list[int]) -> dict[str, Any] | None:
+    """The prefill leg: the kv_transfer_params of the prefill instance's one-token answer."""
+    body = {**_body(prompt, 1), "stream": False}
+    if setup.startswith("nixl"):
+        body["kv_transfer_params"] = dict(NIXL_PREFILL_PARAMS)
+    with _post(url, body) as reply:
+        params = json.load(reply).get("kv_transfer_params")
+    if params is None and setup != "plain-prefill":
+        raise RuntimeError(f"{url} returned no kv_transfer_params")
+    return params
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> tuple[list[float], list[int],
+                                                                                                   int | None]:
+    body = {**_body(prompt, max_tokens), "stream": True, "stream_options": {"include_usage": True}}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    times, token_ids, cached = [], [], None
+    with _post(url, body) as reply:
+        for line in reply:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[len(b"data: "):])
+            for choice in chunk.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                if ids:
+                    times.extend([time.monotonic()] * len(ids))
+                    token_ids.extend(ids)
+            if chunk.get("usage"):
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    return times, token_ids, cached
+
+
+def request(setup: str, urls: dict[str, str], prompt: list[int], max_tokens: int) -> Record:
+    start = time.monotonic()
+    params, prefill_done = None, None
+    if "prefill" in urls:
+        params = prefill(setup, urls["prefill"], prompt)
+        prefill_done = time.monotonic()
+    times, token_ids, cached = stream(urls["decode"], prompt, max_tokens, params)
+    if len(token_ids) != max_tokens:
+        raise RuntimeError(f"{setup}: {len(token_ids)} tokens generated, {max_tokens} asked for")
+    return Record(start, prefill_done, times, token_ids, cached)
+
+
+# ---------------------------------------------------------------------- workloads
+
+
+def concurrently(clients: int, jobs: list[Any], work: Callable[[Any], Any]) -> tuple[list[Any], float]:
+    """Run ``work(job)`` for every job from ``clients`` threads; (results in job order, wall seconds)."""
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+    for index, job in enumerate(jobs):
+        pending.put((index, job))
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        while not errors:
+            try:
+                index, job = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[index] = work(job)
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                errors.append(exc)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results, time.monotonic() - start
+
+
+def producer_throughput(setup: str, urls: dict[str, str], prompts: list[list[int]], clients: int) -> dict[str, Any]:
+    """Prefill requests only, from ``clients`` threads; for a P/D setup the decode instance takes each
+    entry (decode requests of one token, sent from other threads). Requests per second of the
+    prefill instance, from the first request sent to the last prefill answer."""
+    takers: queue.SimpleQueue = queue.SimpleQueue()
+    taken: list[Any] = []
+
+    def take() -> None:
+        while (job := takers.get()) is not None:
+            prompt, params = job
+            try:
+                taken.append(stream(urls["decode"], prompt, 1, params)[2])
+            except Exception as exc:  # noqa: BLE001 - counted as not taken
+                taken.append(exc)
+
+    taker_threads = [threading.Thread(target=take, daemon=True) for _ in range(clients if "decode" in urls else 0)]
+    for thread in taker_threads:
+        thread.start()
+    latencies = []
+
+    def one(prompt: list[int]) -> None:
+        start = time.monotonic()
+        params = prefill(setup, urls["prefill"], prompt)
+        latencies.append(time.monotonic() - start)
+        if taker_threads:
+            takers.put((prompt, params))
+
+    _, wall = concurrently(clients, prompts, one)
+    for _ in taker_threads:
+        takers.put(None)
+    for thread in taker_threads:
+        thread.join(REQUEST_TIMEOUT)
+    loaded = sum(1 for cached in taken if isinstance(cached, int) and cached > 0)
+    return {"clients": clients, "requests": len(prompts), "seconds": wall, "rps": len(prompts) / wall,
+            "latency_p50": _pct(latencies, 50), "loaded": loaded if taker_threads else None}
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of every sample of counter ``name`` on ``url``/metrics (0 when absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+#: The decode instance's count of prompt tokens it took from a connector instead of computing them.
+LOADED_METRIC = "vllm:external_prefix_cache_hits_total"
+
+
+def _pct(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
+
+
+def prompts_for(workload: Workload, seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, VOCAB) for _ in range(workload.prompt)] for _ in range(count)]
+
+
+@dataclasses.dataclass
+class Plan:
+    """The prompts of each measurement: the same for every setup, each used once per setup."""
+
+    sequential: list[list[int]]
+    concurrent: dict[int, list[list[int]]]
+    producer: list[dict[int, list[list[int]]]]  # per round, per concurrency
+    warmup: list[list[int]]
+
+    @classmethod
+    def of(cls, workload: Workload) -> Plan:
+        return cls(sequential=prompts_for(workload, 1, workload.sequential),
+                   concurrent={c: prompts_for(workload, 100 + c, max(8, c * workload.per_client))
+                               for c in workload.clients},
+                   producer=[{c: prompts_for(workload, 1000 * (r + 1) + c, c * workload.producer_requests)
+                              for c in workload.producer_clients} for r in range(workload.rounds)],
+                   warmup=prompts_for(workload, 999, 2))
+
+
+def measure_serving(setup: str, urls: dict[str, str], plan: Plan, workload: Workload) -> dict[str, Any]:
+    """Sequential requests, then each concurrency; every record."""
+    for prompt in plan.warmup:
+        request(setup, urls, prompt, workload.max_tokens)
+    sequential = [request(setup, urls, prompt, workload.max_tokens) for prompt in plan.sequential]
+    concurrent = {}
+    for clients, prompts in plan.concurrent.items():
+        records, wall = concurrently(clients, prompts, lambda p: request(setup, urls, p, workload.max_tokens))
+        concurrent[clients] = {"records": records, "seconds": wall}
+    return {"sequential": sequential, "concurrent": concurrent}
+
+
+def measure_producer(setup: str, urls: dict[str, str], plain_url: str, plan: Plan) -> dict[int, dict[str, list]]:
+    """The prefill instance of ``setup`` against ``plain_url`` (the same instance without a connector,
+    on the same core, idle meanwhile), in alternating rounds with the same prompts: per concurrency,
+    each side's result per round."""
+    sides = {setup: urls, "plain-prefill": {"prefill": plain_url}}
+    for name, side in sides.items():
+        for prompt in plan.warmup:
+            prefill(name, side["prefill"], prompt)
+    results: dict[int, dict[str, list]] = {}
+    for index, prompts in enumerate(plan.producer):
+        order = list(sides) if index % 2 else list(sides)[::-1]
+        for clients, batch in prompts.items():
+            for name in order:
+                results.setdefault(clients, {}).setdefault(name, []).append(
+                    producer_throughput(name, sides[name], batch, clients))
+    return results
+
+
+# ---------------------------------------------------------------------- setups
+
+
+def _spec(name: str, model: str, workload: Workload, cores: set[int], address: str, host: int,
+          transfer: dict[str, Any] | None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    port = free_port()
+    argv = (vllm_serve_command(model, address, port, transfer, serve_args(workload)) if transfer is not None else
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", address,
+             "--port", str(port), *serve_args(workload)])
+    return {"name": name, "argv": argv, "env": env or {}, "cores": cores, "address": address, "port": port,
+            "host": host}
+
+
+def pair_specs(kind: str, model: str, workload: Workload, addresses: tuple[str, str]) -> list[dict[str, Any]]:
+    if kind == "kvbridge":
+        kv_port = free_port()
+        extra = {"kv_connect_timeout": 300}
+        return [_spec("prefill", model, workload, {0}, addresses[0], 0,
+                      kv_transfer_config("kv_producer", addresses[0], kv_port, extra)),
+                _spec("decode", model, workload, {1}, addresses[1], 1,
+                      {**kv_transfer_config("kv_consumer", addresses[0], kv_port, extra),
+                       "kv_load_failure_policy": "fail"})]
+    transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": "fail"}
+    specs = []
+    for index, name in enumerate(("prefill", "decode")):
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": addresses[index]}
+        if addresses[0] != addresses[1]:
+            env["UCX_TLS"] = "tcp"  # UCX finds shared memory between namespaces otherwise
+        specs.append(_spec(name, model, workload, {index}, addresses[index], index, transfer, env))
+    return specs
+
+
+def run_setup(setup: str, model: str, workload: Workload, plan: Plan, log_dir: Path, measure: set[str]
+              ) -> dict[str, Any]:
+    """Start one setup, measure it, stop it. ``setup``: plain, plain-prefill, kvbridge, nixl, or a pair
+    with ``@netns`` / ``@1gbit`` (across two namespaces, the link unlimited or limited)."""
+    local = ("127.0.0.1", "127.0.0.1")
+    if setup == "plain":
+        with servers([_spec("plain", model, workload, {0, 1}, local[0], 0, None)], log_dir, setup) as (server,):
+            return {"serving": measure_serving(setup, {"decode": server.url}, plan, workload)}
+    kind, _, where = setup.partition("@")
+    if not where:
+        specs = pair_specs(kind, model, workload, local)
+        if "producer" in measure:  # the same prefill instance without a connector, beside it, idle meanwhile
+            specs.append(_spec("plain-prefill", model, workload, {0}, local[0], 0, None))
+        with servers(specs, log_dir, setup) as started:
+            result = _measure_pair(setup, started[0], started[1], plan, workload, measure - {"producer"})
+            if "producer" in measure:
+                result["producer"] = measure_producer(setup, {"prefill": started[0].url, "decode": started[1].url},
+                                                      started[2].url, plan)
+            return result
+    with netns.two_hosts() as hosts:
+        if where == "1gbit":
+            for host in (0, 1):
+                hosts.tc(host, "qdisc", "add", "dev", hosts.links[host], "root", "tbf", "rate", LINK_RATE, "burst",
+                         "512kb", "latency", "50ms")
+        specs = pair_specs(kind, model, workload, hosts.addresses)
+        with servers(specs, log_dir, setup, hosts) as (prefill_server, decode_server):
+            out = log_dir / f"{setup}-client.json"
+            args = {"setup": setup, "urls": {"prefill": prefill_server.url, "decode": decode_server.url},
+                    "workload": dataclasses.asdict(workload), "measure": sorted(measure - {"producer"})}
+            client = [sys.executable, str(Path(__file__).resolve()), "--client", json.dumps(args), str(out)]
+            subprocess.run(["ip", "netns", "exec", hosts.names[1], *client], env=netns.child_env(), check=True,
+                           timeout=3600)
+            return _from_json(json.loads(out.read_text()))
+
+
+def _measure_pair(setup: str, prefill_server: Server, decode_server: Server, plan: Plan, workload: Workload,
+                  measure: set[str]) -> dict[str, Any]:
+    urls = {"prefill": prefill_server.url, "decode": decode_server.url}
+    result: dict[str, Any] = {}
+    if "serving" in measure:
+        before = metric(decode_server.url, LOADED_METRIC)
+        result["serving"] = measure_serving(setup, urls, plan, workload)
+        time.sleep(1.5)  # vLLM records the last steps' stats after them
+        result["serving"]["external_tokens"] = metric(decode_server.url, LOADED_METRIC) - before
+    return result
+
+
+def _client_main(args: list[str]) -> None:
+    """``--client JSON OUT``: measure a pair from inside the decode namespace; save the records."""
+    spec = json.loads(args[0])
+    workload = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["workload"].items()})
+    result = _measure_pair(spec["setup"], Server("prefill", spec["urls"]["prefill"], set(), None),  # type: ignore[arg-type]
+                           Server("decode", spec["urls"]["decode"], set(), None),  # type: ignore[arg-type]
+                           Plan.of(workload), workload, set(spec["measure"]))
+    Path(args[1]).write_text(json.dumps(_to_json(result)))
+
+
+def _to_json(result: Any) -> Any:
+    if isinstance(result, Record):
+        return {"__record__": dataclasses.asdict(result)}
+    if isinstance(result, dict):
+        return {str(k): _to_json(v) for k, v in result.items()}
+    if isinstance(result, list):
+        return [_to_json(v) for v in result]
+    return result
+
+
+def _from_json(result: Any) -> Any:
+    if isinstance(result, dict):
+        if "__record__" in result:
+            return Record(**result["__record__"])
+        return {int(k) if k.isdigit() else k: _from_json(v) for k, v in result.items()}
+    if isinstance(result, list):
+        return [_from_json(v) for v in result]
+    return result
+
+
+# ---------------------------------------------------------------------- analysis
+
+
+def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per setup: sequential TTFT and legs, per concurrency TTFT/ITL/req/s, answers against plain, producer rps."""
+    reference = results.get("plain", {}).get("serving")
+
+    def answers(serving: dict[str, Any]) -> list[list[int]]:
+        return [r.token_ids for r in serving["sequential"]] + [
+            r.token_ids for c in sorted(serving["concurrent"]) for r in serving["concurrent"][c]["records"]]
+
+    summary: dict[str, Any] = {}
+    for setup, result in results.items():
+        row: dict[str, Any] = {}
+        serving = result.get("serving")
+        if serving is not None:
+            seq = serving["sequential"]
+            row["seq_ttft"] = statistics.median(r.ttft for r in seq)
+            if seq[0].prefill_done is not None:
+                row["seq_prefill"] = statistics.median(r.prefill_done - r.start for r in seq)
+                row["seq_decode"] = statistics.median(r.tokens[0] - r.prefill_done for r in seq)
+            row["concurrent"] = {}
+            for clients, run in serving["concurrent"].items():
+                records = run["records"]
+                gaps = [gap for r in records for gap in r.gaps]
+                row["concurrent"][clients] = {
+                    "ttft_p50": _pct([r.ttft for r in records], 50), "ttft_p99": _pct([r.ttft for r in records], 99),
+                    "itl_p50": _pct(gaps, 50), "itl_p99": _pct(gaps, 99), "rps": len(records) / run["seconds"]}
+            mine = answers(serving)
+            row["loaded"] = (sum(1 for r in seq if r.cached) + sum(
+                1 for run in serving["concurrent"].values() for r in run["records"] if r.cached), len(mine))
+            if "external_tokens" in serving:  # warm-up requests included
+                row["external_per_request"] = serving["external_tokens"] / (len(mine) + 2)
+            if reference is not None:
+                row["equal"] = (sum(1 for a, b in zip(mine, answers(reference), strict=True) if a == b), len(mine))
+        if "producer" in result:
+            row["producer"] = {}
+            for clients, sides in result["producer"].items():
+                mine, plain = sides[setup], sides["plain-prefill"]
+                ratios = [a["rps"] / b["rps"] for a, b in zip(mine, plain, strict=True)]
+                row["producer"][clients] = {
+                    "rounds": len(mine), "requests": mine[0]["requests"],
+                    "rps": statistics.median(one["rps"] for one in mine),
+                    "plain_rps": statistics.median(one["rps"] for one in plain),
+                    "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios)),
+                    "latency_p50": statistics.median(one["latency_p50"] for one in mine),
+                    "plain_latency_p50": statistics.median(one["latency_p50"] for one in plain),
+                    "loaded": sum(one["loaded"] or 0 for one in mine), "taken": sum(one["requests"] for one in mine)}
+        summary[setup] = row
+    return summary
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def tables(summary: dict[str, Any], workload: Workload) -> str:
+    lines = [f"Sequential, {workload.prompt}-token prompts, {workload.max_tokens} tokens (median, ms):", "",
+             "| setup | TTFT | prefill leg | decode leg (load + first token) | answers = plain | "
+             "requests reporting cached tokens | tokens loaded per request |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for setup, row in summary.items():
+        if "seq_ttft" not in row:
+            continue
+        equal = f"{row['equal'][0]}/{row['equal'][1]}" if "equal" in row else "-"
+        loaded = f"{row['loaded'][0]}/{row['loaded'][1]}" if row.get("seq_prefill") is not None else "-"
+        external = f"{row['external_per_request']:.0f}" if "external_per_request" in row else "-"
+        lines.append(f"| {setup} | {_ms(row['seq_ttft'])} | {_ms(row.get('seq_prefill'))} | "
+                     f"{_ms(row.get('seq_decode'))} | {equal} | {loaded} | {external} |")
+    lines += ["", "Concurrent clients: TTFT p50/p99, ITL p50/p99 (ms), requests per second:", "",
+              "| setup | clients | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | req/s |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for setup, row in summary.items():
+        for clients, c in row.get("concurrent", {}).items():
+            lines.append(f"| {setup} | {clients} | {_ms(c['ttft_p50'])} | {_ms(c['ttft_p99'])} | {_ms(c['itl_p50'])} | "
+                         f"{_ms(c['itl_p99'])} | {c['rps']:.2f} |")
+    producer_rows = [(setup, row["producer"]) for setup, row in summary.items() if "producer" in row]
+    if producer_rows:
+        lines += ["", "The prefill instance (core 0), prefill requests only (max_tokens=1), against the same "
+                  "instance without a connector, alternating rounds (medians; the ratio's range over rounds):", "",
+                  "| setup | clients | rounds x requests | req/s | without connector | ratio | prefill answer p50 "
+                  "(ms), with / without | entries loaded |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for setup, producer in producer_rows:
+            for clients, one in producer.items():
+                low, high = one["ratio_range"]
+                lines.append(f"| {setup} | {clients} | {one['rounds']} x {one['requests']} | {one['rps']:.2f} | "
+                             f"{one['plain_rps']:.2f} | {one['ratio']:.2f}x ({low:.2f}-{high:.2f}) | "
+                             f"{_ms(one['latency_p50'])} / {_ms(one['plain_latency_p50'])} | "
+                             f"{one['loaded']}/{one['taken']} |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    serving = {setup: row for setup, row in summary.items() if "concurrent" in row}
+    figure, axes = plt.subplots(1, 4, figsize=(17, 4))
+    for setup, row in serving.items():
+        clients = sorted(row["concurrent"])
+        for axis, key, scale in ((axes[0], "ttft_p50", 1e3), (axes[1], "itl_p50", 1e3), (axes[2], "rps", 1)):
+            axis.plot(clients, [row["concurrent"][c][key] * scale for c in clients], marker="o", label=setup)
+    for axis, title in zip(axes[:3], ("TTFT p50 (ms)", "ITL p50 (ms)", "requests per second"), strict=True):
+        axis.set_title(title)
+        axis.set_xlabel("clients")
+        axis.legend(fontsize=7)
+    producers = [(setup, row["producer"]) for setup, row in summary.items() if "producer" in row]
+    bars = [("without connector", None)] + [(setup, setup) for setup, _ in producers]
+    width = 0.8 / len(bars)
+    clients = sorted(producers[0][1]) if producers else []
+    for index, (label, setup) in enumerate(bars):
+        source = dict(producers)[setup] if setup else (producers[0][1] if producers else {})
+        key = "rps" if setup else "plain_rps"
+        axes[3].bar([i + index * width for i in range(len(clients))], [source[c][key] for c in clients], width,
+                    label=label)
+    axes[3].set_xticks([i + 0.4 - width / 2 for i in range(len(clients))], [f"{c} clients" for c in clients])
+    axes[3].set_title("prefill instance: prefill requests/s")
+    axes[3].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return True
+
+
+def main() -> int:
+    # SIGTERM (timeout, a CI runner) unwinds like Ctrl-C, so that every server is stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        _client_main(sys.argv[2:])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: short prompts, few requests")
+    parser.add_argument("--setups", default="plain,kvbridge,nixl", help="plain, kvbridge, nixl")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of the producer measurement")
+    parser.add_argument("--clients", default=None, help="concurrencies, e.g. 1,4,8")
+    parser.add_argument("--producer-clients", default=None, help="concurrencies of the producer measurement, e.g. 4,8")
+    parser.add_argument("--measure", default="serving,producer")
+    parser.add_argument("--netns", action="store_true", help="the pairs also across two namespaces (needs root)")
+    parser.add_argument("--prompt", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON too")
+    args = parser.parse_args()
+    workload = QUICK if args.quick else Workload()
+    if args.clients:
+        workload = dataclasses.replace(workload, clients=tuple(int(c) for c in args.clients.split(",")))
+    if args.producer_clients:
+        workload = dataclasses.replace(workload,
+                                       producer_clients=tuple(int(c) for c in args.producer_clients.split(",")))
+    if args.prompt:
+        workload = dataclasses.replace(workload, prompt=args.prompt)
+    if args.rounds:
+        workload = dataclasses.replace(workload, rounds=args.rounds)
+    measure = set(args.measure.split(","))
+    setups = args.setups.split(",")
+    if "serving" not in measure:
+        setups = [s for s in setups if s != "plain"]
+    if args.netns:
+        setups += [f"{kind}@{where}" for where in ("netns", "1gbit") for kind in ("kvbridge", "nixl") if kind in setups]
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = Plan.of(workload)
+    results: dict[str, dict[str, Any]] = {}
+    print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:
+        model = make_model(Path(scratch) / "model", max_positions=max(2048, workload.prompt + workload.max_tokens + 64))
+        for setup in setups:
+            log_dir = args.out / "logs"
+            log_dir.mkdir(exist_ok=True)
+            started = time.monotonic()
+            try:
+                results[setup] = run_setup(setup, model, workload, plan, log_dir, measure)
+            except netns.NamespacesUnavailable as exc:
+                print(f"{setup}: skipped ({exc})", flush=True)
+                continue
+            print(f"{setup}: done in {time.monotonic() - started:.0f} s, load average "
+                  f"{Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+    summary = summarise(results)
+    print(tables(summary, workload))
+    (args.out / "bench_e2e.json").write_text(json.dumps(_to_json({"workload": dataclasses.asdict(workload),
+                                                                  "summary": summary, "results": results})))
+    if plot(summary, args.out / "bench_e2e.png"):
+        print(f"saved {args.out / 'bench_e2e.png'}")
+    if args.json:
+        print(json.dumps(_to_json(summary)))
+    failures = [setup for setup, row in summary.items() if "equal" in row and row["equal"][0] != row["equal"][1]]
+    if failures:
+        print(f"answers differ from the plain server's: {failures}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -95,6 +95,7 @@ class Workload:
     producer_clients: tuple[int, ...] = (4, 8)
     rounds: int = 3  # of the producer measurement, alternating with the instance without a connector
     kv_memory: int = 5 << 28  # 1.25 GiB: 8 requests of 1016 tokens at 128 KiB per token, each instance
+    kv_extra: str = "{}"  # JSON: kvbridge settings on top of the defaults (kv_extra_config)
 
 
 QUICK = Workload(prompt=300, max_tokens=4, sequential=2, per_client=2, producer_requests=3, clients=(1, 2),
@@ -449,7 +450,7 @@ def _spec(name: str, model: str, workload: Workload, cores: set[int], address: s
 def pair_specs(kind: str, model: str, workload: Workload, addresses: tuple[str, str]) -> list[dict[str, Any]]:
     if kind == "kvbridge":
         kv_port = free_port()
-        extra = {"kv_connect_timeout": 300}
+        extra = {"kv_connect_timeout": 300, **json.loads(workload.kv_extra)}
         return [_spec("prefill", model, workload, {0}, addresses[0], 0,
                       kv_transfer_config("kv_producer", addresses[0], kv_port, extra)),
                 _spec("decode", model, workload, {1}, addresses[1], 1,
@@ -685,6 +686,7 @@ def main() -> int:
     parser.add_argument("--clients", default=None, help="concurrencies, e.g. 1,4,8")
     parser.add_argument("--producer-clients", default=None, help="concurrencies of the producer measurement, e.g. 4,8")
     parser.add_argument("--measure", default="serving,producer")
+    parser.add_argument("--kv-extra", default=None, help='kvbridge settings (JSON), e.g. {"kv_lend_blocks": false}')
     parser.add_argument("--netns", action="store_true", help="the pairs also across two namespaces (needs root)")
     parser.add_argument("--prompt", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -698,6 +700,8 @@ def main() -> int:
                                        producer_clients=tuple(int(c) for c in args.producer_clients.split(",")))
     if args.prompt:
         workload = dataclasses.replace(workload, prompt=args.prompt)
+    if args.kv_extra:
+        workload = dataclasses.replace(workload, kv_extra=args.kv_extra)
     if args.rounds:
         workload = dataclasses.replace(workload, rounds=args.rounds)
     measure = set(args.measure.split(","))

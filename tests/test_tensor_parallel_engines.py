@@ -135,13 +135,15 @@ def test_heads_loaded_into_the_wrong_slice_change_exactly_the_outputs_served_fro
 
 
 @pytest.mark.timeout(600)
-def test_kvbridge_serve_with_other_tp_sizes_behind_its_proxy_and_vllm_router(tiny_model: str, reference: dict,
-                                                                            tmp_path: Path) -> None:
-    """``kvbridge serve --prefill-tp 1 --decode-tp 2``: the proxy's answers, then vllm-router's over the
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (1, 2)], ids=["2to2", "1to2"])
+def test_kvbridge_serve_with_tp_behind_its_proxy_and_vllm_router(tiny_model: str, reference: dict, tmp_path: Path,
+                                                                prefill_tp: int, decode_tp: int) -> None:
+    """``kvbridge serve --prefill-tp P --decode-tp D``: the proxy's answers, then vllm-router's over the
     same instances, are one plain engine's, from loaded KV (the decode instance's hit counter)."""
     ports = {name: free_port() for name in ("proxy", "prefill", "decode", "kv")}
-    command = [sys.executable, "-m", "launch.serve", tiny_model, "--port", str(ports["proxy"]), "--prefill-tp", "1",
-               "--decode-tp", "2", "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
+    command = [sys.executable, "-m", "launch.serve", tiny_model, "--port", str(ports["proxy"]),
+               "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--prefill-port", str(ports["prefill"]),
+               "--decode-port", str(ports["decode"]),
                "--kv-port", str(ports["kv"]), "--kv-extra", '{"kv_timeout": 20, "kv_load_timeout": 20}',
                "--ready-timeout", str(xp.READY_TIMEOUT), "--", *SERVE_ARGS]
     server = Server(command, tmp_path / "serve.log", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})

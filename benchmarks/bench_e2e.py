@@ -159,19 +159,32 @@ def pin(server: Server) -> int:
     return count
 
 
-def wait_up(server: Server) -> None:
+_HEALTH_PROBE = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/health', timeout=2)"
+
+
+def wait_up(server: Server, namespace: str | None = None) -> None:
+    """Until the server answers ``/health``; asked from ``namespace`` (its own) where it runs in one,
+    since this namespace has no route to theirs."""
     deadline = time.monotonic() + READY_TIMEOUT
     while True:
         if server.process.poll() is not None:
             raise RuntimeError(f"{server.name} exited with code {server.process.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{server.name} was not up within {READY_TIMEOUT:g} s") from None
+        if _answers_health(server.url, namespace):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server.name} was not up within {READY_TIMEOUT:g} s")
         time.sleep(0.5)
+
+
+def _answers_health(url: str, namespace: str | None) -> bool:
+    if namespace is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+    probe = ["ip", "netns", "exec", namespace, sys.executable, "-c", _HEALTH_PROBE, url]
+    return subprocess.run(probe, env=netns.child_env(), capture_output=True, timeout=30).returncode == 0
 
 
 @contextlib.contextmanager
@@ -192,7 +205,7 @@ def servers(specs: list[dict[str, Any]], log_dir: Path, tag: str, hosts: netns.T
             process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             server = Server(spec["name"], f"http://{spec['address']}:{spec['port']}", set(spec["cores"]), process)
             started.append(server)
-            wait_up(server)
+            wait_up(server, hosts.names[spec["host"]] if hosts is not None else None)
             pin(server)
         yield started
     finally:

@@ -2,7 +2,8 @@
 
 One run, the same vLLM CPU build, model and prompts through each setup:
 
-* **plain**: one ``vllm serve`` without a connector, on both cores (it computes every prompt);
+* **plain**: one ``vllm serve`` without a connector, on both cores (it computes every prompt); with
+  ``--setups plain-one-core`` also the same on the prefill instance's one core, the floor of any prefill leg;
 * **kvbridge**: a prefill (``kv_producer``, core 0) and a decode (``kv_consumer``, core 1) instance
   with kvbridge's ``KVBridgeConnector``; each request is sent to the prefill instance with
   ``max_tokens=1``, then to the decode instance with the returned ``kv_transfer_params``, as
@@ -79,6 +80,9 @@ VOCAB = 1024
 READY_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 300.0
 LINK_RATE = "1gbit"
+#: The plain servers' cores: ``plain`` has the pair's two, ``plain-one-core`` the prefill instance's
+#: one (the least a prefill leg on that core can take, whatever moves the KV afterwards).
+PLAIN_CORES = {"plain": {0, 1}, "plain-one-core": {0}}
 #: What a NIXL prefill request carries (vLLM's toy proxy sends the same).
 NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -485,8 +489,9 @@ def run_setup(setup: str, model: str, workload: Workload, plan: Plan, log_dir: P
     """Start one setup, measure it, stop it. ``setup``: plain, plain-prefill, kvbridge, nixl, or a pair
     with ``@netns`` / ``@1gbit`` (across two namespaces, the link unlimited or limited)."""
     local = ("127.0.0.1", "127.0.0.1")
-    if setup == "plain":
-        with servers([_spec("plain", model, workload, {0, 1}, local[0], 0, None)], log_dir, setup) as (server,):
+    if setup in PLAIN_CORES:
+        with servers([_spec(setup, model, workload, PLAIN_CORES[setup], local[0], 0, None)], log_dir, setup
+                     ) as (server,):
             return {"serving": measure_serving(setup, {"decode": server.url}, plan, workload)}
     kind, _, where = setup.partition("@")
     if not where:
@@ -720,7 +725,7 @@ def main() -> int:
     measure = set(args.measure.split(","))
     setups = args.setups.split(",")
     if "serving" not in measure:
-        setups = [s for s in setups if s != "plain"]
+        setups = [s for s in setups if s not in PLAIN_CORES]
     if args.netns:
         setups += [f"{kind}@{where}" for where in ("netns", "1gbit") for kind in ("kvbridge", "nixl") if kind in setups]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -72,11 +72,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from launch.serve import kv_transfer_config, stop, vllm_serve_command  # noqa: E402
 from tests import netns  # noqa: E402
-from tests._vllm_procs import save_word_tokenizer  # noqa: E402
+from tests._vllm_procs import VOCAB, make_heavy_kv_llama  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 
 MODEL_NAME = "heavy-kv"
-VOCAB = 1024
 READY_TIMEOUT = 300.0
 REQUEST_TIMEOUT = 300.0
 LINK_RATE = "1gbit"
@@ -104,21 +103,6 @@ class Workload:
 
 QUICK = Workload(prompt=300, max_tokens=4, sequential=2, per_client=2, producer_requests=3, clients=(1, 2),
                  producer_clients=(2,), rounds=1, kv_memory=1 << 29)
-
-
-def make_model(path: Path, max_positions: int) -> str:
-    """A random Llama whose KV is heavy (128 KiB per token in fp32) and whose body is light."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=16, head_dim=128,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=0,
-                         eos_token_id=1)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    save_word_tokenizer(path)
-    return str(path)
 
 
 # ---------------------------------------------------------------------- instances
@@ -733,7 +717,8 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:
-        model = make_model(Path(scratch) / "model", max_positions=max(2048, workload.prompt + workload.max_tokens + 64))
+        positions = max(2048, workload.prompt + workload.max_tokens + 64)
+        model = make_heavy_kv_llama(Path(scratch) / "model", max_positions=positions)
         for setup in setups:
             log_dir = args.out / "logs"
             log_dir.mkdir(exist_ok=True)

@@ -42,11 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from launch.serve import kv_transfer_config, stop, vllm_serve_command  # noqa: E402
 from tests import netns  # noqa: E402
-from tests._vllm_procs import save_word_tokenizer  # noqa: E402
+from tests._vllm_procs import VOCAB, make_heavy_kv_llama  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 
 MODEL_NAME = "heavy-kv"
-VOCAB = 1024
 STREAMS, STREAM_PROMPT, STREAM_TOKENS = 3, 16, 1500
 SERVE_ARGS = ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
               "--block-size", "32", "--seed", "0",
@@ -54,20 +53,6 @@ SERVE_ARGS = ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforc
 KV_MEMORY = {"prefill": 512 << 20, "decode": 1 << 30, "colocated": 1 << 30}
 READY_TIMEOUT = 300.0
 LINK_RATE = "1gbit"
-
-
-def make_model(path: Path) -> str:
-    """A random Llama whose KV is heavy (128 KiB per token in fp32) and whose body is light."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=16, head_dim=128, max_position_embeddings=2048,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    save_word_tokenizer(path)
-    return str(path)
 
 
 # ---------------------------------------------------------------------- the client (one process)
@@ -296,7 +281,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results, summaries = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
-        model = make_model(Path(scratch) / "model")
+        model = make_heavy_kv_llama(Path(scratch) / "model")
         for setup in args.setups.split(","):
             log_dir = args.out / f"logs-{setup}"
             log_dir.mkdir(exist_ok=True)

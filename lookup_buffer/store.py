@@ -158,12 +158,7 @@ class EntryStore:
             entry.expires = now + self._entry_timeout
             if entry.stored is None:
                 entry.stored = now
-            self._entries.setdefault(key, collections.deque()).append(entry)
-            self._by_age[entry] = key
-            if entry.loan is not None:
-                entry.loan.stored_in(lambda: self.withdraw(entry))
-            self._count += 1
-            self._bytes += entry.nbytes
+            self._keep(key, entry)
             self._peak = max(self._peak, self._bytes)
             self._inserts += 1
             self._insert_waits += waited
@@ -215,13 +210,14 @@ class EntryStore:
                     if piece_part == part:
                         entry = piece
                     else:
-                        self._keep_part((key, piece_part), piece)
+                        self._keep((key, piece_part), piece)
             if entry.stored is not None:
                 self._waits.append(time.monotonic() - entry.stored)
             return entry
 
-    def _keep_part(self, key: tuple[MatchKey, Part], entry: Entry) -> None:
-        """Store a part of a split entry, charged its share of the entry's bytes (under the lock)."""
+    def _keep(self, key: MatchKey | tuple[MatchKey, Part], entry: Entry) -> None:
+        """Store ``entry`` under ``key``, charged its bytes (under the lock): a whole entry under its
+        match key, a part of a split entry under the key and its part."""
         self._entries.setdefault(key, collections.deque()).append(entry)
         self._by_age[entry] = key
         if entry.loan is not None:

@@ -39,11 +39,24 @@ def make_tiny_llama(path: Path, with_tokenizer: bool = False, max_positions: int
     """Save a random 2-layer Llama (1.7 M parameters) into ``path``; optionally a word-level tokenizer
     (:func:`word`) with a chat template, for the OpenAI chat endpoint. ``max_positions`` bounds
     vLLM's ``--max-model-len``."""
+    return _make_llama(path, layers=2, heads=4, kv_heads=2, head_dim=64, max_positions=max_positions,
+                       with_tokenizer=with_tokenizer)
+
+
+def make_heavy_kv_llama(path: Path, max_positions: int = 2048) -> str:
+    """A random Llama whose KV is heavy (8 layers x 16 KV heads x 128: 128 KiB per token in fp32) and
+    whose body is light, with the word-level tokenizer: the benchmarks' serving model."""
+    return _make_llama(path, layers=8, heads=16, kv_heads=16, head_dim=128, max_positions=max_positions,
+                       with_tokenizer=True)
+
+
+def _make_llama(path: Path, *, layers: int, heads: int, kv_heads: int, head_dim: int, max_positions: int,
+                with_tokenizer: bool) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                          max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=0,
                          eos_token_id=1)
     torch.manual_seed(0)

@@ -160,11 +160,12 @@ def _open_store(config: KVTransferConfig, port: int, listener: socket.socket | N
 
 
 def _dial_store(host: str, port: int, deadline: float) -> dist.TCPStore:
-    """Connect to rank 0's store by ``deadline``.
+    """Connect to rank 0's store by about ``deadline``.
 
     One TCPStore client retries on its own after a pause, and a try that fails late can take about
     three times its timeout; so each try gets a third of the time left and tries repeat until the
-    deadline, which keeps the whole wait within ``kv_connect_timeout``.
+    deadline. The whole wait overruns ``kv_connect_timeout`` by its last short try (under a
+    second measured with nobody listening), not by twice the timeout.
     """
     while True:
         remaining = deadline - time.monotonic()

@@ -74,7 +74,6 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +84,8 @@ from launch import proxy  # noqa: E402
 from launch.table import format_table  # noqa: E402
 from tests import _vllm_procs as vp  # noqa: E402
 from tests import _xpyd as xp  # noqa: E402
-from tests.procs import free_port  # noqa: E402
 from tests.test_serving_under_pressure import PRESSED_ARGS, ROOMY_ARGS  # noqa: E402
-from tests.test_vllm_serving import Server, ThreadedProxy  # noqa: E402
+from tests.test_vllm_serving import ThreadedProxy  # noqa: E402
 
 logger = logging.getLogger("bench_chaos")
 
@@ -158,48 +156,14 @@ def reference_answers(model: str, prompts: list[list[int]], logs: Path,
     """(text, token ids) of every prompt from one plain ``vllm serve`` with room for all of them,
     stopped before returning."""
     logs.mkdir(parents=True, exist_ok=True)
-    port = free_port(1)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), *ROOMY_ARGS]
-    server = Server(command, logs / "reference.log",
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    try:
-        server.wait_ready(f"http://127.0.0.1:{port}")
-        with ThreadPoolExecutor(clients) as pool:
-            answers = list(pool.map(lambda p: xp.ask(f"http://127.0.0.1:{port}", p).tokens, prompts))
-        return {tuple(prompt): answer for prompt, answer in zip(prompts, answers, strict=True)}
-    finally:
-        server.stop()
+    return xp.plain_answers(model, prompts, logs / "reference.log", ROOMY_ARGS, clients)
 
 
-class ChaosCluster:
+def chaos_cluster(model: str, logs: Path, entry_timeout: float) -> xp.TwoByTwo:
     """Two prefill instances (pressed KV cache, short ``kv_entry_timeout``) and two decode instances
     (roomy, ``fail`` on a failed load), each pinned to one of the two cores."""
-
-    def __init__(self, model: str, logs: Path, entry_timeout: float) -> None:
-        logs.mkdir(parents=True, exist_ok=True)
-        kv_ports = [free_port(), free_port()]
-        extra = {"kv_entry_timeout": entry_timeout}
-        self.prefills = [xp.instance(model, f"prefill{i}", "kv_producer", kv_ports[i], i, logs,
-                                     serve_args=PRESSED_ARGS, kv_extra=extra) for i in range(2)]
-        self.decodes = [xp.instance(model, f"decode{j}", "kv_consumer", kv_ports[0], 1 - j, logs,
-                                    serve_args=ROOMY_ARGS, kv_extra=extra) for j in range(2)]
-
-    @property
-    def instances(self) -> list[xp.Instance]:
-        return [*self.prefills, *self.decodes]
-
-    def start(self) -> None:
-        for instance in self.instances:  # one after another: two cores
-            instance.start()
-
-    def stop(self) -> None:
-        """Stop every instance (its whole process group), whatever happened before."""
-        for instance in self.instances:
-            try:
-                instance.stop()
-            except Exception:  # the others must still be stopped
-                logger.exception("stopping %s failed", instance.name)
+    return xp.TwoByTwo(model, logs, prefill_args=PRESSED_ARGS, decode_args=ROOMY_ARGS,
+                       kv_extra={"kv_entry_timeout": entry_timeout})
 
 
 # ---------------------------------------------------------------------- metrics
@@ -349,7 +313,7 @@ def classify(exc: BaseException, stage: str, via_proxy: bool) -> tuple[str, str]
 class Chaos:
     """The clients, the abandoner and the killer over a started cluster and proxy."""
 
-    def __init__(self, settings: Settings, cluster: ChaosCluster, proxy_url: str, prompts: list[list[int]],
+    def __init__(self, settings: Settings, cluster: xp.TwoByTwo, proxy_url: str, prompts: list[list[int]],
                  abandon_prompts: list[list[int]], reference: dict[tuple[int, ...], tuple[str, list[int]]]) -> None:
         self.settings = settings
         self.cluster = cluster
@@ -634,7 +598,7 @@ def run_chaos(settings: Settings, root: Path, progress: bool = True) -> dict[str
     abandon_prompts = [p for p in prompt_pool(16, settings.seed + 1000) if p not in prompts]
     logger.info("reference answers of %d prompts from one plain vllm serve", len(prompts))
     reference = reference_answers(model, prompts, root / "logs", settings.clients)
-    cluster = ChaosCluster(model, root / "logs", settings.entry_timeout)
+    cluster = chaos_cluster(model, root / "logs", settings.entry_timeout)
     front: ThreadedProxy | None = None
     try:
         logger.info("starting 2 prefill and 2 decode instances (logs in %s)", root / "logs")

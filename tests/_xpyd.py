@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,8 @@ from launch import proxy, serve
 from tests import _vllm_procs as vp
 from tests.procs import free_port
 from tests.test_vllm_serving import NAME, SERVE_ARGS, Server
+
+logger = logging.getLogger(__name__)
 
 READY_TIMEOUT = 240.0
 #: Bound of one HTTP request to an instance or a router (the longest here generates 8 tokens).
@@ -93,6 +97,57 @@ def instance(model: str, name: str, role: str, kv_port: int, core: int, logs: Pa
     command = serve.vllm_serve_command(model, "127.0.0.1", port, transfer, serve_args)
     env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
     return Instance(name, role, port, kv_port, core, command, env, logs)
+
+
+class TwoByTwo:
+    """Two prefill and two decode instances, each pinned to one of the two cores. Requests always
+    name their producer; the decode instances' configured one (the first prefill instance) only
+    serves requests naming none."""
+
+    def __init__(self, model: str, logs: Path, prefill_args: list[str] = SERVE_ARGS,
+                 decode_args: list[str] = SERVE_ARGS, kv_extra: dict[str, Any] | None = None) -> None:
+        logs.mkdir(parents=True, exist_ok=True)
+        kv_ports = [free_port(), free_port()]
+        self.prefills = [instance(model, f"prefill{i}", "kv_producer", kv_ports[i], i, logs,
+                                  serve_args=prefill_args, kv_extra=kv_extra) for i in range(2)]
+        self.decodes = [instance(model, f"decode{j}", "kv_consumer", kv_ports[0], 1 - j, logs,
+                                 serve_args=decode_args, kv_extra=kv_extra) for j in range(2)]
+
+    @property
+    def instances(self) -> list[Instance]:
+        return [*self.prefills, *self.decodes]
+
+    def start(self) -> None:
+        for one in self.instances:  # one after another: two cores
+            one.start()
+
+    def stop(self) -> None:
+        """Stop every instance (its whole process group), whatever happened before."""
+        for one in self.instances:
+            try:
+                one.stop()
+            except Exception:  # the others must still be stopped
+                logger.exception("stopping %s failed", one.name)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {i.name}:\n{i.log_tail(2000)}" for i in self.instances if i.server is not None)
+
+
+def plain_answers(model: str, prompts: list[list[int]], log: Path, serve_args: list[str],
+                  clients: int) -> dict[tuple[int, ...], Any]:
+    """Each prompt's answer (:attr:`Answer.tokens`) from one plain ``vllm serve`` on core 0, asked by
+    ``clients`` at a time; the server is stopped before returning."""
+    port = free_port(1)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), *serve_args]
+    server = Server(command, log, env={"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    try:
+        server.wait_ready(f"http://127.0.0.1:{port}")
+        with ThreadPoolExecutor(clients) as pool:
+            answers = list(pool.map(lambda p: ask(f"http://127.0.0.1:{port}", p).tokens, prompts))
+        return {tuple(prompt): answer for prompt, answer in zip(prompts, answers, strict=True)}
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------------- requests

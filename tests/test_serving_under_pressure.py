@@ -11,7 +11,6 @@ and each must equal one plain server's.
 from __future__ import annotations
 
 import random
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ from launch import proxy
 from tests import _vllm_procs as vp
 from tests import _xpyd as xp
 from tests.procs import free_port
-from tests.test_vllm_serving import NAME, Server
+from tests.test_vllm_serving import NAME
 
 #: KV bytes of one block of the tiny model: 2 layers x (K, V) x 2 heads x 64 x fp32 x 32 tokens.
 BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * vp.BLOCK_SIZE
@@ -46,18 +45,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], tuple[str, list[int]]]:
     """(text, token ids) of every prompt from one plain ``vllm serve`` with room for all of them."""
-    port = free_port(1)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), *ROOMY_ARGS]
-    server = Server(command, tmp_path_factory.mktemp("reference") / "server.log",
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    try:
-        server.wait_ready(f"http://127.0.0.1:{port}")
-        with ThreadPoolExecutor(CLIENTS) as pool:
-            answers = list(pool.map(lambda p: xp.ask(f"http://127.0.0.1:{port}", p).tokens, PROMPTS))
-        return {tuple(prompt): answer for prompt, answer in zip(PROMPTS, answers, strict=True)}
-    finally:
-        server.stop()
+    return xp.plain_answers(model, PROMPTS, tmp_path_factory.mktemp("reference") / "server.log", ROOMY_ARGS, CLIENTS)
 
 
 @pytest.fixture(scope="module")

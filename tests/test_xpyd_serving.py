@@ -59,46 +59,13 @@ def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[tupl
     """(text, token ids) of every prompt of the module from one plain ``vllm serve`` (no connector),
     stopped before the instances start."""
     assert len({tuple(p) for p in ALL_PROMPTS}) == len(ALL_PROMPTS), "the tests need distinct prompts"
-    port = free_port(1)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), *SERVE_ARGS]
-    server = Server(command, tmp_path_factory.mktemp("reference") / "server.log",
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    try:
-        server.wait_ready(f"http://127.0.0.1:{port}")
-        return {tuple(p): xp.ask(f"http://127.0.0.1:{port}", p).tokens for p in ALL_PROMPTS}
-    finally:
-        server.stop()
-
-
-class Cluster:
-    """Two prefill and two decode instances, each pinned to one of the two cores."""
-
-    def __init__(self, model: str, logs: Path) -> None:
-        kv_ports = [free_port(), free_port()]
-        self.prefills = [xp.instance(model, f"prefill{i}", "kv_producer", kv_ports[i], i, logs) for i in range(2)]
-        # Requests always name their producer; the configured one only serves requests naming none.
-        self.decodes = [xp.instance(model, f"decode{j}", "kv_consumer", kv_ports[0], 1 - j, logs) for j in range(2)]
-
-    @property
-    def instances(self) -> list[xp.Instance]:
-        return [*self.prefills, *self.decodes]
-
-    def start(self) -> None:
-        for instance in self.instances:  # one after another: two cores
-            instance.start()
-
-    def stop(self) -> None:
-        for instance in self.instances:
-            instance.stop()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {i.name}:\n{i.log_tail(2000)}" for i in self.instances if i.server is not None)
+    return xp.plain_answers(model, ALL_PROMPTS, tmp_path_factory.mktemp("reference") / "server.log", SERVE_ARGS,
+                            clients=1)
 
 
 @pytest.fixture(scope="module")
-def cluster(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(model, tmp_path_factory.mktemp("xpyd"))
+def cluster(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[xp.TwoByTwo]:
+    cluster = xp.TwoByTwo(model, tmp_path_factory.mktemp("xpyd"))
     try:
         cluster.start()
         yield cluster
@@ -106,7 +73,7 @@ def cluster(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactor
         cluster.stop()
 
 
-def _assert_loaded_by_hand(cluster: Cluster, p: int, d: int, prompts: list[list[int]], reference: dict) -> None:
+def _assert_loaded_by_hand(cluster: xp.TwoByTwo, p: int, d: int, prompts: list[list[int]], reference: dict) -> None:
     """The P/D flow by hand from prefill ``p`` to decode ``d``: tokens of the reference, every
     transfer prefix loaded (cached tokens, and the decode's external prefix-cache hits), the
     prefill's params naming its own kvbridge address."""
@@ -124,7 +91,7 @@ def _assert_loaded_by_hand(cluster: Cluster, p: int, d: int, prompts: list[list[
 
 
 @pytest.mark.timeout(600)
-def test_every_pairing_loads_the_prefix_its_prefill_announces(cluster: Cluster, reference: dict) -> None:
+def test_every_pairing_loads_the_prefix_its_prefill_announces(cluster: xp.TwoByTwo, reference: dict) -> None:
     for p, d in PAIRINGS:
         _assert_loaded_by_hand(cluster, p, d, PAIR_PROMPTS[(p, d)], reference)
     engine_ids = {xp.prefill(cluster.prefills[p].url, PAIR_PROMPTS[(p, 0)][0])["kvbridge"]["engine_id"]
@@ -135,7 +102,7 @@ def test_every_pairing_loads_the_prefix_its_prefill_announces(cluster: Cluster, 
 # ---------------------------------------------------------------------- fronts: kvbridge's proxy, vllm-router
 
 
-def xpyd_proxy(cluster: Cluster, decode_policy: str = "least_outstanding") -> ThreadedProxy:
+def xpyd_proxy(cluster: xp.TwoByTwo, decode_policy: str = "least_outstanding") -> ThreadedProxy:
     """kvbridge's proxy over every instance of ``cluster``, round robin over the prefill instances."""
     return ThreadedProxy([i.url for i in cluster.prefills], [i.url for i in cluster.decodes], xp.REQUEST_TIMEOUT,
                          prefill_policy="round_robin", decode_policy=decode_policy)
@@ -154,7 +121,7 @@ def _assert_all_loaded(answers: list[xp.Answer], prompts: list[list[int]], refer
 
 
 @pytest.mark.timeout(300)
-def test_proxy_over_two_prefills_and_two_decodes(cluster: Cluster, reference: dict) -> None:
+def test_proxy_over_two_prefills_and_two_decodes(cluster: xp.TwoByTwo, reference: dict) -> None:
     hits_before = sum(xp.metric(d.url, xp.HIT_METRIC) for d in cluster.decodes)
     front = xpyd_proxy(cluster)
     try:
@@ -167,7 +134,7 @@ def test_proxy_over_two_prefills_and_two_decodes(cluster: Cluster, reference: di
 
 
 @pytest.fixture()
-def router(cluster: Cluster, tmp_path: Path) -> Iterator[str]:
+def router(cluster: xp.TwoByTwo, tmp_path: Path) -> Iterator[str]:
     # The test extra installs it: missing is a failure, not a skip.
     assert shutil.which("vllm-router") or (Path(sys.executable).parent / "vllm-router").exists(), \
         "vllm-router is not installed (pip install -e '.[test]')"
@@ -186,7 +153,7 @@ def router(cluster: Cluster, tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.mark.timeout(400)
-def test_vllm_router_over_two_prefills_and_two_decodes(cluster: Cluster, router: str, reference: dict) -> None:
+def test_vllm_router_over_two_prefills_and_two_decodes(cluster: xp.TwoByTwo, router: str, reference: dict) -> None:
     hits_before = sum(xp.metric(d.url, xp.HIT_METRIC) for d in cluster.decodes)
     answers = _ask_concurrently(router, ROUTER_PROMPTS)
     assert [a.tokens for a in answers] == [reference[tuple(p)] for p in ROUTER_PROMPTS]
@@ -208,7 +175,7 @@ Send = Callable[[list[int], bool], xp.Answer]
 
 
 @contextlib.contextmanager
-def _front(cluster: Cluster) -> Iterator[Send]:
+def _front(cluster: xp.TwoByTwo) -> Iterator[Send]:
     """Requests through kvbridge's proxy over all instances."""
     front = xpyd_proxy(cluster, decode_policy="round_robin")
     try:
@@ -258,7 +225,7 @@ def _assert_flow(outcomes: dict[int, Any], prompts: list[list[int]], reference: 
 
 @pytest.mark.timeout(600)
 def test_a_killed_prefill_instance_is_routed_around_and_serves_again_after_a_restart(
-        cluster: Cluster, reference: dict) -> None:
+        cluster: xp.TwoByTwo, reference: dict) -> None:
     victim = cluster.prefills[1]
     with _front(cluster) as send:
         outcomes = _flow_with_kill(send, PREFILL_KILL["flow"], victim.kill)
@@ -273,7 +240,7 @@ def test_a_killed_prefill_instance_is_routed_around_and_serves_again_after_a_res
 
 @pytest.mark.timeout(600)
 def test_a_killed_decode_instance_is_routed_around_and_loads_again_after_a_restart(
-        cluster: Cluster, reference: dict) -> None:
+        cluster: xp.TwoByTwo, reference: dict) -> None:
     victim = cluster.decodes[1]
     with _front(cluster) as send:
         outcomes = _flow_with_kill(send, DECODE_KILL["flow"], victim.kill)

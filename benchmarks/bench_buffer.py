@@ -13,7 +13,7 @@ same run, interleaved per size.
 * Lookup: drop_select latency of small entries while 10, 1,000 and 10,000 other entries are
   buffered (should be flat), and the producer-side key-build + dict lookup alone, in-process.
 
-Usage: python benchmarks/bench_buffer.py [--port P] [--max-mib 64]
+Usage: python -m benchmarks.bench_buffer [--port P] [--max-mib 64]
 """
 
 from __future__ import annotations
@@ -29,18 +29,14 @@ import time
 import traceback
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from benchmarks.measure import reap  # noqa: E402
-from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
-from lookup_buffer import SimpleBuffer  # noqa: E402
-from lookup_buffer.matching import MatchKey, token_arrays  # noqa: E402
-from lookup_buffer.store import Entry, EntryStore  # noqa: E402
+from benchmarks.measure import reap
+from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from lookup_buffer import SimpleBuffer
+from lookup_buffer.matching import MatchKey, token_arrays
+from lookup_buffer.store import Entry, EntryStore
 
 KIB, MIB = 1 << 10, 1 << 20
 TOKENS = 128

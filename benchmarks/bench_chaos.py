@@ -17,7 +17,7 @@ Load, for ``--duration`` seconds, from ``--clients`` client threads, each prompt
   returned; about one in four streamed;
 * ``long`` (a share ``--long-share`` of the requests): the P/D flow by hand, its prefill request
   generating ``--long-tokens`` tokens after its KV was saved, as in
-  ``tests/test_serving_under_pressure.py``: prefill-only requests never preempt (a request leaves
+  ``tests/serving/test_serving_under_pressure.py``: prefill-only requests never preempt (a request leaves
   right after its last chunk), requests that keep generating make vLLM preempt on the prefill
   instances, so entries are taken back.
 
@@ -52,7 +52,7 @@ read from ``/metrics`` just before each kill and at the end, and summed over an 
 Prints a table; ``--out`` writes every figure as JSON. Exit status 0 when no answer was wrong, none
 hung, every error was expected and every gauge came back to idle, else 1.
 
-    python benchmarks/bench_chaos.py [--duration 600] [--kill-every 60] [--clients 6] [--seed 0]
+    python -m benchmarks.bench_chaos [--duration 600] [--kill-every 60] [--clients 6] [--seed 0]
         [--out chaos.json]
 """
 
@@ -77,15 +77,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from connector.vllm_worker import GAUGES  # noqa: E402
-from launch import proxy  # noqa: E402
-from launch.table import format_table  # noqa: E402
-from tests import _vllm_procs as vp  # noqa: E402
-from tests import _xpyd as xp  # noqa: E402
-from tests.test_serving_under_pressure import PRESSED_ARGS, ROOMY_ARGS  # noqa: E402
-from tests.test_vllm_serving import ThreadedProxy  # noqa: E402
+from connector.vllm_worker import GAUGES
+from harness import vllm_procs as vp
+from harness import xpyd as xp
+from harness.servers import PRESSED_ARGS, ROOMY_ARGS, ThreadedProxy
+from launch import proxy
+from launch.table import format_table
 
 logger = logging.getLogger("bench_chaos")
 

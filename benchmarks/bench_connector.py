@@ -27,7 +27,7 @@ The lookup buffer is a :class:`~lookup_buffer.SimpleBuffer` on one pipe, or with
 listener`` what the vLLM connector runs: a :class:`~lookup_buffer.BufferListener` on the producer
 that the consumer dials (:func:`~lookup_buffer.dial`).
 
-    python benchmarks/bench_connector.py [--mib 16,64] [--repeats 7] [--path shared-memory|transport]
+    python -m benchmarks.bench_connector [--mib 16,64] [--repeats 7] [--path shared-memory|transport]
         [--buffer simple|listener] [--stored]
 """
 
@@ -37,14 +37,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.measure import run_two_ranks  # noqa: E402
-from connector import (  # noqa: E402
+from benchmarks.measure import run_two_ranks
+from connector import (
     VLLM_CPU_LAYOUT,
     KVRequest,
     PagedKV,
@@ -53,10 +50,10 @@ from connector import (  # noqa: E402
     recv_kv_caches_and_hidden_states,
     send_kv_caches_and_hidden_states,
 )
-from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
-from kv_pipe.exported_memory import page_aligned_empty  # noqa: E402
-from lookup_buffer import BufferListener, SimpleBuffer, dial  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from harness.procs import free_port
+from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe.exported_memory import page_aligned_empty
+from lookup_buffer import BufferListener, SimpleBuffer, dial
 
 LAYERS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE = 8, 8, 32, 128
 BLOCK_BYTES = KV_HEADS * BLOCK_SIZE * 2 * HEAD_SIZE * 4  # fp32: 256 KiB per block and layer

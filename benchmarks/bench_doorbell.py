@@ -16,7 +16,7 @@ segment (each side owns a half); one-way time = round trip / 2, median of the ro
 
 Every round checks sampled words of every message; the last round checks every byte.
 
-    python benchmarks/bench_doorbell.py [--sizes 4K,64K,1M,16M] [--iters 7] [--rounds 5]
+    python -m benchmarks.bench_doorbell [--sizes 4K,64K,1M,16M] [--iters 7] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -29,17 +29,13 @@ import os
 import socket
 import statistics
 import struct
-import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.measure import (  # noqa: E402
+from benchmarks.measure import (
     label,
     parse_sizes,
     raw_group,
@@ -48,7 +44,7 @@ from benchmarks.measure import (  # noqa: E402
     timed_round_trips,
     warmup_count,
 )
-from tests.procs import free_port  # noqa: E402
+from harness.procs import free_port
 
 DESIGNS = ("doorbell", "doorbell + threads", "raw gloo")
 _SEQUENCE = struct.Struct("<Q")

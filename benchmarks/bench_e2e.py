@@ -39,7 +39,7 @@ places vLLM's compute threads, and once an instance answers, every thread of its
 to its cores: vLLM's NIXL worker on CPU moves its thread to the last core of each NUMA node ("reserved
 for kv transfer"), which on a 2-core host puts both NIXL instances' forward passes on core 1.
 
-    python benchmarks/bench_e2e.py [--quick] [--setups plain,kvbridge,nixl] [--clients 1,4,8]
+    python -m benchmarks.bench_e2e [--quick] [--setups plain,kvbridge,nixl] [--clients 1,4,8]
         [--producer-clients 4,8] [--netns] [--out DIR]
 
 Prints the tables (and ``--json``), saves ``bench_e2e.png`` (matplotlib) and ``bench_e2e.json``.
@@ -68,12 +68,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from launch.serve import kv_transfer_config, stop, vllm_serve_command  # noqa: E402
-from tests import netns  # noqa: E402
-from tests._vllm_procs import VOCAB, make_heavy_kv_llama  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from harness import netns
+from harness.procs import free_port
+from harness.vllm_procs import VOCAB, make_heavy_kv_llama
+from launch.serve import kv_transfer_config, stop, vllm_serve_command
 
 MODEL_NAME = "heavy-kv"
 READY_TIMEOUT = 300.0
@@ -498,7 +496,7 @@ def run_setup(setup: str, model: str, workload: Workload, plan: Plan, log_dir: P
             out = log_dir / f"{setup}-client.json"
             args = {"setup": setup, "urls": {"prefill": prefill_server.url, "decode": decode_server.url},
                     "workload": dataclasses.asdict(workload), "measure": sorted(measure - {"producer"})}
-            client = [sys.executable, str(Path(__file__).resolve()), "--client", json.dumps(args), str(out)]
+            client = [sys.executable, "-m", "benchmarks.bench_e2e", "--client", json.dumps(args), str(out)]
             subprocess.run(["ip", "netns", "exec", hosts.names[1], *client], env=netns.child_env(), check=True,
                            timeout=3600)
             return _from_json(json.loads(out.read_text()))

@@ -7,7 +7,7 @@ that way (GPU -> pipe -> GPU and back); one-way time = round trip / 2 (median). 
 least any host staging can cost: one plain device-to-host copy of the same bytes into pinned memory
 (``torch.Tensor.copy_``), and the host-to-device copy back, timed in one process on the same GPU.
 
-    python benchmarks/bench_host_staged.py [--sizes 16M,64M,256M] [--iters 5] [--summary]
+    python -m benchmarks.bench_host_staged [--sizes 16M,64M,256M] [--iters 5] [--summary]
 
 On a machine without CUDA it says so and exits 0.
 """
@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.measure import label, parse_sizes, run_two_ranks, timed  # noqa: E402
-from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
-from kv_pipe.device import copy_between  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from benchmarks.measure import label, parse_sizes, run_two_ranks, timed
+from harness.procs import free_port
+from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe.device import copy_between
 
 
 def plain_copies(nbytes: int, iters: int, device: torch.device) -> tuple[float, float]:

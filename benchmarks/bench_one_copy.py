@@ -20,7 +20,7 @@ over the caches, the consumer times, in alternating rounds:
 
 Every method's result is checked bit for bit against the replica.
 
-    python benchmarks/bench_one_copy.py [--mib 16,64] [--repeats 7]
+    python -m benchmarks.bench_one_copy [--mib 16,64] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -30,20 +30,16 @@ import ctypes
 import multiprocessing
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_connector import BLOCK_BYTES, LAYERS, caches, page_aligned, request_blocks  # noqa: E402
-from connector import VLLM_CPU_LAYOUT, gather_blocks, scatter_blocks  # noqa: E402
-from kv_pipe.exported_memory import PeerMemory, export_host_memory  # noqa: E402
-from kv_pipe.parallel_copy import copy_many  # noqa: E402
+from benchmarks.bench_connector import BLOCK_BYTES, LAYERS, caches, page_aligned, request_blocks
+from connector import VLLM_CPU_LAYOUT, gather_blocks, scatter_blocks
+from kv_pipe.exported_memory import PeerMemory, export_host_memory
+from kv_pipe.parallel_copy import copy_many
 
 #: The most I/O vectors one process_vm_readv takes (the kernel's UIO_MAXIOV).
 MAX_IOVECS = 1024

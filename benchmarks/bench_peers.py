@@ -14,7 +14,7 @@ is reported as not applicable.
 A peer that is not installed is reported in the table: ``pip install 'kvbridge[peers]'`` brings
 NIXL, Mooncake (which needs Debian's ``libibverbs1``), matplotlib and tqdm.
 
-    python benchmarks/bench_peers.py [--sizes 4K,1M,16M,128M] [--rounds 3] [--iters 7] [--netns]
+    python -m benchmarks.bench_peers [--sizes 4K,1M,16M,128M] [--rounds 3] [--iters 7] [--netns]
                                      [--plot /tmp/kvbridge-peers.png]
 """
 
@@ -31,12 +31,10 @@ import textwrap
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.measure import label, parse_sizes  # noqa: E402
-from benchmarks.peer_transports import ANOTHER_HOST  # noqa: E402
-from tests import netns  # noqa: E402
-from tests.procs import REPO, free_port  # noqa: E402
+from benchmarks.measure import label, parse_sizes
+from benchmarks.peer_transports import ANOTHER_HOST
+from harness import netns
+from harness.procs import REPO, free_port
 
 NIXL, NIXL_TOLD = "NIXL (UCX)", "NIXL (UCX), told, ping-pong"
 MEMCPY, RAW = "memcpy (torch, 1 thread)", "raw gloo"

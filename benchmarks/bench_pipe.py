@@ -15,7 +15,7 @@ tensor behind a header-sized gap in a reused frame, sends that prefix on the raw
 into a reused frame and makes a tensor over the received bytes; no header is written or read, no
 lock taken, no thread involved. (Such tensors travel inside their frame on both paths.)
 
-    python benchmarks/bench_pipe.py [--iters 7] [--rounds 5] [--sizes 4K,64K,1M,4M,16M,128M,512M]
+    python -m benchmarks.bench_pipe [--iters 7] [--rounds 5] [--sizes 4K,64K,1M,4M,16M,128M,512M]
 """
 
 from __future__ import annotations
@@ -25,13 +25,10 @@ import ctypes
 import functools
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.measure import (  # noqa: E402
+from benchmarks.measure import (
     label,
     parse_sizes,
     raw_group,
@@ -40,9 +37,9 @@ from benchmarks.measure import (  # noqa: E402
     timed_round_trips,
     warmup_count,
 )
-from kv_pipe import KVTransferConfig, TorchDistributedPipe  # noqa: E402
-from kv_pipe.protocol import HEADER_BYTES, HOST_FRAME_BYTES  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from harness.procs import free_port
+from kv_pipe import KVTransferConfig, TorchDistributedPipe
+from kv_pipe.protocol import HEADER_BYTES, HOST_FRAME_BYTES
 
 #: The pipes' payload paths: kv_shared_memory and the port offset of each pipe (the raw group has port).
 PIPES = {"transport": ("off", 2), "shared": ("on", 4)}

@@ -6,7 +6,7 @@ Setups, each measured with the same workload in one run:
   load: vLLM's own per-request cost.
 * **loopback**: a prefill and a decode ``vllm serve`` with kvbridge on one host (cores 0 and 1).
 * **1gbit**: the same pair in two network namespaces joined by a veth link limited to 1 Gbit/s
-  (``tc ... tbf``; needs root, see tests/netns.py); the client runs in the decode namespace.
+  (``tc ... tbf``; needs root, see harness/netns.py); the client runs in the decode namespace.
 
 Workload: a model with heavy KV (8 layers x 16 KV heads x 128 dims, fp32: 128 KiB per token) and a
 light body; three streams decode on the decode instance; P/D requests of ``--prompt`` tokens
@@ -15,7 +15,7 @@ request with the prefill's ``kv_transfer_params``, as kvbridge's proxy does). An
 is the longest gap of any running stream between sending its decode request and its first token.
 ITL is that of the streams over the whole run; TTFT is the arrival's, from its prefill request.
 
-    python benchmarks/bench_serving.py [--arrivals 8] [--setups colocated,loopback,1gbit] [--out DIR]
+    python -m benchmarks.bench_serving [--arrivals 8] [--setups colocated,loopback,1gbit] [--out DIR]
 
 Prints one table and saves ``bench_serving.png`` (each stream's ITL over time, arrivals marked).
 """
@@ -38,12 +38,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from launch.serve import kv_transfer_config, stop, vllm_serve_command  # noqa: E402
-from tests import netns  # noqa: E402
-from tests._vllm_procs import VOCAB, make_heavy_kv_llama  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from harness import netns
+from harness.procs import free_port
+from harness.vllm_procs import VOCAB, make_heavy_kv_llama
+from launch.serve import kv_transfer_config, stop, vllm_serve_command
 
 MODEL_NAME = "heavy-kv"
 STREAMS, STREAM_PROMPT, STREAM_TOKENS = 3, 16, 1500
@@ -204,7 +202,7 @@ def measure(setup: str, model: str, log_dir: Path, arrivals: int, prompt_tokens:
             kwargs = {"prefill_url": f"http://{hosts.addresses[0]}:{ports['prefill']}",
                       "decode_url": f"http://{hosts.addresses[1]}:{ports['decode']}", "arrivals": arrivals,
                       "prompt_tokens": prompt_tokens, "seed": 1}
-            client = [sys.executable, str(Path(__file__).resolve()), "--client", json.dumps(kwargs), str(out)]
+            client = [sys.executable, "-m", "benchmarks.bench_serving", "--client", json.dumps(kwargs), str(out)]
             subprocess.run(["ip", "netns", "exec", hosts.names[1], *client], env=netns.child_env(), check=True,
                            timeout=READY_TIMEOUT + 600)
             return json.loads(out.read_text())

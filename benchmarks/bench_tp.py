@@ -13,7 +13,7 @@ moved, and the time from the barrier until the slowest decode rank had written i
 over the requests; the first request, which opens the connections, is not timed). Every decode
 rank's blocks are checked bit for bit against the single-rank cache.
 
-    python benchmarks/bench_tp.py [--pairs 1:1,1:2,2:1] [--tokens 1024] [--layers 16] [--heads 8]
+    python -m benchmarks.bench_tp [--pairs 1:1,1:2,2:1] [--tokens 1024] [--layers 16] [--heads 8]
         [--head-size 128] [--requests 6] [--copied]
 """
 
@@ -25,18 +25,15 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from connector import compat, tp_layout  # noqa: E402
-from connector.paged import VLLM_CPU_LAYOUT  # noqa: E402
-from connector.transfer_plan import LoadSpec, SaveSpec  # noqa: E402
-from connector.vllm_settings import ConnectorSettings, listen_port_offset  # noqa: E402
-from tests.procs import free_port  # noqa: E402
+from connector import compat, tp_layout
+from connector.paged import VLLM_CPU_LAYOUT
+from connector.transfer_plan import LoadSpec, SaveSpec
+from connector.vllm_settings import ConnectorSettings, listen_port_offset
+from harness.procs import free_port
 
 BLOCK_SIZE = 32
 DTYPE = torch.float16

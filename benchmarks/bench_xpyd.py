@@ -11,7 +11,7 @@ times, one request at a time (a 100-token prompt, 8 generated tokens, 96 tokens 
 
 Every answer is checked to have loaded its whole prefix (its cached tokens).
 
-    python benchmarks/bench_xpyd.py [--requests 10]
+    python -m benchmarks.bench_xpyd [--requests 10]
 """
 
 from __future__ import annotations
@@ -19,18 +19,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-from tests import _vllm_procs as vp  # noqa: E402
-from tests import _xpyd as xp  # noqa: E402
-from tests.procs import free_port  # noqa: E402
-from tests.test_vllm_serving import ThreadedProxy  # noqa: E402
+from harness import vllm_procs as vp
+from harness import xpyd as xp
+from harness.procs import free_port
+from harness.servers import ThreadedProxy
 
 PROMPT_TOKENS = 100
 

@@ -21,6 +21,7 @@ import msgspec
 import torch
 import zmq
 
+from harness.tensors import random_tensor, same_bits
 from kv_pipe import KVTransferConfig, TorchDistributedPipe
 from kv_pipe.errors import KVBufferFullError, KVPipeClosedError, KVTransferError
 from lookup_buffer import SimpleBuffer
@@ -36,7 +37,6 @@ from lookup_buffer.protocol import (
     encode_request,
     select_request,
 )
-from tests.tensors import random_tensor, same_bits
 
 #: Events shared by the two sides of one test (multiprocessing events, see new_sync in the test file).
 SYNC_EVENTS = ("inserted", "stage", "stage2", "consumer_done")

@@ -3,7 +3,7 @@
 vLLM loads it like any external connector::
 
     kv_transfer_config={"kv_connector": "CorruptingKVBridgeConnector",
-                        "kv_connector_module_path": "tests.corrupting_connector", ...}
+                        "kv_connector_module_path": "harness.corrupting_connector", ...}
 
 It is the negative control of the engine tests: outputs served from transferred KV must change,
 and only those.
@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 from connector.vllm_settings import ConnectorSettings
 from connector.vllm_v1 import KVBridgeConnector
 from connector.vllm_worker import WorkerSide
+from harness.fault_injection import CorruptingBuffer
 from lookup_buffer import KVLookupBufferBase, dial
 from lookup_buffer.listener import OnConnect
-from tests.fault_injection import CorruptingBuffer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,10 +1,10 @@
 """The checks of the GPU path, runnable without pytest (a bare GPU machine may have torch and nothing
-else): ``tests/test_cuda.py`` runs each one under pytest (``pytest -m cuda``), and
+else): ``tests/processes/test_cuda.py`` runs each one under pytest (``pytest -m cuda``), and
 ``scripts/gpu-check.sh`` runs them all through :func:`main`, which prints one table.
 
 Each check is a function that returns a short note for the table, raises :class:`Skip` when the
 machine cannot run it (one GPU where it needs two), and raises anything else on failure. Two-process
-checks spawn both sides (:mod:`tests.procs`); both run on the GPU given by ``KVBRIDGE_CHECK_GPU``
+checks spawn both sides (:mod:`harness.procs`); both run on the GPU given by ``KVBRIDGE_CHECK_GPU``
 (default 0), so one GPU is enough for all but the NCCL pair.
 
 Needs only torch, numpy, pyzmq and msgspec (what kvbridge itself imports).
@@ -30,9 +30,9 @@ from connector import (
     send_kv_caches_and_hidden_states,
 )
 from connector.paged import FLASH_ATTN_LAYOUT, VLLM_CPU_LAYOUT, PagedKVLayout, gather_blocks, scatter_blocks
+from harness import procs
 from kv_pipe import KVConfigError, KVTransferConfig, TorchDistributedPipe
 from lookup_buffer import SimpleBuffer
-from tests import procs
 
 #: Layouts of vLLM's GPU attention backends, as (layout, per-layer shape with 40 blocks of 16 tokens).
 GPU_LAYOUTS = [
@@ -334,7 +334,7 @@ def _run_pytest(paths: list[str], timeout: float) -> tuple[str, str]:
 
 
 def _run_benchmark(timeout: float) -> tuple[str, str]:
-    command = [sys.executable, str(procs.REPO / "benchmarks" / "bench_host_staged.py"), "--summary"]
+    command = [sys.executable, "-m", "benchmarks.bench_host_staged", "--summary"]
     try:
         finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=procs.REPO)
     except subprocess.TimeoutExpired:
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, str, str, str]] = []
     if not arguments.no_pytest:
         started = time.perf_counter()
-        outcome, note = _run_pytest(["tests/test_gpu_setup.py"], timeout=240)
+        outcome, note = _run_pytest(["tests/processes/test_gpu_setup.py"], timeout=240)
         rows.append(("CPU set-up tests (test_gpu_setup.py)", outcome, f"{time.perf_counter() - started:.0f} s", note))
     for name, check in CHECKS.items():
         started = time.perf_counter()

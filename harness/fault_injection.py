@@ -7,7 +7,7 @@
   report that request as a miss and compute it itself.
 * Run as a module, the pair launcher with one fault, under torchrun like ``launch.pair``::
 
-      torchrun --nproc-per-node=2 -m tests.fault_injection corrupt-kv | lose-insert=I | crash-rank=R
+      torchrun --nproc-per-node=2 -m harness.fault_injection corrupt-kv | lose-insert=I | crash-rank=R
 
   ``corrupt-kv``: the decode rank loads noise; ``lose-insert=I``: the prefill rank's I-th insert
   (0-based, prompt order) is lost; ``crash-rank=R``: rank R dies abruptly after the handshake.
@@ -114,7 +114,7 @@ def _install(fault: str) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        raise SystemExit("usage: python -m tests.fault_injection corrupt-kv | lose-insert=I | crash-rank=R")
+        raise SystemExit("usage: python -m harness.fault_injection corrupt-kv | lose-insert=I | crash-rank=R")
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK', '?')}] %(levelname)s "
                         "%(name)s: %(message)s")
     _install(argv[0])

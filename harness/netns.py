@@ -6,7 +6,7 @@ Only namespaces created here are touched, and traffic only goes to their own add
 made. Everything is deleted on exit, and leftovers of an earlier run that was killed are removed
 the next time (matched by this module's name prefix and a dead owner pid).
 
-Processes inside a namespace run ``python -m tests.netns MODULE:FUNCTION RESULT_FILE JSON_ARGS``:
+Processes inside a namespace run ``python -m harness.netns MODULE:FUNCTION RESULT_FILE JSON_ARGS``:
 the function's JSON-able return value (or its traceback) lands in ``RESULT_FILE``, and anything it
 prints with :func:`progress` can be awaited by the test with :meth:`Child.wait_for`.
 """
@@ -74,7 +74,7 @@ class TwoHosts:
               env: dict[str, str] | None = None) -> Child:
         """Run ``target`` ("module:function") with ``args`` in a Python process inside namespace ``host``."""
         result_file = log_dir / f"{tag}.json"
-        argv = [sys.executable, "-m", "tests.netns", target, str(result_file), json.dumps(args)]
+        argv = [sys.executable, "-m", "harness.netns", target, str(result_file), json.dumps(args)]
         process = self.popen(host, argv, child_env(env), log_dir, tag)
         return Child(tag, process, log_dir / f"{tag}.out", log_dir / f"{tag}.err", result_file)
 

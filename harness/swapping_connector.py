@@ -4,9 +4,9 @@ prefill instance puts the KV heads it loads in the wrong places.
 vLLM loads it like any external connector::
 
     kv_transfer_config={"kv_connector": "HeadSwappingKVBridgeConnector",
-                        "kv_connector_module_path": "tests.swapping_connector", ...}
+                        "kv_connector_module_path": "harness.swapping_connector", ...}
 
-It is the negative control of the TP engine tests (tests/test_tensor_parallel_engines.py): a decode
+It is the negative control of the TP engine tests (tests/serving/test_tensor_parallel_engines.py): a decode
 rank that gathers several prefill ranks' entries takes them in reverse order, one that takes part of
 a prefill rank's heads takes the mirror part. Every byte still moves and every load still succeeds,
 so only the outputs can tell that each head must land in its own slice.

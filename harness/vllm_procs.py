@@ -105,7 +105,7 @@ def transfer_prefix(prompt: list[int]) -> int:
 #: The connector class and module vLLM loads; :func:`kv_transfer_config` takes another pair, e.g.
 #: :data:`CORRUPTING_CONNECTOR`.
 KVBRIDGE_CONNECTOR = ("KVBridgeConnector", "connector.vllm_v1")
-CORRUPTING_CONNECTOR = ("CorruptingKVBridgeConnector", "tests.corrupting_connector")
+CORRUPTING_CONNECTOR = ("CorruptingKVBridgeConnector", "harness.corrupting_connector")
 
 
 def kv_transfer_config(role: str, port: int, module_path: bool = True,
@@ -513,9 +513,9 @@ def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, do
                          timeout: float) -> dict[str, Any]:
     """Run ``steps`` on caches :func:`fake_caches` (seed 2): ``("load", [LoadSpec...])`` records the
     failed blocks; ``("corrupt", bool)`` makes the worker's lookup buffer hand out noise from then on
-    (the negative control, :class:`tests.fault_injection.CorruptingBuffer`). Returns the caches."""
+    (the negative control, :class:`harness.fault_injection.CorruptingBuffer`). Returns the caches."""
+    from harness.fault_injection import CorruptingBuffer
     from lookup_buffer import dial
-    from tests.fault_injection import CorruptingBuffer
 
     buffers: list[CorruptingBuffer] = []
 

@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from harness import vllm_procs as vp
+from harness.procs import free_port
+from harness.servers import NAME, SERVE_ARGS, Server
 from launch import proxy, serve
-from tests import _vllm_procs as vp
-from tests.procs import free_port
-from tests.test_vllm_serving import NAME, SERVE_ARGS, Server
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@
 #
 #   bash scripts/gpu-check.sh            # the GPU: KVBRIDGE_CHECK_GPU (default 0)
 #
-# What it runs (tests/cuda_checks.py; the same checks run under `pytest -m cuda`):
-#   - tests/test_gpu_setup.py: group creation order, device choice, same-GPU refusal (CPU, gloo)
+# What it runs (harness/cuda_checks.py; the same checks run under `pytest -m cuda`):
+#   - tests/processes/test_gpu_setup.py: group creation order, device choice, same-GPU refusal (CPU, gloo)
 #   - the pipe's contract on CUDA tensors in host-staged mode, over shared memory and over gloo
 #   - paged gather/scatter on vLLM's GPU cache layouts, bit-exact against the CPU
 #   - two processes on one GPU moving a batch's KV through the connector (host-staged)
@@ -47,7 +47,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # Every check is bounded; the whole run is too (8 minutes).
-timeout --signal=TERM --kill-after=15 480 python -m tests.cuda_checks "$@"
+timeout --signal=TERM --kill-after=15 480 python -m harness.cuda_checks "$@"
 status=$?
 if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
     echo "gpu-check: did not finish within 8 minutes" >&2

@@ -21,18 +21,18 @@ import torch
 
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec
 from connector.vllm_scheduler import KVBridgeWorkerMetadata, SchedulerSide
-from lookup_buffer.loans import TAKEN_BACK
-from tests import _vllm_procs as vp
-from tests.procs import free_port
-from tests.test_vllm_connector import (
+from harness import vllm_procs as vp
+from harness.procs import free_port
+from harness.vllm_fakes import (
     FAKE_TOKENS,
     B,
-    _FailingInserts,
+    FailingInserts,
     cached_data,
     make_request,
     new_req_data,
     scheduler_output,
 )
+from lookup_buffer.loans import TAKEN_BACK
 
 # ====================================================================== scheduler side
 
@@ -121,7 +121,7 @@ def test_a_decode_request_aborted_before_its_load_has_its_announced_entry_draine
 
 
 def test_a_preempted_request_saved_by_a_copy_keeps_its_one_entry() -> None:
-    buffer = _FailingInserts({})
+    buffer = FailingInserts({})
     worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
                             listener_factory=lambda settings, offset, on_connect: buffer)
     try:

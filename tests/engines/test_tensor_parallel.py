@@ -4,7 +4,7 @@ Unit level: the head plan, the compatibility check, part selects in the lookup b
 an entry, its loans, the wire format), the gather of several prefill ranks' entries. Connector
 level: fake TP workers, one process per rank, over real kvbridge pipes; each rank holds its slice
 of KV heads of one single-rank cache, and every decode rank must end up with exactly its heads of
-it, moving no others. With real vLLM engines: tests/test_tensor_parallel_engines.py.
+it, moving no others. With real vLLM engines: tests/serving/test_tensor_parallel_engines.py.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from connector.paged import PagedKVLayout
 from connector.tp_layout import Source, plan_sources
 from connector.tp_sources import HeadGather, Sources
 from connector.transfer_plan import LoadSpec, SaveSpec
+from harness import vllm_procs as vp
+from harness.procs import free_port
 from kv_pipe.errors import KVConfigError, KVProtocolError
 from lookup_buffer import protocol
 from lookup_buffer.errors import KVInvalidRequestError
@@ -30,8 +32,6 @@ from lookup_buffer.loans import RETURNED, TAKEN_BACK, BorrowedTensor, LentTensor
 from lookup_buffer.matching import token_arrays
 from lookup_buffer.producer import make_entry
 from lookup_buffer.store import EntryStore
-from tests import _vllm_procs as vp
-from tests.procs import free_port
 
 # ====================================================================== the head plan
 
@@ -566,9 +566,9 @@ def test_serve_refuses_tp_sizes_it_cannot_pair(options: tuple[str, ...], serve_a
 def test_bench_tp_reports_bytes_and_time_per_request_of_each_pairing(tmp_path: Any, copied: bool) -> None:
     import sys
 
-    from tests import procs
+    from harness import procs
 
-    command = [sys.executable, "benchmarks/bench_tp.py", "--pairs", "1:1,1:2,2:1", "--tokens", "64", "--layers", "2",
+    command = [sys.executable, "-m", "benchmarks.bench_tp", "--pairs", "1:1,1:2,2:1", "--tokens", "64", "--layers", "2",
                "--requests", "2", *(["--copied"] if copied else [])]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=220)
     assert result.returncode == 0, result.stderr[-4000:]

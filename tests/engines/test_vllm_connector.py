@@ -17,9 +17,6 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from vllm import SamplingParams
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.request import Request
 
 from connector import compat
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
@@ -30,12 +27,20 @@ from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, S
 from connector.vllm_settings import ConnectorSettings, listen_port_offset
 from connector.vllm_stats import KVBridgeStats
 from connector.vllm_worker import GAUGES, WorkerSide, find_layout
+from harness import vllm_procs as vp
+from harness.procs import free_port
+from harness.vllm_fakes import (
+    FAKE_TOKENS,
+    B,
+    FailingInserts,
+    cached_data,
+    make_request,
+    new_req_data,
+    poll_until_reported,
+    random_blocks,
+    scheduler_output,
+)
 from kv_pipe.errors import KVBufferFullError, KVConfigError, KVPeerLostError, KVProtocolError
-from tests import _vllm_procs as vp
-from tests.procs import free_port
-
-B = vp.BLOCK_SIZE
-
 
 # ====================================================================== settings
 
@@ -69,36 +74,6 @@ def test_settings_errors_name_the_key(role: str, extra: dict, named: str) -> Non
 
 
 # ====================================================================== scheduler side
-
-
-def make_request(req_id: str, tokens: list[int], params: dict | None = None) -> Request:
-    sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
-    return Request(req_id, tokens, sampling, None)
-
-
-def new_req_data(request: Request, block_ids: list[int], num_computed: int) -> NewRequestData:
-    request.num_computed_tokens = num_computed
-    return NewRequestData.from_request(request, (block_ids,))
-
-
-def scheduler_output(new: list[NewRequestData], scheduled: dict[str, int],
-                     cached: CachedRequestData | None = None) -> SchedulerOutput:
-    output = SchedulerOutput.make_empty()
-    output.scheduled_new_reqs = new
-    output.num_scheduled_tokens = scheduled
-    output.total_num_scheduled_tokens = sum(scheduled.values())
-    if cached is not None:
-        output.scheduled_cached_reqs = cached
-    return output
-
-
-def cached_data(req_ids: list[str], num_computed: list[int]) -> CachedRequestData:
-    data = CachedRequestData.make_empty()
-    data.req_ids = req_ids
-    data.num_computed_tokens = num_computed
-    data.new_block_ids = [None] * len(req_ids)
-    data.num_output_tokens = [0] * len(req_ids)
-    return data
 
 
 @pytest.mark.parametrize(("n", "prefix"), [(0, 0), (1, 0), (7, 0), (31, 0), (32, 0), (33, 32), (64, 32),
@@ -428,10 +403,6 @@ def test_find_layout_cpu_and_flash_shapes() -> None:
 
 # ====================================================================== worker side over a real pipe
 
-FAKE_TOKENS = {name: list(range(start, start + n)) for name, start, n in
-               (("a", 10, 8), ("b", 30, 12), ("c", 50, 4), ("d", 60, 4), ("x", 90, 4))}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("lend", [True, False], ids=["lent", "copied"])
 def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> None:
@@ -484,29 +455,8 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> N
     assert producer["returned"] == {"a", "b", "c", "d"} and producer["stats"]["returned_requests"] == 4
 
 
-class _FailingInserts:
-    """A producer's lookup buffer whose inserts raise ``failures[first token]``, others are kept."""
-
-    def __init__(self, failures: dict[int, Exception]) -> None:
-        self.failures = failures
-        self.inserted: list[list[int]] = []
-
-    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-               hidden: torch.Tensor | None, timeout: float | None = None) -> None:
-        failure = self.failures.get(int(input_tokens[0]))
-        if failure is not None:
-            raise failure
-        self.inserted.append(input_tokens.tolist())
-
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
-
-    def close(self) -> None:
-        self.inserted.clear()
-
-
 def test_worker_reports_which_saves_reached_the_buffer() -> None:
-    buffer = _FailingInserts({FAKE_TOKENS["b"][0]: KVBufferFullError("full"),
+    buffer = FailingInserts({FAKE_TOKENS["b"][0]: KVBufferFullError("full"),
                               FAKE_TOKENS["d"][0]: KVPeerLostError("the consumer is gone")})
     worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {},
                             listener_factory=lambda settings, offset, on_connect: buffer)
@@ -555,13 +505,6 @@ class _ScriptedSelects:
             gate.set()
 
 
-def _blocks(seed: int, count: int) -> torch.Tensor:
-    """Random KV blocks for ``count`` blocks of :func:`tests._vllm_procs.fake_caches`."""
-    generator = torch.Generator().manual_seed(seed)
-    shape = (vp.FAKE_LAYERS, count, vp.FAKE_HEADS, vp.FAKE_BLOCK_SIZE, 2 * vp.FAKE_HEAD_SIZE)
-    return torch.randn(shape, generator=generator)
-
-
 def _consumer(*buffers: _ScriptedSelects, dialed: list[tuple[str, int]] | None = None):
     """A consumer worker whose connections are ``buffers``, one per connection made, in order."""
     remaining = list(buffers)
@@ -577,29 +520,17 @@ def _consumer(*buffers: _ScriptedSelects, dialed: list[tuple[str, int]] | None =
                           dialer=dialer)
 
 
-def _poll(worker, until: set[str], finished_req_ids: set[str] | None = None) -> list[tuple[set[str], set[int]]]:
-    """Poll as vLLM does each step (finished loads, then failed blocks) until ``until`` were all
-    reported; return each poll's reports (a hang guard only: no timing is asserted)."""
-    polls: list[tuple[set[str], set[int]]] = []
-    deadline = time.monotonic() + 60
-    while not until <= set().union(*(f for f, _ in polls)):
-        assert time.monotonic() < deadline, f"{until} not reported; got {polls}"
-        polls.append((worker.take_finished_loads(finished_req_ids or set()), worker.take_failed_blocks()))
-        time.sleep(0.005)
-    return polls
-
-
 def _same_bits(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
     return all(torch.equal(g.view(torch.int32), e.view(torch.int32)) for g, e in zip(got, expected, strict=True))
 
 
 def test_async_loads_report_each_request_once_and_its_errors_no_later() -> None:
-    a, b = _blocks(1, 2), _blocks(2, 3)
+    a, b = random_blocks(1, 2), random_blocks(2, 3)
     buffer = _ScriptedSelects({FAKE_TOKENS["a"][0]: a, FAKE_TOKENS["b"][0]: b})
     worker = _consumer(buffer)
     worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0), LoadSpec("x", FAKE_TOKENS["x"], [3], 0),
                         LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 1)])  # block 2 is held locally
-    polls = _poll(worker, {"a", "x", "b"})
+    polls = poll_until_reported(worker, {"a", "x", "b"})
     reported = [req_id for finished, _ in polls for req_id in finished]
     assert sorted(reported) == ["a", "b", "x"]  # each exactly once
     (miss_poll,) = [index for index, (finished, _) in enumerate(polls) if "x" in finished]
@@ -623,15 +554,15 @@ def test_async_loads_report_each_request_once_and_its_errors_no_later() -> None:
 
 def test_a_waiting_load_holds_neither_the_caller_nor_other_loads() -> None:
     late = threading.Event()
-    a, b = _blocks(1, 2), _blocks(2, 3)
+    a, b = random_blocks(1, 2), random_blocks(2, 3)
     buffer = _ScriptedSelects({FAKE_TOKENS["a"][0]: a, FAKE_TOKENS["b"][0]: b}, gates={FAKE_TOKENS["a"][0]: late})
     worker = _consumer(buffer)
     worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0, wait=True)])  # returns while "a" waits
     worker.start_loads([LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 0)])
-    polls = _poll(worker, {"b"})
+    polls = poll_until_reported(worker, {"b"})
     assert "a" not in set().union(*(f for f, _ in polls))  # still waiting for its entry
     late.set()  # the producer inserts the entry
-    _poll(worker, {"a"})
+    poll_until_reported(worker, {"a"})
     expected = vp.fake_caches(2)
     for layer in range(vp.FAKE_LAYERS):
         expected[layer][[5, 0]] = a[layer]
@@ -642,13 +573,13 @@ def test_a_waiting_load_holds_neither_the_caller_nor_other_loads() -> None:
 
 def test_an_aborted_load_writes_nothing_yet_takes_its_entry() -> None:
     late = threading.Event()
-    buffer = _ScriptedSelects({FAKE_TOKENS["a"][0]: _blocks(1, 2)}, gates={FAKE_TOKENS["a"][0]: late})
+    buffer = _ScriptedSelects({FAKE_TOKENS["a"][0]: random_blocks(1, 2)}, gates={FAKE_TOKENS["a"][0]: late})
     worker = _consumer(buffer)
     worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0, wait=True)])
     # vLLM aborts the waiting request: the abort reaches the worker before the entry does.
     assert worker.take_finished_loads({"a"}) == set()
     late.set()
-    polls = _poll(worker, {"a"})
+    polls = poll_until_reported(worker, {"a"})
     assert all(not failed for _, failed in polls)  # the blocks may belong to another request by now
     assert _same_bits(worker.caches, vp.fake_caches(2))  # nothing written
     assert buffer.selected == [FAKE_TOKENS["a"][0]] and buffer.hits == {}  # the entry was taken: no leak
@@ -661,24 +592,24 @@ def test_a_connection_lost_mid_load_fails_that_load_and_the_next_load_connects_a
     late = threading.Event()
     lost = _ScriptedSelects({}, gates={FAKE_TOKENS["a"][0]: late},
                             errors={FAKE_TOKENS["a"][0]: KVPeerLostError("the producer is gone")})
-    replacement = _ScriptedSelects({FAKE_TOKENS["b"][0]: _blocks(2, 3)})
+    replacement = _ScriptedSelects({FAKE_TOKENS["b"][0]: random_blocks(2, 3)})
     dialed: list[tuple[str, int]] = []
     worker = _consumer(lost, replacement, dialed=dialed)
     worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0, wait=True, producer=("10.0.0.7", 9000))])
     assert worker.take_finished_loads() == set()
     late.set()  # the peer dies while the load waits
-    polls = _poll(worker, {"a"})
+    polls = poll_until_reported(worker, {"a"})
     (poll,) = [p for p in polls if "a" in p[0]]
     assert poll[1] == {5, 0}
     _, observed = worker.take_stats()
     assert observed.gauges.get("connections", 0) == 0  # opened, then lost
     worker.start_loads([LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 0, wait=True, producer=("10.0.0.7", 9000))])
-    polls = _poll(worker, {"b"})
+    polls = poll_until_reported(worker, {"b"})
     (poll,) = [p for p in polls if "b" in p[0]]
     assert poll[1] == set()
     assert dialed == [("10.0.0.7", 9000), ("10.0.0.7", 9000)]  # connected again to the producer the request named
     assert lost.selected == [FAKE_TOKENS["a"][0]] and replacement.selected == [FAKE_TOKENS["b"][0]]
-    assert _same_bits([c[[2, 1, 6]] for c in worker.caches], [b.squeeze(0) for b in _blocks(2, 3).split(1)])
+    assert _same_bits([c[[2, 1, 6]] for c in worker.caches], [b.squeeze(0) for b in random_blocks(2, 3).split(1)])
     stats = worker.total_stats().data
     assert (stats["load_errors"], stats["load_hits"]) == (1, 1)
     _, observed = worker.take_stats()
@@ -696,7 +627,7 @@ def test_loads_go_to_the_producer_their_request_names_else_the_configured_one() 
              LoadSpec("s", FAKE_TOKENS["x"], [4], 0, producer=("10.0.0.7", 9000))]
     for spec in specs:  # one at a time: the order of connections is then known
         worker.start_loads([spec])
-        _poll(worker, {spec.req_id})
+        poll_until_reported(worker, {spec.req_id})
     assert dialed == [("10.0.0.7", 9000), ("10.0.0.8", 9000), ("127.0.0.1", 1)]  # the last reuses the first
     assert [b.selected for b in buffers] == [[FAKE_TOKENS["a"][0], FAKE_TOKENS["x"][0]], [FAKE_TOKENS["c"][0]],
                                              [FAKE_TOKENS["d"][0]]]
@@ -717,7 +648,7 @@ def test_a_refused_load_is_reported_at_once_with_its_blocks_failed() -> None:
     buffer = _ScriptedSelects({})
     worker = _consumer(buffer)
     worker.refuse_loads({"odd": [4, 5]})
-    (poll,) = [p for p in _poll(worker, {"odd"}) if "odd" in p[0]]
+    (poll,) = [p for p in poll_until_reported(worker, {"odd"}) if "odd" in p[0]]
     assert poll[1] == {4, 5} and buffer.selected == []
     assert _same_bits(worker.caches, vp.fake_caches(2))
     worker.close()
@@ -736,7 +667,7 @@ def test_a_load_that_raises_fails_all_its_blocks() -> None:
     assert tracker.take_finished() == {"r"} and tracker.take_failed_blocks() == {4, 7}
 
 
-class _FullBuffer(_FailingInserts):
+class _FullBuffer(FailingInserts):
     """A producer's lookup buffer that stays full: an insert allowed to wait for room would wait
     for ever (here: fails the test), one that may not is refused at once."""
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 import zmq
 
+from harness import procs
+from harness.tensors import random_tensor, same_bits
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError, KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
 from lookup_buffer import BufferListener, ProducerConnections, dial
 from lookup_buffer.protocol import ControlSigner, Refusal, decode_connect_answer
-from tests import procs
-from tests.tensors import random_tensor, same_bits
 
 pytestmark = pytest.mark.timeout(120)
 

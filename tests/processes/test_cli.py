@@ -6,21 +6,13 @@ import importlib
 import importlib.metadata
 import subprocess
 import sys
-import sysconfig
-from pathlib import Path
 
 import pytest
 
 import launch
+from harness.launchers import console_script
 from launch import cli
 from launch.extras import MissingExtraError, needs_extra
-
-
-def console_script() -> str:
-    """The ``kvbridge`` command pip installed into this Python's environment."""
-    path = Path(sysconfig.get_path("scripts")) / "kvbridge"
-    assert path.is_file(), f"no kvbridge console script in {path.parent} (scripts/install.sh installs it)"
-    return str(path)
 
 
 def test_console_script_prints_the_version() -> None:

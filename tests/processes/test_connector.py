@@ -20,11 +20,11 @@ from connector import (
     scatter_blocks,
     send_kv_caches_and_hidden_states,
 )
+from harness import procs
+from harness.tensors import same_bits
 from kv_pipe import KVConfigError, KVTransferConfig, TorchDistributedPipe
 from kv_pipe.exported_memory import page_aligned_empty
 from lookup_buffer import BufferStats, KVLookupBufferBase, SimpleBuffer
-from tests import procs
-from tests.tensors import same_bits
 
 ALL_LAYOUTS = pytest.mark.parametrize("layout", [VLLM_CPU_LAYOUT, FLASH_ATTN_LAYOUT], ids=lambda x: x.name)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -1,5 +1,5 @@
 """The GPU path on a real GPU (``pytest -m cuda``; skipped without CUDA). The checks themselves live
-in :mod:`tests.cuda_checks`, so that ``scripts/gpu-check.sh`` can run them on a machine without pytest."""
+in :mod:`harness.cuda_checks`, so that ``scripts/gpu-check.sh`` can run them on a machine without pytest."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def _run(check) -> None:
-    from tests import cuda_checks
+    from harness import cuda_checks
 
     try:
         check(cuda_checks)()

@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 
+from harness import procs
+from harness.tensors import random_tensor, same_bits
 from kv_pipe import KVTransferConfig, TorchDistributedPipe, exported_memory
 from kv_pipe.errors import KVConfigError, KVProtocolError
 from kv_pipe.exported_memory import F_SEAL_FUTURE_WRITE, REQUIRED_SEALS, ExportDescriptor, export_host_memory
-from tests import procs
-from tests.tensors import random_tensor, same_bits
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

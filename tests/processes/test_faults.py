@@ -26,11 +26,11 @@ from typing import Any
 import pytest
 import torch
 
+from harness import buffer_procs as buffer_bodies
+from harness import procs
 from kv_pipe import KVTransferConfig, TorchDistributedPipe, rendezvous
 from kv_pipe.errors import KVTransferError
 from lookup_buffer import SimpleBuffer
-from tests import _buffer_procs as buffer_bodies
-from tests import procs
 
 KV_TIMEOUT = 2.0
 CONNECT_TIMEOUT = 4.0

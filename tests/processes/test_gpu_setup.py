@@ -2,7 +2,7 @@
 and connect their groups, who issues operations on NCCL, the same-GPU refusal, and the host-staged
 block copies. Everything here runs without CUDA: CUDA is faked where the code must not touch the
 calling thread's current device, and gloo stands in for NCCL where the order of operations is what
-matters. ``tests/test_cuda.py`` runs the real thing on a GPU."""
+matters. ``tests/processes/test_cuda.py`` runs the real thing on a GPU."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ from connector.paged import (
     scatter_blocks,
     scatter_indexed,
 )
+from harness import procs
+from harness.tensors import random_tensor, same_bits
 from kv_pipe import KVTransferConfig, TorchDistributedPipe, rendezvous
 from kv_pipe.channel import TAG_FRAME, GroupChannel
 from kv_pipe.errors import KVConfigError
 from kv_pipe.protocol import Hello
-from tests import procs
-from tests.tensors import random_tensor, same_bits
 
 UUID_A = bytes(range(16))
 UUID_B = bytes(range(16, 32))
@@ -429,9 +429,9 @@ def test_copy_between_one_device_is_a_plain_copy_and_pinning_needs_cuda() -> Non
 
 
 def test_the_gpu_checks_load_here_and_skip_what_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """tests/cuda_checks.py (what scripts/gpu-check.sh runs) imports without a GPU, and its checks
+    """harness/cuda_checks.py (what scripts/gpu-check.sh runs) imports without a GPU, and its checks
     that need one say so in a dry run on the host."""
-    from tests import cuda_checks
+    from harness import cuda_checks
 
     monkeypatch.setenv("KVBRIDGE_CHECK_GPU", "cpu")
     assert cuda_checks.gpu() == torch.device("cpu")
@@ -442,8 +442,8 @@ def test_the_gpu_checks_load_here_and_skip_what_needs_a_gpu(monkeypatch: pytest.
 
 def test_host_staged_benchmark_says_it_needs_cuda_and_exits_0(tmp_path) -> None:
     if torch.cuda.is_available():
-        pytest.skip("a GPU is here: tests/cuda_checks.py runs the benchmark")
-    command = [sys.executable, "benchmarks/bench_host_staged.py", "--sizes", "1M", "--iters", "1"]
+        pytest.skip("a GPU is here: harness/cuda_checks.py runs the benchmark")
+    command = [sys.executable, "-m", "benchmarks.bench_host_staged", "--sizes", "1M", "--iters", "1"]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "needs a CUDA GPU" in result.stdout

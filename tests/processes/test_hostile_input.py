@@ -27,6 +27,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness import buffer_procs as buffer_bodies
+from harness import procs
+from harness.pipe_forgery import connect_as_forger, drain_until_dropped, send_records
 from kv_pipe import KVTransferConfig, TorchDistributedPipe, auth
 from kv_pipe import protocol as pipe_protocol
 from kv_pipe.errors import (
@@ -57,9 +60,6 @@ from lookup_buffer.protocol import (
     make_session,
     select_request,
 )
-from tests import _buffer_procs as buffer_bodies
-from tests import procs
-from tests.pipe_forgery import connect_as_forger, drain_until_dropped, send_records
 
 SEED = 71
 TRAFFIC_BUDGET = 4 << 20

@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
+from harness import procs
+from harness.tensors import same_bits
 from kv_pipe import TorchDistributedPipe
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPeerLostError
 from lookup_buffer import BufferListener, dial
 from lookup_buffer.listener import pipe_memory
-from tests import procs
-from tests.tensors import same_bits
 
 pytestmark = pytest.mark.timeout(180)
 

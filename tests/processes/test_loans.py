@@ -1,6 +1,6 @@
 """Entries lent where they lie: the consumer copies the producer's exported memory itself.
 
-Two-process tests run the lookup buffer's own harness (tests/_buffer_procs.py): rank 0 lends the
+Two-process tests run the lookup buffer's own harness (harness/buffer_procs.py): rank 0 lends the
 requests of :func:`make_request` from scattered pieces of an exported arena, rank 1 selects them,
 borrowing or not, and checks every byte.
 """
@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from harness import buffer_procs as bodies
+from harness import procs
+from harness.tensors import random_tensor, same_bits
 from kv_pipe.errors import KVProtocolError
 from kv_pipe.exported_memory import ExportDescriptor, export_host_memory, page_aligned_empty
 from kv_pipe.parallel_copy import copy_pieces
@@ -21,9 +24,6 @@ from lookup_buffer import SimpleBuffer
 from lookup_buffer.errors import KVEntryTakenBackError
 from lookup_buffer.loans import BorrowedTensor, Borrowing, LentTensor, LoanTable, release_all
 from lookup_buffer.protocol import make_loan_descriptor, make_release, parse_loan_descriptor
-from tests import _buffer_procs as bodies
-from tests import procs
-from tests.tensors import random_tensor, same_bits
 
 ARENA_BYTES = 8 << 20
 

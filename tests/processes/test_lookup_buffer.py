@@ -19,6 +19,8 @@ import pytest
 import torch
 import zmq
 
+from harness import buffer_procs as bodies
+from harness import procs
 from kv_pipe import KVTransferConfig
 from kv_pipe.errors import (
     KVBufferFullError,
@@ -52,8 +54,6 @@ from lookup_buffer.protocol import (
     stamp_header,
 )
 from lookup_buffer.store import Entry, EntryStore
-from tests import _buffer_procs as bodies
-from tests import procs
 
 
 def key_of(tokens: list[int], roi: list[bool]) -> MatchKey:

@@ -9,26 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import procs
+from harness.launchers import NUM_PROMPTS, SMALL_RUN, console_script, table_rows
 from kv_pipe import KVConfigError
 from launch.cli import torchrun_args
 from launch.model import build_model, greedy_continue, greedy_generate, prefill, weights_digest
 from launch.pair import PairSettings, decode_order, make_prompts
-from tests import procs
-from tests.test_cli import console_script
-
-NUM_PROMPTS = 5
-#: A small workload: the pair then runs in a few seconds on 2 cores.
-SMALL_RUN = {
-    "KVBRIDGE_NUM_PROMPTS": str(NUM_PROMPTS),
-    "KVBRIDGE_MAX_NEW_TOKENS": "6",
-    "KVBRIDGE_MAX_PROMPT_LEN": "80",
-    "KVBRIDGE_KV_TIMEOUT": "10",
-    "KVBRIDGE_KV_CONNECT_TIMEOUT": "60",
-    "KVBRIDGE_PEER_TIMEOUT": "60",
-    "KVBRIDGE_SELECT_TIMEOUT": "5",
-    "OMP_NUM_THREADS": "1",
-}
-
 
 # --- in-process -----------------------------------------------------------------------------------
 
@@ -93,12 +79,8 @@ def torchrun(port: int, *args: str, module: str = "launch.pair") -> list[str]:
 
 
 def with_fault(port: int, fault: str) -> list[str]:
-    """The pair on one node under torchrun, with ``fault`` injected (:mod:`tests.fault_injection`)."""
-    return [*torchrun(port, "--nproc-per-node=2", module="tests.fault_injection"), fault]
-
-
-def table_rows(stdout: str, word: str) -> list[str]:
-    return [line for line in stdout.splitlines() if line.startswith("|") and f"| {word} " in line]
+    """The pair on one node under torchrun, with ``fault`` injected (:mod:`harness.fault_injection`)."""
+    return [*torchrun(port, "--nproc-per-node=2", module="harness.fault_injection"), fault]
 
 
 def explain(result: procs.Finished) -> str:
@@ -172,7 +154,8 @@ def plain_ranks(port: int, env: dict[str, str] | None = None, per_rank: dict[int
 @pytest.mark.parametrize("crashing", [0, 1])
 def test_survivor_reports_a_crashed_peer(tmp_path: Path, crashing: int) -> None:
     port = procs.free_port(span=6)
-    ranks = plain_ranks(port, {"KVBRIDGE_KV_TIMEOUT": "5"}, module=["tests.fault_injection", f"crash-rank={crashing}"])
+    ranks = plain_ranks(port, {"KVBRIDGE_KV_TIMEOUT": "5"},
+                        module=["harness.fault_injection", f"crash-rank={crashing}"])
     results = run_processes(ranks, tmp_path, timeout=110)
     crashed, survivor = results[crashing], results[1 - crashing]
     assert crashed.returncode == 2 and "fault injection: rank" in crashed.stderr, explain(crashed)

@@ -14,6 +14,9 @@ import time
 import pytest
 import torch
 
+from harness import procs
+from harness.pipe_forgery import connect_as_forger, drain_until_dropped, send_records
+from harness.tensors import as_received, exchange_both_ways, random_tensor, same_bits
 from kv_pipe import KVTransferConfig, TorchDistributedPipe
 from kv_pipe.channel import TAG_FRAME
 from kv_pipe.errors import (
@@ -26,11 +29,8 @@ from kv_pipe.errors import (
 )
 from kv_pipe.protocol import DTYPE_TO_CODE, HEADER_BYTES, HOST_FRAME_BYTES, MAX_NDIM
 from kv_pipe.wire import INLINE_VIEW_MIN_BYTES
-from tests import procs
-from tests.pipe_forgery import connect_as_forger, drain_until_dropped, send_records
-from tests.tensors import as_received, exchange_both_ways, random_tensor, same_bits
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OLD_VLLM_NONE_SENTINEL = -150886311
 INLINE_CAPACITY = HOST_FRAME_BYTES - HEADER_BYTES  # tensors up to this size travel inside their frame
 

@@ -2,7 +2,7 @@
 the local socket, and the copies into shared memory.
 
 The pipe's behaviour on this path (every dtype, None, order, backpressure, timeouts, peer loss) is
-covered by tests/test_pipe.py, which runs every test on both paths.
+covered by tests/processes/test_pipe.py, which runs every test on both paths.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 
+from harness import procs
+from harness.tensors import random_tensor, same_bits
 from kv_pipe import KVTransferConfig, TorchDistributedPipe, parallel_copy, shared_memory
 from kv_pipe.errors import KVPeerLostError, KVProtocolError, KVTransferError
 from kv_pipe.protocol import SHARED_DATA_START, SHARED_REGION_ALIGN
 from kv_pipe.shared_memory import RegionAllocator
-from tests import procs
-from tests.tensors import random_tensor, same_bits
 
 
 def config(rank: int, port: int, mode: str, **changes) -> KVTransferConfig:

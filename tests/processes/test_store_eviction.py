@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from connector.vllm_settings import ConnectorSettings
+from harness import buffer_procs as bodies
+from harness import procs
+from harness.tensors import random_tensor, same_bits
 from kv_pipe import KVTransferConfig
 from kv_pipe.errors import KVBufferFullError, KVConfigError
 from lookup_buffer import BufferListener, SimpleBuffer, dial
@@ -20,9 +23,6 @@ from lookup_buffer.loans import EVICTED, SENT, Loan
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.producer import make_entry
 from lookup_buffer.store import Entry, EntryStore
-from tests import _buffer_procs as bodies
-from tests import procs
-from tests.tensors import random_tensor, same_bits
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import procs
+from harness import procs
 
 NUMBER = r"\d+(?:\.\d+)?"
 
@@ -24,7 +24,7 @@ def table_cells(stdout: str, first_cell: str) -> list[str]:
 
 @pytest.mark.timeout(200)
 def test_bench_pipe_times_raw_both_payload_paths_and_the_one_copy_floor(tmp_path: Path) -> None:
-    command = [sys.executable, "benchmarks/bench_pipe.py", "--sizes", "4K,1M,2M", "--iters", "2", "--rounds", "1"]
+    command = [sys.executable, "-m", "benchmarks.bench_pipe", "--sizes", "4K,1M,2M", "--iters", "2", "--rounds", "1"]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
     for size in ("4 KiB", "1 MiB"):  # they fit a frame: the floor is timed
@@ -45,7 +45,7 @@ def run_bench_peers(tmp_path: Path, *options: str) -> procs.Finished:
     hidden = tmp_path / "hidden" / "nixl"
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text('raise ModuleNotFoundError("hidden from the benchmark", name="nixl")\n')
-    command = [sys.executable, "benchmarks/bench_peers.py", "--sizes", "4K,64K", "--rounds", "1", "--iters", "2",
+    command = [sys.executable, "-m", "benchmarks.bench_peers", "--sizes", "4K,64K", "--rounds", "1", "--iters", "2",
                "--plot", str(tmp_path / "peers.png"), "--timeout", "240", *options]
     env = {"PYTHONPATH": os.pathsep.join([str(procs.REPO), str(tmp_path / "hidden")])}
     [result] = procs.run_commands([(command, env)], tmp_path, timeout=280)
@@ -112,7 +112,7 @@ def test_bench_peers_across_network_namespaces_takes_the_transport(tmp_path: Pat
 
 @pytest.mark.timeout(200)
 def test_bench_buffer_compares_drop_select_with_the_raw_pipe_and_fills(tmp_path: Path) -> None:
-    [result] = procs.run_commands([([sys.executable, "benchmarks/bench_buffer.py", "--max-mib", "1"], {})],
+    [result] = procs.run_commands([([sys.executable, "-m", "benchmarks.bench_buffer", "--max-mib", "1"], {})],
                                   tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
     for size in ("4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB"):
@@ -129,7 +129,7 @@ def test_bench_buffer_compares_drop_select_with_the_raw_pipe_and_fills(tmp_path:
 @pytest.mark.parametrize(("path", "extra"), [("shared-memory", []), ("transport", []), ("shared-memory", ["--stored"])])
 def test_bench_connector_compares_a_paged_transfer_with_the_pipe_alone(tmp_path: Path, path: str,
                                                                         extra: list[str]) -> None:
-    command = [sys.executable, "benchmarks/bench_connector.py", "--mib", "2,4", "--repeats", "1", "--path", path,
+    command = [sys.executable, "-m", "benchmarks.bench_connector", "--mib", "2,4", "--repeats", "1", "--path", path,
                *extra]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -142,7 +142,7 @@ def test_bench_connector_compares_a_paged_transfer_with_the_pipe_alone(tmp_path:
 
 @pytest.mark.timeout(200)
 def test_bench_one_copy_times_every_way_and_checks_the_bytes(tmp_path: Path) -> None:
-    command = [sys.executable, "benchmarks/bench_one_copy.py", "--mib", "2,4", "--repeats", "1"]
+    command = [sys.executable, "-m", "benchmarks.bench_one_copy", "--mib", "2,4", "--repeats", "1"]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
     for size in ("2 MiB", "4 MiB"):
@@ -155,7 +155,7 @@ def test_bench_one_copy_times_every_way_and_checks_the_bytes(tmp_path: Path) -> 
 
 @pytest.mark.timeout(200)
 def test_bench_doorbell_times_every_design_and_checks_the_bytes(tmp_path: Path) -> None:
-    command = [sys.executable, "benchmarks/bench_doorbell.py", "--sizes", "4K,1M", "--iters", "2", "--rounds", "2"]
+    command = [sys.executable, "-m", "benchmarks.bench_doorbell", "--sizes", "4K,1M", "--iters", "2", "--rounds", "2"]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
     for size in ("4 KiB", "1 MiB"):

@@ -17,12 +17,12 @@ from connector.transfer_plan import LoadSpec, SaveSpec
 from connector.vllm_prom import KVBridgePromMetrics
 from connector.vllm_stats import SAMPLES, KVBridgeStats
 from connector.vllm_worker import PHASES
+from harness import vllm_procs as vp
+from harness.procs import free_port
+from harness.vllm_fakes import FAKE_TOKENS, poll_until_reported, random_blocks
 from lookup_buffer.loans import COPIED, Loan
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.store import Entry, EntryStore
-from tests import _vllm_procs as vp
-from tests.procs import free_port
-from tests.test_vllm_connector import FAKE_TOKENS, _blocks, _poll
 
 PRODUCER_PHASES = ("save_copy_seconds", "entry_wait_seconds")
 CONSUMER_PHASES = ("load_entry_wait_seconds", "load_receive_seconds", "load_copy_seconds")
@@ -75,13 +75,13 @@ def _consumer(buffer: _TimedSelects) -> Any:
 
 
 def test_a_load_splits_its_time_at_the_arrival_of_the_header_the_buffer_reports() -> None:
-    a, b = _blocks(1, 2), _blocks(2, 3)
+    a, b = random_blocks(1, 2), random_blocks(2, 3)
     worker = _consumer(_TimedSelects({FAKE_TOKENS["a"][0]: a, FAKE_TOKENS["b"][0]: b}, wait=0.2, receive=0.1,
                                      tells=True))
     worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0), LoadSpec("x", FAKE_TOKENS["x"], [3], 0)])
-    _poll(worker, {"a", "x"})
+    poll_until_reported(worker, {"a", "x"})
     worker.start_loads([LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 0)])
-    _poll(worker, {"b"})
+    poll_until_reported(worker, {"b"})
     phases = _phases(worker)
     # One value per hit, none for the miss ("x"); the producer's phases are not a consumer's.
     assert all(len(phases[name]) == 2 for name in CONSUMER_PHASES), phases
@@ -93,9 +93,9 @@ def test_a_load_splits_its_time_at_the_arrival_of_the_header_the_buffer_reports(
 
 
 def test_without_the_arrival_the_whole_select_is_the_wait_and_no_receive_is_observed() -> None:
-    worker = _consumer(_TimedSelects({FAKE_TOKENS["a"][0]: _blocks(1, 2)}, wait=0.2, receive=0.1, tells=False))
+    worker = _consumer(_TimedSelects({FAKE_TOKENS["a"][0]: random_blocks(1, 2)}, wait=0.2, receive=0.1, tells=False))
     worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0)])
-    _poll(worker, {"a"})
+    poll_until_reported(worker, {"a"})
     phases = _phases(worker)
     (wait,) = phases["load_entry_wait_seconds"]
     assert wait >= 0.3 and phases["load_receive_seconds"] == [] and len(phases["load_copy_seconds"]) == 1
@@ -268,8 +268,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.timeout(600)
 def test_a_live_pair_exports_every_phase_histogram_after_pd_requests(tiny_model: str, tmp_path: Path) -> None:
-    from tests import _xpyd as xp
-    from tests.test_vllm_metrics import scrape, total
+    from harness import xpyd as xp
+    from harness.servers import scrape, total
 
     kv_port = free_port(2)
     prefill = xp.instance(tiny_model, "prefill", "kv_producer", kv_port, 0, tmp_path)

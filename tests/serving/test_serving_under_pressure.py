@@ -18,19 +18,13 @@ from typing import Any
 
 import pytest
 
+from harness import vllm_procs as vp
+from harness import xpyd as xp
+from harness.procs import free_port
+from harness.servers import PRESSED_ARGS, ROOMY_ARGS
 from launch import proxy
-from tests import _vllm_procs as vp
-from tests import _xpyd as xp
-from tests.procs import free_port
-from tests.test_vllm_serving import NAME
 
 #: KV bytes of one block of the tiny model: 2 layers x (K, V) x 2 heads x 64 x fp32 x 32 tokens.
-BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * vp.BLOCK_SIZE
-COMMON_ARGS = ["--served-model-name", NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-               "--block-size", str(vp.BLOCK_SIZE), "--seed", "0", "--max-num-batched-tokens", "128",
-               "--max-num-seqs", "16", "--enable-prompt-tokens-details"]
-PRESSED_ARGS = [*COMMON_ARGS, "--kv-cache-memory-bytes", str(33 * BLOCK_BYTES)]  # one 1024-token request
-ROOMY_ARGS = [*COMMON_ARGS, "--kv-cache-memory-bytes", str(64 << 20)]
 CLIENTS = 12
 PREFILL_TOKENS = 64  # prefill requests that keep running after their save: that is where vLLM preempts
 _rng = random.Random(36)

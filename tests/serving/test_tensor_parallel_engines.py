@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from connector.transfer_plan import PARAMS_KEY
-from tests import _vllm_procs as vp
-from tests import _xpyd as xp
-from tests.procs import free_port
-from tests.test_vllm_serving import SERVE_ARGS, Server
+from harness import vllm_procs as vp
+from harness import xpyd as xp
+from harness.procs import free_port
+from harness.servers import SERVE_ARGS, Server
 
 #: Prompts asked through vllm-router (the decode instance must not hold them in its prefix cache yet).
 ROUTER_PROMPTS = [p for p in vp.make_prompts(seed=5) if vp.transfer_prefix(p)][:4]
@@ -85,7 +85,7 @@ def _env(tp: int) -> dict[str, str]:
 
 
 #: The negative control: a decode rank that puts the heads it loads in the wrong places.
-SWAPPING_CONNECTOR = ("HeadSwappingKVBridgeConnector", "tests.swapping_connector")
+SWAPPING_CONNECTOR = ("HeadSwappingKVBridgeConnector", "harness.swapping_connector")
 
 
 def run_tp_pair(model: str, prefill_tp: int, decode_tp: int, prompts: list[list[int]], timeout: float = 240,

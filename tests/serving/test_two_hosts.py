@@ -1,4 +1,4 @@
-"""Producer and consumer on two "hosts": two network namespaces joined by a veth pair (tests/netns.py).
+"""Producer and consumer on two "hosts": two network namespaces joined by a veth pair (harness/netns.py).
 
 The pipe, the lookup buffer and the torchrun pair run across the link; then the link is cut in the
 middle of a large transfer, and slowed / made lossy with ``tc``. Needs root (CI runs as root); the
@@ -18,19 +18,19 @@ from typing import Any
 import pytest
 import torch
 
+from harness import buffer_procs as buffer_bodies
+from harness import netns
+from harness.launchers import NUM_PROMPTS, SMALL_RUN, table_rows
+from harness.netns import progress
+from harness.tensors import exchange_both_ways
 from kv_pipe import KVTransferConfig, TorchDistributedPipe
 from kv_pipe.errors import KVTransferError
 from kv_pipe.protocol import DTYPE_TO_CODE
 from lookup_buffer import SimpleBuffer
-from tests import _buffer_procs as buffer_bodies
-from tests import netns
-from tests.netns import progress
-from tests.tensors import exchange_both_ways
-from tests.test_pair import NUM_PROMPTS, SMALL_RUN, table_rows
 
 # A fresh namespace has every port free, so fixed ports are safe here.
 PORT = 29600
-MODULE = "tests.test_two_hosts"
+MODULE = __name__
 #: kv_timeout of the fault tests: small, so that a lost peer is declared quickly.
 FAULT_TIMEOUT = 3.0
 #: What a process may take beyond kv_timeout to report a lost peer on this busy 2-core machine.

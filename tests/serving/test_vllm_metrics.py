@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests import _vllm_procs as vp
-from tests import test_vllm_serving as serving
+from harness import servers as serving
+from harness import vllm_procs as vp
+from harness.servers import scrape, total, values
 
 # The stack of the serving tests (launch.serve: prefill and decode instances and the proxy), started
 # anew for this module, with the fixtures it needs.
@@ -19,26 +18,6 @@ NAME = serving.NAME
 PROMPTS = vp.make_prompts(seed=11)
 #: Gauges that are 0 on an idle instance.
 IDLE_GAUGES = ("entries_held", "bytes_buffered", "loans_out", "blocks_lent", "loads_in_flight")
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of kvbridge's series at ``url``/metrics, by name and labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith("vllm:kvbridge_"):
-                samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
-    return samples
-
-
-def values(samples: dict, name: str) -> list[tuple[dict[str, str], float]]:
-    return [(dict(labels), value) for (sample, labels), value in samples.items() if sample == name]
-
-
-def total(samples: dict, *names: str) -> float:
-    return sum(value for name in names for _, value in values(samples, "vllm:kvbridge_" + name))
 
 
 def wait_for(urls: list[str], names: tuple[str, ...], expected: float) -> list[dict[str, Any]]:

@@ -3,142 +3,21 @@ proxy) against a single plain vLLM server, through the standard ``openai`` clien
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
-from aiohttp import web
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 
-from launch import proxy, serve
-from tests import _vllm_procs as vp
-from tests.procs import free_port
+from harness import servers
+from harness import vllm_procs as vp
+from harness.procs import free_port
+from harness.servers import CHAT_PROMPTS, NAME, PROMPTS, ThreadedProxy, ask_all, client
+from launch import proxy
 
-NAME = "tiny"
-SERVE_ARGS = ["--served-model-name", NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-              "--block-size", str(vp.BLOCK_SIZE), "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
-              "--max-num-batched-tokens", str(vp.MAX_NUM_BATCHED_TOKENS), "--enable-prompt-tokens-details"]
-PROMPTS = vp.make_prompts()
-CHAT_PROMPTS = vp.make_prompts(seed=3)[2:7]  # 31 to 100 tokens, plus the chat template's 2
-STREAMED = [3, 5, 7]  # indexes of PROMPTS also asked for as a stream
-READY_TIMEOUT = 240.0
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return vp.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tok"), with_tokenizer=True)
-
-
-class Server:
-    """A server process in its own session, reaped with its whole process group."""
-
-    def __init__(self, command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.log = log
-        self._file = log.open("wb")
-        self.process = subprocess.Popen(command, stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, **(env or {})}, cwd=Path(__file__).parent.parent)
-
-    def wait_ready(self, url: str) -> None:
-        try:
-            serve.wait_healthy(url, self.process, READY_TIMEOUT)
-        except (RuntimeError, TimeoutError) as exc:
-            raise AssertionError(f"{exc}; log:\n{self.log.read_text(errors='replace')[-5000:]}") from exc
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)  # launch.serve stops its instances itself
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # anything left in the group we started
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=30)
-        self._file.close()
-
-
-def client(base_url: str) -> OpenAI:
-    return OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def words(prompt: list[int]) -> str:
-    return " ".join(vp.word(t) for t in prompt)
-
-
-def ask_all(base_url: str) -> dict[str, list[Any]]:
-    """Every request of the test, in a fixed order; greedy, fixed lengths."""
-    openai = client(base_url)
-    extra = {"ignore_eos": True, "return_token_ids": True}
-    answers: dict[str, list[Any]] = {"completions": [], "cached": [], "stream": [], "chat": [], "chat_cached": [],
-                                     "chat_stream": []}
-    for prompt in PROMPTS:
-        reply = openai.completions.create(model=NAME, prompt=prompt, max_tokens=vp.MAX_TOKENS, temperature=0,
-                                          extra_body=extra)
-        choice = reply.choices[0]
-        answers["completions"].append((choice.text, choice.model_extra["token_ids"]))
-        answers["cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
-    for index in STREAMED:
-        chunks = openai.completions.create(model=NAME, prompt=PROMPTS[index], max_tokens=vp.MAX_TOKENS,
-                                           temperature=0, stream=True, extra_body=extra)
-        answers["stream"].append("".join(chunk.choices[0].text for chunk in chunks if chunk.choices))
-    for prompt in CHAT_PROMPTS:
-        messages = [{"role": "user", "content": words(prompt)}]
-        reply = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
-                                               temperature=0, extra_body={"ignore_eos": True})
-        answers["chat"].append(reply.choices[0].message.content)
-        answers["chat_cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
-        stream = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
-                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
-        answers["chat_stream"].append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
-    return answers
-
-
-@pytest.fixture(scope="module")
-def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
-    """The answers of one plain ``vllm serve`` (no connector), stopped before the pair starts."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("reference") / "server.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), *SERVE_ARGS]
-    server = Server(command, log, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
-    try:
-        server.wait_ready(f"http://127.0.0.1:{port}")
-        return ask_all(f"http://127.0.0.1:{port}")
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def stack(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """``python -m launch.serve`` with two prefill and two decode instances (serve spreads them over
-    the cores itself), and the proxy over all four."""
-    ports = {name: free_port() for name in ("proxy", "prefill", "decode", "kv")}  # each with the next ones free
-    log = tmp_path_factory.mktemp("stack") / "serve.log"
-    command = [sys.executable, "-m", "launch.serve", model, "--port", str(ports["proxy"]),
-               "--prefill-instances", "2", "--decode-instances", "2",
-               "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
-               "--kv-port", str(ports["kv"]), "--kv-extra", '{"kv_timeout": 5, "kv_load_timeout": 5}',
-               "--ready-timeout", str(READY_TIMEOUT), "--", *SERVE_ARGS]
-    server = Server(command, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
-    try:
-        server.wait_ready(f"http://127.0.0.1:{ports['proxy']}")
-        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-        yield {"log": log, **urls, "prefills": [f"http://127.0.0.1:{ports['prefill'] + i}" for i in range(2)],
-               "decodes": [f"http://127.0.0.1:{ports['decode'] + j}" for j in range(2)]}
-    finally:
-        server.stop()
-
+# The serving stack (launch.serve: two prefill and two decode instances and the proxy) and one plain
+# server's answers, started anew for this module.
+model, reference, stack = servers.model, servers.reference, servers.stack
 
 @pytest.mark.timeout(600)
 def test_disaggregated_serving_equals_a_single_server(stack: dict, reference: dict) -> None:
@@ -154,31 +33,6 @@ def test_disaggregated_serving_equals_a_single_server(stack: dict, reference: di
     while not re.search(r"KV Transfer metrics: .*load_hits=[1-9]", stack["log"].read_text(errors="replace")):
         assert time.monotonic() < deadline, "no 'KV Transfer metrics' with load hits in the decode instance's log"
         time.sleep(0.5)
-
-
-class ThreadedProxy:
-    """launch.proxy.Proxy over the given instances, served from a thread of this process, on a free port."""
-
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], read_timeout: float = 120,
-                 **routing: str) -> None:
-        self.port = free_port(1)
-        app = proxy.Proxy(prefill_urls, decode_urls, proxy.Timeouts(read=read_timeout), **routing).app()
-        self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._loop.close()
 
 
 @pytest.mark.timeout(300)

@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from tests import _vllm_procs as vp
-from tests import _xpyd as xp
-from tests.procs import free_port
-from tests.test_vllm_serving import SERVE_ARGS, Server, ThreadedProxy
+from harness import vllm_procs as vp
+from harness import xpyd as xp
+from harness.procs import free_port
+from harness.servers import SERVE_ARGS, Server, ThreadedProxy
 
 
 def _distinct(seed: int) -> list[list[int]]:

@@ -19,11 +19,11 @@ import torch
 
 from connector.transfer_plan import LoadSpec
 from connector.vllm_loads import LOAD_THREADS
+from harness import vllm_procs as vp
+from harness.dialing import WAIT, Dialer, Gate
 from kv_pipe.errors import KVPeerLostError
 from lookup_buffer import connections as connections_module
 from lookup_buffer.connections import FIRST_BACKOFF
-from tests import _vllm_procs as vp
-from tests.test_producer_connections import WAIT, Dialer, Gate
 
 DEAD, ALIVE = ("10.0.0.66", 9000), ("10.0.0.7", 9000)
 CONFIGURED = ("127.0.0.1", 1)  # the fake worker's own kv_ip:kv_port

@@ -15,7 +15,7 @@ import dataclasses
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("kv_pipe", "lookup_buffer", "connector", "launch")
 
 #: Fully qualified names whose use is unsafe on untrusted bytes.

@@ -134,7 +134,7 @@ def test_instances_are_spread_over_the_cores_or_share_them_when_there_are_too_fe
     ([], {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, []),
 ])
 def test_a_users_binding_stands(given: list[str], environ: dict, tp_args: list[str]) -> None:
-    # Tensor-parallel instances get a bind per rank: tests/test_tensor_parallel.py.
+    # Tensor-parallel instances get a bind per rank: tests/engines/test_tensor_parallel.py.
     instances = serve.plan(args(*given), [*SERVE_ARGS, *tp_args], environ, None, cores=[0, 1, 2, 3])
     prefill, decode = instances
     if given:

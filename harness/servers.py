@@ -1,0 +1,196 @@
+"""Real ``vllm serve`` instances for the serving tests and benchmarks: server processes reaped with
+their process group, kvbridge's proxy served from a thread, the argument presets, the reference
+answers of one plain server and the serving stack (``launch.serve``) as pytest fixtures, and
+kvbridge's series scraped from ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness import vllm_procs as vp
+from harness.procs import REPO, free_port
+from launch import proxy, serve
+
+NAME = "tiny"
+SERVE_ARGS = ["--served-model-name", NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+              "--block-size", str(vp.BLOCK_SIZE), "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+              "--max-num-batched-tokens", str(vp.MAX_NUM_BATCHED_TOKENS), "--enable-prompt-tokens-details"]
+PROMPTS = vp.make_prompts()
+CHAT_PROMPTS = vp.make_prompts(seed=3)[2:7]  # 31 to 100 tokens, plus the chat template's 2
+STREAMED = [3, 5, 7]  # indexes of PROMPTS also asked for as a stream
+READY_TIMEOUT = 240.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return vp.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tok"), with_tokenizer=True)
+
+
+class Server:
+    """A server process in its own session, reaped with its whole process group."""
+
+    def __init__(self, command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self._file = log.open("wb")
+        self.process = subprocess.Popen(command, stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env={**os.environ, **(env or {})}, cwd=REPO)
+
+    def wait_ready(self, url: str) -> None:
+        try:
+            serve.wait_healthy(url, self.process, READY_TIMEOUT)
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"{exc}; log:\n{self.log.read_text(errors='replace')[-5000:]}") from exc
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # launch.serve stops its instances itself
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # anything left in the group we started
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+        self._file.close()
+
+
+def client(base_url: str) -> OpenAI:
+    return OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def words(prompt: list[int]) -> str:
+    return " ".join(vp.word(t) for t in prompt)
+
+
+def ask_all(base_url: str) -> dict[str, list[Any]]:
+    """Every request of the test, in a fixed order; greedy, fixed lengths."""
+    openai = client(base_url)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    answers: dict[str, list[Any]] = {"completions": [], "cached": [], "stream": [], "chat": [], "chat_cached": [],
+                                     "chat_stream": []}
+    for prompt in PROMPTS:
+        reply = openai.completions.create(model=NAME, prompt=prompt, max_tokens=vp.MAX_TOKENS, temperature=0,
+                                          extra_body=extra)
+        choice = reply.choices[0]
+        answers["completions"].append((choice.text, choice.model_extra["token_ids"]))
+        answers["cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
+    for index in STREAMED:
+        chunks = openai.completions.create(model=NAME, prompt=PROMPTS[index], max_tokens=vp.MAX_TOKENS,
+                                           temperature=0, stream=True, extra_body=extra)
+        answers["stream"].append("".join(chunk.choices[0].text for chunk in chunks if chunk.choices))
+    for prompt in CHAT_PROMPTS:
+        messages = [{"role": "user", "content": words(prompt)}]
+        reply = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        answers["chat"].append(reply.choices[0].message.content)
+        answers["chat_cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
+        stream = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+        answers["chat_stream"].append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    return answers
+
+
+@pytest.fixture(scope="module")
+def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """The answers of one plain ``vllm serve`` (no connector), stopped before the pair starts."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("reference") / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), *SERVE_ARGS]
+    server = Server(command, log, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    try:
+        server.wait_ready(f"http://127.0.0.1:{port}")
+        return ask_all(f"http://127.0.0.1:{port}")
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """``python -m launch.serve`` with two prefill and two decode instances (serve spreads them over
+    the cores itself), and the proxy over all four."""
+    ports = {name: free_port() for name in ("proxy", "prefill", "decode", "kv")}  # each with the next ones free
+    log = tmp_path_factory.mktemp("stack") / "serve.log"
+    command = [sys.executable, "-m", "launch.serve", model, "--port", str(ports["proxy"]),
+               "--prefill-instances", "2", "--decode-instances", "2",
+               "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
+               "--kv-port", str(ports["kv"]), "--kv-extra", '{"kv_timeout": 5, "kv_load_timeout": 5}',
+               "--ready-timeout", str(READY_TIMEOUT), "--", *SERVE_ARGS]
+    server = Server(command, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
+    try:
+        server.wait_ready(f"http://127.0.0.1:{ports['proxy']}")
+        urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+        yield {"log": log, **urls, "prefills": [f"http://127.0.0.1:{ports['prefill'] + i}" for i in range(2)],
+               "decodes": [f"http://127.0.0.1:{ports['decode'] + j}" for j in range(2)]}
+    finally:
+        server.stop()
+
+
+class ThreadedProxy:
+    """launch.proxy.Proxy over the given instances, served from a thread of this process, on a free port."""
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], read_timeout: float = 120,
+                 **routing: str) -> None:
+        self.port = free_port(1)
+        app = proxy.Proxy(prefill_urls, decode_urls, proxy.Timeouts(read=read_timeout), **routing).app()
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+
+
+# Memory pressure: a prefill instance whose KV cache holds one 1024-token request.
+BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * vp.BLOCK_SIZE
+COMMON_ARGS = ["--served-model-name", NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+               "--block-size", str(vp.BLOCK_SIZE), "--seed", "0", "--max-num-batched-tokens", "128",
+               "--max-num-seqs", "16", "--enable-prompt-tokens-details"]
+PRESSED_ARGS = [*COMMON_ARGS, "--kv-cache-memory-bytes", str(33 * BLOCK_BYTES)]  # one 1024-token request
+ROOMY_ARGS = [*COMMON_ARGS, "--kv-cache-memory-bytes", str(64 << 20)]
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of kvbridge's series at ``url``/metrics, by name and labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:kvbridge_"):
+                samples[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def values(samples: dict, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(dict(labels), value) for (sample, labels), value in samples.items() if sample == name]
+
+
+def total(samples: dict, *names: str) -> float:
+    return sum(value for name in names for _, value in values(samples, "vllm:kvbridge_" + name))

@@ -2,9 +2,10 @@
 
 vLLM calls every ``vllm.general_plugins`` entry point in each of its processes (API server,
 EngineCore, workers), possibly more than once; registration is lazy (nothing is imported until
-vLLM creates the connector) and idempotent. setup.py declares::
+vLLM creates the connector) and idempotent. pyproject.toml declares::
 
-    entry_points={"vllm.general_plugins": ["kvbridge = connector.vllm_plugin:register"]}
+    [project.entry-points."vllm.general_plugins"]
+    kvbridge = "connector.vllm_plugin:register"
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The transport (``kv_pipe``, ``lookup_buffer``, ``connector``) needs only the core dependencies.
 The launchers need more: ``kvbridge pair`` the ``pair`` extra (transformers, tqdm), ``kvbridge
-serve`` and the proxy the ``serve`` extra (aiohttp) and vLLM (the ``vllm`` extra). setup.py's
-``extras_require`` lists the distributions; this module lists the modules they provide.
+serve`` and the proxy the ``serve`` extra (aiohttp) and vLLM (the ``vllm`` extra). pyproject.toml's
+``[project.optional-dependencies]`` lists the distributions; this module lists the modules they provide.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ CI_SCRIPT = ROOT / ".ci" / "run"
 MARKER = "<!-- test command -->"
 TEST_COMMAND = "python -m pytest tests"
 MAIN_JOB_COMMAND = "bash scripts/install.sh && kvbridge pair"
-CONSOLE_SCRIPT = "kvbridge=launch.cli:main"
+CONSOLE_SCRIPT = ("kvbridge", "launch.cli:main")
 MAX_README_LINES = 250
 #: What .ci/run does to find the test command; the test below checks it still does exactly this.
 CI_EXTRACTION = ("grep -A3 '<!-- test command -->' README.md", "grep -m1 -E '^\\s*python -m pytest'")
@@ -84,11 +85,10 @@ def test_readme_quick_start_is_the_main_job_then_the_tests() -> None:
 
 
 def test_kvbridge_console_script_is_declared_and_resolves() -> None:
-    setup = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
-    declared = {node.value.replace(" ", "") for node in ast.walk(setup)
-                if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    assert CONSOLE_SCRIPT in declared, f"setup.py does not declare the console script {CONSOLE_SCRIPT!r}"
-    module_name, function_name = CONSOLE_SCRIPT.split("=")[1].split(":")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    name, target = CONSOLE_SCRIPT
+    assert scripts.get(name) == target, f"pyproject.toml does not declare the console script {name} = {target!r}"
+    module_name, function_name = target.split(":")
     assert callable(getattr(importlib.import_module(module_name), function_name))
 
 

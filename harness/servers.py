@@ -168,6 +168,7 @@ class ThreadedProxy:
 
 
 # Memory pressure: a prefill instance whose KV cache holds one 1024-token request.
+#: KV bytes of one block of the tiny model: 2 layers x (K, V) x 2 heads x 64 x fp32 x 32 tokens.
 BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * vp.BLOCK_SIZE
 COMMON_ARGS = ["--served-model-name", NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
                "--block-size", str(vp.BLOCK_SIZE), "--seed", "0", "--max-num-batched-tokens", "128",

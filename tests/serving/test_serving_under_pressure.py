@@ -24,7 +24,6 @@ from harness.procs import free_port
 from harness.servers import PRESSED_ARGS, ROOMY_ARGS
 from launch import proxy
 
-#: KV bytes of one block of the tiny model: 2 layers x (K, V) x 2 heads x 64 x fp32 x 32 tokens.
 CLIENTS = 12
 PREFILL_TOKENS = 64  # prefill requests that keep running after their save: that is where vLLM preempts
 _rng = random.Random(36)

@@ -1,11 +1,11 @@
 """Real ``vllm serve`` instances for the serving tests and benchmarks: server processes reaped with
-their process group, kvbridge's proxy served from a thread, the argument presets, the reference
-answers of one plain server and the serving stack (``launch.serve``) as pytest fixtures, and
-kvbridge's series scraped from ``/metrics``."""
+their process group, kvbridge's proxy served from a thread, the argument presets, the tiny model as a
+pytest fixture, the serving stack (``launch.serve``), and kvbridge's series scraped from ``/metrics``."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,9 +29,6 @@ NAME = "tiny"
 SERVE_ARGS = ["--served-model-name", NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
               "--block-size", str(vp.BLOCK_SIZE), "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
               "--max-num-batched-tokens", str(vp.MAX_NUM_BATCHED_TOKENS), "--enable-prompt-tokens-details"]
-PROMPTS = vp.make_prompts()
-CHAT_PROMPTS = vp.make_prompts(seed=3)[2:7]  # 31 to 100 tokens, plus the chat template's 2
-STREAMED = [3, 5, 7]  # indexes of PROMPTS also asked for as a stream
 READY_TIMEOUT = 240.0
 
 
@@ -74,59 +71,12 @@ def client(base_url: str) -> OpenAI:
     return OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
-def words(prompt: list[int]) -> str:
-    return " ".join(vp.word(t) for t in prompt)
-
-
-def ask_all(base_url: str) -> dict[str, list[Any]]:
-    """Every request of the test, in a fixed order; greedy, fixed lengths."""
-    openai = client(base_url)
-    extra = {"ignore_eos": True, "return_token_ids": True}
-    answers: dict[str, list[Any]] = {"completions": [], "cached": [], "stream": [], "chat": [], "chat_cached": [],
-                                     "chat_stream": []}
-    for prompt in PROMPTS:
-        reply = openai.completions.create(model=NAME, prompt=prompt, max_tokens=vp.MAX_TOKENS, temperature=0,
-                                          extra_body=extra)
-        choice = reply.choices[0]
-        answers["completions"].append((choice.text, choice.model_extra["token_ids"]))
-        answers["cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
-    for index in STREAMED:
-        chunks = openai.completions.create(model=NAME, prompt=PROMPTS[index], max_tokens=vp.MAX_TOKENS,
-                                           temperature=0, stream=True, extra_body=extra)
-        answers["stream"].append("".join(chunk.choices[0].text for chunk in chunks if chunk.choices))
-    for prompt in CHAT_PROMPTS:
-        messages = [{"role": "user", "content": words(prompt)}]
-        reply = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
-                                               temperature=0, extra_body={"ignore_eos": True})
-        answers["chat"].append(reply.choices[0].message.content)
-        answers["chat_cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
-        stream = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
-                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
-        answers["chat_stream"].append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
-    return answers
-
-
-@pytest.fixture(scope="module")
-def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
-    """The answers of one plain ``vllm serve`` (no connector), stopped before the pair starts."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("reference") / "server.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), *SERVE_ARGS]
-    server = Server(command, log, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
-    try:
-        server.wait_ready(f"http://127.0.0.1:{port}")
-        return ask_all(f"http://127.0.0.1:{port}")
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def stack(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+@contextlib.contextmanager
+def serve_stack(model: str, log_dir: Path) -> Iterator[dict[str, Any]]:
     """``python -m launch.serve`` with two prefill and two decode instances (serve spreads them over
-    the cores itself), and the proxy over all four."""
+    the cores itself), and the proxy over all four; yields their URLs and the log."""
     ports = {name: free_port() for name in ("proxy", "prefill", "decode", "kv")}  # each with the next ones free
-    log = tmp_path_factory.mktemp("stack") / "serve.log"
+    log = log_dir / "serve.log"
     command = [sys.executable, "-m", "launch.serve", model, "--port", str(ports["proxy"]),
                "--prefill-instances", "2", "--decode-instances", "2",
                "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,9 +12,16 @@ from harness import servers as serving
 from harness import vllm_procs as vp
 from harness.servers import scrape, total, values
 
-# The stack of the serving tests (launch.serve: prefill and decode instances and the proxy), started
-# anew for this module, with the fixtures it needs.
-model, reference, stack = serving.model, serving.reference, serving.stack
+model = serving.model
+
+
+@pytest.fixture(scope="module")
+def stack(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The stack of the serving tests (launch.serve: prefill and decode instances and the proxy),
+    started anew for this module."""
+    with serving.serve_stack(model, tmp_path_factory.mktemp("stack")) as urls:
+        yield urls
+
 NAME = serving.NAME
 PROMPTS = vp.make_prompts(seed=11)
 #: Gauges that are 0 on an idle instance.

@@ -4,7 +4,10 @@ proxy) against a single plain vLLM server, through the standard ``openai`` clien
 from __future__ import annotations
 
 import re
+import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from openai import BadRequestError
@@ -12,12 +15,69 @@ from openai import BadRequestError
 from harness import servers
 from harness import vllm_procs as vp
 from harness.procs import free_port
-from harness.servers import CHAT_PROMPTS, NAME, PROMPTS, ThreadedProxy, ask_all, client
+from harness.servers import NAME, SERVE_ARGS, Server, ThreadedProxy, client
 from launch import proxy
 
-# The serving stack (launch.serve: two prefill and two decode instances and the proxy) and one plain
-# server's answers, started anew for this module.
-model, reference, stack = servers.model, servers.reference, servers.stack
+PROMPTS = vp.make_prompts()
+CHAT_PROMPTS = vp.make_prompts(seed=3)[2:7]  # 31 to 100 tokens, plus the chat template's 2
+STREAMED = [3, 5, 7]  # indexes of PROMPTS also asked for as a stream
+
+model = servers.model
+
+
+def words(prompt: list[int]) -> str:
+    return " ".join(vp.word(t) for t in prompt)
+
+
+def ask_all(base_url: str) -> dict[str, list[Any]]:
+    """Every request of the test, in a fixed order; greedy, fixed lengths."""
+    openai = client(base_url)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    answers: dict[str, list[Any]] = {"completions": [], "cached": [], "stream": [], "chat": [], "chat_cached": [],
+                                     "chat_stream": []}
+    for prompt in PROMPTS:
+        reply = openai.completions.create(model=NAME, prompt=prompt, max_tokens=vp.MAX_TOKENS, temperature=0,
+                                          extra_body=extra)
+        choice = reply.choices[0]
+        answers["completions"].append((choice.text, choice.model_extra["token_ids"]))
+        answers["cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
+    for index in STREAMED:
+        chunks = openai.completions.create(model=NAME, prompt=PROMPTS[index], max_tokens=vp.MAX_TOKENS,
+                                           temperature=0, stream=True, extra_body=extra)
+        answers["stream"].append("".join(chunk.choices[0].text for chunk in chunks if chunk.choices))
+    for prompt in CHAT_PROMPTS:
+        messages = [{"role": "user", "content": words(prompt)}]
+        reply = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        answers["chat"].append(reply.choices[0].message.content)
+        answers["chat_cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
+        stream = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+        answers["chat_stream"].append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    return answers
+
+
+@pytest.fixture(scope="module")
+def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """The answers of one plain ``vllm serve`` (no connector), stopped before the pair starts."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("reference") / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(port), *SERVE_ARGS]
+    server = Server(command, log, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    try:
+        server.wait_ready(f"http://127.0.0.1:{port}")
+        return ask_all(f"http://127.0.0.1:{port}")
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The serving stack (:func:`harness.servers.serve_stack`), started once the plain server stopped."""
+    with servers.serve_stack(model, tmp_path_factory.mktemp("stack")) as urls:
+        yield urls
+
 
 @pytest.mark.timeout(600)
 def test_disaggregated_serving_equals_a_single_server(stack: dict, reference: dict) -> None:

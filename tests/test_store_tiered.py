@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kv_store import KVStoreConfigError, KVStoreUnavailableError, MemoryTier, TieredStore
+from kv_store import DiskTier, KVStoreConfigError, KVStoreUnavailableError, MemoryTier, TieredStore, open_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,3 +206,15 @@ def test_bad_store_settings_are_config_errors():
         TieredStore([MemoryTier(10)], queue_depth=0)
     with pytest.raises(KVStoreConfigError, match="at least one tier"):
         TieredStore([])
+
+
+def test_open_store_builds_the_tiers_fastest_first(tmp_path):
+    store = open_store(f"memory, disk:{tmp_path / 'objects'}", memory_bytes=1000, disk_bytes=5000)
+    assert [type(tier) for tier in store.tiers] == [MemoryTier, DiskTier]
+    assert (store.tiers[0].capacity_bytes, store.tiers[1].capacity_bytes) == (1000, 5000)
+    assert store.put(b"k" * 32, b"v")
+    store.close()
+    assert (tmp_path / "objects").is_dir()
+    for spec in ("", "memory,,disk:/x", "disk:", "s3://bucket", "memory,memory"):
+        with pytest.raises(KVStoreConfigError, match="store tier|distinct"):
+            open_store(spec)

@@ -123,14 +123,14 @@ class DiskTier(StoreTier):
 
     def put(self, key: bytes, blob: bytes) -> bool:
         file = self._file(key)
-        if file.exists():
-            return False
         if len(blob) > self.capacity_bytes:
             self._write_failed(f"an object of {len(blob)} bytes is larger than capacity_bytes")
             return False
-        self._make_room(len(blob))
         temp = None
         try:
+            if file.exists():  # no need to write the bytes only to find it there
+                return False
+            self._make_room(len(blob))
             file.parent.mkdir(parents=True, exist_ok=True)
             fd, temp = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=file.parent)
             with os.fdopen(fd, "wb") as out:

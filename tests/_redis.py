@@ -104,13 +104,18 @@ def start_cluster(directory: Path, nodes: int = 3) -> list[RedisServer]:
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
                         "--cluster-replicas", "0", "--cluster-yes"],
                        check=True, capture_output=True, timeout=START_TIMEOUT)
-        deadline = time.monotonic() + START_TIMEOUT
-        while not all(s.client().cluster("info")["cluster_state"] == "ok" for s in servers):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the redis cluster did not become ok")
-            time.sleep(0.1)
+        wait_cluster_ok(servers)
         return servers
     except BaseException:
         for server in servers:
             server.kill()
         raise
+
+
+def wait_cluster_ok(servers: list[RedisServer]) -> None:
+    """Until every node says the cluster serves all its slots."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while not all(s.client().cluster("info")["cluster_state"] == "ok" for s in servers):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the redis cluster did not become ok")
+        time.sleep(0.1)

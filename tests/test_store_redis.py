@@ -216,3 +216,32 @@ def test_a_redis_cluster_spreads_objects_and_reads_them_across_slots(tmp_path):
     finally:
         for node in nodes:
             node.kill()
+
+
+def test_a_dead_cluster_node_makes_the_tier_unavailable_until_it_is_back(tmp_path):
+    nodes = _redis.start_cluster(tmp_path / "cluster")
+    try:
+        tier = RedisTier(nodes[0].url, cluster=True, timeout=1.0, backoff=0.0)
+        keys = [key(i) for i in range(60)]
+        for k in keys:
+            tier.put(k, b"v")
+        on_third = {stored[len(KEY_PREFIX):] for stored in nodes[2].client().keys()}
+        assert on_third and len(on_third) < len(keys)
+        nodes[2].kill()
+        with pytest.raises(KVStoreUnavailableError, match="is down"):
+            tier.get_many(keys)
+        assert not tier.stats().up
+        nodes[2].start()  # rejoins the cluster, empty
+        _redis.wait_cluster_ok(nodes)
+
+        def answers() -> bool:
+            try:
+                return tier.get_many(keys) == [None if k in on_third else b"v" for k in keys]
+            except KVStoreUnavailableError:
+                return False
+
+        wait_until(answers)
+        assert tier.stats().up
+    finally:
+        for node in nodes:
+            node.kill()

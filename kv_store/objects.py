@@ -47,15 +47,17 @@ def mac_key_from_secret(secret: str | None) -> bytes | None:
     return None if secret is None else derive_key(secret, "kv_store/objects")
 
 
-def _checksum(preamble: bytes, body: bytes | memoryview) -> bytes:
+def _checksum(preamble: bytes, body: Sequence[bytes | memoryview]) -> bytes:
     digest = hashlib.blake2b(preamble, digest_size=_DIGEST_BYTES)
-    digest.update(body)
+    for part in body:
+        digest.update(part)
     return digest.digest()
 
 
-def _hmac(mac_key: bytes, preamble: bytes, body: bytes | memoryview) -> bytes:
+def _hmac(mac_key: bytes, preamble: bytes, body: Sequence[bytes | memoryview]) -> bytes:
     mac = hmac.new(mac_key, preamble, hashlib.sha256)
-    mac.update(body)
+    for part in body:
+        mac.update(part)
     return mac.digest()
 
 
@@ -81,13 +83,13 @@ def encode_chunk(key: bytes, token_ids: Sequence[int], tensors: Sequence[torch.T
         payloads.append(_tensor_bytes(tensor))
         parts.append(_TENSOR.pack(DTYPE_TO_CODE[tensor.dtype], tensor.dim()))
         parts.extend(_DIM.pack(size) for size in tensor.shape)
-    body = b"".join(parts + payloads)
+    body = parts + payloads  # hashed piece by piece and joined once: the tensors are copied once
     flags = _AUTHENTICATED if mac_key is not None else 0
-    preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, len(body))
+    preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, sum(len(part) for part in body))
     digests = [_checksum(preamble, body)]
     if mac_key is not None:
         digests.append(_hmac(mac_key, preamble, body))
-    return b"".join([preamble, *digests, body])
+    return b"".join([preamble, *digests, *body])
 
 
 def decode_chunk(blob: bytes, key: bytes, token_ids: Sequence[int], mac_key: bytes | None) -> list[torch.Tensor | None]:
@@ -111,13 +113,13 @@ def decode_chunk(blob: bytes, key: bytes, token_ids: Sequence[int], mac_key: byt
         raise KVStoreObjectError("malformed", f"{len(view) - body_start - body_len} bytes after the object")
     preamble = bytes(view[: _PREAMBLE.size])
     body = view[body_start:]
-    if not hmac.compare_digest(view[_PREAMBLE.size : _PREAMBLE.size + _DIGEST_BYTES], _checksum(preamble, body)):
+    if not hmac.compare_digest(view[_PREAMBLE.size : _PREAMBLE.size + _DIGEST_BYTES], _checksum(preamble, [body])):
         raise KVStoreObjectError("checksum")
     if mac_key is not None:
         if not flags & _AUTHENTICATED:
             raise KVStoreObjectError("not authenticated", "written without the store secret")
         tag = view[_PREAMBLE.size + _DIGEST_BYTES : body_start]
-        if not hmac.compare_digest(tag, _hmac(mac_key, preamble, body)):
+        if not hmac.compare_digest(tag, _hmac(mac_key, preamble, [body])):
             raise KVStoreObjectError("not authenticated", "written with another secret")
     return _parse_body(body, key, token_bytes(token_ids))
 

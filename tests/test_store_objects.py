@@ -114,7 +114,7 @@ def test_a_forged_header_with_a_valid_checksum_is_refused_field_by_field():
 
     def forged(body: bytes) -> bytes:
         preamble = struct.pack("<4sHHQ", b"KVBS", objects_module.FORMAT_VERSION, 0, len(body))
-        return preamble + objects_module._checksum(preamble, body) + body
+        return preamble + objects_module._checksum(preamble, [body]) + body
 
     body = bytes(blob[body_start:])
     dtype_at = struct.calcsize("<HII") + len(KEY) + 8 * len(TOKENS)

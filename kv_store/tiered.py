@@ -32,7 +32,7 @@ class StoreStats:
     """Counters of a :class:`TieredStore`, each tier's by its name."""
 
     tiers: dict[str, TierStats]
-    dropped_writes: dict[str, int]  # writes a full queue (or close) dropped, per slower tier
+    dropped_writes: dict[str, int]  # writes to a slower tier not made: queue full, tier unreachable, closed
     unavailable: dict[str, int]  # calls skipped because the tier was unreachable
     promotions: int  # objects copied into a faster tier after a hit in a slower one
 

@@ -245,3 +245,16 @@ def test_a_dead_cluster_node_makes_the_tier_unavailable_until_it_is_back(tmp_pat
     finally:
         for node in nodes:
             node.kill()
+
+
+def test_a_full_redis_refuses_writes_counted_and_stays_up(tmp_path):
+    server = _redis.start_server(tmp_path / "redis", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    try:
+        tier = RedisTier(server.url)
+        written = [tier.put(key(i), os.urandom(100_000)) for i in range(60)]
+        assert written[0] and not written[-1]
+        stats = tier.stats()
+        assert stats.failed_writes == written.count(False) and stats.up
+        assert tier.get_many([key(0)])[0] is not None
+    finally:
+        server.kill()

@@ -242,6 +242,28 @@ def test_producer_announces_nothing_when_the_save_failed(model_config: ModelConf
     assert_all_freed(scheduler)
 
 
+def test_chunked_prompt_is_saved_in_the_step_that_completes_its_prefix(model_config: ModelConfig) -> None:
+    scheduler = make_scheduler(model_config, "kv_producer")
+    budget = scheduler.scheduler_config.max_num_batched_tokens
+    request = make_request("p-3", num_tokens=budget + B + 7, max_tokens=1, seed=7)
+    prefix = transfer_prefix_len(request.num_prompt_tokens, B)
+    assert prefix > budget
+    scheduler.add_request(request)
+    step = scheduler.schedule()
+    assert step.num_scheduled_tokens == {"p-3": budget}, "vLLM assumption: a long prompt is prefilled in chunks"
+    assert not metadata(step).saves, "a chunk that ends before the transfer prefix saves nothing"
+    scheduler.update_from_output(step, worker_output(scheduler, step))
+    step = scheduler.schedule()
+    cached = step.scheduled_cached_reqs
+    assert list(cached.req_ids) == ["p-3"] and list(cached.num_computed_tokens) == [budget], (
+        "vLLM assumption: the next chunk's request is in scheduled_cached_reqs with the tokens computed so far")
+    assert metadata(step).saves == [SaveSpec(req_id="p-3", token_ids=request.prompt_token_ids[:prefix],
+                                             block_ids=block_ids(scheduler, "p-3")[: prefix // B])]
+    scheduler.update_from_output(step, worker_output(scheduler, step, saved=["p-3"]))
+    run_to_end(scheduler)
+    assert_all_freed(scheduler)
+
+
 def test_preempted_saved_request_is_taken_back_in_the_step_that_frees_its_blocks(
         model_config: ModelConfig) -> None:
     # 8 blocks (7 usable): two prompts of 2 blocks + 1 token take 3 blocks each, and each needs a
@@ -395,4 +417,31 @@ def test_aborted_request_before_its_load_drains_the_announced_entry(model_config
                                              block_ids=[], skip_blocks=0, producer=("127.0.0.1", PRODUCER_PORT),
                                              producer_tp=1)]
     scheduler.update_from_output(step, worker_output(scheduler, step))
+    assert_all_freed(scheduler)
+
+
+def test_prefix_in_the_local_cache_is_drained_not_loaded(model_config: ModelConfig) -> None:
+    scheduler = make_scheduler(model_config, "kv_consumer")
+    first = make_request("d-5", num_tokens=3 * B + 5, max_tokens=2, seed=8, kv_transfer_params=announcement(3 * B))
+    step, _ = schedule_claimed_load(scheduler, first)
+    scheduler.update_from_output(step, worker_output(scheduler, step, finished_recving=["d-5"]))
+    run_to_end(scheduler)
+
+    # The same prompt again: vLLM's prefix cache holds the loaded blocks.
+    again = make_request("d-6", num_tokens=3 * B + 5, max_tokens=2, seed=8, kv_transfer_params=announcement(3 * B))
+    log = HookLog(scheduler.connector)
+    scheduler.add_request(again)
+    step = scheduler.schedule()
+    (asked,) = [args for name, args, _ in log.take() if name == "get_num_new_matched_tokens"]
+    assert asked[1] == 3 * B, (
+        "vLLM assumption: get_num_new_matched_tokens gets the block-aligned local prefix-cache hit")
+    assert step.num_scheduled_tokens == {"d-6": again.num_prompt_tokens - 3 * B}
+    assert [new.req_id for new in step.scheduled_new_reqs] == ["d-6"], (
+        "vLLM assumption: build_connector_meta sees the request in scheduled_new_reqs of the step that "
+        "asked get_num_new_matched_tokens")
+    assert metadata(step).loads == [LoadSpec(req_id="d-6", token_ids=again.prompt_token_ids[: 3 * B],
+                                             block_ids=block_ids(scheduler, "d-6")[:3], skip_blocks=3,
+                                             producer=("127.0.0.1", PRODUCER_PORT), producer_tp=1)]
+    scheduler.update_from_output(step, worker_output(scheduler, step))
+    run_to_end(scheduler)
     assert_all_freed(scheduler)

@@ -60,7 +60,7 @@ def make_scheduler(model_config: ModelConfig, role: str, num_blocks: int = 64,
     transfer = KVTransferConfig(kv_connector="KVBridgeConnector", kv_connector_module_path="connector.vllm_v1",
                                 kv_role=role, kv_port=PRODUCER_PORT, kv_load_failure_policy=failure_policy,
                                 kv_connector_extra_config={"kv_ip": "127.0.0.1"})
-    config = VllmConfig(model_config=copy.deepcopy(model_config),
+    config = VllmConfig(model_config=copy.deepcopy(model_config),  # VllmConfig adjusts the one it gets
                         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
                                                          max_model_len=512, is_encoder_decoder=False),
                         cache_config=CacheConfig(block_size=B, enable_prefix_caching=True),
@@ -72,7 +72,8 @@ def make_scheduler(model_config: ModelConfig, role: str, num_blocks: int = 64,
     scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache, log_stats=True,
                           structured_output_manager=StructuredOutputManager(config), block_size=B)
     assert isinstance(scheduler.connector, KVBridgeConnector), type(scheduler.connector)
-    assert not scheduler.scheduler_config.async_scheduling
+    assert not scheduler.scheduler_config.async_scheduling, (
+        "vLLM assumption: on CPU each step's output is processed before the next step is scheduled")
     return scheduler
 
 
@@ -168,15 +169,13 @@ def assert_all_freed(scheduler: Scheduler) -> None:
 
 def run_to_end(scheduler: Scheduler, max_steps: int = 40) -> None:
     """Step until no request is left, the workers reporting every finished request at once."""
-    held: set[str] = set()
     for _ in range(max_steps):
         if not scheduler.requests:
             return
         step = scheduler.schedule()
-        held |= set(metadata(step).held)
-        scheduler.update_from_output(step, worker_output(scheduler, step, finished_sending=held,
-                                                         saved=[s.req_id for s in metadata(step).saves]))
-        held.clear()
+        meta = metadata(step)
+        scheduler.update_from_output(step, worker_output(scheduler, step, finished_sending=meta.held,
+                                                         saved=[save.req_id for save in meta.saves]))
     raise AssertionError(f"requests left after {max_steps} steps: {list(scheduler.requests)}")
 
 
@@ -381,6 +380,18 @@ def test_failed_load_is_recomputed_and_not_loaded_again(model_config: ModelConfi
     assert not metadata(step).loads
     scheduler.update_from_output(step, worker_output(scheduler, step))
     run_to_end(scheduler)
+    assert_all_freed(scheduler)
+
+
+def test_failed_load_fails_the_request_under_policy_fail(model_config: ModelConfig) -> None:
+    scheduler = make_scheduler(model_config, "kv_consumer", failure_policy="fail")
+    request = make_request("d-7", num_tokens=3 * B + 5, max_tokens=2, seed=9, kv_transfer_params=announcement(3 * B))
+    step, load = schedule_claimed_load(scheduler, request)
+    outputs = scheduler.update_from_output(step, worker_output(scheduler, step, finished_recving=["d-7"],
+                                                               invalid_block_ids=load.block_ids))
+    (output,) = outputs[0].outputs
+    assert output.finished and request.status == RequestStatus.FINISHED_ERROR, (
+        "vLLM assumption: under kv_load_failure_policy=fail a failed load ends the request with an error")
     assert_all_freed(scheduler)
 
 

@@ -359,6 +359,34 @@ def test_consumer_request_waits_for_remote_kvs_until_finished_recving(model_conf
     assert_all_freed(scheduler)
 
 
+def test_claim_that_finds_no_free_blocks_is_asked_again_and_loaded_once(model_config: ModelConfig) -> None:
+    # 6 blocks (5 usable): the first request takes 4, the second one needs 4 as well.
+    scheduler = make_scheduler(model_config, "kv_consumer", num_blocks=6)
+    first = make_request("d-8", num_tokens=3 * B + 5, max_tokens=2, seed=10, kv_transfer_params=announcement(3 * B))
+    step, _ = schedule_claimed_load(scheduler, first)
+    scheduler.update_from_output(step, worker_output(scheduler, step, finished_recving=["d-8"]))
+    log = HookLog(scheduler.connector)
+    request = make_request("d-9", num_tokens=3 * B + 5, max_tokens=2, seed=11, kv_transfer_params=announcement(3 * B))
+    scheduler.add_request(request)
+    loads: list[LoadSpec] = []
+    for _ in range(4):
+        step = scheduler.schedule()
+        loads += metadata(step).loads
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+        assert request.status == RequestStatus.WAITING
+        scheduler.update_from_output(step, worker_output(scheduler, step))
+    calls = [name for name, args, _ in log.take() if args and getattr(args[0], "request_id", None) == "d-9"]
+    assert calls.count("get_num_new_matched_tokens") > 1 and calls.count("update_state_after_alloc") == 1, (
+        "vLLM assumption: a claim whose blocks cannot be allocated gets no update_state_after_alloc and "
+        f"is asked again in a later step (got {calls})")
+    assert [load.req_id for load in loads] == ["d-9"]
+    assert loads[0].block_ids == block_ids(scheduler, "d-9")[:3]
+    scheduler.update_from_output(step, worker_output(scheduler, step, finished_recving=["d-9"]))
+    run_to_end(scheduler)
+    assert_all_freed(scheduler)
+
+
 @pytest.mark.parametrize("failed_block", [0, 2])
 def test_failed_load_is_recomputed_and_not_loaded_again(model_config: ModelConfig, failed_block: int) -> None:
     scheduler = make_scheduler(model_config, "kv_consumer", failure_policy="recompute")

@@ -34,7 +34,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_v1 import KVBridgeConnector
-from tests import _vllm_procs as vp
+from harness import vllm_procs as vp
 
 B = vp.BLOCK_SIZE
 PRODUCER_PORT = 14579  # the scheduler side opens nothing: the port is only announced

@@ -80,8 +80,8 @@ class ManagedRedis:
             "protected-mode yes",
             f"port {self.port}",
             "daemonize no",
-            f"dir {directory}",
-            f"logfile {directory / 'redis.log'}",
+            f"dir {_quoted(str(directory))}",
+            f"logfile {_quoted(str(directory / 'redis.log'))}",
             f"requirepass {self.password}",
             f"maxmemory {self.maxmemory}",
             "maxmemory-policy allkeys-lru",
@@ -166,6 +166,12 @@ class ManagedRedis:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.stop()
+
+
+def _quoted(value: str) -> str:
+    """``value`` as one argument of a Redis configuration line (a temporary directory may hold spaces)."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
 
 
 def _command(*words: str) -> bytes:

@@ -5,6 +5,11 @@ is atomic, so an entry goes to exactly one select.
 
 When the byte budget is full, a store made with ``evict_unclaimed`` makes room for a new entry by
 evicting the oldest entries nobody has selected yet; one without it makes the insert wait.
+
+An entry that leaves unselected (evicted, expired, taken back by its owner) leaves a tombstone of its
+match key for :data:`TOMBSTONE_SECONDS`: a select waiting for that key, or coming soon after, is
+answered a miss at once (:meth:`EntryStore.gone`) instead of holding its consumer for its whole wait.
+Watchers (:meth:`EntryStore.watch`) are told each such key.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ logger = logging.getLogger(__name__)
 EVICTION_LOG_INTERVAL = 10.0
 #: How many waits of taken entries :meth:`EntryStore.take_waits` keeps between calls.
 TAKEN_WAITS_KEPT = 4096
+#: How long a select for the key of an entry that left unselected misses at once, and how many such
+#: keys are remembered (the oldest are forgotten first). Inserting under the key again ends it at once.
+TOMBSTONE_SECONDS = 30.0
+TOMBSTONES_KEPT = 4096
 
 
 #: A part of an entry that a select may take on its own: ``(dim, start, stop)``, every tensor of the
@@ -107,6 +116,11 @@ class EntryStore:
         # Seconds each popped entry waited since it was stored, until taken by take_waits (bounded:
         # nobody may ever take them).
         self._waits: collections.deque[float] = collections.deque(maxlen=TAKEN_WAITS_KEPT)
+        # Digests of the match keys of entries that left unselected, oldest first, with when they are
+        # forgotten. A digest, not the key: a long prompt's key is megabytes, and a collision only
+        # makes a select miss.
+        self._tombstones: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._watchers: list[Callable[[MatchKey], object]] = []
 
     def put(self, key: MatchKey, entry: Entry, timeout: float) -> None:
         """Store ``entry``: evicting the oldest unclaimed entries to make room (``evict_unclaimed``),
@@ -159,6 +173,7 @@ class EntryStore:
             if entry.stored is None:
                 entry.stored = now
             self._keep(key, entry)
+            self._tombstones.pop((key[0] if isinstance(key, tuple) else key).digest, None)
             self._peak = max(self._peak, self._bytes)
             self._inserts += 1
             self._insert_waits += waited
@@ -243,7 +258,38 @@ class EntryStore:
             queue = self._entries[key]
             queue.remove(entry)
             self._forget(key, queue, entry)
+            self._bury(key)
             return True
+
+    def watch(self, watcher: Callable[[MatchKey], object]) -> None:
+        """Call ``watcher`` with the match key of every entry that leaves unselected (evicted, expired,
+        taken back), under the store's lock: it must neither block nor call the store."""
+        with self._cond:
+            self._watchers.append(watcher)
+
+    def unwatch(self, watcher: Callable[[MatchKey], object]) -> None:
+        with self._cond:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
+
+    def gone(self, key: MatchKey) -> bool:
+        """Whether an entry under ``key`` left unselected within :data:`TOMBSTONE_SECONDS` and none
+        was inserted under it since: a select for it that found nothing should miss at once."""
+        with self._cond:
+            forgotten = self._tombstones.get(key.digest)
+            return forgotten is not None and forgotten > time.monotonic()
+
+    def _bury(self, key: MatchKey | tuple[MatchKey, Part]) -> None:
+        """Leave a tombstone of an entry (or a part of one) that left unselected, under the lock."""
+        key = key[0] if isinstance(key, tuple) else key
+        now = time.monotonic()
+        self._tombstones[key.digest] = now + TOMBSTONE_SECONDS
+        self._tombstones.move_to_end(key.digest)
+        while self._tombstones and (len(self._tombstones) > TOMBSTONES_KEPT
+                                    or next(iter(self._tombstones.values())) <= now):
+            self._tombstones.popitem(last=False)
+        for watcher in self._watchers:
+            watcher(key)
 
     def unlend(self, loan: Loan, empty: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> MatchKey | None:
         """Replace the stored entry lent under ``loan`` (of a split entry: each of its parts still
@@ -268,11 +314,13 @@ class EntryStore:
             queue.remove(entry)
             self._forget(key, queue, entry)
         if not loan.begin_copy():  # its owner is taking it back: nothing may be read from it
+            self._lost(key)
             return None
         try:
             items = tuple(item.materialize(empty) if isinstance(item, LentTensor) else item for item in entry.items)
         except BaseException:
             loan.end(DROPPED)
+            self._lost(key)
             raise
         loan.end(COPIED)
         copy = Entry(items, entry.nbytes)
@@ -282,8 +330,14 @@ class EntryStore:
         except KVTransferError:
             with self._cond:
                 self._evicted += 1
+            self._lost(key)
             return None
         return key[0] if isinstance(key, tuple) else key  # a part's entry: waiting selects wait under its key
+
+    def _lost(self, key: MatchKey | tuple[MatchKey, Part]) -> None:
+        """An entry taken out to be copied did not come back: selects waiting for it must be told."""
+        with self._cond:
+            self._bury(key)
 
     def expire(self, now: float | None = None) -> tuple[int, int]:
         """Drop every entry stored longer than ``entry_timeout``; return the entries and bytes dropped."""
@@ -299,6 +353,7 @@ class EntryStore:
                 self._forget(key, queue, entry)
                 if entry.loan is not None:
                     entry.loan.end(EXPIRED)
+                self._bury(key)
                 self._expired += 1
                 entries += 1
                 nbytes += entry.nbytes
@@ -317,6 +372,7 @@ class EntryStore:
         self._forget(key, queue, entry)
         if entry.loan is not None:
             entry.loan.end(EVICTED)
+        self._bury(key)
         self._evicted += 1
         entries, nbytes = self._unlogged_evictions
         self._unlogged_evictions = (entries + 1, nbytes + entry.nbytes)

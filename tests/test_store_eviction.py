@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -61,6 +62,40 @@ def same_entry(got: Entry | None, want: Entry) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- the store
+
+
+def _whole_and_newer(store: EntryStore) -> tuple[list, MatchKey, Entry, MatchKey, Entry]:
+    """A splittable entry stored, then a newer one, then a quarter of the first taken: its three
+    other quarters stay stored as parts."""
+    whole_given = _splittable(0)
+    whole_key, whole = make_entry(*whole_given)
+    newer_key, newer = make_entry(*_splittable(1))
+    store.put(whole_key, whole, timeout=0)
+    time.sleep(0.001)  # a later monotonic time: the newer entry expires later
+    store.put(newer_key, newer, timeout=0)
+    taken = store.pop_part(whole_key, (1, 0, 1))
+    assert same_bits(taken.items[1], whole_given[2][:, 0:1])
+    return whole_given, whole_key, whole, newer_key, newer
+
+
+def test_the_parts_of_a_split_entry_expire_and_are_evicted_as_old_as_the_entry() -> None:
+    store = EntryStore(capacity_bytes=1 << 20, max_item_bytes=1 << 20, entry_timeout=100.0)
+    _, whole_key, whole, newer_key, newer = _whole_and_newer(store)
+    assert newer.expires > whole.expires
+    entries, _ = store.expire(now=whole.expires)  # the whole entry's time: its parts go, the newer stays
+    assert entries == 3 and store.counters().entries == 1
+    assert store.pop_part(whole_key, (1, 1, 2)) is None
+    assert store.pop(newer_key) is newer
+
+    capacity = 2 * make_entry(*_splittable(0))[1].nbytes
+    store = EntryStore(capacity_bytes=capacity, max_item_bytes=1 << 20, evict_unclaimed=True)
+    given, whole_key, _, newer_key, newer = _whole_and_newer(store)
+    # One byte more than the room left: the oldest stored, the second quarter, is evicted, not the newer entry.
+    store.put(*raw(7, capacity - store.counters().bytes + 1), timeout=0)
+    assert store.counters().evicted == 1
+    assert store.pop_part(whole_key, (1, 1, 2)) is None
+    assert same_bits(store.pop_part(whole_key, (1, 2, 3)).items[1], given[2][:, 2:3])
+    assert store.pop(newer_key) is newer
 
 
 def test_a_full_store_evicts_the_oldest_unclaimed_entries_for_new_ones() -> None:

@@ -293,3 +293,31 @@ def test_close_tells_the_waiters_at_once_closes_a_late_connection_and_leaves_no_
     assert gate.outcome.closed.is_set()  # the connection it made after close is closed, not kept
     assert connections.count == 0 and no_dial_threads()
     connections.close()  # idempotent
+
+
+def test_a_dial_thread_that_cannot_start_fails_the_waiter_and_the_next_request_dials(
+        clock: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    buffer = FakeBuffer("p")
+    dialer = Dialer({ALIVE: [buffer]})
+    connections = make(dialer)
+    start = threading.Thread.start
+    refused = []
+
+    def start_or_refuse(thread: threading.Thread) -> None:
+        if thread.name == "kvbuf-dial" and not refused:  # the process is out of threads, once
+            refused.append(thread)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
+    try:
+        first = Told()
+        connections.when_ready(ALIVE, first)  # never raises: the caller is told
+        error = first.wait()
+        assert isinstance(error, KVPeerLostError) and "can't start new thread" in str(error)
+        assert connections.dialing == 0 and dialer.count(ALIVE) == 0
+        # Not the producer's fault: no backoff, the next request starts an attempt at once.
+        assert connections.get(ALIVE) is buffer and dialer.count(ALIVE) == 1
+    finally:
+        connections.close()
+    assert buffer.closed.is_set() and no_dial_threads()

@@ -147,44 +147,66 @@ class SourceConnections:
 
 class _Share:
     """One load's share of its producers, given back once (by its select, or by its connection's
-    death if the load never selects)."""
+    death if the load never selects). Lock-free: the garbage collector may give it back from
+    within any code of this thread."""
 
     def __init__(self, shares: _Shares, addresses: list[Address]) -> None:
         self._shares, self._addresses = shares, addresses
-        self._lock = threading.Lock()
-        self._held = True
+        self._held = collections.deque([True])  # popped once: atomic
 
     def give_back(self) -> None:
-        with self._lock:
-            held, self._held = self._held, False
-        if held:
-            self._shares.give_back(self._addresses)
+        try:
+            self._held.pop()
+        except IndexError:
+            return
+        self._shares.give_back(self._addresses)
 
 
 class _Shares:
-    """How many loads of each producer hold a share, and the loads waiting for one (thread-safe)."""
+    """How many loads of each producer hold a share, and the loads waiting for one (thread-safe).
+
+    Requests and returns are queued without a lock and settled by whichever thread gets the lock
+    next; one that does not get it leaves them to the holder, which looks again once it lets go.
+    So a return never waits for the lock: the garbage collector may make one (:class:`_Shared`)
+    while this very thread holds it."""
 
     def __init__(self, share: int) -> None:
         if share < 1:
             raise KVConfigError(f"kvbridge: a producer's share of the load threads must be at least 1, not {share}")
         self._share = share
-        self._lock = threading.Lock()
+        self._requests: collections.deque[tuple[list[Address], Callable[[_Share], None]]] = collections.deque()
+        self._returns: collections.deque[list[Address]] = collections.deque()
+        self._lock = threading.Lock()  # guards the two fields below
         self._taken: collections.Counter[Address] = collections.Counter()
         self._waiting: collections.deque[tuple[list[Address], Callable[[_Share], None]]] = collections.deque()
 
     def take(self, addresses: list[Address], granted: Callable[[_Share], None]) -> None:
-        """Call ``granted`` with a share of every one of ``addresses``: now, in this thread, if each
-        has one free and no earlier load waits for it; else later, from the thread that frees it."""
-        with self._lock:
-            self._waiting.append((addresses, granted))
-            grants = self._grant()
-        self._tell(grants)
+        """Call ``granted`` with a share of every one of ``addresses`` once each has one free and no
+        earlier load waits for it: at once, in this thread, when nothing else is settling shares;
+        else from the thread that frees one, or that settles them."""
+        self._requests.append((addresses, granted))
+        self._settle()
 
     def give_back(self, addresses: list[Address]) -> None:
-        with self._lock:
-            self._taken.subtract(addresses)
-            grants = self._grant()
-        self._tell(grants)
+        self._returns.append(addresses)
+        self._settle()
+
+    def _settle(self) -> None:
+        while (self._requests or self._returns) and self._lock.acquire(blocking=False):
+            try:
+                while self._returns:
+                    self._taken.subtract(self._returns.popleft())
+                while self._requests:
+                    self._waiting.append(self._requests.popleft())
+                grants = self._grant()
+            finally:
+                self._lock.release()
+            for share, granted in grants:
+                try:
+                    granted(share)
+                except Exception:  # a faulty callback must neither keep its share nor stop the others
+                    logger.exception("kvbridge: a load given its producer's share failed")
+                    share.give_back()
 
     def _grant(self) -> list[tuple[_Share, Callable[[_Share], None]]]:
         """Take the shares of the waiting loads that can go, in order per producer (under the lock)."""
@@ -198,15 +220,6 @@ class _Shares:
                 still.append((addresses, granted))
         self._waiting = still
         return grants
-
-    @staticmethod
-    def _tell(grants: list[tuple[_Share, Callable[[_Share], None]]]) -> None:
-        for share, granted in grants:
-            try:
-                granted(share)
-            except Exception:  # a faulty callback must neither keep its share nor stop the others
-                logger.exception("kvbridge: a load given its producer's share failed")
-                share.give_back()
 
 
 class _Shared(KVLookupBufferBase):

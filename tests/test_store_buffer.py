@@ -16,8 +16,10 @@ from connector import (
     PagedKVCaches,
     recv_kv_caches_and_hidden_states,
     send_kv_caches_and_hidden_states,
+    transfer_state,
 )
-from kv_pipe import KVConfigError
+from connector.transfer_state import KVConnectorConfig, build_kv_buffer
+from kv_pipe import KVConfigError, KVTransferConfig
 from kv_store import MemoryTier, TieredStore, mac_key_from_secret
 from lookup_buffer import KVInvalidRequestError, StoreBuffer
 from lookup_buffer.base import BufferStats, KVLookupBufferBase, SelectResult
@@ -339,3 +341,38 @@ def test_a_partial_entry_from_a_buffer_without_prefixes_stays_a_miss() -> None:
     assert (result.hit, result.num_tokens) == (False, 0)
     assert "other token positions" in result.reason
     assert all(bool((tensor == 7).all()) for tensor in [*request.kv.keys, *request.kv.values])
+
+
+# --- one entry point ------------------------------------------------------------------------------
+
+
+def test_the_transfer_group_over_a_disk_store_is_built_once_and_shut_down(tmp_path) -> None:
+    config = KVConnectorConfig(KVTransferConfig(kv_role="kv_both", kv_secret="s3cret"),
+                               kv_store=f"disk:{tmp_path}", kv_chunk_size=CHUNK)
+    assert not transfer_state.has_kv_transfer_group()
+    with pytest.raises(KVConfigError, match="not initialized"):
+        transfer_state.get_kv_transfer_group()
+    with pytest.raises(KVConfigError, match="identity"):
+        transfer_state.ensure_kv_transfer_initialized(config)
+    try:
+        group = transfer_state.ensure_kv_transfer_initialized(config, identity=IDENTITY, token_dim=TOKEN_DIM)
+        assert isinstance(group, StoreBuffer) and group.chunk_size == CHUNK
+        assert transfer_state.ensure_kv_transfer_initialized(config) is group
+        assert transfer_state.get_kv_transfer_group() is group and transfer_state.has_kv_transfer_group()
+        prompt = tokens(CHUNK + 3)
+        key, value, hidden = entry(len(prompt))
+        group.insert(prompt, full(len(prompt)), key, value, hidden)
+    finally:
+        transfer_state.ensure_kv_transfer_shutdown()
+    assert not transfer_state.has_kv_transfer_group()
+    # Another process's buffer over the same directory and secret reads it back.
+    with build_kv_buffer(config, identity=IDENTITY, token_dim=TOKEN_DIM) as reader:
+        result = reader.drop_select(prompt, full(len(prompt)))
+        assert same_bits(result[2], key) and same_bits(result[3], value) and same_bits(result[4], hidden)
+
+
+def test_a_pipe_buffer_for_both_roles_is_refused_before_any_pipe() -> None:
+    with pytest.raises(KVConfigError, match="kv_both"):
+        build_kv_buffer(KVConnectorConfig(KVTransferConfig(kv_role="kv_both", kv_connect_timeout=1)))
+    with pytest.raises(KVConfigError, match="kv_store"):
+        KVConnectorConfig(kv_store=" ")

@@ -91,12 +91,14 @@ def recv_kv_caches_and_hidden_states(
 ) -> list[KVRecvResult]:
     """Select every request's entry from ``buffer`` into the caller's memory; see :mod:`connector.base`."""
     results = []
+    # A buffer that does not say it returns prefixes (one of duck type included) gives exact matches only.
+    prefixes = getattr(buffer, "returns_prefixes", False) is True
     for index, request in enumerate(requests):
         start = time.perf_counter()
         entry = buffer.drop_select(request.input_tokens, request.roi, timeout=timeout, borrow=True)
         selected = time.perf_counter()
         try:
-            result = _receive_one(index, request, buffer.returns_prefixes, *entry)
+            result = _receive_one(index, request, prefixes, *entry)
         finally:
             release_all(entry)  # KVPeerLostError if the producer took its memory back meanwhile
         results.append(dataclasses.replace(result, seconds=time.perf_counter() - start,

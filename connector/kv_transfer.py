@@ -66,7 +66,8 @@ def _found_tokens(request: KVRequest, tokens: torch.Tensor, roi: torch.Tensor | 
     expected = request.input_tokens
     if tokens.shape != expected.shape or not torch.equal(tokens.cpu().long(), expected.cpu().long()):
         return "the entry's tokens differ from the request's"
-    if roi is not None and roi.shape == expected.shape and roi.dtype == torch.bool:
+    if roi is not None and roi.shape == expected.shape:
+        roi = roi.cpu().bool()
         selected = int(roi.sum())
         if selected == expected.numel() or (prefixes and selected > 0 and bool(roi[:selected].all())):
             return selected

@@ -36,9 +36,11 @@ def assert_every_sequence_transferred_and_matching(result: procs.Finished) -> No
 
 
 @pytest.mark.timeout(150)
-def test_pair_through_a_disk_store(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tiers", ["disk:{}", "memory,disk:{}"])
+def test_pair_through_a_disk_store(tmp_path: Path, tiers: str) -> None:
+    """Alone, or behind a memory tier (each rank's own; the disk is then written in the background)."""
     directory = tmp_path / "kv"
-    result = pair_with_store(tmp_path, f"disk:{directory}")
+    result = pair_with_store(tmp_path, tiers.format(directory))
     assert_every_sequence_transferred_and_matching(result)
     assert any(path.is_file() for path in directory.rglob("*"))  # the KV went through the directory
 
@@ -58,6 +60,7 @@ def test_pair_through_redis_with_signed_objects(tmp_path: Path) -> None:
     assert "correct horse" not in result.stdout + result.stderr
 
 
+@pytest.mark.timeout(60)
 def test_a_memory_store_is_refused_for_the_pair() -> None:
     config = KVConnectorConfig(KVTransferConfig(kv_role="kv_producer"), kv_store="memory")
     with pytest.raises(KVConfigError, match="cannot share the store 'memory'.*disk:PATH.*redis://"):

@@ -42,19 +42,26 @@ _PATH_VARIABLE = "PIPE_TEST_SHARED_MEMORY"
 SPLIT = "split"
 
 
+_PATH_IDS = {"on": "shared-memory", "off": "transport", SPLIT: SPLIT}
+
+
 def also_split(test):
     """Run ``test`` on the split channel too (besides the shared-memory and transport paths)."""
-    test.also_split = True
+    test.payload_paths = ("on", "off", SPLIT)
+    return test
+
+
+def split_only(test):
+    """Run ``test`` on the split channel alone."""
+    test.payload_paths = (SPLIT,)
     return test
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Every test runs on both payload paths, through shared memory and over the transport; those
-    marked :func:`also_split` on the split channel too."""
-    paths, ids = ["on", "off"], ["shared-memory", "transport"]
-    if getattr(metafunc.function, "also_split", False):
-        paths, ids = [*paths, SPLIT], [*ids, SPLIT]
-    metafunc.parametrize("payload_path", paths, ids=ids, indirect=True)
+    """Every test runs on both payload paths, through shared memory and over the transport, unless
+    marked :func:`also_split` or :func:`split_only`."""
+    paths = getattr(metafunc.function, "payload_paths", ("on", "off"))
+    metafunc.parametrize("payload_path", paths, ids=[_PATH_IDS[path] for path in paths], indirect=True)
 
 
 @pytest.fixture(autouse=True)
@@ -787,6 +794,66 @@ def body_one_group_per_direction(rank: int, port: int) -> list[str]:
         return setup, sorted(set(log)), pipe.uses_shared_memory
 
 
+class _CompletionRecordingGroup(_RecordingGroup):
+    """A group that also records when each receive posted on it completed, and can be aborted."""
+
+    def recv(self, tensors, src, tag):
+        work = super().recv(tensors, src, tag)
+        log = self._log
+        name = self._name
+
+        class _Work:
+            def wait(self, *args, **kwargs):
+                done = work.wait(*args, **kwargs)
+                log.append(f"{name}:arrived")
+                return done
+
+        return _Work()
+
+    def abort(self) -> None:
+        self._group.abort()
+
+
+def body_payload_receives_only_behind_frames(rank: int, port: int) -> dict[str, object]:
+    """Split: each payload receive is posted only after a frame arrived (announcing it), and an idle
+    pipe posts none. The receive side's record: frame and payload receives, posted and arrived."""
+    from kv_pipe import rendezvous
+
+    log: list[str] = []
+    connect = rendezvous.connect
+
+    def recording_connect(*args, **kwargs):
+        connection = connect(*args, **kwargs)
+        assert connection.payloads is not None, "a split pipe has payload groups"
+        connection.incoming = _CompletionRecordingGroup(connection.incoming, log, "frames")
+        connection.payloads = (connection.payloads[0],
+                               _CompletionRecordingGroup(connection.payloads[1], log, "payloads"))
+        return connection
+
+    rendezvous.connect = recording_connect
+    generator = torch.Generator().manual_seed(rank)
+    sizes = (3, 5000, 3 << 20)  # elements: up to 12 MiB
+    with open_pipe(config(rank, port, kv_timeout=1.0, kv_buffer_size=32 << 20)) as pipe:
+        log.clear()
+        for size in sizes:
+            sent = random_tensor(generator, torch.float32, (size,))
+            pipe.send_tensors([sent, None])
+            got = pipe.recv_tensor(timeout=30)
+            assert got.shape == (size,)
+            assert pipe.recv_tensor(timeout=30) is None
+        pipe.flush(timeout=30)
+        time.sleep(0.5)  # the peer's last items are in
+        busy = list(log)
+        log.clear()
+        time.sleep(1.5)  # idle: keepalives only, several kv_timeout/4 apart
+        idle = list(log)
+    misplaced = [index for index, entry in enumerate(busy) if entry == "payloads:recv"
+                 and (index == 0 or busy[index - 1] not in ("frames:arrived", "payloads:arrived"))]
+    return {"payload receives": busy.count("payloads:recv"), "misplaced": misplaced,
+            "idle payload operations": [entry for entry in idle if entry.startswith("payloads")],
+            "idle frames arrived": idle.count("frames:arrived") > 0}
+
+
 def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
     """A bug in the receiver thread reaches the caller as itself, not as a lost peer, and fails the pipe."""
     pipe = open_pipe(config(rank, port))
@@ -1292,6 +1359,17 @@ def test_the_pipe_never_sends_on_a_group_it_receives_on(payload_path: str):
     both = ["incoming:recv", "outgoing:send"]
     shared = payload_path == "on"
     assert reports == ((both, [] if shared else both, shared),) * 2, reports
+
+
+@split_only
+@pytest.mark.timeout(60)
+def test_split_pipe_posts_a_payload_receive_only_behind_its_frame_and_none_while_idle():
+    """NCCL's layout: a receive kept posted on NCCL would stay in the device's queue while the pipe
+    is idle and outlive a dead peer; only an announced payload may have one."""
+    port = procs.free_port()
+    reports = procs.run_pair(body_payload_receives_only_behind_frames, (0, port), (1, port), timeout=50)
+    expected = {"payload receives": 3, "misplaced": [], "idle payload operations": [], "idle frames arrived": True}
+    assert reports == (expected, expected), reports
 
 
 @pytest.mark.timeout(60)

@@ -268,7 +268,7 @@ def check_distinct_gpus(mine: Hello, peer: Hello) -> None:
 
 
 def _create_groups(config: KVTransferConfig, store: dist.Store, device: torch.device,
-                   pair: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+                   pair: str = "") -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This side's (outgoing, incoming) groups of a pair (``pair`` prefixes its labels), both
     connected: created in :data:`GROUP_ORDER` on both sides (construction is collective), on gloo
     for a host ``device``, else on NCCL bound to ``device``."""
@@ -278,7 +278,7 @@ def _create_groups(config: KVTransferConfig, store: dist.Store, device: torch.de
     for label, sender in GROUP_ORDER:
         try:
             groups[sender] = _create_group(dist.PrefixStore(f"kvbridge/group/{pair}{label}", store), rank, timeout,
-                                           device, config.kv_ip)
+                                           device, config.kv_ip, pair + label)
         except (RuntimeError, OSError) as exc:
             raise KVPeerLostError(
                 f"kvbridge pipe rank {rank}: could not connect the {pair}group for rank {sender}'s sends: {exc}"
@@ -287,8 +287,8 @@ def _create_groups(config: KVTransferConfig, store: dist.Store, device: torch.de
 
 
 def _create_group(store: dist.Store, rank: int, timeout: datetime.timedelta, device: torch.device,
-                  kv_ip: str) -> dist.ProcessGroup:
-    """One connected group of a pair."""
+                  kv_ip: str, label: str) -> dist.ProcessGroup:
+    """One connected group of a pair (``label`` names it, for tests and messages)."""
     if device.type == "cuda":
         return _create_nccl_group(store, rank, timeout, device)
     options = dist.ProcessGroupGloo._Options()

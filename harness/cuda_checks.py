@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from connector import (
 )
 from connector.paged import FLASH_ATTN_LAYOUT, VLLM_CPU_LAYOUT, PagedKVLayout, gather_blocks, scatter_blocks
 from harness import procs
-from kv_pipe import KVConfigError, KVTransferConfig, TorchDistributedPipe
+from kv_pipe import KVConfigError, KVPeerLostError, KVTransferConfig, TorchDistributedPipe
 from lookup_buffer import SimpleBuffer
 
 #: Layouts of vLLM's GPU attention backends, as (layout, per-layer shape with 40 blocks of 16 tokens).
@@ -298,6 +299,89 @@ def check_nccl_two_gpus() -> str:
     return "ok"
 
 
+def _nccl_victim_side(rank: int, port: int, results: object) -> dict[str, object]:
+    """An NCCL pipe end whose peer (rank 0) is killed while payloads flow: rank 1 must raise
+    KVPeerLostError within its bound and live on, its GPU usable (no NCCL work left behind)."""
+    device = torch.device("cuda", rank)
+    pipe = TorchDistributedPipe(_config(rank, port, kv_buffer_device="cuda", kv_device_index=rank, kv_timeout=5.0))
+    payload = _random(torch.Generator().manual_seed(rank), torch.bfloat16, (16 << 20,)).to(device)
+    results.put((rank, "ready", os.getpid()))
+    if rank == 0:
+        while True:  # until killed
+            pipe.send_tensor(payload, timeout=60)
+    try:
+        while True:
+            pipe.recv_tensor(timeout=60)
+    except KVPeerLostError as exc:
+        error = f"{type(exc).__name__}: {str(exc)[:80]}"
+    torch.cuda.synchronize(device)  # the device holds no pipe work any more
+    probe = torch.ones(4, device=device).sum().item()
+    pipe.close()
+    return {"error": error, "probe": probe}
+
+
+def check_nccl_killed_peer() -> str:
+    """A peer killed mid-transfer on NCCL: KVPeerLostError within kv_timeout plus slack, and the
+    survivor's process and GPU live on (the NCCL watchdog does not tear the process down)."""
+    _needs_cuda()
+    if torch.cuda.device_count() < 2:
+        raise Skip("needs two GPUs")
+    port = procs.free_port()
+    results = procs.new_queue()
+    processes = [procs.start(_nccl_victim_side, (rank, port, results), results, rank) for rank in (0, 1)]
+    try:
+        pids = {}
+        while len(pids) < 2:
+            slot, kind, value = results.get(timeout=120)
+            if kind != "ready":
+                raise AssertionError(f"rank {slot} did not start: {value}")
+            pids[slot] = value
+        time.sleep(2.0)  # payloads flow
+        os.kill(pids[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        outcome = procs.collect(processes[1:], results, timeout=60)[1]
+        detected_after = time.monotonic() - killed_at
+    finally:
+        procs.reap(processes)
+    assert outcome["error"].startswith("KVPeerLostError"), outcome
+    assert outcome["probe"] == 4.0, outcome
+    assert detected_after < 2 * 5.0 + 10, f"the survivor took {detected_after:.1f} s"
+    return f"KVPeerLostError after {detected_after:.1f} s, survivor alive"
+
+
+def _nccl_idle_side(rank: int, port: int) -> dict[str, object]:
+    """Rank 1 keeps its NCCL pipe idle while the engine-style ``torch.cuda.synchronize()`` runs; it
+    must return at once, not at the peer's next frame (keepalives are kv_timeout / 4 = 5 s apart)."""
+    device = torch.device("cuda", rank)
+    with TorchDistributedPipe(_config(rank, port, kv_buffer_device="cuda", kv_device_index=rank)) as pipe:
+        if rank == 0:
+            pipe.send_tensor(_pipe_case(1).to(device), timeout=60)
+            assert pipe.recv_tensor(timeout=60) is None  # rank 1 is done
+            return {"ok": True}
+        assert _same_bits(pipe.recv_tensor(timeout=60), _pipe_case(1))
+        time.sleep(1.0)  # idle: the pipe's threads wait for the next frame
+        waits = []
+        for _ in range(3):
+            started = time.monotonic()
+            torch.cuda.synchronize(device)
+            waits.append(time.monotonic() - started)
+        pipe.send_tensor(None, timeout=60)
+        pipe.flush(timeout=60)
+    return {"longest synchronize": max(waits)}
+
+
+def check_nccl_idle_synchronize() -> str:
+    """An engine's device-wide ``torch.cuda.synchronize()`` while an NCCL pipe is idle returns at
+    once: the pipe posts an NCCL receive only for a payload a frame announced."""
+    _needs_cuda()
+    if torch.cuda.device_count() < 2:
+        raise Skip("needs two GPUs")
+    longest = _two_sides(_nccl_idle_side, procs.free_port())[1]["longest synchronize"]
+    # Keepalives are 5 s apart: a receive posted blind would hold the synchronize for seconds.
+    assert longest < 1.0, f"torch.cuda.synchronize() took {longest:.2f} s on an idle pipe"
+    return f"longest synchronize {longest * 1000:.1f} ms"
+
+
 def check_pair_on_gpu() -> str:
     """``kvbridge pair`` with its model on the GPU."""
     raise Skip("launch/pair.py has no device option: its model runs on the CPU")
@@ -309,6 +393,8 @@ CHECKS: dict[str, Callable[[], str]] = {
     "connector, 2 processes on 1 GPU": check_connector_one_gpu,
     "NCCL on one GPU refused": check_same_gpu_refused,
     "NCCL pipe, 2 GPUs": check_nccl_two_gpus,
+    "NCCL peer killed: KVPeerLostError, alive": check_nccl_killed_peer,
+    "NCCL idle: cuda.synchronize() at once": check_nccl_idle_synchronize,
     "kvbridge pair on the GPU": check_pair_on_gpu,
 }
 

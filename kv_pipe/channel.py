@@ -1,12 +1,23 @@
 """How a pipe's frames and payload chunks travel: process groups, or a local socket on one host.
 
-* :class:`GroupChannel`: the pipe's two torch.distributed groups (gloo or NCCL), one per direction,
-  frames and payloads told apart by tag. Whoever holds a direction's role issues its operations, so
-  they are issued in order as NCCL needs: on gloo a pipe thread or a caller, on NCCL only the pipe's
-  threads (:attr:`Channel.callers_may_post`), each on the pipe's own stream for its direction. A frame and the
-  payloads behind it are posted together, then waited for. No wait can be abandoned: a
-  torch.distributed wait that times out breaks the connection for good, so a receive ends only when
-  a frame arrives or the peer is lost.
+* :class:`GroupChannel`: torch.distributed groups, one per direction (gloo or NCCL). Frames travel
+  on one pair of groups; payloads on the same pair, told apart by tag, or on a pair of their own
+  (*split*: NCCL's layout). Whoever holds a direction's role issues its operations, so they are
+  issued in order as NCCL needs: on gloo a pipe thread or a caller, on NCCL only the pipe's threads
+  (:attr:`Channel.callers_may_post`), each on the pipe's own stream for its direction. A frame and
+  the payloads behind it are posted together, then waited for. No frame wait can be abandoned: a
+  gloo wait that times out breaks the connection for good, so a frame receive ends only when a
+  frame arrives or the peer is lost.
+
+  Split, frames (headers, credit, keepalives, close) go over gloo groups and only payloads over
+  the payload groups, and the receiver posts a payload's receive only once its frame has arrived
+  and was validated: on NCCL no receive is ever posted blind, so an idle pipe holds no NCCL work
+  (a device-wide synchronize in the engine does not wait for the peer's next frame) and a dead
+  peer leaves no receive behind. Frames then carry no payload bytes inline (frames are host
+  memory, payloads device memory: a copy through the host would cost two synchronising copies).
+  Every wait on a payload is bounded by ``silence`` (``Work.wait(timeout=...)``, which on NCCL
+  blocks the host until the work is done), and :meth:`GroupChannel.abort` aborts the payload
+  groups, so that no payload operation stays posted once the pipe failed.
 * :class:`SocketChannel`: on one host, once shared memory is set up (:mod:`kv_pipe.shared_memory`),
   a connected Unix stream socket between the two processes. A frame is sent as its length and its
   bytes; a payload that is not in shared memory follows its frame as plain bytes. A socket reaches
@@ -21,6 +32,8 @@ Both raise ``OSError`` or ``RuntimeError`` for a broken connection or a peer sil
 from __future__ import annotations
 
 import abc
+import datetime
+import logging
 import math
 import select
 import socket
@@ -33,9 +46,19 @@ import torch.distributed as dist
 
 from kv_pipe.errors import KVProtocolError
 
+logger = logging.getLogger(__name__)
+
 TAG_FRAME = 0
 TAG_PAYLOAD = 1
 _LENGTH = struct.Struct("<Q")  # a frame's byte count, before its bytes on a socket
+
+
+def wait_for(work: dist.Work, timeout: float) -> None:
+    """Wait until ``work`` is done, at most ``timeout`` seconds. On NCCL this blocks the host (a wait
+    without a timeout only makes the current stream wait). Raises RuntimeError (from torch) or
+    TimeoutError once the bound passed, or the peer was lost."""
+    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+        raise TimeoutError(f"a transfer did not complete within kv_timeout={timeout:g} s")
 
 
 class Channel(abc.ABC):
@@ -79,6 +102,10 @@ class Channel(abc.ABC):
         not :attr:`interruptible`: only a receive can tell)."""
 
     @abc.abstractmethod
+    def abort(self) -> None:
+        """The pipe failed: end what no thread should wait for any more. Never raises."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Let go of the connection (once no thread uses the channel any more)."""
 
@@ -87,24 +114,50 @@ class GroupChannel(Channel):
     interruptible = False
 
     def __init__(self, outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer_rank: int,
-                 callers_may_post: bool = True, settle: Callable[[], None] | None = None) -> None:
-        """``settle``: called after each wait; on NCCL it blocks until the operation is done (a wait
-        there only orders the current stream), so that every operation ends as on gloo."""
+                 callers_may_post: bool = True, settle: Callable[[], None] | None = None,
+                 payload_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+                 silence: float | None = None) -> None:
+        """``outgoing``/``incoming``: the groups of frames (and of payloads, unless split).
+        ``settle``: called after each wait; on NCCL it blocks until the operation is done (a plain
+        wait there only orders the current stream), so that every operation ends as on gloo.
+        ``payload_groups``: (outgoing, incoming) groups of payloads alone: the split channel, whose
+        payload waits last at most ``silence`` seconds each (required with it)."""
+        if payload_groups is not None and silence is None:
+            raise ValueError("a split channel bounds its payload waits: it needs silence")
         self.callers_may_post = callers_may_post
         self._settle = settle or (lambda: None)
         self.outgoing = outgoing
         self.incoming = incoming
+        self.payload_outgoing, self.payload_incoming = payload_groups or (outgoing, incoming)
         self._peer = peer_rank
+        self._payload_wait = None if payload_groups is None else silence
 
-    def post(self, tensor: torch.Tensor, tag: int) -> dist.Work:
-        return self.outgoing.send([tensor], self._peer, tag)  # the work holds the tensor until done
+    @property
+    def split(self) -> bool:
+        """Whether payloads travel on groups of their own, each posted only behind its frame."""
+        return self._payload_wait is not None
 
-    def finish(self, handle: dist.Work) -> None:
-        handle.wait()
-        self._settle()
+    @property
+    def inline_payloads(self) -> bool:
+        """Whether a frame may carry a tensor's bytes after its header (not when split)."""
+        return not self.split
+
+    def post(self, tensor: torch.Tensor, tag: int) -> tuple[dist.Work, int]:
+        group = self.outgoing if tag == TAG_FRAME else self.payload_outgoing
+        return group.send([tensor], self._peer, tag), tag  # the work holds the tensor until done
+
+    def finish(self, handle: tuple[dist.Work, int]) -> None:
+        self._wait(*handle)
 
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
-        self.incoming.recv([tensor], self._peer, tag).wait()
+        group = self.incoming if tag == TAG_FRAME else self.payload_incoming
+        self._wait(group.recv([tensor], self._peer, tag), tag)
+
+    def _wait(self, work: dist.Work, tag: int) -> None:
+        if tag == TAG_FRAME or self._payload_wait is None:
+            work.wait()
+        else:
+            wait_for(work, self._payload_wait)
         self._settle()
 
     def recv_frame_by(self, frame: torch.Tensor, wait_until: float | None, spin: float = 0.0) -> bool:
@@ -114,8 +167,25 @@ class GroupChannel(Channel):
     def readable(self, timeout: float) -> bool:
         return True
 
+    def abort(self) -> None:
+        """The pipe failed: abort the payload groups of a split channel, so that no payload
+        operation stays posted (on NCCL it would hold the device; a thread waiting in one returns).
+        Local and bounded; never raises. The frame groups are left to their own timeout."""
+        if not self.split:
+            return
+        for group in (self.payload_outgoing, self.payload_incoming):
+            try:
+                group.abort()
+            except RuntimeError as exc:
+                logger.info("aborting a payload group failed: %s", exc)
+
     def close(self) -> None:
+        """Release the groups; a split channel aborts its payload groups first (no operation is
+        pending by now), as NCCL expects a communicator to be ended before it is destroyed and
+        an abort, unlike a shutdown, never waits for the peer."""
+        self.abort()
         self.outgoing = self.incoming = None  # the pipe keeps the store alive as long as the groups
+        self.payload_outgoing = self.payload_incoming = None
 
 
 class SocketChannel(Channel):
@@ -159,6 +229,9 @@ class SocketChannel(Channel):
 
     def readable(self, timeout: float) -> bool:
         return bool(_poll(self.sock, select.POLLIN, timeout))
+
+    def abort(self) -> None:
+        pass  # every wait on a socket has its own bound; the socket closes with the pipe
 
     def close(self) -> None:
         self.sock.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
 from collections.abc import Iterator
 
@@ -156,6 +157,21 @@ class CudaPipeStreams(PipeStreams):
         if tensor is not None and tensor.device.type == "cuda" and tensor.numel():
             # The allocator reuses the memory only once the caller's stream is done with it too.
             tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
+#: NCCL's buffer for each side of a connection between two ranks unless ``NCCL_BUFFSIZE`` says otherwise.
+NCCL_DEFAULT_BUFFSIZE = 4 << 20
+
+
+def nccl_pipe_bytes() -> int:
+    """Device memory a CUDA pipe keeps while it lives, besides the tensors it hands out: its two
+    payload communicators (one per direction), each with a send and a receive buffer of
+    ``NCCL_BUFFSIZE``. An estimate from NCCL's own setting; its frames are host memory."""
+    try:
+        buffsize = int(os.environ.get("NCCL_BUFFSIZE", NCCL_DEFAULT_BUFFSIZE))
+    except ValueError:
+        buffsize = NCCL_DEFAULT_BUFFSIZE
+    return 2 * 2 * max(buffsize, 0)
 
 
 def pipe_streams(device: torch.device) -> PipeStreams:

@@ -19,12 +19,13 @@ record first in the frame.
 Every frame reports, in its first record, the bytes its sender's user has consumed (credit, see
 :mod:`kv_pipe.credit`) and whether its sender is waiting for credit.
 
-The frame size depends on the device and both sides check it at the rendezvous. Gloo accepts a
-message shorter than the posted receive, so a host frame is sent only as long as its header and
-inline bytes, and its inline area is large (1 MiB): tensors up to that size cost one message
-instead of two. NCCL needs receives of the exact size, so device frames are small and always sent
-whole. Gloo aborts the whole process when a message is *larger* than the posted receive, so sizes
-are never taken on trust: :func:`decode_header` checks every field before a payload receive is posted.
+Frames travel over gloo on every pipe (a CUDA pipe's payloads over NCCL), and both sides check
+the frame size at the rendezvous. Gloo accepts a message shorter than the posted receive, so a
+frame is sent only as long as its header and inline bytes, and its inline area is large (1 MiB):
+tensors up to that size cost one message instead of two (on CUDA, where payloads are device
+memory, records carry no inline bytes). Gloo aborts the whole process when a message is *larger*
+than the posted receive, so sizes are never taken on trust: :func:`decode_header` checks every
+field before a payload receive is posted.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ PROTOCOL_VERSION = 8
 HEADER_WORDS = 64
 HEADER_BYTES = HEADER_WORDS * 8
 HOST_FRAME_BYTES = HEADER_BYTES + (1 << 20)
-DEVICE_FRAME_BYTES = 8192
 CHUNK_BYTES = 64 << 20
 MAX_NDIM = 48
 #: Shared-memory regions start at multiples of this (page-aligned copies run fastest; every dtype is

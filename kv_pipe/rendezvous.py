@@ -9,16 +9,24 @@
 3. With ``kv_secret``, a challenge-response through the store proves both sides hold the secret.
 4. Two point-to-point groups are built, one per direction (rank 0 -> 1 and rank 1 -> 0). A side
    sends only on its outgoing group and receives only on its incoming one: NCCL runs a
-   communicator's sends and receives to one peer on one stream, so a receive kept posted (a pipe
-   always has one) would hold every later send to that peer behind it.
-   Both groups are connected here, eagerly, in the same order on both sides, before any traffic:
-   first the 0 -> 1 group, then the 1 -> 0 group, each bound to the pipe's explicit device
-   (``eager_connect_single_device`` on NCCL); then one primer byte crosses each group, 0 -> 1 first.
+   communicator's sends and receives to one peer on one stream, so a receive posted there would
+   hold every later send to that peer behind it. These carry the frames, and are gloo groups
+   whatever the device. A *split* pipe (every CUDA pipe; :mod:`kv_pipe.channel`) builds a second
+   pair for its payloads alone, on the pipe's backend (NCCL on CUDA), on the same store.
+   All groups are connected here, eagerly, in the same order on both sides, before any traffic:
+   first the frame pair, then the payload pair, each 0 -> 1 before 1 -> 0, each NCCL group bound to
+   the pipe's explicit device (``eager_connect_single_device``); then one primer byte crosses each
+   group in the same order.
    Creating an NCCL communicator is collective and blocks until both sides join the *same* one: had
    each side connected lazily at its first operation (a send, on its outgoing group), rank 0 would
    wait in one communicator while rank 1 waits in the other, both until ``kv_timeout``. The primer
    creates whatever communicator the backend keeps for point-to-point operations the same way.
-5. With ``kv_secret``, a second challenge-response runs over the two groups themselves before any
+   The pipe's NCCL groups are created with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (each
+   ``ProcessGroupNCCL`` reads it when it is constructed; the variable is restored at once), and a
+   watchdog timeout of twice ``kv_timeout``: the pipe bounds its own waits by ``kv_timeout``, aborts
+   its groups and raises ``KVPeerLostError``, and the watchdog never tears the process down for a
+   failed pipe.
+5. With ``kv_secret``, a second challenge-response runs over each pair of groups before any
    tensor moves. The store is unauthenticated, and the transport's connection addresses travel
    through it: a stranger who rewrites them could divert a group to itself. This binds the groups to
    the peer that proved the secret.
@@ -35,15 +43,20 @@ fails with an error that names the cause.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from kv_pipe import auth
+from kv_pipe.channel import wait_for
 from kv_pipe.config import KVTransferConfig, local_address_towards
 from kv_pipe.device import describe_gpu
 from kv_pipe.errors import KVConfigError, KVPeerLostError, KVProtocolError, KVTransferError
@@ -55,8 +68,15 @@ _REFUSAL = b"kvbridge-refused:"
 _MIN_DIAL_SECONDS = 0.1  # the shortest try at reaching rank 0's store
 _AUTH_TAG = 7  # the tag of the challenge-response over the groups; frames use others
 _PRIMER_TAG = 9  # the tag of the primer byte that connects each group; nothing else uses it
-#: The groups, in the order both sides create and prime them: (label, sending rank).
+#: The groups of a pair, in the order both sides create and prime them: (label, sending rank).
 GROUP_ORDER = (("0to1", 0), ("1to0", 1))
+#: Prefix of the payload pair's labels (the frame pair's labels have none).
+PAYLOAD_PAIR = "payloads-"
+#: The NCCL watchdog's timeout, in kv_timeout: later than the pipe's own bound, so that the pipe
+#: aborts a failed group before the watchdog would judge it.
+NCCL_WATCHDOG_TIMEOUTS = 2
+_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_environment_lock = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -64,17 +84,20 @@ class Connection:
     """A connected pair. ``store`` must outlive the groups (NCCL reads it when it first connects)."""
 
     store: dist.TCPStore
-    outgoing: dist.ProcessGroup  # this side only sends here
-    incoming: dist.ProcessGroup  # this side only receives here
+    outgoing: dist.ProcessGroup  # this side only sends frames here (gloo)
+    incoming: dist.ProcessGroup  # this side only receives frames here (gloo)
     peer_hello: Hello
+    #: Split: this side's (outgoing, incoming) groups of payloads alone, on the pipe's backend.
+    payloads: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
 
 def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.device,
-            listener: socket.socket | None = None) -> Connection:
+            listener: socket.socket | None = None, split: bool = False) -> Connection:
     """Run the rendezvous at ``config.kv_ip:port`` and return the connected groups.
 
     ``listener``: rank 0 only, a socket already listening at ``port`` for the store (it is taken
-    over); without it rank 0 binds ``kv_ip:port`` itself.
+    over); without it rank 0 binds ``kv_ip:port`` itself. ``split``: build a pair of payload groups
+    on ``device``'s backend besides the frame groups (gloo); both sides must agree.
 
     Raises:
         KVPeerLostError: no peer within ``kv_connect_timeout``, the rendezvous already served a pair,
@@ -107,9 +130,13 @@ def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.dev
             f"this side {hello.device} with {hello.frame_bytes}-byte frames"
         )
     store.set_timeout(datetime.timedelta(seconds=config.kv_timeout))
-    outgoing, incoming = _create_groups(config, store, device)
+    host = torch.device("cpu")
+    pairs = [(*_create_groups(config, store, host, ""), host)]
+    if split:
+        pairs.append((*_create_groups(config, store, device, PAYLOAD_PAIR), device))
     try:
-        prime_groups(outgoing, incoming, rank, device)
+        for outgoing, incoming, pair_device in pairs:
+            prime_groups(outgoing, incoming, rank, pair_device, config.kv_timeout)
     except KVTransferError:
         raise
     except (RuntimeError, OSError) as exc:
@@ -122,8 +149,11 @@ def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.dev
             f"kvbridge pipe rank {rank}: the peer vanished while the groups connected: {exc}"
         ) from exc
     if config.kv_secret:
-        authenticate_groups(outgoing, incoming, rank, config.kv_secret, device)
-    return Connection(store, outgoing, incoming, peer_hello)
+        for outgoing, incoming, pair_device in pairs:
+            authenticate_groups(outgoing, incoming, rank, config.kv_secret, pair_device, config.kv_timeout)
+    outgoing, incoming, _ = pairs[0]
+    payloads = (pairs[1][0], pairs[1][1]) if split else None
+    return Connection(store, outgoing, incoming, peer_hello, payloads)
 
 
 def _refuse(store: dist.Store, rank: int, kv_timeout: float, reason: str) -> None:
@@ -237,27 +267,28 @@ def check_distinct_gpus(mine: Hello, peer: Hello) -> None:
         )
 
 
-def _create_groups(config: KVTransferConfig, store: dist.Store,
-                   device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This side's (outgoing, incoming) groups, both connected: created in :data:`GROUP_ORDER` on
-    both sides (construction is collective), each bound to ``device`` where the backend binds."""
+def _create_groups(config: KVTransferConfig, store: dist.Store, device: torch.device,
+                   pair: str = "") -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This side's (outgoing, incoming) groups of a pair (``pair`` prefixes its labels), both
+    connected: created in :data:`GROUP_ORDER` on both sides (construction is collective), on gloo
+    for a host ``device``, else on NCCL bound to ``device``."""
     rank = config.kv_rank
     timeout = datetime.timedelta(seconds=config.kv_timeout)
     groups = {}
     for label, sender in GROUP_ORDER:
         try:
-            groups[sender] = _create_group(dist.PrefixStore(f"kvbridge/group/{label}", store), rank, timeout, device,
-                                           config.kv_ip, label)
+            groups[sender] = _create_group(dist.PrefixStore(f"kvbridge/group/{pair}{label}", store), rank, timeout,
+                                           device, config.kv_ip, pair + label)
         except (RuntimeError, OSError) as exc:
             raise KVPeerLostError(
-                f"kvbridge pipe rank {rank}: could not connect the group for rank {sender}'s sends: {exc}"
+                f"kvbridge pipe rank {rank}: could not connect the {pair}group for rank {sender}'s sends: {exc}"
             ) from exc
     return groups[rank], groups[1 - rank]
 
 
 def _create_group(store: dist.Store, rank: int, timeout: datetime.timedelta, device: torch.device,
                   kv_ip: str, label: str) -> dist.ProcessGroup:
-    """One connected group of the pair (``label`` names it, for tests and messages)."""
+    """One connected group of a pair (``label`` names it, for tests and messages)."""
     if device.type == "cuda":
         return _create_nccl_group(store, rank, timeout, device)
     options = dist.ProcessGroupGloo._Options()
@@ -271,17 +302,40 @@ def _create_nccl_group(store: dist.Store, rank: int, timeout: datetime.timedelta
                        device: torch.device) -> dist.ProcessGroup:
     """An NCCL group whose communicator is created now, on ``device`` (what ``device_id=`` of
     ``init_process_group`` does: ``eager_connect_single_device``), not at its first operation on
-    whatever device is current then. Unverified on a GPU in this project's CI."""
+    whatever device is current then, and whose errors and timeouts are the pipe's to handle (see
+    :func:`_pipe_error_handling`). Unverified on a GPU in this project's CI."""
     options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
+    options._timeout = timeout * NCCL_WATCHDOG_TIMEOUTS
     options.is_high_priority_stream = False
-    group = dist.ProcessGroupNCCL(store, rank, 2, options)
+    with _pipe_error_handling():
+        group = dist.ProcessGroupNCCL(store, rank, 2, options)
     group.eager_connect_single_device(device)
     return group
 
 
-def prime_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, device: torch.device) -> None:
-    """Send one byte through each group, in :data:`GROUP_ORDER` on both sides, and check it arrived.
+@contextlib.contextmanager
+def _pipe_error_handling() -> Iterator[None]:
+    """Construct an NCCL group whose watchdog leaves errors to the waiter: with torch's default
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) a failed or timed-out operation of any group tears the
+    whole process down, where the pipe raises KVPeerLostError and lives on. ProcessGroupNCCL takes
+    this from the environment in its constructor and has no option for it, so the variable is set
+    for the construction only and then restored; the engine's own groups keep their setting."""
+    with _environment_lock:
+        before = os.environ.get(_NCCL_ERROR_HANDLING)
+        os.environ[_NCCL_ERROR_HANDLING] = "0"
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[_NCCL_ERROR_HANDLING]
+            else:
+                os.environ[_NCCL_ERROR_HANDLING] = before
+
+
+def prime_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, device: torch.device,
+                 timeout: float) -> None:
+    """Send one byte through each group, in :data:`GROUP_ORDER` on both sides, and check it arrived
+    (each wait at most ``timeout`` seconds).
 
     Whatever a backend sets up at a group's first point-to-point operation (NCCL: the communicator it
     keeps for a pair of ranks) is set up here, one group after the other on both sides, not at each
@@ -291,20 +345,18 @@ def prime_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank:
     for _, sender in GROUP_ORDER:
         probe = torch.full((1,), 0x5A + sender, dtype=torch.uint8, device=device)
         if sender == rank:
-            outgoing.send([probe], peer, _PRIMER_TAG).wait()
+            wait_for(outgoing.send([probe], peer, _PRIMER_TAG), timeout)
         else:
             received = torch.zeros_like(probe)
-            incoming.recv([received], peer, _PRIMER_TAG).wait()
-            if int(received.cpu()[0]) != 0x5A + sender:  # .cpu() waits for the receive on CUDA
+            wait_for(incoming.recv([received], peer, _PRIMER_TAG), timeout)
+            if int(received.cpu()[0]) != 0x5A + sender:
                 raise KVProtocolError(f"kvbridge pipe rank {rank}: the peer's primer on its group was "
                                       f"{int(received.cpu()[0])}, not {0x5A + sender}: not a kvbridge pipe")
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 def authenticate_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, secret: str,
-                        device: torch.device) -> None:
-    """Challenge-response over the groups: whoever is at their other end must hold ``secret``.
+                        device: torch.device, timeout: float) -> None:
+    """Challenge-response over a pair of groups: whoever is at their other end must hold ``secret``.
 
     Each side sends a fresh nonce on its outgoing group, then a proof over both nonces, at the same
     time as the peer does, so that each side judges the other's proof on its own and neither waits.
@@ -313,9 +365,9 @@ def authenticate_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup
     peer = 1 - rank
     nonce = auth.new_nonce()
     try:
-        peer_nonce = swap_bytes(outgoing, incoming, peer, nonce, device, _AUTH_TAG)
+        peer_nonce = swap_bytes(outgoing, incoming, peer, nonce, device, _AUTH_TAG, timeout)
         proof = auth.sign(key, bytes([rank]), nonce, peer_nonce)
-        peer_proof = swap_bytes(outgoing, incoming, peer, proof, device, _AUTH_TAG)
+        peer_proof = swap_bytes(outgoing, incoming, peer, proof, device, _AUTH_TAG, timeout)
     except (RuntimeError, OSError) as exc:
         raise KVProtocolError(
             f"authentication failed: the peer connected to this side's groups did not complete the "
@@ -329,14 +381,18 @@ def authenticate_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup
 
 
 def swap_bytes(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer: int, data: bytes,
-               device: torch.device, tag: int) -> bytes:
-    """Send ``data`` to the peer on ``tag`` and receive the same number of bytes from it."""
+               device: torch.device, tag: int, timeout: float | None = None) -> bytes:
+    """Send ``data`` to the peer on ``tag`` and receive the same number of bytes from it (each wait
+    at most ``timeout`` seconds; None: the groups' own timeout, gloo's)."""
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     theirs = torch.zeros_like(mine)
     # Both posted before either is waited on: gloo completes a send only once the peer's receive is
     # posted, and both sides send first.
     sent = outgoing.send([mine], peer, tag)
     received = incoming.recv([theirs], peer, tag)
-    sent.wait()
-    received.wait()
+    for work in (sent, received):
+        if timeout is None:
+            work.wait()
+        else:
+            wait_for(work, timeout)
     return theirs.cpu().numpy().tobytes()

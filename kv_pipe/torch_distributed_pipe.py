@@ -1,8 +1,11 @@
 """A tensor pipe over torch.distributed point-to-point on dedicated process groups.
 
-* The pipe builds its own groups (:mod:`kv_pipe.rendezvous`): ``ProcessGroupGloo`` on CPU,
-  ``ProcessGroupNCCL`` on CUDA, one per direction, driven by the same ``send``/``recv`` calls. The
-  default process group is never created, needed or touched.
+* The pipe builds its own groups (:mod:`kv_pipe.rendezvous`): ``ProcessGroupGloo`` for frames, one
+  per direction, and on CUDA a second pair, ``ProcessGroupNCCL``, for payloads alone (the *split*
+  channel, :mod:`kv_pipe.channel`): a payload's NCCL receive is posted only once its frame arrived
+  over gloo and was validated, so an idle CUDA pipe holds no NCCL work, every wait on NCCL work is
+  bounded by ``kv_timeout``, and a failed pipe aborts its NCCL groups and raises KVPeerLostError
+  with the process alive. The default process group is never created, needed or touched.
 * Each direction has a role, held by one thread at a time. The *sender* thread sends the units
   queued for it (and keepalives, credit, the close); the *receiver* thread receives the peer's
   frames while no caller does, validates them, takes their payloads in and queues the items for
@@ -29,7 +32,8 @@
 * On CUDA (NCCL) the device is the configured one (``kv_device_index``), never the calling thread's
   current device, and only the pipe's own threads issue NCCL operations, each on a stream of its own
   (:mod:`kv_pipe.device`): callers hand their units to the sender thread and take items from the
-  receiver thread's queue, so no engine stream ever waits behind a receive the pipe keeps posted.
+  receiver thread's queue, so no engine stream ever waits behind a pipe operation. Frames are host
+  memory there too, and carry no tensor bytes: every non-empty tensor is a payload.
 * Host-staged mode: a CPU pipe sends a caller's CUDA tensor by copying it once, on a stream of the
   caller's thread, straight into the pipe's memory (shared memory on one host, pinned for that copy
   when ``kv_device_index`` names the GPU).
@@ -82,7 +86,7 @@ from kv_pipe.protocol import (
     next_record_offset,
     record_inline_capacity,
 )
-from kv_pipe.wire import flat_bytes, wire_for
+from kv_pipe.wire import HostWire, flat_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +151,14 @@ class TorchDistributedPipe(KVPipeBase):
         listener: rank 0 only: a socket already listening for the rendezvous (from
             :func:`kv_pipe.rendezvous.listen`, e.g. on a port the kernel picked); the pipe takes it
             over and its port replaces ``kv_port + port_offset``.
+        split: whether payloads travel on groups of their own behind their frames (NCCL's layout);
+            None: exactly on CUDA. True on a host pipe runs that layout on gloo, for tests: callers
+            then leave every operation to the pipe's threads, as on NCCL, and the same-host path
+            is off. Both sides must agree.
     """
 
-    def __init__(self, config: KVTransferConfig, port_offset: int = 0, listener: socket.socket | None = None) -> None:
+    def __init__(self, config: KVTransferConfig, port_offset: int = 0, listener: socket.socket | None = None,
+                 split: bool | None = None) -> None:
         config.validate()
         if listener is not None and config.kv_rank != 0:
             raise KVConfigError("only rank 0 listens for the rendezvous: a listener needs kv_rank 0")
@@ -161,14 +170,19 @@ class TorchDistributedPipe(KVPipeBase):
         if not 1 <= self.port <= 65535:
             raise KVConfigError(f"the pipe's port kv_port + port_offset = {self.port} is not a valid port")
         self.device = devices.select_device(config)
+        split = self.device.type == "cuda" if split is None else split
+        if self.device.type == "cuda" and not split:
+            raise KVConfigError("a CUDA pipe always carries its payloads apart from its frames")
+        if split and config.kv_shared_memory == "on":
+            raise KVConfigError("kv_shared_memory='on' needs a host pipe whose payloads travel with its frames")
         self._streams = devices.pipe_streams(self.device)
-        with self._streams.context("setup"):
-            self._wire = wire_for(self.device, max_idle_bytes=config.kv_buffer_size)
+        # Frames are host memory on every pipe: on CUDA they travel over gloo.
+        self._wire = HostWire(torch.device("cpu"), max_idle_bytes=config.kv_buffer_size)
         hello = Hello(frame_bytes=self._wire.frame_bytes, max_in_flight=config.kv_buffer_size,
                       device=config.kv_buffer_device, timeout_ms=max(1, round(config.kv_timeout * 1000)),
                       gpu_id=devices.gpu_identity(self.device))
         with self._streams.context("setup"):  # NCCL set-up on the pipe's device and stream, not the caller's
-            connection = rendezvous.connect(config, self.port, hello, self.device, listener)
+            connection = rendezvous.connect(config, self.port, hello, self.device, listener, split)
         self._store = connection.store
         self._outgoing_group = connection.outgoing
         self._incoming_group = connection.incoming
@@ -179,9 +193,10 @@ class TorchDistributedPipe(KVPipeBase):
         self._keepalive_interval = min(config.kv_timeout, peer_hello.timeout_ms / 1000) / 4
         try:
             with self._streams.context("setup"):
+                # Over the frame groups (gloo, host memory); never on a split pipe.
                 self._shared = shared_memory.establish(self._outgoing_group, self._incoming_group, self.rank,
-                                                       config.kv_shared_memory, self._credit.budget, self.device)
-                self._streams.synchronize()
+                                                       "off" if split else config.kv_shared_memory,
+                                                       self._credit.budget, torch.device("cpu"))
         except (RuntimeError, OSError) as exc:
             raise KVPeerLostError(f"pipe rank {self.rank}: the peer vanished during setup: {exc}") from exc
         if self._shared is not None:
@@ -190,8 +205,11 @@ class TorchDistributedPipe(KVPipeBase):
             # Callers may post operations themselves on gloo (no thread hand-off per message), never
             # on NCCL: there an operation runs on the issuing thread's current stream.
             self._channel = GroupChannel(self._outgoing_group, self._incoming_group, self.peer_rank,
-                                         callers_may_post=self.device.type == "cpu",
-                                         settle=self._streams.synchronize)
+                                         callers_may_post=not split, settle=self._streams.synchronize,
+                                         payload_groups=connection.payloads,
+                                         silence=config.kv_timeout if split else None)
+        # A frame's records carry their tensors' bytes only where payloads travel with frames.
+        self._inline_payloads = not split
         self._pinned = self._pin_segments()
         # Regions of the peer's segment whose tensors died, to give back. Appended to by finalizers,
         # which may run in any thread at any moment: a deque's append and popleft are atomic.
@@ -268,6 +286,8 @@ class TorchDistributedPipe(KVPipeBase):
             lent = shared.lend(shape, dtype)
             if lent is not None:
                 return lent
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=self.device)
         return self._wire.allocate_to_send(nbytes).view(dtype).reshape(shape)
 
     @property
@@ -680,7 +700,7 @@ class TorchDistributedPipe(KVPipeBase):
                                  want_credit=want_credit, nbytes=message.nbytes, freed=0 if index else freed)
             if message.data is not None:
                 header.dtype, header.shape = message.data.dtype, tuple(message.data.shape)
-                header.inline = message.nbytes <= record_inline_capacity(frame_bytes, offset)
+                header.inline = message.nbytes <= self._inline_capacity(offset)
                 if (message.kind is FrameKind.TENSOR and message.nbytes >= SHARED_MIN_BYTES
                         and self._shared is not None):
                     header.place = self._shared.take_lent(message.data)
@@ -854,7 +874,7 @@ class TorchDistributedPipe(KVPipeBase):
         items = []
         while True:
             header = decode_header(self._wire.read_header(offset), max_nbytes=max_nbytes,
-                                   inline_capacity=record_inline_capacity(frame_bytes, offset),
+                                   inline_capacity=self._inline_capacity(offset),
                                    shared_bytes=shared_bytes)
             if not offset:
                 first = header
@@ -890,11 +910,19 @@ class TorchDistributedPipe(KVPipeBase):
             return self._wire.read_inline(offset + HEADER_BYTES, header)
         if header.place:
             return self._shared.view(header.place, header.dtype, header.shape, self._region_freed)
-        data = self._wire.allocate(header.nbytes)
+        if self.device.type != "cpu":
+            data = torch.empty(header.nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            data = self._wire.allocate(header.nbytes)
         for start, end in chunk_bounds(header.nbytes):
             self._recv(data[start:end], TAG_PAYLOAD)
             self._last_received = time.monotonic()  # a long payload is the peer's sign of life too
         return data.view(header.dtype).reshape(header.shape)
+
+    def _inline_capacity(self, offset: int) -> int:
+        """How many tensor bytes a record at ``offset`` carries inside its frame (none when split:
+        a header alone, so that a record with bytes always announces a payload)."""
+        return record_inline_capacity(self._wire.frame_bytes, offset) if self._inline_payloads else 0
 
     def _recv(self, tensor: torch.Tensor, tag: int) -> None:
         try:
@@ -938,12 +966,18 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
-            if self._error is None and not (self._closing and self._peer_finished):
+            first = self._error is None and not (self._closing and self._peer_finished)
+            if first:
                 self._error = error
                 if isinstance(error, KVTransferError):
                     logger.error("%s", error)
             self._wake_callers()
             self._sender_doorbell.put(None)
+        if first:
+            # No payload operation may stay posted once the pipe failed (on NCCL it would hold the
+            # device, and the other thread may be waiting in one): outside the lock, as it may take
+            # a moment.
+            self._channel.abort()
 
     def _wake_callers(self) -> None:
         """Wake every caller waiting in the pipe: the pipe failed, is closing, or the peer finished

@@ -1,8 +1,6 @@
 """Where a pipe's frames live and how records are written into and read out of them.
 
-Two strategies behind one interface, so that the pipe's threads run the same code on both:
-
-* :class:`HostWire` (gloo): frames are host memory, headers and inline bytes are written and read
+* :class:`HostWire`: frames are host memory, headers and inline bytes are written and read
   through byte views (far cheaper per message than torch operations), and a frame is sent only as
   long as its records, since gloo accepts a message shorter than the posted receive. A large inline
   item (from :data:`INLINE_VIEW_MIN_BYTES`) is received as a view of its frame, not a copy: the
@@ -11,8 +9,9 @@ Two strategies behind one interface, so that the pipe's threads run the same cod
   frame that lies in pipe memory with room for a header in front (from :meth:`Wire.allocate_to_send`,
   or a received view) is sent from where it lies: its header is written in front of it, and no
   copy is made.
-* :class:`DeviceWire` (NCCL): frames are device memory, each header is packed on the host and copied
-  to its record's place, and a frame is always sent whole, since NCCL needs receives of the exact size.
+
+A CUDA pipe's frames are host memory too: they travel over gloo, its payloads over NCCL
+(:mod:`kv_pipe.channel`), and its records carry no inline bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import torch
 
 from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import (
-    DEVICE_FRAME_BYTES,
     HEADER_BYTES,
     HOST_FRAME_BYTES,
     FrameHeader,
@@ -154,44 +152,3 @@ class HostWire(Wire):
         if not INLINE_VIEW_MIN_BYTES <= nbytes <= record_inline_capacity(self.frame_bytes, 0):
             return self.allocate(nbytes)
         return self._memory.allocate(HEADER_BYTES + nbytes, headroom=HEADER_BYTES)[HEADER_BYTES:]
-
-
-class DeviceWire(Wire):
-    """Unverified on a GPU: same calls as :class:`HostWire`'s users make, on CUDA memory."""
-
-    frame_bytes = DEVICE_FRAME_BYTES
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        # Headers are packed and parsed on the host: one buffer per frame, as each frame is used by
-        # its own thread (the sender's and the receiver's).
-        self._send_staging = bytearray(HEADER_BYTES)
-        self._recv_staging = bytearray(HEADER_BYTES)
-
-    def write_record(self, offset: int, header: FrameHeader, data: torch.Tensor | None) -> None:
-        pack_header(header, self._send_staging)
-        # From pageable memory, the copy has taken the bytes when it returns: the buffer can be reused.
-        self.send_frame[offset : offset + HEADER_BYTES].copy_(torch.frombuffer(self._send_staging, dtype=torch.uint8))
-        if header.inline and header.nbytes:
-            start = offset + HEADER_BYTES
-            self.send_frame[start : start + header.nbytes].copy_(flat_bytes(data))
-
-    def frame_to_send(self, used_bytes: int) -> torch.Tensor:
-        return self.send_frame
-
-    def read_header(self, offset: int) -> memoryview:
-        self._recv_staging[:] = self.recv_frame[offset : offset + HEADER_BYTES].cpu().numpy().tobytes()
-        return memoryview(self._recv_staging)
-
-    def read_inline(self, start: int, header: FrameHeader) -> torch.Tensor:
-        return self.recv_frame[start : start + header.nbytes].clone().view(header.dtype).reshape(header.shape)
-
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-
-def wire_for(device: torch.device, max_idle_bytes: int) -> Wire:
-    """The wire strategy of a pipe whose tensors live on ``device``."""
-    if device.type == "cpu":
-        return HostWire(device, max_idle_bytes)
-    return DeviceWire(device)

@@ -38,6 +38,7 @@ import zmq
 from kv_pipe import TorchDistributedPipe, rendezvous
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
+from kv_pipe.device import nccl_pipe_bytes
 from kv_pipe.errors import KVConfigError, KVPipeClosedError, KVTransferError
 from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import HOST_FRAME_BYTES, SHARED_DATA_START, message_cost
@@ -84,16 +85,18 @@ _LOGGED_REFUSALS = 20
 
 
 def pipe_memory(config: KVTransferConfig, shared: bool) -> int:
-    """Host memory one connection's pipe may keep while idle, with the listener's ``config``.
+    """Memory one connection's pipe may keep while idle, with the listener's ``config``.
 
-    Its two frames (:data:`kv_pipe.protocol.HOST_FRAME_BYTES` each, on a CPU pipe) and, on the
-    same-host path (``shared``), its shared-memory segment: the pipe's budget plus one page, at
-    most 1 GiB. A segment's pages are touched only as payloads use them, but stay once touched,
-    as long as the pipe lives.
+    Its two frames (:data:`kv_pipe.protocol.HOST_FRAME_BYTES` each, host memory on every pipe);
+    on the same-host path (``shared``), its shared-memory segment: the pipe's budget plus one page,
+    at most 1 GiB (a segment's pages are touched only as payloads use them, but stay once touched,
+    as long as the pipe lives); on CUDA, the device memory of its NCCL communicators
+    (:func:`kv_pipe.device.nccl_pipe_bytes`).
     """
-    frames = 2 * HOST_FRAME_BYTES if config.kv_buffer_device == "cpu" else 0
+    frames = 2 * HOST_FRAME_BYTES
     segment = min(config.kv_buffer_size + SHARED_DATA_START, MAX_SEGMENT_BYTES) if shared else 0
-    return frames + segment
+    device = nccl_pipe_bytes() if config.kv_buffer_device == "cuda" else 0
+    return frames + segment + device
 
 
 @dataclasses.dataclass

@@ -12,6 +12,8 @@
 #   - paged gather/scatter on vLLM's GPU cache layouts, bit-exact against the CPU
 #   - two processes on one GPU moving a batch's KV through the connector (host-staged)
 #   - two NCCL pipe ends on one GPU refused at once; an NCCL pipe between two GPUs (if there are two)
+#   - with two GPUs: a peer killed on NCCL gives KVPeerLostError and a live survivor; an engine's
+#     torch.cuda.synchronize() while an NCCL pipe is idle returns at once
 #   - benchmarks/bench_host_staged.py: host-staged rate against a plain device-to-host copy
 # Exit status: 0 all passed (skips allowed), 1 a check failed, 2 the machine cannot run the checks.
 set -uo pipefail

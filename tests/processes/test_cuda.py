@@ -43,5 +43,15 @@ def test_nccl_pipe_between_two_gpus() -> None:
     _run(lambda checks: checks.check_nccl_two_gpus)
 
 
+@pytest.mark.timeout(300)
+def test_nccl_peer_killed_gives_peer_lost_and_the_survivor_lives() -> None:
+    _run(lambda checks: checks.check_nccl_killed_peer)
+
+
+@pytest.mark.timeout(300)
+def test_engine_synchronize_returns_at_once_while_an_nccl_pipe_is_idle() -> None:
+    _run(lambda checks: checks.check_nccl_idle_synchronize)
+
+
 def test_pair_with_the_model_on_the_gpu() -> None:
     _run(lambda checks: checks.check_pair_on_gpu)

@@ -7,6 +7,7 @@ matters. ``tests/processes/test_cuda.py`` runs the real thing on a GPU."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -168,7 +169,9 @@ def test_nccl_groups_are_connected_eagerly_in_one_order_on_the_configured_gpu(mo
     """Both sides build the 0 -> 1 group, then the 1 -> 0 group, each connected on the spot on the
     configured device (eager_connect_single_device, what init_process_group's device_id does)."""
     _FakeCuda(monkeypatch, count=2)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # the engine's setting: torch's default
     created: list[tuple] = []
+    error_handling: list[str | None] = []  # the setting each group was constructed under
 
     class FakeNCCL:
         class Options:
@@ -179,6 +182,7 @@ def test_nccl_groups_are_connected_eagerly_in_one_order_on_the_configured_gpu(mo
         def __init__(self, store: dist.Store, rank: int, size: int, options: FakeNCCL.Options) -> None:
             self.rank, self.size, self.timeout = rank, size, options._timeout
             created.append(("construct", rank, size, options._timeout.total_seconds()))
+            error_handling.append(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
 
         def eager_connect_single_device(self, device: torch.device) -> None:
             created.append(("connect", self.rank, device))
@@ -203,7 +207,11 @@ def test_nccl_groups_are_connected_eagerly_in_one_order_on_the_configured_gpu(mo
     assert per_rank == [["construct", "connect", "construct", "connect"]] * 2
     connects = [entry for entry in created if entry[0] == "connect"]
     assert connects == [("connect", 0, gpu)] * 2 + [("connect", 1, gpu)] * 2
-    assert all(entry[2:] == (2, 5.0) for entry in created if entry[0] == "construct")
+    # The watchdog's timeout is later than the pipe's own bound (kv_timeout=5): the pipe aborts first.
+    assert all(entry[2:] == (2, 10.0) for entry in created if entry[0] == "construct")
+    # The pipe's groups leave errors to the pipe (no process tear-down); the engine's setting stays.
+    assert error_handling == ["0"] * 4
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 class _RecordingGroup:

@@ -37,20 +37,50 @@ INLINE_CAPACITY = HOST_FRAME_BYTES - HEADER_BYTES  # tensors up to this size tra
 
 #: Set by the ``payload_path`` fixture; the pair's processes inherit it.
 _PATH_VARIABLE = "PIPE_TEST_SHARED_MEMORY"
+#: The payload path on which frames travel over gloo and payloads on groups of their own, posted
+#: only behind their frames: NCCL's layout (:mod:`kv_pipe.channel`), run on gloo.
+SPLIT = "split"
 
 
-@pytest.fixture(autouse=True, params=["on", "off"], ids=["shared-memory", "transport"])
+_PATH_IDS = {"on": "shared-memory", "off": "transport", SPLIT: SPLIT}
+
+
+def also_split(test):
+    """Run ``test`` on the split channel too (besides the shared-memory and transport paths)."""
+    test.payload_paths = ("on", "off", SPLIT)
+    return test
+
+
+def split_only(test):
+    """Run ``test`` on the split channel alone."""
+    test.payload_paths = (SPLIT,)
+    return test
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test runs on both payload paths, through shared memory and over the transport, unless
+    marked :func:`also_split` or :func:`split_only`."""
+    paths = getattr(metafunc.function, "payload_paths", ("on", "off"))
+    metafunc.parametrize("payload_path", paths, ids=[_PATH_IDS[path] for path in paths], indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def payload_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs on both payload paths: through shared memory, and over the transport."""
     monkeypatch.setenv(_PATH_VARIABLE, request.param)
     return request.param
 
 
 def config(rank: int, port: int, **changes) -> KVTransferConfig:
+    path = os.environ.get(_PATH_VARIABLE, "auto")
     values = dict(kv_rank=rank, kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_port=port,
-                  kv_timeout=5.0, kv_connect_timeout=30.0, kv_shared_memory=os.environ.get(_PATH_VARIABLE, "auto"))
+                  kv_timeout=5.0, kv_connect_timeout=30.0, kv_shared_memory="off" if path == SPLIT else path)
     values.update(changes)
     return KVTransferConfig(**values)
+
+
+def open_pipe(cfg: KVTransferConfig) -> TorchDistributedPipe:
+    """The pipe of a test's process, on the payload path the test runs on."""
+    return TorchDistributedPipe(cfg, split=os.environ.get(_PATH_VARIABLE) == SPLIT)
 
 
 
@@ -84,7 +114,7 @@ def tensor_stream(seed: int) -> list[torch.Tensor | None]:
 def body_every_dtype(rank: int, port: int) -> int:
     """Both sides send the same stream at the same time and check what they receive."""
     expected = tensor_stream(seed=1234)
-    with TorchDistributedPipe(config(rank, port)) as pipe:
+    with open_pipe(config(rank, port)) as pipe:
         unsendable = [[1, 2, 3], torch.randn(4, 4).to_sparse(), torch.zeros([1] * (MAX_NDIM + 1)),
                       torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)]
         for item in unsendable:
@@ -122,13 +152,13 @@ def body_random_stress(rank: int, port: int, count: int) -> int:
         return out
 
     cfg = config(rank, port, kv_buffer_size=40 << 20)  # a few large items fill it: credit flow is exercised
-    with TorchDistributedPipe(cfg) as pipe:
+    with open_pipe(cfg) as pipe:
         exchange_both_ways(pipe, stream(seed=rank), stream(seed=1 - rank), timeout=30)
     return count
 
 
 def body_concurrent_senders(rank: int, port: int, threads: int, per_thread: int) -> int:
-    with TorchDistributedPipe(config(rank, port)) as pipe:
+    with open_pipe(config(rank, port)) as pipe:
         if rank == 0:
             def send(thread_id: int) -> None:
                 for seq in range(per_thread):
@@ -155,7 +185,7 @@ def body_concurrent_senders(rank: int, port: int, threads: int, per_thread: int)
 def body_large(rank: int, port: int, nbytes: int) -> str:
     generator = torch.Generator().manual_seed(99)
     tensor = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, generator=generator)
-    with TorchDistributedPipe(config(rank, port, kv_buffer_size=nbytes + (1 << 20), kv_timeout=20)) as pipe:
+    with open_pipe(config(rank, port, kv_buffer_size=nbytes + (1 << 20), kv_timeout=20)) as pipe:
         if rank == 0:
             pipe.send_tensor(tensor)
             pipe.flush(timeout=60)
@@ -179,7 +209,7 @@ def body_frame_boundaries(rank: int, port: int) -> int:
         streams.append([random_tensor(generator, torch.uint8, (size,)) for size in sizes]
                        + [random_tensor(generator, torch.float32, (INLINE_CAPACITY // 4,))])
     mine, theirs = streams
-    with TorchDistributedPipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
+    with open_pipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
         sender = threading.Thread(target=lambda: [pipe.send_tensor(item, timeout=30) for item in mine])
         sender.start()
         kept = [pipe.recv_tensor(timeout=30) for _ in theirs]
@@ -194,7 +224,7 @@ def body_frame_boundaries(rank: int, port: int) -> int:
         held_bytes = sum(got.nbytes if got.nbytes > INLINE_CAPACITY else HOST_FRAME_BYTES for got in large)
         received = len(kept)
         del kept, large, got
-        if not pipe.uses_shared_memory:  # those buffers go back to the pool once the caller drops them
+        if os.environ[_PATH_VARIABLE] == "off":  # those buffers go back to the pool once the caller drops them
             assert pipe._wire._memory.idle_bytes >= held_bytes, "received buffers were not recycled"
         pipe.send_tensor(None)  # with shared memory, behind the regions the dropped tensors held
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
@@ -221,7 +251,7 @@ def body_batches(rank: int, port: int) -> int:
     """Both sides send batches (and single tensors between them) while receiving the peer's; every
     received item is kept to the end: none may be overwritten by later frames."""
     mine, theirs = batch_stream(seed=rank), batch_stream(seed=1 - rank)
-    with TorchDistributedPipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
+    with open_pipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
         def send_all() -> None:
             for batch in mine:
                 pipe.send_tensors(batch, timeout=30)
@@ -249,7 +279,7 @@ def body_concurrent_batches(rank: int, port: int, threads: int, batches: int) ->
     """Batches from several threads arrive whole: no other thread's item comes between a batch's items;
     a batch larger than the budget is sent item by item and still arrives in order."""
     budget = 8 << 20
-    with TorchDistributedPipe(config(rank, port, kv_buffer_size=budget)) as pipe:
+    with open_pipe(config(rank, port, kv_buffer_size=budget)) as pipe:
         if rank == 0:
             def send(thread_id: int) -> None:
                 generator = torch.Generator().manual_seed(thread_id)
@@ -289,7 +319,7 @@ def body_concurrent_batches(rank: int, port: int, threads: int, batches: int) ->
 def body_timeouts_and_idle(rank: int, port: int) -> str:
     """recv timeouts leave the pipe usable; an idle pipe outlives kv_timeout many times over."""
     kv_timeout = 1.0
-    with TorchDistributedPipe(config(rank, port, kv_timeout=kv_timeout)) as pipe:
+    with open_pipe(config(rank, port, kv_timeout=kv_timeout)) as pipe:
         if rank == 1:
             start = time.monotonic()
             with pytest.raises(KVTimeoutError):
@@ -312,7 +342,7 @@ def body_short_timeouts_beside_a_long_kv_timeout(rank: int, port: int) -> str:
     round, a caller without a timeout takes an item (receiving itself there), and at once a caller
     with 0.5 s finds nothing: it must leave the waiting to the receiver thread and return on time.
     Then long and short waits alternate with the peer's items."""
-    with TorchDistributedPipe(config(rank, port, kv_timeout=20.0)) as pipe:
+    with open_pipe(config(rank, port, kv_timeout=20.0)) as pipe:
         if rank == 1:
             for attempt in range(3):
                 assert pipe.recv_tensor().item() == attempt
@@ -340,7 +370,7 @@ def body_short_timeouts_beside_a_long_kv_timeout(rank: int, port: int) -> str:
 def body_mismatched_timeouts(rank: int, port: int) -> str:
     """Sides with different kv_timeout: the idle pipe outlives the shorter one several times over
     (keepalives follow the shorter timeout; following one's own would let the peer's receive fail)."""
-    with TorchDistributedPipe(config(rank, port, kv_timeout=12.0 if rank == 0 else 1.0)) as pipe:
+    with open_pipe(config(rank, port, kv_timeout=12.0 if rank == 0 else 1.0)) as pipe:
         time.sleep(4.5)
         pipe.send_tensor(torch.tensor(rank))
         assert pipe.recv_tensor(timeout=30).item() == 1 - rank
@@ -354,7 +384,7 @@ def body_run_ahead(rank: int, port: int, count: int) -> str:
     them to the wire long before the user is back, even right after that user received itself."""
     generator = torch.Generator().manual_seed(11)
     items = [random_tensor(generator, torch.int32, (17 + index,)) for index in range(count)]
-    with TorchDistributedPipe(config(rank, port, kv_timeout=4.0)) as pipe:
+    with open_pipe(config(rank, port, kv_timeout=4.0)) as pipe:
         if rank == 0:
             time.sleep(0.5)  # the peer's user waits in recv_tensor: the peer's receiver thread hands it the role
             pipe.send_tensor(torch.tensor(-2))
@@ -387,7 +417,7 @@ def body_mixed_receivers(rank: int, port: int, count: int) -> str:
     kv_timeout = 2.0
     generator = torch.Generator().manual_seed(7)
     items = [random_tensor(generator, torch.float32, (1 + index % 5, 300 + index)) for index in range(count)]
-    with TorchDistributedPipe(config(rank, port, kv_timeout=kv_timeout)) as pipe:
+    with open_pipe(config(rank, port, kv_timeout=kv_timeout)) as pipe:
         if rank == 0:
             for index, item in enumerate(items):
                 pipe.send_tensor(item)
@@ -451,7 +481,7 @@ def body_simultaneous_sends(rank: int, port: int) -> int:
     mine = [random_tensor(generator, torch.uint8, (size,)) for size in (9000, 1 << 20, 3 << 20, 100_000) * 5]
     generator = torch.Generator().manual_seed(1 - rank)
     theirs = [random_tensor(generator, torch.uint8, (size,)) for size in (9000, 1 << 20, 3 << 20, 100_000) * 5]
-    with TorchDistributedPipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
+    with open_pipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
         for item in mine:
             pipe.send_tensor(item, timeout=30)
         pipe.flush(timeout=30)
@@ -463,7 +493,7 @@ def body_simultaneous_sends(rank: int, port: int) -> int:
 def body_backpressure(rank: int, port: int) -> int:
     """A slow reader bounds the writer: send_tensor blocks, times out cleanly, and nothing is lost."""
     budget = 1 << 20
-    with TorchDistributedPipe(config(rank, port, kv_buffer_size=budget)) as pipe:
+    with open_pipe(config(rank, port, kv_buffer_size=budget)) as pipe:
         item = torch.arange(64 << 10, dtype=torch.int32)  # 256 KiB: four fit in the budget
         if rank == 0:
             with pytest.raises(KVTransferError, match="max_tensor_bytes"):
@@ -502,7 +532,7 @@ def body_credit_in_turn(rank: int, port: int) -> dict:
     in turn, before the small ones sent after it began to wait, not once the stream has ended."""
     small, count, started_after = 16 << 10, 400, 100  # 64 KiB int32 tensors; the budget holds 64
     large = random_tensor(torch.Generator().manual_seed(5), torch.float32, (3 << 18,))  # 3 MiB
-    with TorchDistributedPipe(config(rank, port, kv_buffer_size=4 << 20, kv_timeout=20)) as pipe:
+    with open_pipe(config(rank, port, kv_buffer_size=4 << 20, kv_timeout=20)) as pipe:
         if rank == 0:
             sent = 0
             streaming = threading.Event()
@@ -553,7 +583,7 @@ def body_sent_from_where_it_lies(rank: int, port: int) -> dict:
     wants = [random_tensor(generator, dtype, shape) for dtype, shape in cases]
     echoed = 2
     posted_frames = set()
-    with TorchDistributedPipe(config(rank, port, kv_buffer_size=32 << 20)) as pipe:
+    with open_pipe(config(rank, port, kv_buffer_size=32 << 20)) as pipe:
         post = pipe._channel.post
 
         def recording_post(tensor: torch.Tensor, tag: int):
@@ -591,7 +621,7 @@ def body_sent_from_where_it_lies(rank: int, port: int) -> dict:
 
 
 def body_close_orderly(rank: int, port: int) -> str:
-    pipe = TorchDistributedPipe(config(rank, port))
+    pipe = open_pipe(config(rank, port))
     if rank == 0:
         for value in range(5):
             pipe.send_tensor(torch.tensor(value))
@@ -610,7 +640,7 @@ def body_close_orderly(rank: int, port: int) -> str:
 
 def body_victim(rank: int, port: int, results) -> None:
     """Rank 0 gets killed by the test; rank 1 reports how its calls failed and how fast."""
-    pipe = TorchDistributedPipe(config(rank, port, kv_timeout=2.0))
+    pipe = open_pipe(config(rank, port, kv_timeout=2.0))
     if rank == 0:
         results.put(("ready", os.getpid()))
         while True:  # keep a large transfer going until killed
@@ -637,7 +667,7 @@ def body_with_default_group(rank: int, port: int) -> str:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + 2}", rank=rank, world_size=2)
     try:
-        with TorchDistributedPipe(config(rank, port)) as pipe:
+        with open_pipe(config(rank, port)) as pipe:
             for step in range(20):
                 pipe.send_tensor(torch.full((1000,), float(rank * 100 + step)))
                 total = torch.tensor([float(rank + 1)])
@@ -658,7 +688,7 @@ def body_version_mismatch(rank: int, port: int) -> str:
     if rank == 1:
         kv_pipe.protocol.PROTOCOL_VERSION = 999  # pretend to be a future kvbridge
     with pytest.raises(KVProtocolError, match="version"):
-        TorchDistributedPipe(config(rank, port))
+        open_pipe(config(rank, port))
     return "refused"
 
 
@@ -667,9 +697,9 @@ def body_auth(rank: int, port: int, secrets: tuple) -> str:
     cfg = config(rank, port, kv_secret=secrets[rank])
     if secrets[0] != secrets[1]:
         with pytest.raises(KVProtocolError, match="authentication failed"):
-            TorchDistributedPipe(cfg)
+            open_pipe(cfg)
         return "refused"
-    with TorchDistributedPipe(cfg) as pipe:
+    with open_pipe(cfg) as pipe:
         pipe.send_tensor(torch.tensor([rank]))
         assert pipe.recv_tensor(timeout=30).item() == 1 - rank
     return "served"
@@ -698,7 +728,7 @@ def body_auth_slow_peer(rank: int, port: int) -> str:
         authenticate = rendezvous.authenticate_store
         rendezvous.authenticate_store = lambda store, *args: authenticate(_SlowReadingStore(store), *args)
     with pytest.raises(KVProtocolError, match="authentication failed"):
-        TorchDistributedPipe(config(rank, port, kv_secret=None if rank == 0 else "s3cret"))
+        open_pipe(config(rank, port, kv_secret=None if rank == 0 else "s3cret"))
     return "refused"
 
 
@@ -713,7 +743,7 @@ def body_hostile_header(rank: int, port: int) -> str:
             dtype=torch.uint8, shape=(1 << 40,), nbytes=1 << 40))})
         drain_until_dropped(connection)
         return "sent"
-    pipe = TorchDistributedPipe(config(rank, port))
+    pipe = open_pipe(config(rank, port))
     with pytest.raises(KVProtocolError, match="refused before allocating"):
         pipe.recv_tensor(timeout=30)
     return "refused"
@@ -753,7 +783,7 @@ def body_one_group_per_direction(rank: int, port: int) -> list[str]:
 
     rendezvous.connect = recording_connect
     generator = torch.Generator().manual_seed(rank)
-    with TorchDistributedPipe(config(rank, port, kv_timeout=1.0, kv_buffer_size=8 << 20)) as pipe:
+    with open_pipe(config(rank, port, kv_timeout=1.0, kv_buffer_size=8 << 20)) as pipe:
         setup = sorted(set(log))
         log.clear()
         for size in (3, 5000, INLINE_CAPACITY + 1, 3 << 20):
@@ -764,9 +794,69 @@ def body_one_group_per_direction(rank: int, port: int) -> list[str]:
         return setup, sorted(set(log)), pipe.uses_shared_memory
 
 
+class _CompletionRecordingGroup(_RecordingGroup):
+    """A group that also records when each receive posted on it completed, and can be aborted."""
+
+    def recv(self, tensors, src, tag):
+        work = super().recv(tensors, src, tag)
+        log = self._log
+        name = self._name
+
+        class _Work:
+            def wait(self, *args, **kwargs):
+                done = work.wait(*args, **kwargs)
+                log.append(f"{name}:arrived")
+                return done
+
+        return _Work()
+
+    def abort(self) -> None:
+        self._group.abort()
+
+
+def body_payload_receives_only_behind_frames(rank: int, port: int) -> dict[str, object]:
+    """Split: each payload receive is posted only after a frame arrived (announcing it), and an idle
+    pipe posts none. The receive side's record: frame and payload receives, posted and arrived."""
+    from kv_pipe import rendezvous
+
+    log: list[str] = []
+    connect = rendezvous.connect
+
+    def recording_connect(*args, **kwargs):
+        connection = connect(*args, **kwargs)
+        assert connection.payloads is not None, "a split pipe has payload groups"
+        connection.incoming = _CompletionRecordingGroup(connection.incoming, log, "frames")
+        connection.payloads = (connection.payloads[0],
+                               _CompletionRecordingGroup(connection.payloads[1], log, "payloads"))
+        return connection
+
+    rendezvous.connect = recording_connect
+    generator = torch.Generator().manual_seed(rank)
+    sizes = (3, 5000, 3 << 20)  # elements: up to 12 MiB
+    with open_pipe(config(rank, port, kv_timeout=1.0, kv_buffer_size=32 << 20)) as pipe:
+        log.clear()
+        for size in sizes:
+            sent = random_tensor(generator, torch.float32, (size,))
+            pipe.send_tensors([sent, None])
+            got = pipe.recv_tensor(timeout=30)
+            assert got.shape == (size,)
+            assert pipe.recv_tensor(timeout=30) is None
+        pipe.flush(timeout=30)
+        time.sleep(0.5)  # the peer's last items are in
+        busy = list(log)
+        log.clear()
+        time.sleep(1.5)  # idle: keepalives only, several kv_timeout/4 apart
+        idle = list(log)
+    misplaced = [index for index, entry in enumerate(busy) if entry == "payloads:recv"
+                 and (index == 0 or busy[index - 1] not in ("frames:arrived", "payloads:arrived"))]
+    return {"payload receives": busy.count("payloads:recv"), "misplaced": misplaced,
+            "idle payload operations": [entry for entry in idle if entry.startswith("payloads")],
+            "idle frames arrived": idle.count("frames:arrived") > 0}
+
+
 def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
     """A bug in the receiver thread reaches the caller as itself, not as a lost peer, and fails the pipe."""
-    pipe = TorchDistributedPipe(config(rank, port))
+    pipe = open_pipe(config(rank, port))
     if rank == 1:
         def broken_read_inline(start, header):
             raise TypeError("a bug in the pipe")
@@ -798,7 +888,7 @@ def body_bug_while_sending(rank: int, port: int, where: str) -> str:
     """A bug while a frame's headers are made (by a caller sending itself, or by the sender thread)
     fails the pipe: it reaches that caller, a caller waiting to receive and close() as itself, and
     nothing is left holding the pipe."""
-    pipe = TorchDistributedPipe(config(rank, port))
+    pipe = open_pipe(config(rank, port))
     if rank == 1:
         assert pipe.recv_tensor(timeout=30) is None
         with pytest.raises(KVTransferError):  # the failed side stops answering: the peer sees it go
@@ -842,7 +932,7 @@ def body_bug_while_sending(rank: int, port: int, where: str) -> str:
 
 def body_peer_closes_while_a_send_waits_for_credit(rank: int, port: int) -> str:
     """A sender waiting for credit learns at once that the peer closed: none will come."""
-    pipe = TorchDistributedPipe(config(rank, port, kv_buffer_size=1 << 20, kv_timeout=30.0))
+    pipe = open_pipe(config(rank, port, kv_buffer_size=1 << 20, kv_timeout=30.0))
     item = torch.ones(300_000, dtype=torch.uint8)  # three fill the budget
     if rank == 1:
         assert pipe.recv_tensor(timeout=30) is None
@@ -878,7 +968,7 @@ def body_tampered_rendezvous(rank: int, port: int, secret: str | None) -> tuple[
 
         rendezvous._create_groups = late_create_groups
     try:
-        with TorchDistributedPipe(config(rank, port, kv_secret=secret, kv_timeout=3.0, kv_connect_timeout=20.0)):
+        with open_pipe(config(rank, port, kv_secret=secret, kv_timeout=3.0, kv_connect_timeout=20.0)):
             return ("connected", "")
     except KVTransferError as exc:
         return (type(exc).__name__, str(exc))
@@ -922,6 +1012,7 @@ def stranger_tampering(port: int, how: str) -> str:
 # ---------------------------------------------------------------- tests
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_every_dtype_and_odd_shapes_bit_exact_both_directions():
     port = procs.free_port()
@@ -929,18 +1020,21 @@ def test_every_dtype_and_odd_shapes_bit_exact_both_directions():
     assert counts[0] == counts[1] == len(tensor_stream(1234)) > len(DTYPE_TO_CODE) * 9
 
 
+@also_split
 @pytest.mark.timeout(180)
 def test_random_stress_both_directions_with_none():
     port = procs.free_port()
     assert procs.run_pair(body_random_stress, (0, port, 400), (1, port, 400), timeout=160) == (400, 400)
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_concurrent_senders_keep_per_thread_order():
     port = procs.free_port()
     assert procs.run_pair(body_concurrent_senders, (0, port, 4, 100), (1, port, 4, 100), timeout=100)[1] == 400
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_batches_arrive_item_by_item_bit_exact():
     port = procs.free_port()
@@ -948,30 +1042,35 @@ def test_batches_arrive_item_by_item_bit_exact():
     assert procs.run_pair(body_batches, (0, port), (1, port), timeout=100) == (expected, expected)
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_batches_from_several_threads_arrive_whole():
     port = procs.free_port()
     assert procs.run_pair(body_concurrent_batches, (0, port, 4, 40), (1, port, 4, 40), timeout=100) == (0, 160)
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_tensors_around_the_inline_frame_size_stay_intact():
     port = procs.free_port()
     assert procs.run_pair(body_frame_boundaries, (0, port), (1, port), timeout=100) == (25, 25)
 
 
+@also_split
 @pytest.mark.timeout(240)
 def test_large_tensor_256_mib():
     port = procs.free_port()
     assert procs.run_pair(body_large, (0, port, 256 << 20), (1, port, 256 << 20), timeout=220) == ("sent", "received")
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_recv_timeout_then_continue_and_long_idle():
     port = procs.free_port()
     assert procs.run_pair(body_timeouts_and_idle, (0, port), (1, port), timeout=100) == ("ok", "ok")
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_a_short_timeout_holds_while_keepalives_are_seconds_apart():
     port = procs.free_port()
@@ -979,36 +1078,42 @@ def test_a_short_timeout_holds_while_keepalives_are_seconds_apart():
         "ok", "ok")
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_a_waiter_without_timeout_beside_short_timeouts():
     port = procs.free_port()
     assert procs.run_pair(body_mixed_receivers, (0, port, 120), (1, port, 120), timeout=100) == ("sent", "received")
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_sides_with_different_kv_timeouts_stay_connected_while_idle():
     port = procs.free_port()
     assert procs.run_pair(body_mismatched_timeouts, (0, port), (1, port), timeout=100) == ("ok", "ok")
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_sender_runs_ahead_while_the_receiving_user_is_away():
     port = procs.free_port()
     assert procs.run_pair(body_run_ahead, (0, port, 200), (1, port, 200), timeout=100) == ("sent", "received")
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_simultaneous_sends_both_ways_do_not_wait_for_each_other():
     port = procs.free_port()
     assert procs.run_pair(body_simultaneous_sends, (0, port), (1, port), timeout=100) == (20, 20)
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_backpressure_blocks_sender_without_loss():
     port = procs.free_port()
     assert procs.run_pair(body_backpressure, (0, port), (1, port), timeout=100) == (40, 40)
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_a_large_send_waiting_for_credit_is_not_overtaken_by_a_stream_of_small_ones():
     port = procs.free_port()
@@ -1033,12 +1138,14 @@ def test_pipe_memory_is_sent_from_where_it_lies_and_nothing_else_is_written(payl
     assert receiver == {"echoes in place": [over_the_transport, over_the_transport]}, receiver
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_orderly_close_drains_then_reports_closed():
     port = procs.free_port()
     assert procs.run_pair(body_close_orderly, (0, port), (1, port), timeout=100) == ("closed", "saw close")
 
 
+@also_split
 @pytest.mark.timeout(120)
 def test_peer_killed_mid_transfer_gives_peer_lost_within_bound():
     port = procs.free_port()
@@ -1075,6 +1182,7 @@ def test_protocol_version_mismatch_is_refused_clearly():
     assert procs.run_pair(body_version_mismatch, (0, port), (1, port), timeout=100) == ("refused", "refused")
 
 
+@also_split
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "secrets, outcome",
@@ -1253,6 +1361,17 @@ def test_the_pipe_never_sends_on_a_group_it_receives_on(payload_path: str):
     assert reports == ((both, [] if shared else both, shared),) * 2, reports
 
 
+@split_only
+@pytest.mark.timeout(60)
+def test_split_pipe_posts_a_payload_receive_only_behind_its_frame_and_none_while_idle():
+    """NCCL's layout: a receive kept posted on NCCL would stay in the device's queue while the pipe
+    is idle and outlive a dead peer; only an announced payload may have one."""
+    port = procs.free_port()
+    reports = procs.run_pair(body_payload_receives_only_behind_frames, (0, port), (1, port), timeout=50)
+    expected = {"payload receives": 3, "misplaced": [], "idle payload operations": [], "idle frames arrived": True}
+    assert reports == (expected, expected), reports
+
+
 @pytest.mark.timeout(60)
 def test_a_bug_in_a_transfer_thread_surfaces_as_itself():
     port = procs.free_port()
@@ -1268,6 +1387,7 @@ def test_a_bug_while_sending_surfaces_as_itself_to_every_caller(where: str):
     assert outcome == ("surfaced", "peer saw it"), outcome
 
 
+@also_split
 @pytest.mark.timeout(90)
 def test_a_sender_waiting_for_credit_is_told_when_the_peer_closes():
     port = procs.free_port()

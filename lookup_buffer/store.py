@@ -274,7 +274,8 @@ class EntryStore:
         except BaseException:
             loan.end(DROPPED)
             raise
-        loan.end(COPIED)
+        if not loan.end(COPIED):  # taken back during the copy: its bytes may have changed
+            return None
         copy = Entry(items, entry.nbytes)
         copy.stored = entry.stored
         try:

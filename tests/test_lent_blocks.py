@@ -12,12 +12,14 @@ vLLM gets the blocks back. A decode request aborted before its load has its entr
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
@@ -209,6 +211,8 @@ def _bare_connector(worker: Any) -> KVBridgeConnector:
 def test_entries_are_taken_back_in_handle_preemptions_before_vllm_writes_any_block() -> None:
     # vLLM's execute_model calls handle_preemptions first; only then does it zero newly allocated
     # blocks and apply block copies (_update_states), and binds the metadata later still.
+    source = inspect.getsource(GPUModelRunner.execute_model)
+    assert source.index(".handle_preemptions(") < source.index("self._update_states(")
     workers, lending = _tp_ranks()
     connector = _bare_connector(workers[0])
     try:

@@ -112,14 +112,16 @@ def plan_sources(total_heads: int, prefill_tp: int, decode_tp: int, decode_rank:
 
 
 def find_head_dim(shape: Sequence[int], block_dim: int, block_size_dim: int, heads: int | None) -> int | None:
-    """The head dimension of a per-layer paged cache of ``shape``: the first dimension after the
+    """The head dimension of a per-layer paged cache of ``shape``: the last dimension after the
     block dimension, other than the tokens of a block and the last one (the head size), whose size
     is ``heads`` (any, when None). None if there is none (an MLA-style cache: one latent per token).
+    The last: a K/V dimension after the blocks comes before the heads, and may have as many entries.
 
     vLLM CPU ``[blocks, heads, block_size, 2 * head_size]``: 1; flash attention
-    ``[2, blocks, block_size, heads, head_size]``: 3.
+    ``[2, blocks, block_size, heads, head_size]``: 3; FlashInfer ``[blocks, 2, block_size, heads,
+    head_size]``: 3.
     """
-    for dim in range(block_dim + 1, len(shape) - 1):
+    for dim in reversed(range(block_dim + 1, len(shape) - 1)):
         if dim != block_size_dim and (heads is None or shape[dim] == heads):
             return dim
     return None

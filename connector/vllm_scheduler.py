@@ -46,7 +46,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
     #: Finished requests whose blocks vLLM keeps until the workers report them finished sending:
     #: every request that was handed to them to save (its blocks may be lent).
     held: list[str] = dataclasses.field(default_factory=list)
-    #: Saved requests whose entries the workers take back before this step runs: vLLM preempted
+    #: Saved requests whose entries the workers take back before this step writes a block: vLLM preempted
     #: them (their blocks are freed, and may be written by this very step) or not every TP rank
     #: saved its share (the request was announced with 0 tokens, so nobody asks for it).
     take_back: list[str] = dataclasses.field(default_factory=list)
@@ -173,8 +173,9 @@ class SchedulerSide:
 
         Preemption: vLLM frees a preempted request's blocks without a connector call and may give
         them to the requests of this very step, whose forward pass writes them. So the entry of a
-        saved request that vLLM lists as preempted is taken back by the workers before this step's
-        forward pass (:meth:`connector.vllm_worker.WorkerSide.take_back`), and the request is saved
+        saved request that vLLM lists as preempted is taken back by the workers in vLLM's
+        ``handle_preemptions``, before this step writes any block
+        (:meth:`connector.vllm_worker.WorkerSide.take_back`), and the request is saved
         again from its new blocks once it has recomputed its prefix.
         """
         meta = KVBridgeMetadata()

@@ -80,7 +80,7 @@ from kv_pipe.errors import KVConfigError
 from lookup_buffer.base import BufferStats
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -128,6 +128,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 latent=latent)
             self._worker = WorkerSide(self._settings, identity, listen_port_offset(tp_rank))
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig | None = None) -> bool:
+        """No (vLLM >= 0.33 asks before sleeping): sleep mode frees and re-creates the KV cache,
+        and kvbridge's exported caches and the blocks it lends would not survive that."""
+        return False
+
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -146,11 +152,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         isa = getattr(layer, "isa", None)
         return f"{name}/{isa}" if isa else name
 
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        # Here, not in start_load_kv: vLLM binds the metadata before the step's forward pass, which
-        # may write the blocks of a preempted request, but starts asynchronous loads after it.
-        self._require_worker().take_back(self._metadata().take_back)
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # The first hook of a step: vLLM then zeroes newly allocated blocks and applies block copies
+        # (before it binds the metadata), and the forward pass computes into them, so the blocks of
+        # a preempted request, freed and perhaps given to another, are taken back here.
+        self._require_worker().take_back(_bridge_metadata(kv_connector_metadata).take_back)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta, worker = self._metadata(), self._require_worker()
@@ -235,10 +241,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ helpers
 
     def _metadata(self) -> KVBridgeMetadata:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KVBridgeMetadata):
-            raise KVConfigError(f"kvbridge: unexpected connector metadata {type(meta).__name__}")
-        return meta
+        return _bridge_metadata(self._get_connector_metadata())
 
     def _require_worker(self) -> WorkerSide:
         if self._worker is None:
@@ -249,3 +252,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             raise KVConfigError("kvbridge: a scheduler-side hook was called on the worker-side connector")
         return self._scheduler
+
+
+def _bridge_metadata(meta: KVConnectorMetadata) -> KVBridgeMetadata:
+    if not isinstance(meta, KVBridgeMetadata):
+        raise KVConfigError(f"kvbridge: unexpected connector metadata {type(meta).__name__}")
+    return meta

@@ -99,9 +99,9 @@ class _LoadTarget(PagedKV):
                               for piece in key.slice_pieces(row * row_bytes + skipped, row_bytes - skipped)])
 
 
-#: Requests saved by a copy that a worker remembers at most (a request vLLM preempted and then
-#: aborted before its next save is never reported finished).
-MAX_COPIED_REMEMBERED = 10_000
+#: Requests saved by a copy, and requests taken back, that a worker remembers at most each (a
+#: request vLLM preempted and then aborted before its next save is never held nor reported).
+MAX_REMEMBERED = 10_000
 
 #: What a worker holds now, exported as gauges. Each returns to 0 once nothing is in flight:
 #: ``connections`` (consumers connected to this producer, or producers this consumer uses),
@@ -187,6 +187,7 @@ class WorkerSide:
         self._kept: dict[str, Loan | None] = {}  # producer: every request saved, with its loan if lent
         self._lent_blocks: dict[str, int] = {}  # producer: blocks of each request in _kept
         self._copied: dict[str, None] = {}  # producer: requests saved by a copy, until finished (in order)
+        self._released: dict[str, None] = {}  # producer: requests taken back, until held or saved again (in order)
         self._held: dict[str, float] = {}  # producer: finished requests whose blocks vLLM keeps, and since when
         self._interval = TransferStats()
         self._observed = Observations()
@@ -338,6 +339,7 @@ class WorkerSide:
             # taken), and holds the same prefix's KV. A second entry would wait for nobody.
             return True
         self._kept[spec.req_id] = None  # vLLM keeps its blocks once finished: see take_finished_sending
+        self._released.pop(spec.req_id, None)
         if self._buffer is None:
             self._add(save_failures=1)
             return False
@@ -358,9 +360,7 @@ class WorkerSide:
         self._kept[spec.req_id] = result.loan
         self._lent_blocks[spec.req_id] = len(spec.block_ids)
         if result.loan is None:
-            self._copied[spec.req_id] = None
-            while len(self._copied) > MAX_COPIED_REMEMBERED:  # requests preempted, then aborted unsaved
-                self._copied.pop(next(iter(self._copied)))
+            _remember(self._copied, spec.req_id)
         self._add(saved_requests=1, lent_requests=int(result.loan is not None), saved_blocks=len(spec.block_ids),
                   saved_bytes=result.num_bytes, save_seconds=result.seconds)
         self._observe(transfer_seconds=result.seconds, save_copy_seconds=result.copy_seconds)
@@ -373,38 +373,40 @@ class WorkerSide:
         self._held.update(dict.fromkeys(req_ids, now))
 
     def take_back(self, req_ids: Iterable[str]) -> None:
-        """Take back the entries of these saved requests before vLLM's next forward pass may write
-        their blocks (a preempted request's blocks are freed and given to others): an entry still
-        stored leaves the buffer, one lent out has its stamp cleared (its borrower's load fails
-        and nothing it copied is used), one being copied out is waited for. Entries that were
-        copied into the buffer hold no blocks and stay: the request's next save keeps them."""
+        """Take back the entries of these saved requests before vLLM writes their blocks (from vLLM's
+        ``handle_preemptions``, which runs before the step zeroes, copies or computes into any
+        block): an entry still stored leaves the buffer; one lent out has its stamp cleared (its
+        borrower's load fails and nothing it copied is used); one being copied out for a consumer
+        that does not borrow is waited for at most ``kv_timeout``, and answered as a miss if it
+        takes longer. Entries copied into the buffer hold no blocks and stay: the request's next
+        save, after a preemption, keeps them. A request taken back is no longer kept: held by vLLM
+        (finished), in this step or a later one, it is reported finished sending."""
         for req_id in req_ids:
-            if req_id in self._copied:
-                continue
-            loan = self._kept.get(req_id)
-            if req_id not in self._held:
-                self._kept.pop(req_id, None)  # saved again, if at all, once its prefix is recomputed
-                self._lent_blocks.pop(req_id, None)
+            if req_id not in self._kept and req_id not in self._copied:
+                continue  # never saved here
+            loan = self._kept.pop(req_id, None)
+            self._lent_blocks.pop(req_id, None)
+            _remember(self._released, req_id)
             if loan is None or loan.outcome is not None:
                 continue
-            if loan.take_back(self.settings.bridge.kv_timeout):
-                self._add(taken_back=1)
-            else:
-                logger.error("kvbridge: the entry of request %s was still being copied out after %g s; its blocks "
-                             "may change under the copy", req_id, self.settings.bridge.kv_timeout)
+            self._add(taken_back=1)
+            if not loan.take_back(self.settings.bridge.kv_timeout):
+                logger.warning("kvbridge: the entry of request %s was still being copied out after %g s; that copy "
+                               "is answered as a miss", req_id, self.settings.bridge.kv_timeout)
 
     def take_finished_sending(self) -> set[str]:
-        """Held requests whose blocks this worker no longer needs, each once: saved by a copy, or
-        lent and the loan has ended (taken and released, copied for a consumer on another host,
-        expired, evicted, taken back, or copied into the buffer because nobody took it within
+        """Held requests whose blocks this worker no longer needs, each once: saved by a copy, taken
+        back, or lent and the loan has ended (taken and released, copied for a consumer on another
+        host, expired, evicted, or copied into the buffer because nobody took it within
         ``kv_lend_lease`` of the request's end)."""
         self._end_overdue_loans()
-        done = {req_id for req_id in self._held
-                if req_id in self._kept and (self._kept[req_id] is None or self._kept[req_id].outcome is not None)}
+        done = {req_id for req_id in self._held if req_id in self._released or (
+            req_id in self._kept and (self._kept[req_id] is None or self._kept[req_id].outcome is not None))}
         for req_id in done:
-            del self._kept[req_id]
+            self._kept.pop(req_id, None)
             del self._held[req_id]
             self._copied.pop(req_id, None)
+            self._released.pop(req_id, None)
             self._lent_blocks.pop(req_id, None)
         if done:
             self._add(returned_requests=len(done))
@@ -663,6 +665,14 @@ class WorkerSide:
             return
         if self._producers is not None:
             self._producers.discard(address, buffer, error)
+
+
+def _remember(requests: dict[str, None], req_id: str) -> None:
+    """Add ``req_id`` to ``requests`` as the newest, forgetting the oldest beyond :data:`MAX_REMEMBERED`."""
+    requests.pop(req_id, None)
+    requests[req_id] = None
+    while len(requests) > MAX_REMEMBERED:
+        requests.pop(next(iter(requests)))
 
 
 def _entry_store(buffer: KVLookupBufferBase | None) -> EntryStore | None:

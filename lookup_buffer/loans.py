@@ -212,8 +212,9 @@ class Loan:
 
         An entry still stored leaves its store; one lent out has its stamp cleared (its borrower's
         release then fails with :class:`KVEntryTakenBackError`, whatever it copied is not used); one
-        being copied out is waited for, at most ``timeout`` seconds. Returns True once nobody reads
-        the memory any more (the loan has ended), False if a copy out did not finish in time.
+        being copied out is waited for, at most ``timeout`` seconds, then ended all the same: the
+        copy may still read the memory, but cannot end the loan, so the buffer never uses it.
+        Returns True once nobody reads the memory any more, False if a copy out did not finish in time.
         """
         with self._lock:
             if self._outcome is not None:
@@ -223,7 +224,10 @@ class Loan:
         if children:  # every part, each at whatever stage it is (this loan ends with the last one)
             return all([child.take_back(timeout) for child in children])
         if copying:
-            return self._ended.wait(timeout)
+            if self._ended.wait(timeout):
+                return True
+            self.end(TAKEN_BACK)
+            return False
         if withdraw is not None:
             withdraw()
         self.end(TAKEN_BACK)

@@ -482,7 +482,13 @@ class BufferProducer:
             elif entry.loan is not None:  # a consumer that cannot borrow gets a copy, made now
                 items = [item.materialize(self._pipe.empty) if isinstance(item, LentTensor) else item
                          for item in items]
-                entry.loan.end(SENT)
+                if not entry.loan.end(SENT):  # taken back during the copy: its bytes may have changed
+                    with self._lock:
+                        self._hits -= 1
+                        self._sent_bytes -= entry.nbytes
+                        self._misses += 1
+                    self._answer(waiter, OutcomeStatus.MISS)
+                    return
             # A part of a copied entry (a strided view of it) goes straight into pipe memory: one copy.
             items = [self._pipe.empty(item.shape, item.dtype).copy_(item)
                      if isinstance(item, torch.Tensor) and not item.is_contiguous() else item for item in items]

@@ -338,7 +338,8 @@ class EntryStore:
             loan.end(DROPPED)
             self._lost(key)
             raise
-        loan.end(COPIED)
+        if not loan.end(COPIED):  # taken back during the copy: its bytes may have changed
+            return None
         copy = Entry(items, entry.nbytes)
         copy.stored = entry.stored
         try:

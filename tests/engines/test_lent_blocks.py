@@ -12,15 +12,18 @@ vLLM gets the blocks back. A decode request aborted before its load has its entr
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec
-from connector.vllm_scheduler import KVBridgeWorkerMetadata, SchedulerSide
+from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
+from connector.vllm_v1 import KVBridgeConnector
 from harness import vllm_procs as vp
 from harness.procs import free_port
 from harness.vllm_fakes import (
@@ -32,7 +35,8 @@ from harness.vllm_fakes import (
     new_req_data,
     scheduler_output,
 )
-from lookup_buffer.loans import TAKEN_BACK
+from kv_pipe.errors import KVBufferFullError
+from lookup_buffer.loans import TAKEN_BACK, Loan
 
 # ====================================================================== scheduler side
 
@@ -134,6 +138,100 @@ def test_a_preempted_request_saved_by_a_copy_keeps_its_one_entry() -> None:
         assert worker.take_finished_sending() == {SAVES[0].req_id}
     finally:
         worker.close()
+
+
+def test_a_request_saved_by_a_copy_then_preempted_and_aborted_leaves_nothing_behind() -> None:
+    buffer = FailingInserts({})
+    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
+                            listener_factory=lambda settings, offset, on_connect: buffer)
+    try:
+        worker.save([SAVES[0]])
+        worker.take_back([SAVES[0].req_id])  # preempted, then aborted: vLLM never holds it
+        assert SAVES[0].req_id not in worker._kept and SAVES[0].req_id not in worker._lent_blocks
+    finally:
+        worker.close()
+
+
+class _LendingInserts(FailingInserts):
+    """A producer's lookup buffer that lends what it is given: each insert returns the entry's loan."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.loans: list[Loan] = []
+
+    def insert(self, *args: Any, **kwargs: Any) -> Loan:
+        super().insert(*args, **kwargs)
+        self.loans.append(Loan())
+        return self.loans[-1]
+
+
+def _tp_ranks() -> tuple[list[Any], _LendingInserts]:
+    """Three TP ranks of one producer: rank 0 lends its saves, rank 1 copies them, rank 2 finds its
+    buffer full for SAVES[1]."""
+    lending = _LendingInserts()
+    buffers = [lending, FailingInserts({}), FailingInserts({SAVES[1].token_ids[0]: KVBufferFullError("full")})]
+    workers = [vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
+                              listener_factory=lambda settings, offset, on_connect, buffer=buffer: buffer)
+               for buffer in buffers]
+    return workers, lending
+
+
+@pytest.mark.parametrize("take_back_first", [True, False])
+def test_a_request_only_some_tp_ranks_saved_is_finished_sending_on_every_rank(take_back_first: bool) -> None:
+    workers, lending = _tp_ranks()
+    req_id = SAVES[1].req_id
+    try:
+        for worker in workers:
+            worker.save([SAVES[1]])
+        assert [worker.take_save_outcomes() for worker in workers] == [({req_id}, set())] * 2 + [(set(), {req_id})]
+        # The next step's metadata holds it (finished) and takes it back (not every rank saved it).
+        for worker in workers:
+            if take_back_first:
+                worker.take_back([req_id])
+                worker.hold([req_id])
+            else:
+                worker.hold([req_id])
+                worker.take_back([req_id])
+        assert [worker.take_finished_sending() for worker in workers] == [{req_id}] * 3
+        assert lending.loans[0].outcome == TAKEN_BACK
+        assert [worker.take_finished_sending() for worker in workers] == [set()] * 3  # once
+        assert not any(worker._kept or worker._held or worker._lent_blocks for worker in workers)
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def _bare_connector(worker: Any) -> KVBridgeConnector:
+    """A worker-side KVBridgeConnector over ``worker``, without a vLLM config."""
+    connector = object.__new__(KVBridgeConnector)
+    connector._worker, connector._scheduler, connector._connector_metadata = worker, None, None
+    return connector
+
+
+def test_entries_are_taken_back_in_handle_preemptions_before_vllm_writes_any_block() -> None:
+    # vLLM's execute_model calls handle_preemptions first; only then does it zero newly allocated
+    # blocks and apply block copies (_update_states), and binds the metadata later still.
+    source = inspect.getsource(GPUModelRunner.execute_model)
+    assert source.index(".handle_preemptions(") < source.index("self._update_states(")
+    workers, lending = _tp_ranks()
+    connector = _bare_connector(workers[0])
+    try:
+        workers[0].save([SAVES[1]])
+        meta = KVBridgeMetadata(take_back=[SAVES[1].req_id])
+        connector.handle_preemptions(meta)
+        assert lending.loans[0].outcome == TAKEN_BACK  # before any block of this step is written
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        assert workers[0].total_stats().data["taken_back"] == 1  # once
+        connector.clear_connector_metadata()
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def test_the_connector_refuses_sleep_mode() -> None:
+    # Sleep mode releases and re-creates the KV cache: exported, lent blocks would not survive it.
+    assert KVBridgeConnector.supports_sleep_mode(None) is False
 
 
 # ====================================================================== workers, over a real pipe

@@ -87,6 +87,16 @@ def test_the_head_dimension_of_cpu_and_flash_caches() -> None:
     assert tp_layout.find_head_dim((9, 32, 576), 0, 1, None) is None  # MLA: one latent per token
 
 
+@pytest.mark.parametrize("heads", [2, 4, None])
+def test_the_head_dimension_comes_after_a_kv_dimension_of_the_same_size(heads: int | None) -> None:
+    # Blocks first, then K/V ([blocks, 2, block_size, heads, head_size] and [blocks, 2, heads,
+    # block_size, head_size]): the K/V dimension is never taken for the heads, so a rank holding 2
+    # heads finds the same head dimension as one holding 4 and the two TP sizes pair.
+    size = heads or 4
+    assert tp_layout.find_head_dim((9, 2, 32, size, 64), 0, 2, heads) == 3
+    assert tp_layout.find_head_dim((9, 2, size, 32, 64), 0, 3, heads) == 2
+
+
 # ====================================================================== the compatibility check
 
 

@@ -1,6 +1,6 @@
 """Nothing in the library can unpickle or evaluate what arrives: a scan of its source (with ``ast``).
 
-Flagged anywhere under kv_pipe/, lookup_buffer/, connector/ and launch/: any reference (a call, or
+Flagged anywhere under kv_pipe/, kv_store/, lookup_buffer/, connector/ and launch/: any reference (a call, or
 the function passed along) to pickle-style loaders (pickle, cloudpickle, dill, marshal, shelve,
 jsonpickle, pandas.read_pickle), torch.load, numpy.load with ``allow_pickle`` not literally False,
 unsafe YAML loaders, torch.distributed's object collectives (they pickle), ZeroMQ's
@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SCANNED = ("kv_pipe", "lookup_buffer", "connector", "launch")
+SCANNED = ("kv_pipe", "kv_store", "lookup_buffer", "connector", "launch")
 
 #: Fully qualified names whose use is unsafe on untrusted bytes.
 UNSAFE_NAMES = {

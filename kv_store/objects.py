@@ -1,0 +1,171 @@
+"""The stored object: one chunk's tensors with everything needed to refuse the wrong ones.
+
+Layout (little-endian; struct-packed, nothing unpickled)::
+
+    preamble  magic "KVBS" | format version u16 | flags u16 | body length u64
+    checksum  BLAKE2b-256 of preamble and body
+    [hmac]    HMAC-SHA256 of preamble and body, with the store's secret (flag AUTHENTICATED)
+    body      key length u16 | token count u32 | tensor count u32 | key | token ids int64 ...
+              | per tensor: dtype code u8 (0: None) | ndim u8 | shape int64 x ndim
+              | payload: each tensor's bytes, in order
+
+The checksum catches torn and bit-flipped objects; the HMAC, when a secret is configured, refuses
+objects written by anyone without it (a poisoned store), because anyone can compute a checksum. The
+reader checks that the object is the one it asked for (its key and its exact token ids), so a hash
+collision or a mixed-up file is a miss, never wrong KV. Dtypes use kvbridge's fixed wire table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from kv_pipe.auth import derive_key
+from kv_pipe.protocol import CODE_TO_DTYPE, DTYPE_TO_CODE
+from kv_store.base import KVStoreError, KVStoreObjectError
+from kv_store.keys import token_bytes
+
+FORMAT_VERSION = 1
+MAGIC = b"KVBS"
+_PREAMBLE = struct.Struct("<4sHHQ")
+_COUNTS = struct.Struct("<HII")
+_TENSOR = struct.Struct("<BB")
+_DIM = struct.Struct("<q")
+_DIGEST_BYTES = 32
+_AUTHENTICATED = 1
+MAX_NDIM = 64
+
+
+def mac_key_from_secret(secret: str | None) -> bytes | None:
+    """The HMAC key of stored objects for a ``kv_secret`` (None without one): derived for this
+    purpose only, so a store signature is worthless on the pipe and the other way round."""
+    return None if secret is None else derive_key(secret, "kv_store/objects")
+
+
+def _checksum(preamble: bytes, body: Sequence[bytes | memoryview]) -> bytes:
+    digest = hashlib.blake2b(preamble, digest_size=_DIGEST_BYTES)
+    for part in body:
+        digest.update(part)
+    return digest.digest()
+
+
+def _hmac(mac_key: bytes, preamble: bytes, body: Sequence[bytes | memoryview]) -> bytes:
+    mac = hmac.new(mac_key, preamble, hashlib.sha256)
+    for part in body:
+        mac.update(part)
+    return mac.digest()
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    if tensor.layout is not torch.strided or tensor.is_quantized or tensor.dtype not in DTYPE_TO_CODE:
+        raise KVStoreError(f"a {tensor.dtype} tensor with layout {tensor.layout} cannot be stored")
+    if tensor.dim() > MAX_NDIM:
+        raise KVStoreError(f"a stored tensor has at most {MAX_NDIM} dimensions, got {tensor.dim()}")
+    flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def encode_chunk(key: bytes, token_ids: Sequence[int], tensors: Sequence[torch.Tensor | None],
+                 mac_key: bytes | None) -> bytes:
+    """The object holding ``tensors`` for the chunk ``key`` of ``token_ids``."""
+    tokens = token_bytes(token_ids)
+    parts: list[bytes | memoryview] = [_COUNTS.pack(len(key), len(token_ids), len(tensors)), key, tokens]
+    payloads: list[memoryview] = []
+    for tensor in tensors:
+        if tensor is None:
+            parts.append(_TENSOR.pack(0, 0))
+            continue
+        payloads.append(_tensor_bytes(tensor))
+        parts.append(_TENSOR.pack(DTYPE_TO_CODE[tensor.dtype], tensor.dim()))
+        parts.extend(_DIM.pack(size) for size in tensor.shape)
+    body = parts + payloads  # hashed piece by piece and joined once: the tensors are copied once
+    flags = _AUTHENTICATED if mac_key is not None else 0
+    preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, sum(len(part) for part in body))
+    digests = [_checksum(preamble, body)]
+    if mac_key is not None:
+        digests.append(_hmac(mac_key, preamble, body))
+    return b"".join([preamble, *digests, *body])
+
+
+def decode_chunk(blob: bytes, key: bytes, token_ids: Sequence[int], mac_key: bytes | None) -> list[torch.Tensor | None]:
+    """The tensors of the object ``blob``, which must be chunk ``key`` of exactly ``token_ids``
+    (and carry a valid HMAC when ``mac_key`` is given); else :class:`KVStoreObjectError`."""
+    view = memoryview(blob)
+    if len(view) < _PREAMBLE.size:
+        raise KVStoreObjectError("truncated", f"{len(view)} bytes, shorter than the preamble")
+    magic, version, flags, body_len = _PREAMBLE.unpack_from(view)
+    if magic != MAGIC:
+        raise KVStoreObjectError("malformed", "not a kvbridge store object")
+    if version != FORMAT_VERSION:
+        raise KVStoreObjectError("format version", f"object has format {version}, this reader {FORMAT_VERSION}")
+    if flags & ~_AUTHENTICATED:
+        raise KVStoreObjectError("malformed", f"unknown flags {flags:#x}")
+    digests = 2 if flags & _AUTHENTICATED else 1
+    body_start = _PREAMBLE.size + digests * _DIGEST_BYTES
+    if len(view) < body_start + body_len:
+        raise KVStoreObjectError("truncated", f"{len(view)} bytes of {body_start + body_len}")
+    if len(view) > body_start + body_len:
+        raise KVStoreObjectError("malformed", f"{len(view) - body_start - body_len} bytes after the object")
+    preamble = bytes(view[: _PREAMBLE.size])
+    body = view[body_start:]
+    if not hmac.compare_digest(view[_PREAMBLE.size : _PREAMBLE.size + _DIGEST_BYTES], _checksum(preamble, [body])):
+        raise KVStoreObjectError("checksum")
+    if mac_key is not None:
+        if not flags & _AUTHENTICATED:
+            raise KVStoreObjectError("not authenticated", "written without the store secret")
+        tag = view[_PREAMBLE.size + _DIGEST_BYTES : body_start]
+        if not hmac.compare_digest(tag, _hmac(mac_key, preamble, [body])):
+            raise KVStoreObjectError("not authenticated", "written with another secret")
+    return _parse_body(body, key, token_bytes(token_ids))
+
+
+def _parse_body(body: memoryview, key: bytes, tokens: bytes) -> list[torch.Tensor | None]:
+    def take(size: int) -> memoryview:
+        nonlocal offset
+        if offset + size > len(body):
+            raise KVStoreObjectError("malformed", "fields run past the end of the object")
+        offset += size
+        return body[offset - size : offset]
+
+    offset = 0
+    key_len, token_count, tensor_count = _COUNTS.unpack(take(_COUNTS.size))
+    if take(key_len) != key:
+        raise KVStoreObjectError("other key")
+    if take(8 * token_count) != tokens:
+        raise KVStoreObjectError("tokens differ")
+    specs: list[tuple[torch.dtype, tuple[int, ...]] | None] = []
+    for _ in range(tensor_count):
+        code, ndim = _TENSOR.unpack(take(_TENSOR.size))
+        if code == 0:
+            if ndim:
+                raise KVStoreObjectError("malformed", "a None entry with dimensions")
+            specs.append(None)
+            continue
+        dtype = CODE_TO_DTYPE.get(code)
+        if dtype is None or ndim > MAX_NDIM:
+            raise KVStoreObjectError("malformed", f"dtype code {code}, {ndim} dimensions")
+        shape = tuple(_DIM.unpack(take(_DIM.size))[0] for _ in range(ndim))
+        if any(size < 0 for size in shape):
+            raise KVStoreObjectError("malformed", f"negative size in shape {shape}")
+        specs.append((dtype, shape))
+    tensors: list[torch.Tensor | None] = []
+    for spec in specs:
+        if spec is None:
+            tensors.append(None)
+            continue
+        dtype, shape = spec
+        nbytes = math.prod(shape) * dtype.itemsize
+        data = take(nbytes)
+        if not nbytes:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        # One copy: the tensor owns its memory, so the blob can go.
+        tensors.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape))
+    if offset != len(body):
+        raise KVStoreObjectError("malformed", f"{len(body) - offset} payload bytes left over")
+    return tensors

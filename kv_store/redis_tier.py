@@ -1,0 +1,167 @@
+"""The Redis tier: objects shared by every instance that reaches one Redis (or Redis Cluster).
+
+One Redis key per object (``kvbridge/`` + the chunk key), written with ``SET NX`` so the first
+writer wins and an object is never overwritten. Because an object is a single value, Redis's own
+eviction (``maxmemory`` with ``allkeys-lru``) removes whole objects, never half of one. Reads and
+existence checks of many keys are pipelined: one round trip (one per node on a cluster).
+
+Every call is bounded by ``timeout`` and never retried inside redis-py. A server that cannot be
+reached makes the call raise :class:`KVStoreUnavailableError` and marks the tier down; for
+``backoff`` seconds calls fail at once without touching the network, then one call tries again.
+Down and up are logged once each.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kv_store.base import KVStoreConfigError, KVStoreError, KVStoreUnavailableError, StoreTier, TierStats
+
+try:
+    import redis
+    import redis.cluster
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ClusterError, RedisClusterException, RedisError
+    from redis.retry import Retry
+except ImportError:  # the store extra is not installed: RedisTier says so when used
+    redis = None
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"kvbridge/"
+#: What an unreachable or unusable server raises through redis-py.
+_UNAVAILABLE = () if redis is None else (redis.ConnectionError, redis.TimeoutError, ClusterError,
+                                         RedisClusterException)
+
+
+class RedisTier(StoreTier):
+    """A Redis server at ``url`` (``redis://HOST:PORT[/DB]``), or a Redis Cluster reached through
+    any of its nodes when ``cluster``. Connects at construction: an unreachable server raises
+    :class:`KVStoreUnavailableError`, a refused password or a bad URL :class:`KVStoreConfigError`."""
+
+    name = "redis"
+
+    def __init__(self, url: str, password: str | None = None, cluster: bool = False, timeout: float = 2.0,
+                 backoff: float = 1.0) -> None:
+        if redis is None:
+            raise KVStoreConfigError("the Redis tier needs redis-py: pip install 'kvbridge[store]'")
+        if timeout <= 0 or backoff < 0:
+            raise KVStoreConfigError(f"redis timeout must be positive and backoff not negative: {timeout}, {backoff}")
+        self.url = url
+        self.cluster = cluster
+        self.backoff = backoff
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._failed_writes = self._bytes = 0
+        self._retry_at: float | None = None  # set while down
+        options: dict[str, Any] = {"password": password, "socket_timeout": timeout,
+                                   "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
+        try:
+            if cluster:
+                self._client = redis.cluster.RedisCluster.from_url(url, **options)
+            else:
+                self._client = redis.Redis.from_url(url, **options)
+            self._client.ping()
+            self.max_object_bytes = self._read_max_bulk_len()
+        except redis.AuthenticationError as exc:
+            raise KVStoreConfigError(f"redis at {url} refused the password: {exc}") from exc
+        except ValueError as exc:
+            raise KVStoreConfigError(f"bad redis URL {url!r}: {exc}") from exc
+        except _UNAVAILABLE as exc:
+            raise KVStoreUnavailableError(f"cannot reach redis at {url}: {exc}") from exc
+
+    def _read_max_bulk_len(self) -> int:
+        """The server's largest value (``proto-max-bulk-len``; the smallest over a cluster's nodes)."""
+        try:
+            if self.cluster:
+                answers = self._client.config_get("proto-max-bulk-len",
+                                                  target_nodes=redis.cluster.RedisCluster.ALL_NODES)
+                values = [int(answer["proto-max-bulk-len"]) for answer in answers.values()]
+                return min(values)
+            return int(self._client.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
+        except redis.ResponseError as exc:  # CONFIG disabled (a managed Redis): Redis's default
+            logger.info("redis at %s does not say its proto-max-bulk-len (%s); assuming 512 MB", self.url, exc)
+            return 512 * 1024 * 1024
+
+    def check_object_size(self, nbytes: int) -> None:
+        """Raise :class:`KVStoreConfigError` if an object of ``nbytes`` cannot be stored."""
+        if nbytes > self.max_object_bytes:
+            raise KVStoreConfigError(
+                f"an object of {nbytes} bytes is larger than proto-max-bulk-len ({self.max_object_bytes}) of "
+                f"redis at {self.url}: raise proto-max-bulk-len or store smaller chunks")
+
+    def _call(self, action: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._retry_at is not None and time.monotonic() < self._retry_at:
+                raise KVStoreUnavailableError(f"redis at {self.url} is down; next try in "
+                                              f"{self._retry_at - time.monotonic():.1f} s")
+        try:
+            result = action()
+        except _UNAVAILABLE as exc:
+            with self._lock:
+                was_up = self._retry_at is None
+                self._retry_at = time.monotonic() + self.backoff
+            if was_up:
+                logger.warning("redis at %s is down (%s): its tier misses until it answers again", self.url, exc)
+            raise KVStoreUnavailableError(f"redis at {self.url} is down: {exc}") from exc
+        except RedisError as exc:
+            raise KVStoreError(f"redis at {self.url} refused a request: {exc}") from exc
+        with self._lock:
+            was_down, self._retry_at = self._retry_at is not None, None
+        if was_down:
+            logger.info("redis at %s answers again", self.url)
+        return result
+
+    def _pipelined(self, command: str, keys: Sequence[bytes]) -> list[Any]:
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                getattr(pipe, command)(KEY_PREFIX + key)
+            return pipe.execute()
+
+        return self._call(run) if keys else []
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        found = self._pipelined("get", keys)
+        hits = sum(blob is not None for blob in found)
+        with self._lock:
+            self._hits += hits
+            self._misses += len(found) - hits
+        return found
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return [bool(count) for count in self._pipelined("exists", keys)]
+
+    def put(self, key: bytes, blob: bytes) -> bool:
+        if len(blob) > self.max_object_bytes:
+            self._write_failed(f"an object of {len(blob)} bytes is larger than proto-max-bulk-len")
+            return False
+        try:
+            stored = self._call(lambda: self._client.set(KEY_PREFIX + key, blob, nx=True))
+        except KVStoreUnavailableError:
+            raise
+        except KVStoreError as exc:  # out of memory under noeviction, say
+            self._write_failed(str(exc))
+            return False
+        if stored:
+            with self._lock:
+                self._bytes += len(blob)
+        return bool(stored)
+
+    def _write_failed(self, why: str) -> None:
+        with self._lock:
+            self._failed_writes += 1
+            first = self._failed_writes == 1
+        # Once: a full server refuses every write alike; stats() counts them.
+        (logger.warning if first else logger.debug)("redis at %s stored nothing: %s", self.url, why)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(hits=self._hits, misses=self._misses, bytes_stored=self._bytes, evictions=0,
+                             up=self._retry_at is None, failed_writes=self._failed_writes)
+
+    def close(self) -> None:
+        self._client.close()

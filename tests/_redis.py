@@ -1,0 +1,121 @@
+"""Real redis-server processes for the store's tests: one server or a three-node cluster on free
+loopback ports, in a temporary directory, nothing persisted, reaped at the end."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from tests import procs
+
+START_TIMEOUT = 30.0
+
+
+def _free_port_with_bus() -> int:
+    """A port p with p + 10000 (a cluster node's bus port) free as well."""
+    for _ in range(100):
+        port = procs.free_port(1)
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a redis cluster node")
+
+
+@dataclasses.dataclass
+class RedisServer:
+    port: int
+    directory: Path
+    options: list[str]
+    password: str | None = None
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10)
+
+    def start(self) -> None:
+        """Start (or restart, empty) the server and wait until it answers."""
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+                   "--save", "", "--appendonly", "no", "--logfile", str(self.directory / "redis.log"),
+                   *self.options]
+        if self.password is not None:
+            command += ["--requirepass", self.password]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                if self.client().ping():
+                    return
+            except redis.ConnectionError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = (self.directory / "redis.log").read_text() if (self.directory / "redis.log").exists() else ""
+                self.kill()
+                raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log[-3000:]}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a stopped server cannot die otherwise
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def pause(self) -> None:
+        """The server stops answering, its port still open: only a timeout can tell."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+
+def start_server(directory: Path, *options: str, password: str | None = None) -> RedisServer:
+    directory.mkdir(parents=True, exist_ok=True)
+    server = RedisServer(procs.free_port(1), directory, list(options), password)
+    server.start()
+    return server
+
+
+def start_cluster(directory: Path, nodes: int = 3) -> list[RedisServer]:
+    """``nodes`` masters sharing the hash slots, the cluster answering on every node."""
+    servers: list[RedisServer] = []
+    try:
+        for index in range(nodes):
+            port = _free_port_with_bus()
+            node_dir = directory / f"node{index}"
+            node_dir.mkdir(parents=True)
+            server = RedisServer(port, node_dir, ["--cluster-enabled", "yes",
+                                                  "--cluster-config-file", str(node_dir / "nodes.conf")])
+            servers.append(server)
+            server.start()
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=START_TIMEOUT)
+        wait_cluster_ok(servers)
+        return servers
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+
+
+def wait_cluster_ok(servers: list[RedisServer]) -> None:
+    """Until every node says the cluster serves all its slots."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while not all(s.client().cluster("info")["cluster_state"] == "ok" for s in servers):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the redis cluster did not become ok")
+        time.sleep(0.1)

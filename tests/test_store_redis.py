@@ -1,0 +1,260 @@
+"""The Redis tier against a real redis-server (and a three-node Redis Cluster): objects written once,
+many keys in one round trip, an evicted object is a miss, a dead or frozen server is a quick
+KVStoreUnavailableError and the tiered store answers misses until it is back, Redis's own eviction
+removes whole objects, and settings that cannot work are refused at start."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from kv_store import (
+    KVStoreConfigError,
+    KVStoreUnavailableError,
+    MemoryTier,
+    TieredStore,
+    chunk_keys,
+    decode_chunk,
+    encode_chunk,
+    namespace,
+    open_store,
+)
+from kv_store.redis_tier import KEY_PREFIX, RedisTier
+from tests import _redis, procs
+from tests.tensors import random_tensor, same_bits
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def server(tmp_path):
+    started = _redis.start_server(tmp_path / "redis")
+    yield started
+    started.kill()
+
+
+def key(index: int) -> bytes:
+    return index.to_bytes(32, "little")
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_an_object_is_written_once_by_the_first_writer(server):
+    first, second = RedisTier(server.url), RedisTier(server.url)
+    assert first.put(key(1), b"first")
+    assert not second.put(key(1), b"second")
+    assert second.get_many([key(1)]) == [b"first"]
+    assert server.client().get(KEY_PREFIX + key(1)) == b"first"
+
+
+def test_many_keys_are_read_and_checked_in_one_round_trip(server):
+    tier = RedisTier(server.url)
+    blobs = {key(i): os.urandom(100 + i) for i in range(0, 500, 2)}  # every other key
+    for k, blob in blobs.items():
+        tier.put(k, blob)
+    executed = []
+    pipeline = tier._client.pipeline
+
+    def counting_pipeline(**kwargs):
+        pipe = pipeline(**kwargs)
+        execute = pipe.execute
+        pipe.execute = lambda *a, **kw: executed.append(1) or execute(*a, **kw)
+        return pipe
+
+    tier._client.pipeline = counting_pipeline
+    wanted = [key(i) for i in range(500)]
+    assert tier.get_many(wanted) == [blobs.get(k) for k in wanted]
+    assert tier.contains_many(wanted) == [k in blobs for k in wanted]
+    assert len(executed) == 2
+    stats = tier.stats()
+    assert (stats.hits, stats.misses) == (250, 250)
+
+
+def test_open_store_reaches_redis_with_a_password(tmp_path):
+    server = _redis.start_server(tmp_path / "redis", password="pw")
+    try:
+        store = open_store(f"memory,{server.url}", redis_password="pw", redis_timeout=1.0)
+        assert isinstance(store.tiers[1], RedisTier) and not store.tiers[1].cluster
+        store.put(key(0), b"v")
+        store.close()  # writes what is queued first
+        assert server.client().get(KEY_PREFIX + key(0)) == b"v"
+        with pytest.raises(KVStoreConfigError, match="refused the password"):
+            open_store(f"memory,{server.url}")
+    finally:
+        server.kill()
+
+
+def test_an_object_evicted_between_lookup_and_get_is_a_miss(server):
+    tier = RedisTier(server.url)
+    store = TieredStore([tier])
+    for index in range(3):
+        store.put(key(index), b"v%d" % index)
+    assert store.lookup([key(0), key(1), key(2)]) == 3
+    server.client().delete(KEY_PREFIX + key(1))  # what maxmemory eviction does
+    assert store.get_many([key(0), key(1), key(2)]) == [b"v0", None, b"v2"]
+    store.close()
+
+
+def test_a_killed_server_is_unavailable_at_once_and_used_again_after_restart(server):
+    tier = RedisTier(server.url, timeout=1.0, backoff=0.0)
+    store = TieredStore([MemoryTier(1 << 20), tier])
+    store.put(key(0), b"before")
+    wait_until(lambda: tier.contains_many([key(0)]) == [True])
+    server.kill()
+    with pytest.raises(KVStoreUnavailableError, match="is down"):
+        tier.get_many([key(0)])
+    assert not tier.stats().up
+    # The store keeps answering: the memory tier's hits, misses for the rest.
+    assert store.lookup([key(0), key(1)]) == 1
+    assert store.get_many([key(1), key(0)]) == [None, b"before"]
+    assert store.stats().unavailable["redis"] == 2
+    server.start()  # empty: nothing is persisted
+    store.put(key(2), b"after")
+    wait_until(lambda: server.client().get(KEY_PREFIX + key(2)) == b"after")
+    assert tier.stats().up
+    assert store.get_many([key(2)]) == [b"after"]
+    store.close()
+
+
+def test_a_frozen_server_times_out_and_is_then_skipped_without_waiting(server):
+    tier = RedisTier(server.url, timeout=0.5, backoff=3600.0)
+    tier.put(key(0), b"v")
+    server.pause()
+    try:
+        with pytest.raises(KVStoreUnavailableError, match="is down"):
+            tier.get_many([key(0)])
+        # Within the back-off the call does not touch the network.
+        tier._client.pipeline = None
+        with pytest.raises(KVStoreUnavailableError, match="next try in"):
+            tier.contains_many([key(0)])
+        with pytest.raises(KVStoreUnavailableError, match="next try in"):
+            tier.put(key(1), b"w")
+    finally:
+        server.resume()
+
+
+def test_redis_eviction_never_leaves_part_of_an_object(tmp_path):
+    server = _redis.start_server(tmp_path / "redis", "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru")
+    try:
+        tier = RedisTier(server.url)
+        tokens = list(range(64))
+        keys = [k.key for k in chunk_keys(namespace({"model": "m"}), list(range(64 * 100)), 64)]
+        generator = torch.Generator().manual_seed(0)
+        written = {}
+        for index, chunk_key in enumerate(keys):
+            tensors = [random_tensor(generator, torch.bfloat16, (2, 64, 4, 97)) for _ in range(2)]
+            written[chunk_key] = tensors
+            tier.put(chunk_key, encode_chunk(chunk_key, [t + 64 * index for t in tokens], tensors, None))
+        stored = tier.get_many(keys)
+        kept = [index for index, blob in enumerate(stored) if blob is not None]
+        assert 0 < len(kept) < len(keys)  # Redis evicted some, kept some
+        for index in kept:
+            got = decode_chunk(stored[index], keys[index], [t + 64 * index for t in tokens], None)
+            assert all(same_bits(a, b) for a, b in zip(got, written[keys[index]], strict=True))
+    finally:
+        server.kill()
+
+
+def test_an_object_larger_than_proto_max_bulk_len_is_refused_at_start(tmp_path):
+    server = _redis.start_server(tmp_path / "redis", "--proto-max-bulk-len", "1mb")
+    try:
+        tier = RedisTier(server.url)
+        tier.check_object_size(1 << 20)
+        with pytest.raises(KVStoreConfigError, match=r"proto-max-bulk-len \(1048576\)"):
+            tier.check_object_size((1 << 20) + 1)
+        # Not checked first: the write is refused and counted, the tier stays up.
+        assert not tier.put(key(0), os.urandom((1 << 20) + 1))
+        assert tier.stats().failed_writes == 1 and tier.stats().up
+        assert tier.put(key(1), b"small")
+    finally:
+        server.kill()
+
+
+def test_a_password_protected_server(tmp_path):
+    server = _redis.start_server(tmp_path / "redis", password="store secret")
+    try:
+        with pytest.raises(KVStoreConfigError, match="refused the password"):
+            RedisTier(server.url)
+        with pytest.raises(KVStoreConfigError, match="refused the password"):
+            RedisTier(server.url, password="wrong")
+        tier = RedisTier(server.url, password="store secret")
+        assert tier.put(key(0), b"v") and tier.get_many([key(0)]) == [b"v"]
+    finally:
+        server.kill()
+
+
+def test_an_unreachable_server_or_a_bad_url_at_start():
+    with pytest.raises(KVStoreUnavailableError, match="cannot reach redis"):
+        RedisTier(f"redis://127.0.0.1:{procs.free_port(1)}", timeout=1.0)
+    with pytest.raises(KVStoreConfigError, match="bad redis URL"):
+        RedisTier("http://127.0.0.1:1")
+
+
+def test_a_redis_cluster_spreads_objects_and_reads_them_across_slots(tmp_path):
+    nodes = _redis.start_cluster(tmp_path / "cluster")
+    try:
+        tier = RedisTier(nodes[1].url, cluster=True)
+        blobs = {key(i): os.urandom(64) for i in range(200)}
+        assert all(tier.put(k, blob) for k, blob in blobs.items())
+        assert not tier.put(key(0), b"again")
+        wanted = [*blobs, key(999)]
+        assert tier.get_many(wanted) == [*blobs.values(), None]
+        assert tier.contains_many(wanted) == [True] * 200 + [False]
+        assert all(node.client().dbsize() > 0 for node in nodes)
+        tier.check_object_size(1 << 20)
+        store = open_store(f"memory,redis+cluster://127.0.0.1:{nodes[2].port}")
+        assert store.tiers[1].cluster and store.lookup(list(blobs)) == 200
+        store.close()
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def test_a_dead_cluster_node_makes_the_tier_unavailable_until_it_is_back(tmp_path):
+    nodes = _redis.start_cluster(tmp_path / "cluster")
+    try:
+        tier = RedisTier(nodes[0].url, cluster=True, timeout=1.0, backoff=0.0)
+        keys = [key(i) for i in range(60)]
+        for k in keys:
+            tier.put(k, b"v")
+        on_third = {stored[len(KEY_PREFIX):] for stored in nodes[2].client().keys()}
+        assert on_third and len(on_third) < len(keys)
+        nodes[2].kill()
+        with pytest.raises(KVStoreUnavailableError, match="is down"):
+            tier.get_many(keys)
+        assert not tier.stats().up
+        nodes[2].start()  # rejoins the cluster, empty
+        _redis.wait_cluster_ok(nodes)
+
+        def answers() -> bool:
+            try:
+                return tier.get_many(keys) == [None if k in on_third else b"v" for k in keys]
+            except KVStoreUnavailableError:
+                return False
+
+        wait_until(answers)
+        assert tier.stats().up
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def test_a_full_redis_refuses_writes_counted_and_stays_up(tmp_path):
+    server = _redis.start_server(tmp_path / "redis", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    try:
+        tier = RedisTier(server.url)
+        written = [tier.put(key(i), os.urandom(100_000)) for i in range(60)]
+        assert written[0] and not written[-1]
+        stats = tier.stats()
+        assert stats.failed_writes == written.count(False) and stats.up
+        assert tier.get_many([key(0)])[0] is not None
+    finally:
+        server.kill()

@@ -327,10 +327,10 @@ class StoreStats:
     chunks_loaded: int = 0
     bytes_loaded: int = 0
     chunks_failed: int = 0  # missing or refused by a check: their blocks were load errors
-    chunks_saved: int = 0  # put into the fastest tier
+    chunks_saved: int = 0  # handed to the store (a full tier counts its own failed_writes)
     chunks_present: int = 0  # already there: nothing written
     bytes_saved: int = 0
-    saves_dropped: int = 0  # the save queue was full, or the put failed
+    saves_dropped: int = 0  # the save queue was full, or the store could not be reached
 
 
 class StoreWorker:

@@ -24,14 +24,17 @@ def store_transfer_config(tiers: str, failure_policy: str = "recompute", **optio
 def store_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]],
                prefix_caching: bool = True) -> dict[str, Any]:
     """Serve ``batches`` one after the other; return their outputs and the store counters, once
-    every save is in the store's fastest tier."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    every save is in the store's fastest tier. In vLLM's multiprocess mode the worker is out of
+    reach: no counters, and the saves are complete once the engine is shut down."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     kwargs = vp.engine_kwargs(model, transfer)
     kwargs["enable_prefix_caching"] = prefix_caching
     llm = vp._llm(kwargs)
     try:
         outputs = [vp._generate(llm, batch, vp.MAX_TOKENS) for batch in batches]
+        if not has_kv_transfer_group():
+            return {"outputs": outputs, "stats": None}
         connector = get_kv_transfer_group()
         connector.flush_saves()
         return {"outputs": outputs, "stats": dataclasses.asdict(connector.store_stats())}

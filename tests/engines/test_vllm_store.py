@@ -269,3 +269,26 @@ def test_a_new_instance_loads_what_another_stored(tiny_model: str, tmp_path: Pat
     assert [o["tokens"] for o in c["outputs"][0]] == reference
     assert c["stats"]["chunks_failed"] == 1
     assert c["stats"]["chunks_loaded"] == b["stats"]["chunks_loaded"] + len(shared) // CHUNK - 1 - 1
+
+
+def test_instances_split_into_scheduler_and_worker_processes_share_the_store(tiny_model: str, tmp_path: Path) -> None:
+    """vLLM's multiprocess mode on the loading instance: the scheduler's lookups and the worker's
+    loads and saves run in two processes (the plan crosses pickled); its tokens equal a plain
+    engine's under "fail"."""
+    prompts, shared = _prompts()
+    spec = f"disk:{tmp_path / 'store'}"
+    with vp.Engines() as engines:
+        engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts + [shared])
+        engines.start("a", sp.store_body, vp.engine_env(1), model=tiny_model,
+                      transfer=sp.store_transfer_config(spec), batches=[prompts])
+        results = engines.wait(["reference", "a"], timeout=300)
+    reference = [o["tokens"] for o in results["reference"]]
+    with vp.Engines() as engines:
+        engines.start("b", sp.store_body, vp.engine_env(0, multiprocess=True), model=tiny_model,
+                      transfer=sp.store_transfer_config(spec, failure_policy="fail"),
+                      batches=[prompts + [shared]], prefix_caching=False)
+        (outputs,) = engines.wait(["b"], timeout=300)["b"]["outputs"]
+    assert [o["tokens"] for o in outputs] == reference
+    # No prefix cache on B: what vLLM counts as cached came from the store.
+    assert [o["cached"] for o in outputs] == [
+        _loaded_blocks(p, len(p) // CHUNK) * vp.BLOCK_SIZE for p in prompts] + [CHUNK]

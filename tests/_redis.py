@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from tests import procs
+from harness import procs
 
 START_TIMEOUT = 30.0
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from harness import procs
 from kv_store import KVStoreConfigError
 from kv_store.disk import DiskTier
-from tests import procs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,10 +8,10 @@ import struct
 import pytest
 import torch
 
+from harness.tensors import random_tensor, same_bits
 from kv_pipe.protocol import DTYPE_TO_CODE
 from kv_store import KVStoreObjectError, chunk_keys, decode_chunk, encode_chunk, mac_key_from_secret, namespace
 from kv_store import objects as objects_module
-from tests.tensors import random_tensor, same_bits
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from harness import procs
+from harness.tensors import random_tensor, same_bits
 from kv_store import (
     KVStoreConfigError,
     KVStoreUnavailableError,
@@ -23,8 +25,7 @@ from kv_store import (
     open_store,
 )
 from kv_store.redis_tier import KEY_PREFIX, RedisTier
-from tests import _redis, procs
-from tests.tensors import random_tensor, same_bits
+from tests import _redis
 
 pytestmark = pytest.mark.timeout(120)
 

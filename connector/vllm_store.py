@@ -42,7 +42,7 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -247,7 +247,8 @@ class StoreScheduler:
         self._loaded: set[str] = set()  # one load attempt per request
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Stored tokens of ``request``'s prompt beyond the ``num_computed_tokens`` vLLM holds."""
+        """Stored tokens of ``request``'s prompt beyond the ``num_computed_tokens`` vLLM holds: one
+        lookup of its full chunks per call (vLLM asks again while the request cannot be scheduled)."""
         tokens = request.prompt_token_ids
         if tokens is None:  # prompt embeddings: no token key
             return 0
@@ -275,7 +276,9 @@ class StoreScheduler:
         prompt = self._prompts.get(request.request_id)
         claim = prompt.claim if prompt is not None else None
         self._loaded.add(request.request_id)
-        if claim is None or claim[0] - claim[1] != num_external_tokens or len(block_ids) < claim[0] // self.block_size:
+        if (claim is None or claim[0] - claim[1] != num_external_tokens or claim[1] % self.block_size
+                or len(block_ids) < claim[0] // self.block_size):
+            # vLLM adjusted the claim in a way this plan does not cover: its blocks fail, none is written.
             logger.warning("kvbridge store: unexpected allocation for %s (%d external tokens, claim %s, %d blocks)",
                            request.request_id, num_external_tokens, claim, len(block_ids))
             self._refused[request.request_id] = list(block_ids)
@@ -286,7 +289,7 @@ class StoreScheduler:
                                      block_ids=list(block_ids[: stop // self.block_size]),
                                      skip_blocks=local // self.block_size, stop_blocks=stop // self.block_size))
 
-    def build_meta(self, scheduler_output: Any, block_ids_of: Any) -> StoreMetadata:
+    def build_meta(self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[int]]) -> StoreMetadata:
         """This step's loads and the saves of the prompts this step completes."""
         meta = StoreMetadata(loads=self._loads, refused=self._refused)
         self._loads, self._refused = [], {}
@@ -433,12 +436,13 @@ class StoreWorker:
                 self._add(saves_dropped=len(spec.block_ids) // per_chunk - spec.first_chunk)
                 logger.warning("kvbridge store: save queue full: request %s not stored", spec.req_id)
                 continue
-            ids = torch.tensor(spec.block_ids[spec.first_chunk * per_chunk:], dtype=torch.int64)
-            blocks = gather_blocks(caches.caches, caches.layout, ids)
             try:
+                ids = torch.tensor(spec.block_ids[spec.first_chunk * per_chunk:], dtype=torch.int64)
+                blocks = gather_blocks(caches.caches, caches.layout, ids)
                 self._saver.submit(self._put, spec, blocks, per_chunk)
-            except RuntimeError:  # closing
+            except BaseException:  # closing, or a copy that failed: the slot is free again
                 self._saves_pending.release()
+                raise
 
     def _put(self, spec: StoreSave, blocks: torch.Tensor, per_chunk: int) -> None:
         try:

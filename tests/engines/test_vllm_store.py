@@ -121,6 +121,21 @@ def test_scheduler_saves_the_unstored_full_chunks_once_the_prompt_is_computed(tm
     side.store.close()
 
 
+def test_an_allocation_the_plan_does_not_cover_is_refused_whole(tmp_path: Path) -> None:
+    """vLLM waits for every asynchronous claim: one that cannot be loaded as planned is handed to
+    the worker to report failed, and no block of it is written."""
+    side = _scheduler(tmp_path)
+    tokens = list(range(3, 3 + 2 * CHUNK + 1))
+    for key in chunk_keys(SPACE, tokens, CHUNK):
+        side.store.put(key.key, b"x")
+    request = make_request("r", tokens)
+    assert side.num_new_matched_tokens(request, 0) == 2 * CHUNK
+    side.after_alloc(request, [4, 5, 6], 2 * CHUNK - B)  # fewer external tokens than claimed
+    meta = side.build_meta(scheduler_output([], {}), lambda req_id: [])
+    assert meta.loads == [] and meta.refused == {"r": [4, 5, 6]}
+    side.store.close()
+
+
 def _cached(req_id: str, computed: int):
     from harness.vllm_fakes import cached_data
 

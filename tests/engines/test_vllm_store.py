@@ -148,9 +148,10 @@ FB = vp.FAKE_BLOCK_SIZE
 FAKE_CHUNK = 2 * FB
 
 
-def _worker(path: Path, caches: list[torch.Tensor], layout_name: str = "CPU_ATTN/vec",
+def _worker(path: Path | str, caches: list[torch.Tensor], layout_name: str = "CPU_ATTN/vec",
             environ: dict | None = None) -> StoreWorker:
-    settings = StoreSettings.from_extra({"kv_store": {"tiers": f"memory,disk:{path}", "chunk_size": FAKE_CHUNK}},
+    tiers = path if isinstance(path, str) else f"memory,disk:{path}"
+    settings = StoreSettings.from_extra({"kv_store": {"tiers": tiers, "chunk_size": FAKE_CHUNK}},
                                         environ=environ or {})
     identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_both", model="fake", dtype="float32",
                                    block_size=FB, num_layers=len(caches), block_shape=(), layout="x", tp_size=1,
@@ -189,6 +190,32 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
     assert (stats.chunks_loaded, stats.chunks_failed) == (3, 0)
     assert stats.bytes_loaded == 4 * len(target) * target[0][0].numel() * 4
     loader.close()
+
+
+def test_workers_share_chunks_through_redis_with_the_password_from_the_environment(tmp_path: Path) -> None:
+    from tests import _redis
+
+    server = _redis.start_server(tmp_path / "redis", password="pw-7")
+    try:
+        tiers = f"memory,{server.url}"
+        with pytest.raises(KVConfigError):  # no password: refused at start, naming the setting
+            _worker(tiers, vp.fake_caches(1))
+        environ = {"KVBRIDGE_STORE_PASSWORD": "pw-7"}
+        tokens = list(range(40, 40 + 2 * FAKE_CHUNK))
+        source = vp.fake_caches(1)
+        saver = _worker(tiers, source, environ=environ)
+        saver.save([StoreSave("s", tokens, [8, 2, 6, 0], first_chunk=0)])
+        saver.flush()
+        saver.close()  # drains the queue to Redis
+        target = vp.fake_caches(2)
+        loader = _worker(tiers, target, environ=environ)  # its memory tier is empty: Redis serves
+        assert _load(loader, StoreLoad("l", tokens, [1, 3, 5, 7], skip_blocks=0, stop_blocks=4)) == set()
+        for layer, cache in enumerate(target):
+            for src, dst in zip([8, 2, 6, 0], [1, 3, 5, 7], strict=True):
+                assert torch.equal(cache[dst], source[layer][src])
+        loader.close()
+    finally:
+        server.kill()
 
 
 @pytest.mark.parametrize("change", ["other secret", "other layout", "missing", "corrupted"])

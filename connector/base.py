@@ -27,13 +27,21 @@ to appear; ``None``: not at all) and, on a hit, writes the KV into the caller's 
 state into ``requests[i].hidden``. Lent KV is copied straight from the producer's memory and
 released; a hit is reported only if the loan's stamp shows that the producer kept that memory
 unchanged until the copy was done (else :class:`kv_pipe.KVPeerLostError`: the caches may hold
-wrong bytes). It returns
-one result per request, in order: a hit means the caller may skip the prefill of that request; a
-miss (with a reason, also logged) means it must compute it, and that nothing of the caller's memory
-was written. A hit is only reported after the received tokens, region
-of interest (a partial entry is a miss), layer count, block count, shapes and dtypes were all
-checked against what the caller expects. An entry that was received but failed a check is consumed
-(the buffer drops what it selects).
+wrong bytes). It returns one result per request, in order: a hit means the caller may skip the
+prefill of that request; a miss (with a reason, also logged) means it must compute it, from token
+``num_tokens`` on (0, and nothing of the caller's memory written, unless a prefix was loaded: see
+*Prefixes* below). A hit is only reported after the received tokens, region of interest, layer
+count, block count, shapes and dtypes were all checked against what the caller expects. An entry
+that was received but failed a check is consumed (the buffer drops what it selects).
+
+Prefixes: from a buffer that answers with the longest prefix it holds
+(:attr:`~lookup_buffer.KVLookupBufferBase.returns_prefixes`, e.g. a
+:class:`~lookup_buffer.StoreBuffer`), an entry covering the first ``k`` of the request's ``n``
+tokens is loaded into those ``k`` positions (:meth:`KVStorage.load_prefix`) and reported as a miss
+with ``num_tokens=k``: the caller computes the tokens from ``k`` on. All ``n`` tokens found without
+the hidden state the caller asked for (it was not stored) load all the KV and report ``num_tokens=n -
+1``: the last token is computed again for its hidden state. From any other buffer a partial entry is a
+plain miss and nothing is written.
 
 Errors versus misses: a request that is absent or inconsistent with the caller's setup is a miss; a
 caller whose own arguments are wrong (tokens not a 1-D integer tensor, block ids out of range or
@@ -87,6 +95,16 @@ class KVStorage(abc.ABC):
     @abc.abstractmethod
     def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
         """Write a received pair, for which :meth:`mismatch` returned ``None``, into the caller's memory."""
+
+    def mismatch_prefix(self, key: torch.Tensor | None, value: torch.Tensor | None, num_tokens: int) -> str | None:
+        """Why a received pair holding the KV of only the first ``num_tokens`` tokens cannot be loaded
+        here (:meth:`load_prefix`), or ``None`` when it can. Here: always refused."""
+        return f"{type(self).__name__} cannot load the KV of a prefix"
+
+    def load_prefix(self, key: torch.Tensor, value: torch.Tensor | None, num_tokens: int) -> None:
+        """Write a received pair holding the first ``num_tokens`` tokens, for which
+        :meth:`mismatch_prefix` returned ``None``, into those tokens' places; the rest is left as is."""
+        raise NotImplementedError
 
     def lend(self) -> tuple[LentTensor, LentTensor | None] | None:
         """The request's KV lent where it lies (:mod:`lookup_buffer.loans`), or None if it cannot be
@@ -157,6 +175,9 @@ class KVRecvResult:
             are read by the copy into the caller's memory).
         copy_seconds: writing the entry into the caller's memory (for a lent entry the only copy,
             straight out of the producer's memory); 0 on a miss.
+        num_tokens: leading tokens whose KV was written into the caller's memory and need not be
+            computed: all of them on a hit; on a miss 0, or the prefix loaded from a buffer that
+            returns prefixes (see *Prefixes* above).
     """
 
     hit: bool
@@ -166,3 +187,4 @@ class KVRecvResult:
     wait_seconds: float = 0.0
     receive_seconds: float | None = None
     copy_seconds: float = 0.0
+    num_tokens: int = 0

@@ -33,6 +33,33 @@ def _mismatch(name: str, received: torch.Tensor | None, expected: Sequence[torch
     return None
 
 
+def _token_dim(received: torch.Tensor, expected: torch.Tensor, num_tokens: int) -> int | None:
+    """The one per-layer dimension where ``received`` (a ``[layers, ...]`` stack holding ``num_tokens``
+    tokens) is shorter than ``expected`` (one layer): the tokens' dimension. None if there is not
+    exactly one such dimension, of size ``num_tokens``, with every other dimension equal."""
+    if received.dim() != expected.dim() + 1:
+        return None
+    differing = [dim for dim, (got, want) in enumerate(zip(received.shape[1:], expected.shape, strict=True))
+                 if got != want]
+    if len(differing) != 1 or received.shape[1 + differing[0]] != num_tokens:
+        return None
+    return differing[0]
+
+
+def _prefix_mismatch(name: str, received: torch.Tensor | None, expected: Sequence[torch.Tensor],
+                     num_tokens: int) -> str | None:
+    if received is None:
+        return f"no {name} tensor was received"
+    if received.dim() == 0 or received.shape[0] != len(expected):
+        return f"layer count {received.shape[0] if received.dim() else 0} received, {len(expected)} expected"
+    if received.dtype != expected[0].dtype:
+        return f"{name} dtype {received.dtype} received, {expected[0].dtype} expected"
+    if _token_dim(received, expected[0], num_tokens) is None:
+        return (f"{name} shape {tuple(received.shape[1:])} received is not the first {num_tokens} tokens of "
+                f"{tuple(expected[0].shape)}")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ContiguousKV(KVStorage):
     """A request's own per-layer ``keys`` and ``values`` (any shape, the same for every layer).
@@ -74,3 +101,16 @@ class ContiguousKV(KVStorage):
         for layer, (key_dest, value_dest) in enumerate(zip(self.keys, self.values, strict=True)):
             key_dest.copy_(key[layer])
             value_dest.copy_(value[layer])
+
+    def mismatch_prefix(self, key: torch.Tensor | None, value: torch.Tensor | None, num_tokens: int) -> str | None:
+        # The token dimension is the one dimension where the received stack is shorter.
+        return (_prefix_mismatch("key", key, self.keys, num_tokens)
+                or _prefix_mismatch("value", value, self.values, num_tokens))
+
+    def load_prefix(self, key: torch.Tensor, value: torch.Tensor | None, num_tokens: int) -> None:
+        assert value is not None  # mismatch_prefix() rejected a missing value
+        for received, destinations in ((key, self.keys), (value, self.values)):
+            dim = _token_dim(received, destinations[0], num_tokens)
+            assert dim is not None  # mismatch_prefix() checked it
+            for layer, destination in enumerate(destinations):
+                destination.narrow(dim, 0, num_tokens).copy_(received[layer])

@@ -60,23 +60,23 @@ def _in_buffer_memory(tensor: torch.Tensor | None, empty: EmptyTensor) -> torch.
     return staged
 
 
-def _mismatch(
-    request: KVRequest,
-    tokens: torch.Tensor,
-    roi: torch.Tensor | None,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    hidden: torch.Tensor | None,
-) -> str | None:
-    """Why a received entry must not be used for ``request``, or ``None``."""
+def _found_tokens(request: KVRequest, tokens: torch.Tensor, roi: torch.Tensor | None, prefixes: bool) -> int | str:
+    """How many leading tokens of ``request`` the received entry covers, or why it must not be used:
+    all of them, or (from a buffer that returns prefixes) a non-empty prefix."""
     expected = request.input_tokens
     if tokens.shape != expected.shape or not torch.equal(tokens.cpu().long(), expected.cpu().long()):
         return "the entry's tokens differ from the request's"
-    if roi is None or not torch.equal(roi.cpu().bool(), request.roi.cpu()):
-        return "the entry covers other token positions than the request"
-    reason = request.kv.mismatch(key, value)
-    if reason is not None or request.hidden is None:
-        return reason
+    if roi is not None and roi.shape == expected.shape:
+        roi = roi.cpu().bool()
+        selected = int(roi.sum())
+        if selected == expected.numel() or (prefixes and selected > 0 and bool(roi[:selected].all())):
+            return selected
+    return "the entry covers other token positions than the request"
+
+
+def _hidden_mismatch(request: KVRequest, hidden: torch.Tensor | None) -> str | None:
+    if request.hidden is None:
+        return None
     if hidden is None:
         return "no hidden state was received"
     if hidden.shape != request.hidden.shape or hidden.dtype != request.hidden.dtype:
@@ -92,12 +92,14 @@ def recv_kv_caches_and_hidden_states(
 ) -> list[KVRecvResult]:
     """Select every request's entry from ``buffer`` into the caller's memory; see :mod:`connector.base`."""
     results = []
+    # A buffer that does not say it returns prefixes (one of duck type included) gives exact matches only.
+    prefixes = getattr(buffer, "returns_prefixes", False) is True
     for index, request in enumerate(requests):
         start = time.perf_counter()
         entry = buffer.drop_select(request.input_tokens, request.roi, timeout=timeout, borrow=True)
         selected = time.perf_counter()
         try:
-            result = _receive_one(index, request, *entry)
+            result = _receive_one(index, request, prefixes, *entry)
         finally:
             release_all(entry)  # KVPeerLostError if the producer took its memory back meanwhile
         results.append(dataclasses.replace(result, seconds=time.perf_counter() - start,
@@ -116,26 +118,51 @@ def _select_phases(entry: object, start: float, selected: float) -> dict[str, fl
     return {"wait_seconds": arrived - start, "receive_seconds": None if lent else selected - arrived}
 
 
-def _receive_one(index: int, request: KVRequest, tokens: torch.Tensor | None, roi: torch.Tensor | None,
-                 key: torch.Tensor | BorrowedTensor | None, value: torch.Tensor | BorrowedTensor | None,
+def _receive_one(index: int, request: KVRequest, prefixes: bool, tokens: torch.Tensor | None,
+                 roi: torch.Tensor | None, key: torch.Tensor | BorrowedTensor | None,
+                 value: torch.Tensor | BorrowedTensor | None,
                  hidden: torch.Tensor | BorrowedTensor | None) -> KVRecvResult:
-    """Check one selected entry against ``request`` and load it on a hit (``seconds`` left 0)."""
+    """Check one selected entry against ``request`` and load it, or the prefix it holds where
+    ``prefixes`` (the buffer returns prefixes); ``seconds`` left 0."""
     # Only the key is ever lent by this connector; a peer that lends the others gets them copied.
     value, hidden = (item.to_tensor() if isinstance(item, BorrowedTensor) else item for item in (value, hidden))
-    if tokens is None:
-        reason = f"no entry for these {request.input_tokens.numel()} tokens within the timeout"
-    else:
-        reason = _mismatch(request, tokens, roi, key, value, hidden)
+    num_tokens = request.input_tokens.numel()
     num_bytes = _nbytes(tokens, roi, key, value, hidden)
-    if reason is not None:
-        logger.warning("batch item %d (%d tokens): miss: %s", index, request.input_tokens.numel(), reason)
-        return KVRecvResult(hit=False, reason=reason, num_bytes=num_bytes, seconds=0.0)
+    found: int | str = f"no entry for these {num_tokens} tokens within the timeout"
+    if tokens is not None:
+        found = _found_tokens(request, tokens, roi, prefixes)
+    if isinstance(found, str):
+        return _miss(index, request, found, num_bytes)
+    if found < num_tokens:
+        if isinstance(key, BorrowedTensor):
+            key = key.to_tensor()
+        reason = request.kv.mismatch_prefix(key, value, found)
+        if reason is not None:
+            return _miss(index, request, reason, num_bytes)
+        start = time.perf_counter()
+        request.kv.load_prefix(key, value, found)
+        return _miss(index, request, f"only the first {found} of {num_tokens} tokens were found", num_bytes,
+                     loaded=found, copy_seconds=time.perf_counter() - start)
+    reason = request.kv.mismatch(key, value)
+    hidden_reason = _hidden_mismatch(request, hidden)
+    if reason is not None or (hidden_reason is not None and not (prefixes and hidden is None)):
+        return _miss(index, request, reason or hidden_reason, num_bytes)
     start = time.perf_counter()
     if isinstance(key, BorrowedTensor):
         request.kv.load_borrowed(key, value)
     else:
         request.kv.load(key, value)
+    if hidden_reason is not None:  # all the KV, not the hidden state: the last token is computed again
+        return _miss(index, request, "all tokens were found but not their hidden state", num_bytes,
+                     loaded=num_tokens - 1, copy_seconds=time.perf_counter() - start)
     if request.hidden is not None:
         copy_between(request.hidden, hidden)
     return KVRecvResult(hit=True, reason=None, num_bytes=num_bytes, seconds=0.0,
-                        copy_seconds=time.perf_counter() - start)
+                        copy_seconds=time.perf_counter() - start, num_tokens=num_tokens)
+
+
+def _miss(index: int, request: KVRequest, reason: str, num_bytes: int, loaded: int = 0,
+          copy_seconds: float = 0.0) -> KVRecvResult:
+    logger.warning("batch item %d (%d tokens): miss: %s", index, request.input_tokens.numel(), reason)
+    return KVRecvResult(hit=False, reason=reason, num_bytes=num_bytes, seconds=0.0, copy_seconds=copy_seconds,
+                        num_tokens=loaded)

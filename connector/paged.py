@@ -339,6 +339,18 @@ class PagedKV(KVStorage):
     def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
         scatter_blocks(self.caches.caches, self.caches.layout, self.block_ids, key)
 
+    def _first_blocks(self, num_tokens: int) -> PagedKV:
+        """The request's first blocks, those holding its first ``num_tokens`` tokens."""
+        return PagedKV(self.caches, self.block_ids[: math.ceil(num_tokens / self.caches.block_size)])
+
+    def mismatch_prefix(self, key: torch.Tensor | None, value: torch.Tensor | None, num_tokens: int) -> str | None:
+        if num_tokens % self.caches.block_size:
+            return f"a prefix of {num_tokens} tokens ends inside a block of {self.caches.block_size}"
+        return self._first_blocks(num_tokens).mismatch(key, value)
+
+    def load_prefix(self, key: torch.Tensor, value: torch.Tensor | None, num_tokens: int) -> None:
+        self._first_blocks(num_tokens).load(key, value)
+
     def load_borrowed(self, key: BorrowedTensor, value: torch.Tensor | None) -> None:
         pieces = self.pieces()
         if pieces is None:

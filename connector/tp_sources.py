@@ -14,18 +14,21 @@ decode blocks puts every source's heads into their own slice of heads.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from connector.tp_layout import Source
+from connector.vllm_loads import PRODUCER_LOAD_SHARE
 from kv_pipe.errors import KVConfigError, KVTransferError
 from lookup_buffer.base import BufferStats, KVLookupBufferBase, SelectResult
 from lookup_buffer.connections import Address, ProducerConnections, Ready
@@ -66,19 +69,41 @@ class Sources:
 class SourceConnections:
     """A consumer's connections to prefill ranks: :class:`lookup_buffer.ProducerConnections` for a
     plain address, and for :class:`Sources` all of its ranks at once, as one :class:`HeadGather`.
-    Thread-safe, never blocks (as ProducerConnections)."""
+    Thread-safe, never blocks (as ProducerConnections).
 
-    def __init__(self, connections: ProducerConnections) -> None:
+    Each connection :meth:`when_ready` hands out is one load's share of its producers: at most
+    ``share`` of them per producer (per rank, for a gather) are out until their select returns; the
+    loads beyond wait, without a thread, for one to return, in order per producer (a load waiting
+    for one producer never holds up another producer's). So a producer that stops answering, its
+    connection open (each select then waits for ``kv_timeout``), holds at most ``share`` load
+    threads; and a gather, which takes a share of each of its ranks at once, never holds some
+    while it waits for the others."""
+
+    def __init__(self, connections: ProducerConnections, share: int = PRODUCER_LOAD_SHARE) -> None:
         self._connections = connections
+        self._shares = _Shares(share)
 
     def when_ready(self, address: Address | Sources, ready: Ready) -> None:
         """As :meth:`ProducerConnections.when_ready`; for :class:`Sources`, once every rank it names is
-        connected (the gather), or with the first error of one that is not."""
+        connected (the gather), or with the first error of one that is not. A connection comes as
+        one select's share of its producers (see the class): ``ready`` may be called later, from the
+        thread whose select freed the share."""
+        if isinstance(address, Sources) and address.refused is not None:
+            ready(KVConfigError(f"kvbridge: {address.refused}"))
+            return
+        addresses = address.addresses if isinstance(address, Sources) else [address]
+
+        def connected(result: KVLookupBufferBase | Exception) -> None:
+            if isinstance(result, Exception):
+                ready(result)
+            else:
+                self._shares.take(addresses, lambda share: ready(_Shared(result, share)))
+
+        self._connect(address, connected)
+
+    def _connect(self, address: Address | Sources, ready: Ready) -> None:
         if not isinstance(address, Sources):
             self._connections.when_ready(address, ready)
-            return
-        if address.refused is not None:
-            ready(KVConfigError(f"kvbridge: {address.refused}"))
             return
         results: dict[int, KVLookupBufferBase | Exception] = {}
         lock = threading.Lock()
@@ -107,6 +132,8 @@ class SourceConnections:
     def discard(self, address: Address | Sources, buffer: KVLookupBufferBase, error: BaseException) -> None:
         """Drop a connection that failed; of a gather, each rank's that failed (the one whose select
         raised, and any that knows it is dead)."""
+        if isinstance(buffer, _Shared):
+            buffer = buffer.buffer
         if not isinstance(address, Sources) or not isinstance(buffer, HeadGather):
             self._connections.discard(address, buffer, error)
             return
@@ -116,6 +143,112 @@ class SourceConnections:
 
     def __getattr__(self, name: str) -> Any:  # count, dialing, close, get: the connections'
         return getattr(self._connections, name)
+
+
+class _Share:
+    """One load's share of its producers, given back once (by its select, or by its connection's
+    death if the load never selects). Lock-free: the garbage collector may give it back from
+    within any code of this thread."""
+
+    def __init__(self, shares: _Shares, addresses: list[Address]) -> None:
+        self._shares, self._addresses = shares, addresses
+        self._held = collections.deque([True])  # popped once: atomic
+
+    def give_back(self) -> None:
+        try:
+            self._held.pop()
+        except IndexError:
+            return
+        self._shares.give_back(self._addresses)
+
+
+class _Shares:
+    """How many loads of each producer hold a share, and the loads waiting for one (thread-safe).
+
+    Requests and returns are queued without a lock and settled by whichever thread gets the lock
+    next; one that does not get it leaves them to the holder, which looks again once it lets go.
+    So a return never waits for the lock: the garbage collector may make one (:class:`_Shared`)
+    while this very thread holds it."""
+
+    def __init__(self, share: int) -> None:
+        if share < 1:
+            raise KVConfigError(f"kvbridge: a producer's share of the load threads must be at least 1, not {share}")
+        self._share = share
+        self._requests: collections.deque[tuple[list[Address], Callable[[_Share], None]]] = collections.deque()
+        self._returns: collections.deque[list[Address]] = collections.deque()
+        self._lock = threading.Lock()  # guards the two fields below
+        self._taken: collections.Counter[Address] = collections.Counter()
+        self._waiting: collections.deque[tuple[list[Address], Callable[[_Share], None]]] = collections.deque()
+
+    def take(self, addresses: list[Address], granted: Callable[[_Share], None]) -> None:
+        """Call ``granted`` with a share of every one of ``addresses`` once each has one free and no
+        earlier load waits for it: at once, in this thread, when nothing else is settling shares;
+        else from the thread that frees one, or that settles them."""
+        self._requests.append((addresses, granted))
+        self._settle()
+
+    def give_back(self, addresses: list[Address]) -> None:
+        self._returns.append(addresses)
+        self._settle()
+
+    def _settle(self) -> None:
+        while (self._requests or self._returns) and self._lock.acquire(blocking=False):
+            try:
+                while self._returns:
+                    self._taken.subtract(self._returns.popleft())
+                while self._requests:
+                    self._waiting.append(self._requests.popleft())
+                grants = self._grant()
+            finally:
+                self._lock.release()
+            for share, granted in grants:
+                try:
+                    granted(share)
+                except Exception:  # a faulty callback must neither keep its share nor stop the others
+                    logger.exception("kvbridge: a load given its producer's share failed")
+                    share.give_back()
+
+    def _grant(self) -> list[tuple[_Share, Callable[[_Share], None]]]:
+        """Take the shares of the waiting loads that can go, in order per producer (under the lock)."""
+        grants, blocked, still = [], set(), collections.deque()
+        for addresses, granted in self._waiting:
+            if blocked.isdisjoint(addresses) and all(self._taken[address] < self._share for address in addresses):
+                self._taken.update(addresses)
+                grants.append((_Share(self, addresses), granted))
+            else:
+                blocked.update(addresses)
+                still.append((addresses, granted))
+        self._waiting = still
+        return grants
+
+
+class _Shared(KVLookupBufferBase):
+    """A connection handed to one load with its share of the producers: the share goes back when
+    its select returns, or when this object dies (a load that never selects)."""
+
+    def __init__(self, buffer: KVLookupBufferBase, share: _Share) -> None:
+        self.buffer = buffer
+        self._share = share
+        weakref.finalize(self, share.give_back)
+
+    def insert(self, *args: Any, **kwargs: Any) -> Any:
+        return self.buffer.insert(*args, **kwargs)
+
+    def drop_select(self, *args: Any, **kwargs: Any) -> SelectResult:
+        try:
+            return self.buffer.drop_select(*args, **kwargs)
+        finally:
+            self._share.give_back()
+
+    @property
+    def failure(self) -> Exception | None:
+        return self.buffer.failure
+
+    def stats(self) -> BufferStats:
+        return self.buffer.stats()
+
+    def close(self) -> None:
+        return  # the connection belongs to SourceConnections
 
 
 class HeadGather(KVLookupBufferBase):
@@ -148,19 +281,19 @@ class HeadGather(KVLookupBufferBase):
             entry = select(0)
             self.failed_index = None
             return entry
-        # The ranks' selects at once (their entries are saved in the same step): the others' in the
-        # gather pool, the first here. Every outcome is collected before anything is used or raised.
-        others = [_pool().submit(select, index) for index in range(1, len(self.buffers))]
-        outcomes: list[SelectResult | BaseException] = []
-        try:
-            outcomes.append(select(0))
-        except BaseException as exc:  # noqa: BLE001 - kept, raised once every select has ended
-            outcomes.append(exc)
-        for future in others:
+        # The ranks' selects at once (their entries are saved in the same step): the others' each in
+        # a thread of its own, the first here. Not in a pool: a gather's selects would queue behind
+        # other gathers', each waiting up to its timeout, while this thread waits for them. Every
+        # outcome is collected before anything is used or raised.
+        others = [_aside(select, index) for index in range(1, len(self.buffers))]
+
+        def outcome(index: int, future: concurrent.futures.Future | None) -> SelectResult | BaseException:
             try:
-                outcomes.append(future.result())
-            except BaseException as exc:  # noqa: BLE001
-                outcomes.append(exc)
+                return select(index) if future is None else future.result()
+            except BaseException as exc:  # noqa: BLE001 - kept, raised once every select has ended
+                return exc
+
+        outcomes = [outcome(index, future) for index, future in enumerate([None, *others])]
         entries = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
         failed = next((index for index, outcome in enumerate(outcomes) if isinstance(outcome, BaseException)), None)
         if failed is not None:
@@ -229,18 +362,24 @@ class HeadGather(KVLookupBufferBase):
         return  # the connections belong to SourceConnections
 
 
-_gather_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_gather_pool_lock = threading.Lock()
-#: Threads that select from the second and later prefill ranks of gathers (per process).
-GATHER_THREADS = 8
+def _aside(select: Callable[[int], SelectResult], index: int) -> concurrent.futures.Future | None:
+    """``select(index)`` started in a thread of its own; None if no thread can start (the process is
+    out of them): the caller then selects in its own thread, after the others have started."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
 
+    def run() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(select(index))
+        except BaseException as exc:  # noqa: BLE001 - the gather raises it
+            future.set_exception(exc)
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _gather_pool
-    with _gather_pool_lock:
-        if _gather_pool is None:
-            _gather_pool = concurrent.futures.ThreadPoolExecutor(GATHER_THREADS, thread_name_prefix="kvbridge-gather")
-        return _gather_pool
+    try:
+        threading.Thread(target=run, name="kvbridge-gather", daemon=True).start()
+    except RuntimeError:
+        logger.warning("kvbridge: no thread for the select from a prefill TP rank; it runs after the others")
+        return None
+    return future
 
 
 class _Borrowings:

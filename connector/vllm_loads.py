@@ -30,7 +30,12 @@ logger = logging.getLogger(__name__)
 #: Loads that wait or receive at the same time. A load waiting for a late entry holds a thread for
 #: up to ``kv_load_timeout``; more loads than threads queue behind them without holding the step.
 #: A load takes a thread only once its producer's connection is open.
-LOAD_THREADS = 8
+LOAD_THREADS = 16
+#: Loads from one producer (one prefill rank: a gather counts against each of its ranks) that hold a
+#: load thread at once, at most; the others wait for one of them to end without a thread
+#: (:class:`connector.tp_sources.SourceConnections`). A producer that stops answering with its
+#: connection open holds each of its selects until ``kv_timeout``: it must leave threads to the others.
+PRODUCER_LOAD_SHARE = LOAD_THREADS // 2
 #: Work that reports nothing to vLLM: see :meth:`LoadTracker.start_unreported`.
 Unreported = Callable[[], None]
 

@@ -64,3 +64,22 @@ class Dialer:
     def count(self, address: tuple[str, int]) -> int:
         with self._lock:
             return self.calls.count(address)
+
+
+class Told:
+    """A when_ready callback that records what it was told, and in which thread."""
+
+    def __init__(self) -> None:
+        self.results: list[object] = []
+        self.threads: list[str] = []
+        self.done = threading.Event()
+
+    def __call__(self, result: object) -> None:
+        self.results.append(result)
+        self.threads.append(threading.current_thread().name)
+        self.done.set()
+
+    def wait(self) -> object:
+        assert self.done.wait(WAIT), "never told"
+        assert len(self.results) == 1, f"told {len(self.results)} times"
+        return self.results[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+from harness import procs
+
 
 def console_script() -> str:
     """The ``kvbridge`` command pip installed into this Python's environment."""
@@ -29,3 +31,14 @@ SMALL_RUN = {
 
 def table_rows(stdout: str, word: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("|") and f"| {word} " in line]
+
+
+def run_processes(
+    commands: list[tuple[list[str], dict[str, str]]], tmp_path: Path, timeout: float
+) -> list[procs.Finished]:
+    """:func:`procs.run_commands` with the small workload in every command's environment."""
+    return procs.run_commands([(command, {**SMALL_RUN, **env}) for command, env in commands], tmp_path, timeout)
+
+
+def explain(result: procs.Finished) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr[-4000:]}"

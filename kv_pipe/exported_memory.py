@@ -5,13 +5,18 @@ copy a transfer between two caches on one host needs is the consumer copying the
 straight into its own; for that the producer's cache pages must be shared. :func:`export_host_memory`
 makes them so without moving the tensor: it copies the whole pages under the tensor's storage into
 an anonymous shared-memory file (``memfd_create``) and maps that file over the very same addresses
-(``MAP_FIXED``), so every tensor and view over the storage keeps working, reading and writing the
+(``mremap``), so every tensor and view over the storage keeps working, reading and writing the
 shared pages. The file is sealed against shrinking and growing: a peer that maps it can never fault
-on a page the exporter took away. Once the exporter has mapped it, it is also sealed against future
-writes (``F_SEAL_FUTURE_WRITE``, Linux 5.1): through whatever descriptor it is opened, even
-read-write through ``/proc/PID/fd/FD``, nobody can ``write`` it, punch holes in it or map it
-writable any more, while the exporter's own mapping, made before the seal, keeps writing. A kernel
-that cannot add that seal gets no export at all (:class:`KVConfigError`; callers then copy).
+on a page the exporter took away. It is also sealed against future writes (``F_SEAL_FUTURE_WRITE``,
+Linux 5.1): through whatever descriptor it is opened, even read-write through ``/proc/PID/fd/FD``,
+nobody can ``write`` it, punch holes in it or map it writable any more, while the exporter's own
+mapping, made before the seal, keeps writing. A writable mapping anyone else made before the seal
+would keep writing too, so nobody else may open the file until it is sealed: from its creation to
+the seal (a few system calls, before any byte is copied in) the process is not dumpable, which
+makes its ``/proc/PID/fd`` unopenable by processes without ``CAP_SYS_PTRACE`` (those may write the
+process's memory anyway). Only then is the storage copied in, through the exporter's mapping, which
+then moves over the storage. A kernel that cannot add that seal gets no export at all
+(:class:`KVConfigError`; callers then copy).
 
 A pipe peer maps the export read-only (:class:`PeerMemory`, through ``/proc/PID/fd/FD`` of a peer
 the pipe already proved to be on this host), and only an export that carries every seal: it can read
@@ -52,13 +57,18 @@ F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 #: exporter's own mapping can change its contents.
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_MAP_FIXED = 0x10  # not in Python's mmap module: the pages at the address are replaced, or nothing is
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2  # the mapping moves to the address given, replacing what was there
+_PR_GET_DUMPABLE, _PR_SET_DUMPABLE = 3, 4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mremap.restype = ctypes.c_void_p
+_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+_libc.prctl.restype = ctypes.c_int
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,31 +186,56 @@ def _check_write_seal() -> None:
 
 
 def _move_into_shared_memory(address: int, nbytes: int, storage: torch.UntypedStorage) -> ExportedMemory:
-    fd = os.memfd_create(_EXPORT_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, nbytes)
-        _add_seals(fd, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # at once: no page can be taken from under the mmap
-        view = (ctypes.c_char * nbytes).from_address(address)
-        written = 0
-        while written < nbytes:
-            written += os.pwrite(fd, memoryview(view)[written:], written)
-        mapped = _libc.mmap(address, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
-        if mapped != address:
-            raise OSError(ctypes.get_errno(), "mmap over the storage failed")
-    except OSError as exc:
+    fd, mapped = _sealed_memfd(nbytes)
+    # Nobody else can write the file now: the storage's bytes go in through the exporter's own
+    # mapping, which then replaces the storage's pages (a moved mapping keeps writing: the seal
+    # forbids only new writable ones).
+    ctypes.memmove(mapped, address, nbytes)
+    moved = _libc.mremap(mapped, nbytes, nbytes, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
+    if moved != address:
+        error = ctypes.get_errno()
+        _libc.munmap(mapped, nbytes)
         os.close(fd)
-        raise KVConfigError(f"cannot move {nbytes} bytes into shared memory: {exc}") from exc
-    try:
-        # Only now: the future-write seal forbids every writable mapping made after it, this one too.
-        _add_seals(fd, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
-    except OSError as exc:
-        # The storage stays over the file, which keeps working as its memory; the descriptor,
-        # through which others could open it, is closed, and nothing is exported.
-        os.close(fd)
-        raise KVConfigError(f"host memory is not exported: it could not be sealed against writes by other processes "
-                            f"(F_SEAL_FUTURE_WRITE): {exc}") from exc
+        raise KVConfigError(f"cannot move {nbytes} bytes into shared memory: {os.strerror(error)}")
     # The descriptor stays open for the life of the process: peers map the export through it.
     return ExportedMemory(address, nbytes, ExportDescriptor(fd, os.fstat(fd).st_ino, nbytes), storage)
+
+
+def _sealed_memfd(nbytes: int) -> tuple[int, int]:
+    """A new memfd of ``nbytes`` carrying every seal, and the address of this process's writable
+    mapping of it, made before the seals: the only one there will ever be. Until the seals, the
+    process is not dumpable, so that nobody without CAP_SYS_PTRACE opens the file through
+    /proc/PID/fd (and maps it writable, a mapping the seal would not undo)."""
+    hidden = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1  # else /proc/PID/fd is closed to others already
+    if hidden and _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0):
+        raise KVConfigError(f"host memory is not exported: the process cannot hide its descriptors while the "
+                            f"export is made: {os.strerror(ctypes.get_errno())}")
+    fd = mapped = None
+    try:
+        fd = os.memfd_create(_EXPORT_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, nbytes)
+        _add_seals(fd, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # no page can be taken from under a mapping
+        mapped = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if mapped in (None, _MAP_FAILED):
+            mapped = None
+            raise OSError(ctypes.get_errno(), "mmap of the shared memory failed")
+        try:
+            _add_seals(fd, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        except OSError as exc:
+            raise KVConfigError(f"host memory is not exported: it could not be sealed against writes by other "
+                                f"processes (F_SEAL_FUTURE_WRITE): {exc}") from exc
+        return fd, mapped
+    except BaseException as exc:
+        if mapped is not None:
+            _libc.munmap(mapped, nbytes)
+        if fd is not None:
+            os.close(fd)
+        if isinstance(exc, OSError):
+            raise KVConfigError(f"cannot move {nbytes} bytes into shared memory: {exc}") from exc
+        raise
+    finally:
+        if hidden:
+            _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
 def stat_peer_memfd(path: str, name: str) -> os.stat_result | None:

@@ -28,6 +28,8 @@ _PAIR_OPTIONS = {
     "max_new_tokens": ("KVBRIDGE_MAX_NEW_TOKENS", int, "tokens generated per prompt (default 16)"),
     "model": ("KVBRIDGE_MODEL", str, "local directory of a Hugging Face causal LM (default: built-in Llama)"),
     "seed": ("KVBRIDGE_SEED", int, "seed of weights, prompts and order (default 0)"),
+    "store": ("KVBRIDGE_KV_STORE", str, "move the KV through a store both ranks reach, not a pipe: "
+              "disk:PATH or redis://HOST:PORT (default: a pipe)"),
 }
 
 

@@ -15,6 +15,13 @@ and its control channel, then this launcher's own small control pipe). ``KVBRIDG
 set transfer options (see :meth:`kv_pipe.KVTransferConfig.from_env`), e.g. ``KVBRIDGE_KV_TIMEOUT``,
 ``KVBRIDGE_KV_BUFFER_SIZE``, ``KVBRIDGE_KV_CONNECT_TIMEOUT``; the shared secret comes from
 ``KVBRIDGE_KV_SECRET`` or a file named by ``KVBRIDGE_KV_SECRET_FILE`` (:mod:`connector.secret`).
+
+With ``KVBRIDGE_KV_STORE`` (``kvbridge pair --store SPEC``) the KV goes through a store instead of a
+pipe (:class:`lookup_buffer.StoreBuffer`): rank 0 writes every request's chunks into it, rank 1
+reads them once rank 0 has said so on the control pipe. The store must be one both processes
+reach: ``disk:PATH`` (one host) or ``redis://HOST:PORT``; ``memory`` alone is refused.
+``KVBRIDGE_KV_CHUNK_SIZE`` (default 256) sets the tokens per stored object.
+
 The workload:
 
 =============================  =======  ==========================================================
@@ -57,6 +64,7 @@ from connector import (
     send_kv_caches_and_hidden_states,
 )
 from connector.secret import resolve_secret
+from connector.transfer_state import KVConnectorConfig, build_kv_buffer
 from kv_pipe import KVConfigError, KVProtocolError, KVTransferConfig, KVTransferError, TorchDistributedPipe
 from launch.extras import needs_extra
 from launch.model import (
@@ -68,7 +76,7 @@ from launch.model import (
     weights_digest,
 )
 from launch.table import format_table
-from lookup_buffer import SimpleBuffer
+from lookup_buffer import KVLookupBufferBase, SimpleBuffer, StoreBuffer
 
 with needs_extra("pair"):
     from tqdm import tqdm
@@ -81,7 +89,9 @@ CONTROL_PORT_OFFSET = 2
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR = 0, 1, 2
 #: Per-request numbers the prefill side reports: seconds of prefill, seconds of send, bytes.
 _STATS_COLUMNS = 3
-_Closable = TypeVar("_Closable", TorchDistributedPipe, SimpleBuffer)
+_Closable = TypeVar("_Closable", TorchDistributedPipe, KVLookupBufferBase)
+#: ContiguousKV packs a request's KV as [layers, batch 1, kv heads, tokens, head size].
+STORE_TOKEN_DIM = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,9 +222,11 @@ def _check_capacity(config: KVTransferConfig, probe: PrefillOutput, prompts: lis
         )
 
 
-def run_prefill(settings: PairSettings, config: KVTransferConfig, buffer: SimpleBuffer,
+def run_prefill(settings: PairSettings, config: KVTransferConfig, buffer: KVLookupBufferBase,
                 control: TorchDistributedPipe, model: PreTrainedModel, prompts: list[torch.Tensor]) -> int:
-    _check_capacity(config, prefill(model, prompts[0][:1]), prompts)
+    stored = isinstance(buffer, StoreBuffer)
+    if not stored:  # a store's tiers bound themselves; a pipe's buffer must hold the whole batch
+        _check_capacity(config, prefill(model, prompts[0][:1]), prompts)
     stats = torch.zeros(len(prompts), _STATS_COLUMNS, dtype=torch.float64)
     requests = []
     for index, tokens in enumerate(tqdm(prompts, desc="rank 0 prefill", unit="req")):
@@ -224,6 +236,8 @@ def run_prefill(settings: PairSettings, config: KVTransferConfig, buffer: Simple
         requests.append(KVRequest(tokens, ContiguousKV(state.keys, state.values), state.hidden))
     with _stage("sending KV into the lookup buffer"):
         send_results = send_kv_caches_and_hidden_states(buffer, requests)
+        if stored:  # writes queued for slower tiers are made before the decode side is told to read
+            buffer.close()
     for index, result in enumerate(send_results):
         stats[index, 1:] = torch.tensor([result.seconds, result.num_bytes], dtype=torch.float64)
     with _stage("sending the prefill results"):
@@ -262,7 +276,7 @@ class _Outcome:
         return found
 
 
-def _receive_and_generate(settings: PairSettings, buffer: SimpleBuffer, model: PreTrainedModel,
+def _receive_and_generate(settings: PairSettings, buffer: KVLookupBufferBase, model: PreTrainedModel,
                           prompts: list[torch.Tensor], stats: torch.Tensor) -> list[_Outcome]:
     """Fetch every prompt's KV (shuffled order) and generate from it; recompute the misses."""
     probe = prefill(model, prompts[0][:1])
@@ -318,8 +332,9 @@ def _report(outcomes: list[_Outcome]) -> str:
     ])
 
 
-def run_decode(settings: PairSettings, buffer: SimpleBuffer, control: TorchDistributedPipe,
+def run_decode(settings: PairSettings, buffer: KVLookupBufferBase, control: TorchDistributedPipe,
                model: PreTrainedModel, prompts: list[torch.Tensor]) -> int:
+    # Sent once every request's KV is in the buffer (or the store): only then is it read.
     stats = _receive(control, settings.peer_timeout, torch.float64, (len(prompts), _STATS_COLUMNS),
                      "prefill results")
     if not (torch.isfinite(stats).all() and (stats >= 0).all()):
@@ -355,18 +370,39 @@ def _closing(resource: _Closable) -> Iterator[_Closable]:
     resource.close()
 
 
-def run(settings: PairSettings, config: KVTransferConfig) -> int:
+def _store_identity(model: PreTrainedModel, digest: torch.Tensor, prompt: torch.Tensor) -> dict[str, str | int]:
+    """What makes stored KV usable by the other rank: the weights and the KV's dtype and shape."""
+    keys = prefill(model, prompt[:1]).keys
+    return {"model": bytes(digest.tolist()).hex(), "kv_dtype": str(keys[0].dtype), "layout": "hf_contiguous",
+            "layers": len(keys), "kv_heads": keys[0].shape[1], "head_size": keys[0].shape[-1], "tp": "0/1"}
+
+
+def _check_shared(spec: str) -> None:
+    if all(part.strip() == "memory" for part in spec.split(",")):
+        raise KVConfigError(f"the pair's two processes cannot share the store {spec!r} (a memory tier is one "
+                            f"process's own): use --store disk:PATH or --store redis://HOST:PORT")
+
+
+def run(settings: PairSettings, config: KVConnectorConfig) -> int:
     """Run this rank's side of the pair; return the exit status."""
+    if config.kv_store is not None:
+        _check_shared(config.kv_store)
+    transfer = config.transfer
     model = build_model(settings.model_dir, settings.seed)
     prompts = make_prompts(settings, model.config.vocab_size)
     digest = weights_digest(model)
     with contextlib.ExitStack() as stack:
-        pipe = stack.enter_context(_closing(TorchDistributedPipe(config)))
-        buffer = stack.enter_context(_closing(SimpleBuffer(pipe, config)))
-        control = stack.enter_context(_closing(TorchDistributedPipe(config, port_offset=CONTROL_PORT_OFFSET)))
+        buffer: KVLookupBufferBase
+        if config.kv_store is None:
+            pipe = stack.enter_context(_closing(TorchDistributedPipe(transfer)))
+            buffer = stack.enter_context(_closing(SimpleBuffer(pipe, transfer)))
+        else:
+            buffer = stack.enter_context(_closing(build_kv_buffer(
+                config, identity=_store_identity(model, digest, prompts[0]), token_dim=STORE_TOKEN_DIM)))
+        control = stack.enter_context(_closing(TorchDistributedPipe(transfer, port_offset=CONTROL_PORT_OFFSET)))
         handshake(control, digest, settings)
-        if config.kv_rank == 0:
-            return run_prefill(settings, config, buffer, control, model, prompts)
+        if transfer.kv_rank == 0:
+            return run_prefill(settings, transfer, buffer, control, model, prompts)
         return run_decode(settings, buffer, control, model, prompts)
 
 
@@ -383,7 +419,7 @@ def main() -> int:
     try:
         if os.environ.get("WORLD_SIZE", "2") != "2":
             raise KVConfigError(f"the pair needs exactly 2 ranks, WORLD_SIZE is {os.environ['WORLD_SIZE']}")
-        return run(PairSettings.from_env(), transfer_config())
+        return run(PairSettings.from_env(), KVConnectorConfig.from_env(transfer_config()))
     except KVTransferError as error:
         logger.error("%s: %s", type(error).__name__, error)
         return EXIT_ERROR

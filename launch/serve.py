@@ -28,8 +28,18 @@ environment binds already.
 
 Secrets: the shared ``kv_secret`` is read once, from ``KVBRIDGE_KV_SECRET``,
 ``KVBRIDGE_KV_SECRET_FILE`` or ``kv_secret_file`` in ``--kv-extra`` (:mod:`connector.secret`), and
-reaches the instances through their environment, never their command lines. Logged command lines
-show ``--api-key`` values as redacted (``VLLM_API_KEY`` keeps the key out of ``ps`` too).
+reaches the instances through their environment, never their command lines. Without one, serve
+generates one for this launch, so that the kvbridge ports and the store are never open to anyone
+who reaches them; an address beyond loopback that depends on it is warned about. Logged command
+lines show ``--api-key`` values as redacted (``VLLM_API_KEY`` keeps the key out of ``ps`` too).
+
+Store: ``--kv-store memory|disk:PATH|redis[://HOST:PORT]`` (several comma-separated, fastest first)
+reaches every instance as ``kv_connector_extra_config["kv_store"]``. Plain ``redis`` makes serve
+start a ``redis-server`` of its own on a free loopback port (:mod:`launch.redis_server`), sized by
+``--kv-store-redis-memory``, whose password, derived from the secret, reaches the instances as
+``KVBRIDGE_STORE_PASSWORD``; it is stopped at exit. ``redis://HOST:PORT`` is a server of your own,
+its password read by the instances from ``KVBRIDGE_STORE_PASSWORD`` / ``KVBRIDGE_STORE_PASSWORD_FILE``
+in serve's environment.
 
 Memory: on a CPU host, unless the vLLM arguments or an instance's environment size the KV cache,
 each instance gets a ``--kv-cache-memory-bytes`` (vLLM's size per TP rank) chosen from the host's
@@ -40,28 +50,40 @@ logged.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from connector.secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_FILE_KEY, refuse_inline_secret, resolve_secret
 from kv_pipe.errors import KVConfigError
-from launch import kv_memory, proxy
+from launch import kv_memory, proxy, redis_server
 
 logger = logging.getLogger(__name__)
 
 #: How vLLM on CPU is told which cores an instance's threads run on.
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+#: Where the connector reads the Redis store's password (never from its configuration).
+STORE_PASSWORD_ENV = "KVBRIDGE_STORE_PASSWORD"
+STORE_PASSWORD_FILE_ENV = "KVBRIDGE_STORE_PASSWORD_FILE"
+#: Environment variables that only serve's own environment may set: on a command line they would be
+#: visible to every user of the host.
+_PRIVATE_ENV = (SECRET_ENV, SECRET_FILE_ENV, STORE_PASSWORD_ENV, STORE_PASSWORD_FILE_ENV)
+#: The ``--kv-store`` tier for a redis-server that serve starts itself.
+MANAGED_REDIS = "redis"
 
 
 def kv_transfer_config(role: str, kv_ip: str, kv_port: int, extra: dict[str, Any]) -> dict[str, Any]:
@@ -142,13 +164,108 @@ def instance_env(environ: Mapping[str, str], pairs: Sequence[str], secret: str |
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise KVConfigError(f"--prefill-env/--decode-env take KEY=VALUE, got a value without '=' ({key!r})")
-        if key in (SECRET_ENV, SECRET_FILE_ENV):
+        if key in _PRIVATE_ENV:
             raise KVConfigError(f"{key} on the command line would be visible to every user of the host (ps): "
                                 "set it in the environment of kvbridge serve, once for all instances")
         env[key] = value
     if secret is not None:
         env[SECRET_ENV] = secret
     return env
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSecret:
+    """The ``kv_secret`` every instance of a launch holds; ``generated``: serve made it up, as none was given."""
+
+    value: str = dataclasses.field(repr=False)
+    generated: bool
+
+
+def launch_secret(kv_extra: Mapping[str, Any], environ: Mapping[str, str]) -> LaunchSecret:
+    """The secret given to serve (see :mod:`connector.secret`), else a new random one for this launch:
+    no kvbridge port or store of serve's is ever open to whoever reaches it."""
+    refuse_inline_secret(kv_extra, "--kv-extra")
+    given = resolve_secret(environ, kv_extra.get(SECRET_FILE_KEY))
+    if given is not None:
+        return LaunchSecret(given, generated=False)
+    logger.info("no kv_secret given: the instances share one generated for this launch")
+    return LaunchSecret(secrets.token_urlsafe(32), generated=True)
+
+
+def store_tiers(spec: str) -> list[str]:
+    """The tiers of ``--kv-store``, fastest first, checked: ``memory``, ``disk:PATH``, ``redis`` (a
+    server serve starts), ``redis://HOST:PORT``, ``rediss://HOST:PORT`` or ``redis+cluster://HOST:PORT``;
+    one tier of each kind (the store names its tiers by kind). A password in a URL is refused: it
+    would be on the command line; the instances read it from ``KVBRIDGE_STORE_PASSWORD``."""
+    tiers, kinds = [], set()
+    for tier in (part.strip() for part in spec.split(",")):
+        if tier in ("memory", MANAGED_REDIS) or (tier.startswith("disk:") and tier[len("disk:"):]):
+            kind = tier.partition(":")[0]
+        elif tier.startswith(("redis://", "rediss://", "redis+cluster://")):
+            kind = "redis"
+            url = urllib.parse.urlsplit(tier)
+            if url.password is not None:
+                raise KVConfigError(f"a password in --kv-store would be visible to every user of the host (ps): "
+                                    f"set {STORE_PASSWORD_ENV} or {STORE_PASSWORD_FILE_ENV} in serve's environment")
+            if not url.hostname:
+                raise KVConfigError(f"--kv-store tier {tier!r} names no host")
+        else:
+            raise KVConfigError(f"--kv-store tier {tier!r} is not one of: memory, disk:PATH, redis, "
+                                "redis://HOST:PORT, redis+cluster://HOST:PORT")
+        if kind in kinds:
+            raise KVConfigError(f"--kv-store {spec!r} names two {kind} tiers: give one of each kind")
+        kinds.add(kind)
+        tiers.append(tier)
+    return tiers
+
+
+def _beyond_loopback(host: str) -> bool:
+    """Whether others than this host may reach ``host`` (a name is taken as reachable, except localhost)."""
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
+
+
+def exposure_warnings(kv_ip: str, tiers: Sequence[str], secret: LaunchSecret,
+                      environ: Mapping[str, str]) -> list[str]:
+    """What a launch leaves open or loses for want of a secret or a password the user did not give."""
+    warnings = []
+    if secret.generated and _beyond_loopback(kv_ip):
+        warnings.append(f"the prefill instances listen for kvbridge on {kv_ip}, beyond loopback, and no "
+                        f"kv_secret was given: only the instances of this launch hold the one generated for it; "
+                        f"set {SECRET_ENV} or {SECRET_FILE_ENV} to share one with instances elsewhere")
+    store_password = STORE_PASSWORD_ENV in environ or STORE_PASSWORD_FILE_ENV in environ
+    for tier in tiers:
+        host = urllib.parse.urlsplit(tier).hostname if "://" in tier else None
+        if host is not None and _beyond_loopback(host) and not store_password:
+            warnings.append(f"the store {tier} is beyond loopback and no {STORE_PASSWORD_ENV} is set: whoever "
+                            f"reaches it can read the stored KV, which reveals the prompts, and delete it")
+        if secret.generated and (host is not None or tier.startswith("disk:")):
+            warnings.append(f"the store {tier} outlives this launch, but its objects are signed with the kv_secret "
+                            f"generated for it: another launch refuses them; set {SECRET_ENV} or "
+                            f"{SECRET_FILE_ENV} to keep them usable")
+    return warnings
+
+
+def store_setting(tiers: Sequence[str], given: Any, managed_redis: str | None) -> str | dict[str, Any] | None:
+    """``kv_connector_extra_config["kv_store"]`` for every instance: the ``--kv-store`` ``tiers`` with
+    plain ``redis`` replaced by ``managed_redis`` (the URL of the server serve starts), joined with
+    ``given``, a ``kv_store`` object in ``--kv-extra`` that sizes the tiers but names none; ``given``
+    alone without tiers; None without a store."""
+    if not tiers:
+        return given
+    if MANAGED_REDIS in tiers and managed_redis is None:
+        raise ValueError("--kv-store redis needs the URL of the managed redis-server")
+    spec = ",".join(managed_redis if tier == MANAGED_REDIS else tier for tier in tiers)
+    if given is None:
+        return spec
+    if not isinstance(given, dict) or "tiers" in given:
+        raise KVConfigError("--kv-store and kv_store in --kv-extra both name the store's tiers: give them once "
+                            "(kv_store in --kv-extra may size them: memory_bytes, disk_bytes, chunk_size)")
+    return {**given, "tiers": spec}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +279,8 @@ class Instance:
 
 
 def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[str, str],
-         kv_budget: int | None, cores: Sequence[int] | None = None) -> list[Instance]:
+         kv_budget: int | None, cores: Sequence[int] | None = None, secret: LaunchSecret | None = None,
+         managed_redis: str | None = None) -> list[Instance]:
     """The prefill and decode instances, in the order to start them: their command lines and environments.
 
     Prefill instance i serves HTTP on ``--prefill-port + i`` and listens for kvbridge at
@@ -171,11 +289,19 @@ def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[s
     ``kv_budget``: bytes of host memory to size KV caches from (:mod:`launch.kv_memory`) for the
     instances the user did not size; None leaves vLLM's own default (e.g. on a GPU host).
     ``cores``: the CPU cores to spread the instances over (``VLLM_CPU_OMP_THREADS_BIND``); None
-    leaves placement to vLLM.
+    leaves placement to vLLM. ``secret``: the launch's (:func:`launch_secret` when None).
+    ``managed_redis``: the URL of the redis-server serve starts for ``--kv-store redis``; its
+    password, derived from the secret, goes into every instance's environment.
     """
-    refuse_inline_secret(args.kv_extra, "--kv-extra")
-    extra = dict(args.kv_extra)
-    secret = resolve_secret(environ, extra.pop(SECRET_FILE_KEY, None))
+    if secret is None:
+        secret = launch_secret(args.kv_extra, environ)
+    extra = {key: value for key, value in args.kv_extra.items() if key != SECRET_FILE_KEY}  # read already
+    tiers = store_tiers(args.kv_store) if args.kv_store is not None else []
+    store = store_setting(tiers, extra.get("kv_store"), managed_redis)
+    if store is not None:
+        extra["kv_store"] = store
+    for warning in exposure_warnings(args.kv_ip, tiers, secret, environ):
+        logger.warning("%s", warning)
     prefill_tp, decode_tp = tp_sizes(args, serve_args)
     kinds = (("prefill", "kv_producer", args.prefill_instances, args.prefill_port, args.prefill_env, prefill_tp,
               args.prefill_tp is not None),
@@ -187,7 +313,10 @@ def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[s
     for kind, role, count, first_port, pairs, tp_size, tp_given in kinds:
         for index in range(count):
             name = kind if count == 1 else f"{kind}-{index}"
-            env = instance_env(environ, pairs, secret)
+            env = instance_env(environ, pairs, secret.value)
+            if managed_redis is not None:
+                env.pop(STORE_PASSWORD_FILE_ENV, None)
+                env[STORE_PASSWORD_ENV] = redis_server.password_from_secret(secret.value)
             bind = binds[len(instances)]
             if bind is not None and BIND_ENV not in env:
                 env[BIND_ENV] = bind
@@ -293,6 +422,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _redis_memory(text: str) -> str:
+    try:
+        return redis_server.memory_size(text)
+    except KVConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _json_object(text: str) -> dict[str, Any]:
     # Never echo the text: a mistyped value may hold a secret.
     try:
@@ -325,6 +461,11 @@ def parser() -> argparse.ArgumentParser:
                         help="kvbridge port of the first prefill instance (each one takes one per TP rank)")
     parser.add_argument("--kv-extra", type=_json_object, default={},
                         help='JSON object added to kv_connector_extra_config, e.g. \'{"kv_timeout": 10}\'')
+    parser.add_argument("--kv-store", default=None, metavar="TIERS",
+                        help="store KV for reuse: memory, disk:PATH, redis (a redis-server serve starts) or "
+                             "redis://HOST:PORT, comma-separated, fastest first")
+    parser.add_argument("--kv-store-redis-memory", type=_redis_memory, default="1gb", metavar="SIZE",
+                        help="maxmemory of the redis-server that --kv-store redis starts (e.g. 512mb, 4gb)")
     parser.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for each instance")
@@ -340,14 +481,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = _kv_budget()
     cores = sorted(os.sched_getaffinity(0)) if budget is not None else None  # a CPU host: spread the instances
     try:
-        instances = plan(args, serve_args, os.environ, budget, cores)
+        secret = launch_secret(args.kv_extra, os.environ)
+        managed = None
+        if args.kv_store is not None and MANAGED_REDIS in store_tiers(args.kv_store):
+            managed = redis_server.ManagedRedis(redis_server.password_from_secret(secret.value),
+                                                args.kv_store_redis_memory)
+        instances = plan(args, serve_args, os.environ, budget, cores, secret,
+                         managed.url if managed is not None else None)
     except KVConfigError as error:
         logger.error("%s", error)
         return 2
     # SIGTERM before the proxy runs (it installs its own handler) must still stop the instances.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     processes: list[subprocess.Popen] = []
-    try:
+    with contextlib.ExitStack() as cleanup:
+        if managed is not None:
+            try:
+                cleanup.enter_context(managed)  # stopped after the instances, which use it
+            except KVConfigError as error:  # no redis-server here
+                logger.error("%s", error)
+                return 2
+        cleanup.callback(stop, processes)
         # One after another: vLLM instances starting together fight for the cores and for memory.
         for instance in instances:
             logger.info("starting the %s instance: %s", instance.name, redacted(instance.command))
@@ -361,8 +515,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         proxy.run(urls["prefill"], urls["decode"], args.host, args.port,
                   proxy.Timeouts(args.connect_timeout, args.read_timeout), args.prefill_policy, args.decode_policy)
         return 0
-    finally:
-        stop(processes)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""lookup_buffer: fetch a request's KV from the producer by its tokens, in any order, over a kv_pipe."""
+"""lookup_buffer: fetch a request's KV from the producer by its tokens, in any order, over a kv_pipe
+(or over a kv_store, where a query finds its longest stored prefix)."""
 
 from lookup_buffer.base import BufferStats, KVLookupBufferBase, SelectResult
 from lookup_buffer.connections import ProducerConnections
@@ -6,6 +7,7 @@ from lookup_buffer.dialer import dial
 from lookup_buffer.errors import KVInvalidRequestError
 from lookup_buffer.listener import BufferListener
 from lookup_buffer.simple_buffer import SimpleBuffer
+from lookup_buffer.store_buffer import StoreBuffer
 
 __all__ = ["BufferListener", "BufferStats", "KVInvalidRequestError", "KVLookupBufferBase", "ProducerConnections",
-           "SelectResult", "SimpleBuffer", "dial"]
+           "SelectResult", "SimpleBuffer", "StoreBuffer", "dial"]

@@ -29,10 +29,17 @@ that ``insert`` returns has ended. A consumer that selects with ``borrow=True`` 
 pipe receives :class:`~lookup_buffer.loans.BorrowedTensor` items, copies the bytes itself, and
 releases them; any other consumer receives ordinary tensors, copied by the producer when selected.
 
-Partial hits: the ``roi`` returned by :meth:`KVLookupBufferBase.drop_select` is authoritative. This
-version only returns exact matches (the returned roi selects exactly the query's positions); a later
-version may return an entry covering a prefix of the query's positions, with a roi saying so.
-Callers must use the returned roi, not their own.
+Partial hits
+------------
+The ``roi`` returned by :meth:`KVLookupBufferBase.drop_select` is authoritative: callers must use
+it, not their own. A buffer whose :attr:`~KVLookupBufferBase.returns_prefixes` is False (the
+pipe's buffers) only returns exact matches, as the matching rule above says. A buffer whose
+``returns_prefixes`` is True (:class:`lookup_buffer.store_buffer.StoreBuffer`) answers with the
+longest prefix of the query it holds: the returned roi then selects positions ``[0, k)`` of the
+query's tokens for some ``k`` up to the query's own prefix, ``key``/``value`` cover exactly those
+``k`` tokens, and ``hidden`` comes only when all of the query was found. Such a buffer accepts only
+a roi that selects a prefix of the tokens (``KVInvalidRequestError`` otherwise) and may leave the
+entry in place (selecting does not drop it).
 """
 
 from __future__ import annotations
@@ -103,6 +110,9 @@ class KVLookupBufferBase(abc.ABC):
     :class:`kv_pipe.KVConfigError`. Every error is a :class:`kv_pipe.KVTransferError`; a miss is
     a normal result, never an exception, and an error is never reported as a miss.
     """
+
+    #: Whether :meth:`drop_select` may answer with a prefix of the query (see *Partial hits*).
+    returns_prefixes: bool = False
 
     @abc.abstractmethod
     def insert(

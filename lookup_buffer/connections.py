@@ -80,6 +80,7 @@ class ProducerConnections:
         and when the next attempt is), another :class:`KVTransferError` (e.g. the producer refused
         this consumer, or this object was closed), or, from a faulty dialer, any exception.
         """
+        waiters = [ready]
         with self._lock:
             if self._closed:
                 result: KVLookupBufferBase | Exception | None = _closed_error()
@@ -88,12 +89,22 @@ class ProducerConnections:
                 result = self._ready_now(address, producer)
                 if result is None:
                     producer.waiters.append(ready)
-                    if producer.dialing is None:
-                        producer.dialing = threading.Thread(target=self._dial, args=(address, producer),
-                                                            name="kvbuf-dial", daemon=True)
+                    if producer.dialing is not None:
+                        return
+                    producer.dialing = threading.Thread(target=self._dial, args=(address, producer),
+                                                        name="kvbuf-dial", daemon=True)
+                    try:
                         producer.dialing.start()
-                    return
-        _tell(ready, result)
+                        return
+                    except RuntimeError as exc:  # out of threads: no attempt, and none in flight
+                        # Not the producer's fault: its circuit stays as it was, the next request tries again.
+                        producer.dialing = None
+                        waiters, producer.waiters = producer.waiters, []
+                        result = KVPeerLostError(f"lookup buffer: cannot start a thread to connect to the producer "
+                                                 f"at {_name(address)}: {exc}")
+                        logger.error("%s", result)
+        for waiter in waiters:
+            _tell(waiter, result)
 
     def get(self, address: Address) -> KVLookupBufferBase:
         """The connection to the producer at ``address``, opened now if there is none (blocking,

@@ -156,6 +156,8 @@ class BufferProducer:
         self._session = auth.new_nonce()
         self._last_counter = 0  # of the last select accepted (server thread)
         self._inserted: collections.deque[MatchKey] = collections.deque()  # insert() -> server thread
+        # Keys of entries that left the store unselected (any thread) -> server thread.
+        self._removed: collections.deque[MatchKey] = collections.deque()
         self._stopping = threading.Event()
         self._endpoint = (address if isinstance(address, Endpoint)
                           else Endpoint(zmq.ROUTER, address, MAX_REQUEST_BYTES, bind=True))
@@ -168,6 +170,7 @@ class BufferProducer:
             raise
         self._server = threading.Thread(target=self._serve, name="kvbuf-producer-server", daemon=True)
         self._watcher = threading.Thread(target=self._watch_consumer, name="kvbuf-producer-watch", daemon=True)
+        self._store.watch(self._on_removed)
         self._server.start()
         self._watcher.start()
         logger.info("lookup buffer producer serving selects on %s (%d bytes)", self.address, config.kv_buffer_size)
@@ -206,6 +209,12 @@ class BufferProducer:
         self._inserted.append(key)
         self._endpoint.doorbell.ring()
 
+    def _on_removed(self, key: MatchKey) -> None:
+        """An entry under ``key`` left the store unselected (under the store's lock): the selects
+        waiting for it miss at once."""
+        self._removed.append(key)
+        self._endpoint.doorbell.ring()
+
     @property
     def failure(self) -> KVTransferError | None:
         """Why this producer stopped serving (its consumer died or closed, or it was closed), or None."""
@@ -234,6 +243,7 @@ class BufferProducer:
                 return
             self._closed = True
         self._stopping.set()
+        self._store.unwatch(self._on_removed)
         if self._owns_store:
             entries, nbytes = self._store.stop(KVPipeClosedError("insert on a closed lookup buffer"))
             if entries:
@@ -314,6 +324,7 @@ class BufferProducer:
                 self._endpoint.wait(self._poll_timeout_ms())
                 self._receive_requests()
                 self._match_inserted()
+                self._miss_removed()
                 self._expire(time.monotonic())
                 if self._owns_store:
                     log_expired(*self._store.expire())
@@ -385,6 +396,7 @@ class BufferProducer:
         self._waiting += 1
         self._waiting_key_bytes += len(key.canonical)
         self._match(key)
+        self._miss_if_gone(key)
         if not waiter.done:  # a wait of 0 expires in this round: an immediate miss
             heapq.heappush(self._deadlines, (waiter.deadline, next(self._sequence), waiter))
             if wait_ms > 0:
@@ -397,6 +409,22 @@ class BufferProducer:
             key = self._inserted.popleft()
             if key in self._waiters:
                 self._match(key)
+
+    def _miss_removed(self) -> None:
+        while self._removed:
+            self._miss_if_gone(self._removed.popleft())
+
+    def _miss_if_gone(self, key: MatchKey) -> None:
+        """Answer a miss to every select still waiting for ``key`` if an entry under it left the store
+        unselected just now (:meth:`EntryStore.gone`): it would not come back within their wait, and
+        each would hold its consumer (a load thread) for all of it."""
+        if key not in self._waiters or not self._store.gone(key):
+            return
+        for waiter in self._waiters.pop(key):
+            self._unpark(waiter)
+            with self._lock:
+                self._misses += 1
+            self._answer(waiter, OutcomeStatus.MISS)
 
     def _match(self, key: MatchKey) -> None:
         """Serve the waiters of ``key`` in order while entries for it are stored: a select of the whole

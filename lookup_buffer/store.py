@@ -5,12 +5,19 @@ is atomic, so an entry goes to exactly one select.
 
 When the byte budget is full, a store made with ``evict_unclaimed`` makes room for a new entry by
 evicting the oldest entries nobody has selected yet; one without it makes the insert wait.
+
+An entry that leaves unselected (evicted, expired, taken back by its owner) leaves a tombstone of its
+match key for :data:`TOMBSTONE_SECONDS`: a select waiting for that key, or coming soon after, is
+answered a miss at once (:meth:`EntryStore.gone`) instead of holding its consumer for its whole wait.
+Watchers (:meth:`EntryStore.watch`) are told each such key.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
+import itertools
 import logging
 import math
 import threading
@@ -30,6 +37,10 @@ logger = logging.getLogger(__name__)
 EVICTION_LOG_INTERVAL = 10.0
 #: How many waits of taken entries :meth:`EntryStore.take_waits` keeps between calls.
 TAKEN_WAITS_KEPT = 4096
+#: How long a select for the key of an entry that left unselected misses at once, and how many such
+#: keys are remembered (the oldest are forgotten first). Inserting under the key again ends it at once.
+TOMBSTONE_SECONDS = 30.0
+TOMBSTONES_KEPT = 4096
 
 
 #: A part of an entry that a select may take on its own: ``(dim, start, stop)``, every tensor of the
@@ -42,7 +53,7 @@ class Entry:
     """One inserted request: the tensors a hit sends (or lent tensors, with their ``loan``), and the
     bytes it is charged for."""
 
-    __slots__ = ("items", "nbytes", "largest", "expires", "loan", "lent", "stored")
+    __slots__ = ("items", "nbytes", "largest", "expires", "order", "loan", "lent", "stored")
 
     def __init__(self, items: tuple[torch.Tensor | LentTensor, ...], nbytes: int, loan: Loan | None = None,
                  lent: tuple[bool, bool, bool] = (False, False, False)) -> None:
@@ -51,6 +62,9 @@ class Entry:
         self.nbytes = nbytes
         self.largest = max(item.nbytes for item in items)  # a lent item may be copied into one message too
         self.expires = math.inf  # set when stored
+        # Its place in the age order among entries that expire at the same time, set when stored:
+        # the store's count of puts then, and 0 (a whole entry) or which part of a split one plus 1.
+        self.order = (0, 0)
         self.stored: float | None = None  # time.monotonic() when first stored (kept by a copy of it)
         self.loan = loan
 
@@ -89,9 +103,16 @@ class EntryStore:
         self._evict_unclaimed = evict_unclaimed
         self._cond = threading.Condition()
         self._entries: dict[MatchKey, collections.deque[Entry]] = {}
-        # Every stored entry in insertion order, which is also expiry order (one timeout for all).
-        # A popped entry leaves it at once: the store must hold no tensor it no longer counts.
-        self._by_age: collections.OrderedDict[Entry, MatchKey] = collections.OrderedDict()
+        # Every stored entry, with its key. A popped entry leaves it at once: the store must hold no
+        # tensor it no longer counts.
+        self._stored: dict[Entry, MatchKey | tuple[MatchKey, Part]] = {}
+        # The age order of what _stored holds, by Entry.order (and of entries that left it, skipped
+        # when found first; only numbers, never an entry's tensors): expiry, then insertion, order
+        # (one timeout for all); the parts of a split entry where the entry was, so that they expire
+        # and are evicted as old as it.
+        self._ages: list[tuple[float, int, int]] = []
+        self._by_order: dict[tuple[int, int], Entry] = {}
+        self._puts = itertools.count()
         self._expired = 0
         self._evicted = 0
         self._unlogged_evictions = (0, 0)  # entries and bytes evicted since the last warning
@@ -107,6 +128,11 @@ class EntryStore:
         # Seconds each popped entry waited since it was stored, until taken by take_waits (bounded:
         # nobody may ever take them).
         self._waits: collections.deque[float] = collections.deque(maxlen=TAKEN_WAITS_KEPT)
+        # Digests of the match keys of entries that left unselected, oldest first, with when they are
+        # forgotten. A digest, not the key: a long prompt's key is megabytes, and a collision only
+        # makes a select miss.
+        self._tombstones: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._watchers: list[Callable[[MatchKey], object]] = []
 
     def put(self, key: MatchKey, entry: Entry, timeout: float) -> None:
         """Store ``entry``: evicting the oldest unclaimed entries to make room (``evict_unclaimed``),
@@ -133,7 +159,7 @@ class EntryStore:
                 )
             waited = False
             while self._error is None and self._bytes + entry.nbytes > self._capacity:
-                if self._evict_unclaimed and self._by_age:
+                if self._evict_unclaimed and self._stored:
                     # Every byte counted is a stored entry's (a popped one leaves the budget at
                     # once), so evicting makes room for any entry within the capacity; the wait
                     # below serves a store that does not evict.
@@ -158,7 +184,9 @@ class EntryStore:
             entry.expires = now + self._entry_timeout
             if entry.stored is None:
                 entry.stored = now
+            entry.order = (next(self._puts), 0)
             self._keep(key, entry)
+            self._tombstones.pop((key[0] if isinstance(key, tuple) else key).digest, None)
             self._peak = max(self._peak, self._bytes)
             self._inserts += 1
             self._insert_waits += waited
@@ -181,8 +209,9 @@ class EntryStore:
         A part left by an earlier split comes first. Else the oldest whole entry under ``key`` is
         split (:func:`split_entry`) into equal parts of ``part``'s width: this one is returned, the
         others are stored under ``(key, their part)``, each selectable on its own, with the entry's
-        expiry and, if it was lent, a loan of its own (the entry's loan ends once all of theirs
-        have). Whole-entry selects never take a part, nor part selects of another width.
+        expiry and place in the age order (they expire, and are evicted, as old as it) and, if it
+        was lent, a loan of its own (the entry's loan ends once all of theirs have). Whole-entry
+        selects never take a part, nor part selects of another width.
 
         Raises:
             KVInvalidRequestError: the oldest entry cannot be split so (nothing changed).
@@ -205,8 +234,8 @@ class EntryStore:
                 queue.popleft()
                 self._forget(key, queue, whole)
                 entry = None
-                for piece_part, piece in parts:
-                    piece.expires, piece.stored = whole.expires, whole.stored
+                for index, (piece_part, piece) in enumerate(parts):
+                    piece.expires, piece.stored, piece.order = whole.expires, whole.stored, (whole.order[0], index + 1)
                     if piece_part == part:
                         entry = piece
                     else:
@@ -219,7 +248,9 @@ class EntryStore:
         """Store ``entry`` under ``key``, charged its bytes (under the lock): a whole entry under its
         match key, a part of a split entry under the key and its part."""
         self._entries.setdefault(key, collections.deque()).append(entry)
-        self._by_age[entry] = key
+        self._stored[entry] = key
+        self._by_order[entry.order] = entry
+        heapq.heappush(self._ages, (entry.expires, *entry.order))
         if entry.loan is not None:
             entry.loan.stored_in(lambda: self.withdraw(entry))
         self._count += 1
@@ -237,13 +268,44 @@ class EntryStore:
     def withdraw(self, entry: Entry) -> bool:
         """Remove ``entry`` if it is still stored (its owner takes it back); whether it was."""
         with self._cond:
-            key = self._by_age.get(entry)
+            key = self._stored.get(entry)
             if key is None:
                 return False
             queue = self._entries[key]
             queue.remove(entry)
             self._forget(key, queue, entry)
+            self._bury(key)
             return True
+
+    def watch(self, watcher: Callable[[MatchKey], object]) -> None:
+        """Call ``watcher`` with the match key of every entry that leaves unselected (evicted, expired,
+        taken back), under the store's lock: it must neither block nor call the store."""
+        with self._cond:
+            self._watchers.append(watcher)
+
+    def unwatch(self, watcher: Callable[[MatchKey], object]) -> None:
+        with self._cond:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
+
+    def gone(self, key: MatchKey) -> bool:
+        """Whether an entry under ``key`` left unselected within :data:`TOMBSTONE_SECONDS` and none
+        was inserted under it since: a select for it that found nothing should miss at once."""
+        with self._cond:
+            forgotten = self._tombstones.get(key.digest)
+            return forgotten is not None and forgotten > time.monotonic()
+
+    def _bury(self, key: MatchKey | tuple[MatchKey, Part]) -> None:
+        """Leave a tombstone of an entry (or a part of one) that left unselected, under the lock."""
+        key = key[0] if isinstance(key, tuple) else key
+        now = time.monotonic()
+        self._tombstones[key.digest] = now + TOMBSTONE_SECONDS
+        self._tombstones.move_to_end(key.digest)
+        while self._tombstones and (len(self._tombstones) > TOMBSTONES_KEPT
+                                    or next(iter(self._tombstones.values())) <= now):
+            self._tombstones.popitem(last=False)
+        for watcher in self._watchers:
+            watcher(key)
 
     def unlend(self, loan: Loan, empty: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> MatchKey | None:
         """Replace the stored entry lent under ``loan`` (of a split entry: each of its parts still
@@ -260,7 +322,7 @@ class EntryStore:
             keys = [self.unlend(child, empty) for child in loan.children]
             return next((key for key in keys if key is not None), None)
         with self._cond:
-            found = next((item for item in self._by_age.items() if item[0].loan is loan), None)
+            found = next((item for item in self._stored.items() if item[0].loan is loan), None)
             if found is None:
                 return None
             entry, key = found
@@ -268,11 +330,13 @@ class EntryStore:
             queue.remove(entry)
             self._forget(key, queue, entry)
         if not loan.begin_copy():  # its owner is taking it back: nothing may be read from it
+            self._lost(key)
             return None
         try:
             items = tuple(item.materialize(empty) if isinstance(item, LentTensor) else item for item in entry.items)
         except BaseException:
             loan.end(DROPPED)
+            self._lost(key)
             raise
         loan.end(COPIED)
         copy = Entry(items, entry.nbytes)
@@ -282,23 +346,30 @@ class EntryStore:
         except KVTransferError:
             with self._cond:
                 self._evicted += 1
+            self._lost(key)
             return None
         return key[0] if isinstance(key, tuple) else key  # a part's entry: waiting selects wait under its key
+
+    def _lost(self, key: MatchKey | tuple[MatchKey, Part]) -> None:
+        """An entry taken out to be copied did not come back: selects waiting for it must be told."""
+        with self._cond:
+            self._bury(key)
 
     def expire(self, now: float | None = None) -> tuple[int, int]:
         """Drop every entry stored longer than ``entry_timeout``; return the entries and bytes dropped."""
         now = time.monotonic() if now is None else now
         entries = nbytes = 0
         with self._cond:
-            while self._by_age and next(iter(self._by_age)).expires <= now:
-                entry, key = self._by_age.popitem(last=False)
+            while (entry := self._oldest()) is not None and entry.expires <= now:
+                key = self._stored[entry]
                 queue = self._entries[key]
-                # One timeout for all: the oldest entry of the store is the oldest of its key.
-                if queue.popleft() is not entry:
-                    raise AssertionError("lookup buffer store: entries of one key out of insertion order")
+                # Usually the first of its key; not always: a copy of an unlent part is newer than
+                # the parts of an older entry split after it.
+                queue.remove(entry)
                 self._forget(key, queue, entry)
                 if entry.loan is not None:
                     entry.loan.end(EXPIRED)
+                self._bury(key)
                 self._expired += 1
                 entries += 1
                 nbytes += entry.nbytes
@@ -308,18 +379,23 @@ class EntryStore:
     def _evict_oldest(self) -> None:
         """Drop the oldest stored entry to make room for a new one (under the lock); its loan ends
         :data:`~lookup_buffer.loans.EVICTED`."""
-        entry, key = next(iter(self._by_age.items()))
+        entry = self._oldest()
+        key = self._stored[entry]
         queue = self._entries[key]
-        # Entries of one key are stored in insertion order: the store's oldest is its key's oldest.
-        if queue[0] is not entry:
-            raise AssertionError("lookup buffer store: entries of one key out of insertion order")
-        queue.popleft()
+        queue.remove(entry)  # usually its key's first (see expire)
         self._forget(key, queue, entry)
         if entry.loan is not None:
             entry.loan.end(EVICTED)
+        self._bury(key)
         self._evicted += 1
         entries, nbytes = self._unlogged_evictions
         self._unlogged_evictions = (entries + 1, nbytes + entry.nbytes)
+
+    def _oldest(self) -> Entry | None:
+        """The stored entry that expires first, or None (under the lock)."""
+        while self._ages and self._ages[0][1:] not in self._by_order:
+            heapq.heappop(self._ages)
+        return self._by_order[self._ages[0][1:]] if self._ages else None
 
     def _log_evictions(self) -> None:
         """Warn about evictions not reported yet, at most once per :data:`EVICTION_LOG_INTERVAL`."""
@@ -339,7 +415,11 @@ class EntryStore:
 
     def _forget(self, key: MatchKey, queue: collections.deque[Entry], entry: Entry) -> None:
         """Account for ``entry`` just taken off ``queue`` (under the lock)."""
-        self._by_age.pop(entry, None)
+        del self._stored[entry]
+        del self._by_order[entry.order]
+        if len(self._ages) > 2 * len(self._stored) + 1024:  # entries that left linger in the heap
+            self._ages = [age for age in self._ages if age[1:] in self._by_order]
+            heapq.heapify(self._ages)
         if not queue:
             del self._entries[key]
         self._count -= 1
@@ -355,11 +435,13 @@ class EntryStore:
             if self._error is None:
                 self._error = error
             dropped = self._count, self._bytes
-            for entry in self._by_age:
+            for entry in self._stored:
                 if entry.loan is not None:
                     entry.loan.end(DROPPED)
             self._entries.clear()
-            self._by_age.clear()
+            self._stored.clear()
+            self._ages.clear()
+            self._by_order.clear()
             self._count = 0
             self._bytes = 0
             self._cond.notify_all()

@@ -193,9 +193,9 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
 
 
 def test_workers_share_chunks_through_redis_with_the_password_from_the_environment(tmp_path: Path) -> None:
-    from tests import _redis
+    from harness import redis_servers
 
-    server = _redis.start_server(tmp_path / "redis", password="pw-7")
+    server = redis_servers.start_server(tmp_path / "redis", password="pw-7")
     try:
         tiers = f"memory,{server.url}"
         with pytest.raises(KVConfigError):  # no password: refused at start, naming the setting

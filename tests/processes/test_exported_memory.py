@@ -155,6 +155,120 @@ def test_nobody_but_the_exporter_can_write_an_export():
     assert bytes.fromhex(seen.strip()) == _flat_bits(replacement)[head:head + nbytes].numpy().tobytes()
 
 
+# Run as root, a process gives up CAP_SYS_PTRACE: it is then an ordinary process of its user, that may
+# open another's /proc/PID/fd only while that one is dumpable (both give it up: a tracer must hold
+# every capability its target holds).
+_UNPRIVILEGED = r"""
+import ctypes, os
+if os.geteuid() == 0:
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; twice
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.capget(header, data) == 0
+    data[0] &= ~(1 << 19)  # CAP_SYS_PTRACE, effective
+    data[1] &= ~(1 << 19)  # and permitted
+    assert libc.capset(header, data) == 0, ctypes.get_errno()
+"""
+
+# Exports 64 MiB of random bytes when told, then reports whether they are still what they were.
+_EXPORTER = _UNPRIVILEGED + r"""
+import json, sys, torch
+from kv_pipe import exported_memory
+
+tensor = exported_memory.page_aligned_empty((64 << 20,), torch.uint8)
+tensor.copy_(torch.randint(0, 256, tensor.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(12)))
+before = tensor.clone()
+print("ready", flush=True)
+sys.stdin.readline()
+export = exported_memory.export_host_memory(tensor)
+dumpable = ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+print(json.dumps({"fd": export.descriptor.fd, "nbytes": export.nbytes, "dumpable": dumpable}), flush=True)
+sys.stdin.readline()
+print(json.dumps(bool(torch.equal(tensor, before))), flush=True)
+"""
+
+# Polls the exporter's descriptors and opens and maps read-write every export it sees, as early as it
+# can; once told the export is done, writes through all it got. Reports what it opened and changed.
+_POLLER = _UNPRIVILEGED + r"""
+import json, mmap, sys, threading
+
+pid = int(sys.argv[1])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+held = {}  # descriptor number in the exporter -> [our descriptor, writable mapping or None]
+
+
+def map_writable(fd):
+    size = os.fstat(fd).st_size
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+    except OSError:
+        return None
+
+
+print("polling", flush=True)
+while not stop.is_set():
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{name}"
+        try:
+            if name not in held:
+                if not os.readlink(path).startswith("/memfd:kvbridge-export"):
+                    continue
+                held[name] = [os.open(path, os.O_RDWR | os.O_CLOEXEC), None]
+            if held[name][1] is None:
+                held[name][1] = map_writable(held[name][0])
+        except OSError:
+            pass  # not allowed now, or closed meanwhile
+outcome = {"opened": sorted(held), "mapped writable": [], "written": []}
+for name, (fd, mapping) in held.items():
+    mapping = mapping or map_writable(fd)
+    if mapping is not None:
+        mapping[:8] = bytes(8 * [0xFF])
+        outcome["mapped writable"].append(name)
+    try:
+        os.pwrite(fd, bytes(8 * [0xFF]), 0)
+        outcome["written"].append(name)
+    except OSError:
+        pass
+print(json.dumps(outcome), flush=True)
+"""
+
+
+def _line(process: subprocess.Popen, what: str) -> str:
+    assert select.select([process.stdout], [], [], 120)[0], f"the {what} did not report in time"
+    return process.stdout.readline()
+
+
+def test_whoever_opens_the_export_while_it_is_made_cannot_write_it():
+    """The file is reachable through /proc/PID/fd from its creation on, while a large storage is copied
+    into it: a writable mapping made then would outlive the seal. Nobody may get one at any moment."""
+    started = []
+    try:
+        exporter = subprocess.Popen([sys.executable, "-c", _EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    text=True, cwd=procs.REPO, env={**os.environ, "PYTHONPATH": str(procs.REPO)})
+        started.append(exporter)
+        assert _line(exporter, "exporter") == "ready\n"
+        poller = subprocess.Popen([sys.executable, "-c", _POLLER, str(exporter.pid)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        started.append(poller)
+        assert _line(poller, "poller") == "polling\n"
+        exporter.stdin.write("go\n")
+        exporter.stdin.flush()
+        export = json.loads(_line(exporter, "exporter"))
+        outcome = json.loads(poller.communicate("stop\n", timeout=120)[0])
+        unchanged = json.loads(exporter.communicate("check\n", timeout=120)[0])
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=30)
+    assert [process.returncode for process in started] == [0, 0]
+    assert export["nbytes"] == 64 << 20 and export["dumpable"] == 1  # it may be traced, and mapped, again
+    assert str(export["fd"]) in outcome["opened"], outcome  # the poller did see and open the export
+    assert outcome["mapped writable"] == [] and outcome["written"] == [], outcome
+    assert unchanged is True
+
+
 def test_no_export_where_the_kernel_cannot_seal_it_against_writes(monkeypatch):
     def old_kernel(fd: int, seals: int) -> None:  # before Linux 5.1: the seal is unknown
         if seals & F_SEAL_FUTURE_WRITE:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import procs
-from harness.launchers import NUM_PROMPTS, SMALL_RUN, console_script, table_rows
+from harness.launchers import NUM_PROMPTS, console_script, explain, run_processes, table_rows
 from kv_pipe import KVConfigError
 from launch.cli import torchrun_args
 from launch.model import build_model, greedy_continue, greedy_generate, prefill, weights_digest
@@ -66,13 +66,6 @@ def test_cli_builds_torchrun_command() -> None:
 # --- whole runs in subprocesses ---------------------------------------------------------------------
 
 
-def run_processes(
-    commands: list[tuple[list[str], dict[str, str]]], tmp_path: Path, timeout: float
-) -> list[procs.Finished]:
-    """:func:`procs.run_commands` with the small workload in every command's environment."""
-    return procs.run_commands([(command, {**SMALL_RUN, **env}) for command, env in commands], tmp_path, timeout)
-
-
 def torchrun(port: int, *args: str, module: str = "launch.pair") -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={port}",
             *args, "-m", module]
@@ -81,10 +74,6 @@ def torchrun(port: int, *args: str, module: str = "launch.pair") -> list[str]:
 def with_fault(port: int, fault: str) -> list[str]:
     """The pair on one node under torchrun, with ``fault`` injected (:mod:`harness.fault_injection`)."""
     return [*torchrun(port, "--nproc-per-node=2", module="harness.fault_injection"), fault]
-
-
-def explain(result: procs.Finished) -> str:
-    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr[-4000:]}"
 
 
 @pytest.mark.timeout(150)

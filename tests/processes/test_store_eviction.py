@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -60,6 +62,40 @@ def same_entry(got: Entry | None, want: Entry) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- the store
+
+
+def _whole_and_newer(store: EntryStore) -> tuple[list, MatchKey, Entry, MatchKey, Entry]:
+    """A splittable entry stored, then a newer one, then a quarter of the first taken: its three
+    other quarters stay stored as parts."""
+    whole_given = _splittable(0)
+    whole_key, whole = make_entry(*whole_given)
+    newer_key, newer = make_entry(*_splittable(1))
+    store.put(whole_key, whole, timeout=0)
+    time.sleep(0.001)  # a later monotonic time: the newer entry expires later
+    store.put(newer_key, newer, timeout=0)
+    taken = store.pop_part(whole_key, (1, 0, 1))
+    assert same_bits(taken.items[1], whole_given[2][:, 0:1])
+    return whole_given, whole_key, whole, newer_key, newer
+
+
+def test_the_parts_of_a_split_entry_expire_and_are_evicted_as_old_as_the_entry() -> None:
+    store = EntryStore(capacity_bytes=1 << 20, max_item_bytes=1 << 20, entry_timeout=100.0)
+    _, whole_key, whole, newer_key, newer = _whole_and_newer(store)
+    assert newer.expires > whole.expires
+    entries, _ = store.expire(now=whole.expires)  # the whole entry's time: its parts go, the newer stays
+    assert entries == 3 and store.counters().entries == 1
+    assert store.pop_part(whole_key, (1, 1, 2)) is None
+    assert store.pop(newer_key) is newer
+
+    capacity = 2 * make_entry(*_splittable(0))[1].nbytes
+    store = EntryStore(capacity_bytes=capacity, max_item_bytes=1 << 20, evict_unclaimed=True)
+    given, whole_key, _, newer_key, newer = _whole_and_newer(store)
+    # One byte more than the room left: the oldest stored, the second quarter, is evicted, not the newer entry.
+    store.put(*raw(7, capacity - store.counters().bytes + 1), timeout=0)
+    assert store.counters().evicted == 1
+    assert store.pop_part(whole_key, (1, 1, 2)) is None
+    assert same_bits(store.pop_part(whole_key, (1, 2, 3)).items[1], given[2][:, 2:3])
+    assert store.pop(newer_key) is newer
 
 
 def test_a_full_store_evicts_the_oldest_unclaimed_entries_for_new_ones() -> None:
@@ -266,3 +302,61 @@ def test_a_lent_entrys_loan_ends_evicted_so_its_memory_is_the_producers_again() 
     key, entry, _ = made[3]
     assert store.pop(key) is entry and entry.loan.end(SENT) and entry.loan.outcome == SENT
     assert made[2][1].loan.outcome is None  # still stored: still lent
+
+
+# ------------------------------------------------------------------- selects for entries that are gone
+
+
+def _splittable(index: int) -> list[torch.Tensor | None]:
+    """``[tokens, roi, key, None, None]``: a random key of 4 heads along dimension 1, odd sizes."""
+    generator = torch.Generator().manual_seed(3000 + index)
+    tokens = torch.randint(1, 1 << 40, (7,), generator=generator)
+    tokens[0] = index + 1
+    return [tokens, torch.ones(7, dtype=torch.bool), random_tensor(generator, torch.float32, (3, 4, 37)), None, None]
+
+
+def _select_in_thread(buffer: Any, given: list, **kwargs: Any) -> tuple[threading.Thread, list]:
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(buffer.drop_select(given[0], given[1], **kwargs)),
+                              daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_selects_for_evicted_entries_miss_at_once_and_unrelated_ones_still_wait() -> None:
+    """A select waiting for an entry that is evicted, and one that comes after the eviction, both miss
+    at once although they would wait far longer than this test runs; a select for another key waits
+    on and hits once its entry comes."""
+    port = procs.free_port()
+    size = 40_000
+    producer = KVTransferConfig(kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0,
+                                kv_buffer_size=3 * size + 2000, kv_evict_unclaimed=True)
+    consumer = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_timeout=5.0, kv_buffer_size=1 << 20)
+    forever = 3600.0
+    with BufferListener(producer) as listener, dial(consumer, HOST, port) as buffer, \
+            dial(consumer, HOST, port) as other:
+        split = _splittable(0)
+        listener.insert(*split, timeout=0)
+        half = buffer.drop_select(split[0], split[1], timeout=0, part=(1, 0, 2))
+        assert same_bits(half[2], split[2][:, 0:2])  # the other half stays stored, as a part
+        unrelated = request(50, size)
+        waiting_whole, whole_outcome = _select_in_thread(other, split, timeout=forever)  # never takes a part
+        waiting_unrelated, unrelated_outcome = _select_in_thread(buffer, unrelated, timeout=forever)
+        bodies.wait_until(lambda: listener.stats().pending == 2, "both selects wait")
+        for index in range(4):  # the budget holds 3 and the half: the fourth evicts the half and the first
+            listener.insert(*request(index, size), timeout=0)
+        waiting_whole.join(60)
+        assert not waiting_whole.is_alive() and whole_outcome == [[None] * 5]
+        # An evicted entry's select that comes after the eviction misses at once too.
+        assert listener.stats().evicted == 2
+        evicted = request(0, size)
+        assert buffer.drop_select(evicted[0], evicted[1], timeout=forever) == [None] * 5
+        # The unrelated select still waits, and hits its entry once inserted.
+        assert waiting_unrelated.is_alive() and listener.stats().pending == 1
+        listener.insert(*unrelated, timeout=0)
+        waiting_unrelated.join(60)
+        assert not waiting_unrelated.is_alive()
+        bodies.check_entry(unrelated_outcome[0], unrelated, "the unrelated request")
+        # An entry inserted again under an evicted key is served as any other.
+        listener.insert(*evicted, timeout=0)
+        bodies.check_entry(buffer.drop_select(evicted[0], evicted[1], timeout=forever), evicted, "inserted again")

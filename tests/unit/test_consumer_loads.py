@@ -9,6 +9,7 @@ is on an event, with a timeout that only guards against hangs; the connections' 
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -17,13 +18,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from connector.tp_layout import Source
+from connector.tp_sources import HeadGather, SourceConnections, Sources
 from connector.transfer_plan import LoadSpec
-from connector.vllm_loads import LOAD_THREADS
+from connector.vllm_loads import LOAD_THREADS, PRODUCER_LOAD_SHARE
 from harness import vllm_procs as vp
-from harness.dialing import WAIT, Dialer, Gate
+from harness.dialing import WAIT, Dialer, Gate, Told
 from kv_pipe.errors import KVPeerLostError
 from lookup_buffer import connections as connections_module
 from lookup_buffer.connections import FIRST_BACKOFF
+from lookup_buffer.loans import BorrowedTensor
 
 DEAD, ALIVE = ("10.0.0.66", 9000), ("10.0.0.7", 9000)
 CONFIGURED = ("127.0.0.1", 1)  # the fake worker's own kv_ip:kv_port
@@ -294,3 +298,125 @@ def test_a_drain_never_connects(clock: list[float]) -> None:
         assert worker.take_finished_loads() == set()
     finally:
         worker.close()
+
+
+def test_a_producer_that_stops_answering_holds_at_most_its_share_of_the_load_threads(clock: list[float]) -> None:
+    """A producer dead with its connection open (no reset: every select waits) holds at most
+    PRODUCER_LOAD_SHARE load threads; another producer's loads run meanwhile, and the loads beyond
+    the share wait without a thread, then each is reported once."""
+    silent = Buffer(gates={10 + i: threading.Event() for i in range(LOAD_THREADS + 4)})
+    alive_blocks = blocks(8, 2)
+    alive = Buffer({100: alive_blocks})
+    dialer = Dialer({DEAD: [silent], ALIVE: [alive]})
+    worker = consumer(dialer)
+    reports = Reports(worker)
+    dead = [LoadSpec(f"dead{i}", tokens(10 + i), [i % vp.FAKE_BLOCKS], 0, wait=True, producer=DEAD)
+            for i in range(LOAD_THREADS + 4)]
+    try:
+        worker.start_loads(dead)
+        deadline = time.monotonic() + WAIT  # a hang guard, not a timing claim
+        while len(silent.selected) < PRODUCER_LOAD_SHARE:
+            assert time.monotonic() < deadline, f"only {len(silent.selected)} selects reached the silent producer"
+            time.sleep(0.005)
+        worker.start_loads([LoadSpec("alive", tokens(100, 2), [5, 6], 0, wait=True, producer=ALIVE)])
+        reports.until({"alive"})
+        assert reports.failed_with("alive") == set()
+        for layer in range(vp.FAKE_LAYERS):
+            assert torch.equal(worker.caches[layer][[5, 6]], alive_blocks[layer])
+        assert len(silent.selected) == PRODUCER_LOAD_SHARE  # the others wait, without a thread
+        assert not reports.finished() & {spec.req_id for spec in dead}
+        for gate in silent.gates.values():  # the selects end (misses): the waiting loads run in turn
+            gate.set()
+        reports.until({spec.req_id for spec in dead})
+        assert sorted(reports.reported()) == sorted(["alive"] + [spec.req_id for spec in dead])  # each once
+        assert sorted(silent.selected) == [10 + i for i in range(len(dead))]
+        stats = worker.total_stats().data
+        assert (stats["load_misses"], stats["load_hits"]) == (len(dead), 1)
+    finally:
+        for gate in silent.gates.values():
+            gate.set()
+        worker.close()
+    assert no_dial_threads()
+
+
+class _Rank:
+    """A connection to one prefill rank whose selects all wait at ``barrier`` before answering its
+    quarter of the heads."""
+
+    def __init__(self, key: torch.Tensor, barrier: threading.Barrier) -> None:
+        self.key, self.barrier, self.failure = key, barrier, None
+
+    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
+                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> list:
+        self.barrier.wait()
+        return [input_tokens.clone(), roi.clone(), self.key, None, None]
+
+
+def test_gathers_from_four_ranks_in_every_load_thread_select_from_all_ranks_at_once() -> None:
+    """Every load thread gathers from 4 prefill ranks at once: each rank's select of each gather
+    runs at the same time as all the others (they all wait for one another here), none waits for a
+    thread another gather holds; each gather gets its ranks' heads, bit-exact."""
+    ranks = 4
+    full = torch.randn((2, 3, 2 * ranks, 3, 10), generator=torch.Generator().manual_seed(9))
+    quarters = [full[:, :, 2 * rank:2 * rank + 2].contiguous() for rank in range(ranks)]
+    plan = tuple(Source(rank, None, (2 * rank, 2 * rank + 2)) for rank in range(ranks))
+    barrier = threading.Barrier(LOAD_THREADS * ranks, timeout=WAIT)  # a hang guard, not a timing claim
+    gathered: list = []
+    errors: list = []
+
+    def load() -> None:
+        gather = HeadGather(Sources("h", 1, ranks, plan, head_dim=2), [_Rank(key, barrier) for key in quarters])
+        try:
+            entry = gather.drop_select(torch.arange(5), torch.ones(5, dtype=torch.bool), timeout=WAIT)
+            key = entry[2]
+            gathered.append(key.to_tensor() if isinstance(key, BorrowedTensor) else key)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, name="kvbridge-load") for _ in range(LOAD_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * WAIT)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == [] and len(gathered) == LOAD_THREADS
+    assert all(torch.equal(key, full) for key in gathered)
+
+
+class _Connections:
+    """ProducerConnections' stand-in: every producer is connected, to a buffer that misses at once."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, int], Buffer] = {}
+
+    def when_ready(self, address: tuple[str, int], ready: object) -> None:
+        ready(self.connected(address))
+
+    def connected(self, address: tuple[str, int]) -> Buffer:
+        return self.buffers.setdefault(address, Buffer())
+
+
+def test_a_gather_takes_a_share_of_each_of_its_ranks_at_once_and_in_turn_with_single_loads() -> None:
+    """Shares of one load each: a gather waits for all its ranks' shares without holding any; a
+    later load of one of its ranks waits behind it; a connection dropped unused gives its share back."""
+    first, second = ("h", 1), ("h", 2)
+    sources = Sources("h", 1, 2, (Source(0, None, (0, 1)), Source(1, None, (1, 2))), head_dim=2)
+    connections = SourceConnections(_Connections(), share=1)
+    single, gather, later = Told(), Told(), Told()
+    connections.when_ready(first, single)
+    assert single.done.is_set()
+    connections.when_ready(sources, gather)
+    connections.when_ready(second, later)
+    assert not gather.done.is_set() and not later.done.is_set()  # the gather waits for the first rank
+    select = torch.arange(5), torch.ones(5, dtype=torch.bool)
+    assert single.wait().drop_select(*select, timeout=0) == [None] * 5  # gives the first rank's share back
+    assert isinstance(gather.wait().buffer, HeadGather) and not later.done.is_set()
+    assert gather.wait().drop_select(*select, timeout=0) == [None] * 5
+    assert later.wait().buffer is connections.connected(second)
+    unused = Told()
+    connections.when_ready(second, unused)
+    assert not unused.done.is_set()
+    later.results.clear()  # the load that took it never selects: its connection dies unused
+    del later
+    gc.collect()
+    assert unused.done.is_set()

@@ -12,32 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.dialing import WAIT, Dialer, FakeBuffer, Gate
+from harness.dialing import WAIT, Dialer, FakeBuffer, Gate, Told
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVProtocolError
 from lookup_buffer import connections as connections_module
 from lookup_buffer.connections import FIRST_BACKOFF, ProducerConnections
 
 DEAD, ALIVE = ("10.0.0.66", 9000), ("10.0.0.7", 9000)
-
-
-class Told:
-    """A when_ready callback that records what it was told, and in which thread."""
-
-    def __init__(self) -> None:
-        self.results: list[object] = []
-        self.threads: list[str] = []
-        self.done = threading.Event()
-
-    def __call__(self, result: object) -> None:
-        self.results.append(result)
-        self.threads.append(threading.current_thread().name)
-        self.done.set()
-
-    def wait(self) -> object:
-        assert self.done.wait(WAIT), "never told"
-        assert len(self.results) == 1, f"told {len(self.results)} times"
-        return self.results[0]
 
 
 @pytest.fixture
@@ -237,3 +218,31 @@ def test_close_tells_the_waiters_at_once_closes_a_late_connection_and_leaves_no_
     assert gate.outcome.closed.is_set()  # the connection it made after close is closed, not kept
     assert connections.count == 0 and no_dial_threads()
     connections.close()  # idempotent
+
+
+def test_a_dial_thread_that_cannot_start_fails_the_waiter_and_the_next_request_dials(
+        clock: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    buffer = FakeBuffer("p")
+    dialer = Dialer({ALIVE: [buffer]})
+    connections = make(dialer)
+    start = threading.Thread.start
+    refused = []
+
+    def start_or_refuse(thread: threading.Thread) -> None:
+        if thread.name == "kvbuf-dial" and not refused:  # the process is out of threads, once
+            refused.append(thread)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
+    try:
+        first = Told()
+        connections.when_ready(ALIVE, first)  # never raises: the caller is told
+        error = first.wait()
+        assert isinstance(error, KVPeerLostError) and "can't start new thread" in str(error)
+        assert connections.dialing == 0 and dialer.count(ALIVE) == 0
+        # Not the producer's fault: no backoff, the next request starts an attempt at once.
+        assert connections.get(ALIVE) is buffer and dialer.count(ALIVE) == 1
+    finally:
+        connections.close()
+    assert buffer.closed.is_set() and no_dial_threads()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kv_pipe.errors import KVConfigError
-from launch import kv_memory, serve
+from launch import kv_memory, redis_server, serve
 
 GIB, MIB = 1 << 30, 1 << 20
 SECRET = "s3cret-Tr0ub4dor&3"
@@ -213,3 +213,129 @@ def test_instance_environment_keeps_the_callers_and_adds_its_own() -> None:
     assert env == {"PATH": "/bin", "VLLM_CPU_OMP_THREADS_BIND": "1"}
     with pytest.raises(KVConfigError, match="KEY=VALUE"):
         serve.instance_env({}, ["NOVALUE"], None)
+
+
+# ---------------------------------------------------------------------------------------------- store
+
+
+def extra_of(instance: serve.Instance) -> dict:
+    return transfer_of(instance)["kv_connector_extra_config"]
+
+
+def test_the_store_reaches_every_instance_and_the_roles_stay() -> None:
+    spec = "memory,disk:/var/cache/kv,redis://127.0.0.1:6379"
+    instances = serve.plan(args("--prefill-instances", "2", "--decode-instances", "2", "--kv-store", spec),
+                           SERVE_ARGS, {}, None)
+    assert [extra_of(i)["kv_store"] for i in instances] == [spec] * 4
+    assert [transfer_of(i)["kv_role"] for i in instances] == ["kv_producer"] * 2 + ["kv_consumer"] * 2
+
+
+def test_without_a_store_the_instances_get_no_store_setting() -> None:
+    assert all("kv_store" not in extra_of(i) for i in serve.plan(args(), SERVE_ARGS, {}, None))
+
+
+def test_the_managed_redis_is_named_by_url_and_its_password_goes_only_into_the_environment() -> None:
+    url = "redis://127.0.0.1:23456"
+    environ = {"HOME": "/h", serve.STORE_PASSWORD_FILE_ENV: "/etc/other-redis-password"}
+    instances = serve.plan(args("--kv-store", "memory,redis"), SERVE_ARGS, environ, None,
+                           secret=serve.LaunchSecret(SECRET, generated=False), managed_redis=url)
+    password = redis_server.password_from_secret(SECRET)
+    assert password != SECRET and SECRET not in password
+    for instance in instances:
+        assert extra_of(instance)["kv_store"] == f"memory,{url}"
+        assert instance.env == {"HOME": "/h", "KVBRIDGE_KV_SECRET": SECRET, serve.STORE_PASSWORD_ENV: password}
+        assert not any(password in arg or SECRET in arg for arg in instance.command)
+
+
+def test_a_kv_store_object_in_kv_extra_sizes_the_tiers_that_kv_store_names() -> None:
+    sizes = {"memory_bytes": 123 * MIB, "chunk_size": 128}
+    (prefill, _) = serve.plan(args("--kv-store", "memory", "--kv-extra", json.dumps({"kv_store": sizes})),
+                              SERVE_ARGS, {}, None)
+    assert extra_of(prefill)["kv_store"] == {**sizes, "tiers": "memory"}
+    for given in ("disk:/x", {"tiers": "disk:/x"}):
+        with pytest.raises(KVConfigError, match="give them once"):
+            serve.plan(args("--kv-store", "memory", "--kv-extra", json.dumps({"kv_store": given})), SERVE_ARGS,
+                       {}, None)
+
+
+@pytest.mark.parametrize(("spec", "match"), [
+    ("memory,tape", "'tape' is not one of"),
+    ("disk:", "'disk:' is not one of"),
+    ("memory,memory", "two memory tiers"),
+    ("redis,redis://10.0.0.5:6379", "two redis tiers"),
+    ("redis://:" + SECRET + "@10.0.0.5:6379", "password in --kv-store would be visible"),
+    ("redis://", "names no host"),
+])
+def test_a_store_that_cannot_work_is_refused_without_echoing_a_password(spec: str, match: str) -> None:
+    with pytest.raises(KVConfigError, match=match) as error:
+        serve.plan(args("--kv-store", spec), SERVE_ARGS, {}, None, managed_redis="redis://127.0.0.1:1")
+    assert SECRET not in str(error.value)
+
+
+@pytest.mark.parametrize("variable", ["KVBRIDGE_STORE_PASSWORD", "KVBRIDGE_STORE_PASSWORD_FILE"])
+def test_a_store_password_on_the_command_line_is_refused(variable: str) -> None:
+    with pytest.raises(KVConfigError, match="visible to every user"):
+        serve.plan(args("--decode-env", f"{variable}={SECRET}"), SERVE_ARGS, {}, None)
+
+
+@pytest.mark.parametrize("size", ["1gb\nrequirepass x", "-1", "lots", "0"])
+def test_the_managed_redis_memory_must_be_a_size(size: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        args("--kv-store-redis-memory", size)
+    assert "--kv-store-redis-memory must be a size" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- secure by default
+
+
+def test_without_a_secret_every_instance_holds_the_same_generated_one() -> None:
+    first = serve.plan(args("--prefill-instances", "2", "--decode-instances", "2"), SERVE_ARGS, {"HOME": "/h"}, None)
+    secrets = {i.env.get("KVBRIDGE_KV_SECRET") for i in first}
+    assert len(secrets) == 1 and None not in secrets
+    (secret,) = secrets
+    assert len(secret) >= 32
+    assert all(secret not in arg for i in first for arg in i.command)
+    second = serve.plan(args(), SERVE_ARGS, {"HOME": "/h"}, None)
+    assert second[0].env["KVBRIDGE_KV_SECRET"] != secret  # one per launch
+
+
+def test_the_generated_secret_derives_the_managed_redis_password() -> None:
+    launch = serve.launch_secret({}, {})
+    assert launch.generated and launch.value not in repr(launch)
+    for instance in serve.plan(args("--kv-store", "redis"), SERVE_ARGS, {}, None, secret=launch,
+                               managed_redis="redis://127.0.0.1:23456"):
+        assert instance.env["KVBRIDGE_KV_SECRET"] == launch.value
+        assert instance.env[serve.STORE_PASSWORD_ENV] == redis_server.password_from_secret(launch.value)
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture, *given: str, environ: dict | None = None) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="launch.serve"):
+        serve.plan(args(*given), SERVE_ARGS, environ or {}, None, managed_redis="redis://127.0.0.1:23456")
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_an_address_beyond_loopback_that_has_only_a_generated_secret_is_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    (warning,) = warnings_of(caplog, "--kv-ip", "0.0.0.0")
+    assert "0.0.0.0" in warning and "KVBRIDGE_KV_SECRET" in warning
+    assert warnings_of(caplog, "--kv-ip", "0.0.0.0", environ={"KVBRIDGE_KV_SECRET": SECRET}) == []
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert warnings_of(caplog, "--kv-ip", loopback, "--kv-store", "memory,redis") == []
+
+
+def test_a_store_beyond_loopback_without_a_password_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    given = {"KVBRIDGE_KV_SECRET": SECRET}
+    (warning,) = warnings_of(caplog, "--kv-store", "redis://10.0.0.5:6379", environ=given)
+    assert "redis://10.0.0.5:6379" in warning and "KVBRIDGE_STORE_PASSWORD" in warning
+    assert warnings_of(caplog, "--kv-store", "redis://10.0.0.5:6379",
+                       environ={**given, "KVBRIDGE_STORE_PASSWORD": "pw"}) == []
+    assert warnings_of(caplog, "--kv-store", "redis://127.0.0.1:6379", environ=given) == []
+
+
+@pytest.mark.parametrize("tier", ["disk:/var/cache/kv", "redis://127.0.0.1:6379"])
+def test_a_store_that_outlives_the_launch_with_a_generated_secret_is_warned_about(
+        tier: str, caplog: pytest.LogCaptureFixture) -> None:
+    (warning,) = warnings_of(caplog, "--kv-store", f"memory,{tier}")
+    assert tier in warning and "another launch refuses them" in warning
+    assert warnings_of(caplog, "--kv-store", f"memory,{tier}", environ={"KVBRIDGE_KV_SECRET": SECRET}) == []

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from harness import procs
+from harness import procs, redis_servers
 from harness.tensors import random_tensor, same_bits
 from kv_store import (
     KVStoreConfigError,
@@ -25,14 +25,13 @@ from kv_store import (
     open_store,
 )
 from kv_store.redis_tier import KEY_PREFIX, RedisTier
-from tests import _redis
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def server(tmp_path):
-    started = _redis.start_server(tmp_path / "redis")
+    started = redis_servers.start_server(tmp_path / "redis")
     yield started
     started.kill()
 
@@ -80,7 +79,7 @@ def test_many_keys_are_read_and_checked_in_one_round_trip(server):
 
 
 def test_open_store_reaches_redis_with_a_password(tmp_path):
-    server = _redis.start_server(tmp_path / "redis", password="pw")
+    server = redis_servers.start_server(tmp_path / "redis", password="pw")
     try:
         store = open_store(f"memory,{server.url}", redis_password="pw", redis_timeout=1.0)
         assert isinstance(store.tiers[1], RedisTier) and not store.tiers[1].cluster
@@ -143,7 +142,7 @@ def test_a_frozen_server_times_out_and_is_then_skipped_without_waiting(server):
 
 
 def test_redis_eviction_never_leaves_part_of_an_object(tmp_path):
-    server = _redis.start_server(tmp_path / "redis", "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru")
+    server = redis_servers.start_server(tmp_path / "redis", "--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru")
     try:
         tier = RedisTier(server.url)
         tokens = list(range(64))
@@ -165,7 +164,7 @@ def test_redis_eviction_never_leaves_part_of_an_object(tmp_path):
 
 
 def test_an_object_larger_than_proto_max_bulk_len_is_refused_at_start(tmp_path):
-    server = _redis.start_server(tmp_path / "redis", "--proto-max-bulk-len", "1mb")
+    server = redis_servers.start_server(tmp_path / "redis", "--proto-max-bulk-len", "1mb")
     try:
         tier = RedisTier(server.url)
         tier.check_object_size(1 << 20)
@@ -180,7 +179,7 @@ def test_an_object_larger_than_proto_max_bulk_len_is_refused_at_start(tmp_path):
 
 
 def test_a_password_protected_server(tmp_path):
-    server = _redis.start_server(tmp_path / "redis", password="store secret")
+    server = redis_servers.start_server(tmp_path / "redis", password="store secret")
     try:
         with pytest.raises(KVStoreConfigError, match="refused the password"):
             RedisTier(server.url)
@@ -200,7 +199,7 @@ def test_an_unreachable_server_or_a_bad_url_at_start():
 
 
 def test_a_redis_cluster_spreads_objects_and_reads_them_across_slots(tmp_path):
-    nodes = _redis.start_cluster(tmp_path / "cluster")
+    nodes = redis_servers.start_cluster(tmp_path / "cluster")
     try:
         tier = RedisTier(nodes[1].url, cluster=True)
         blobs = {key(i): os.urandom(64) for i in range(200)}
@@ -220,7 +219,7 @@ def test_a_redis_cluster_spreads_objects_and_reads_them_across_slots(tmp_path):
 
 
 def test_a_dead_cluster_node_makes_the_tier_unavailable_until_it_is_back(tmp_path):
-    nodes = _redis.start_cluster(tmp_path / "cluster")
+    nodes = redis_servers.start_cluster(tmp_path / "cluster")
     try:
         tier = RedisTier(nodes[0].url, cluster=True, timeout=1.0, backoff=0.0)
         keys = [key(i) for i in range(60)]
@@ -233,7 +232,7 @@ def test_a_dead_cluster_node_makes_the_tier_unavailable_until_it_is_back(tmp_pat
             tier.get_many(keys)
         assert not tier.stats().up
         nodes[2].start()  # rejoins the cluster, empty
-        _redis.wait_cluster_ok(nodes)
+        redis_servers.wait_cluster_ok(nodes)
 
         def answers() -> bool:
             try:
@@ -249,7 +248,7 @@ def test_a_dead_cluster_node_makes_the_tier_unavailable_until_it_is_back(tmp_pat
 
 
 def test_a_full_redis_refuses_writes_counted_and_stays_up(tmp_path):
-    server = _redis.start_server(tmp_path / "redis", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    server = redis_servers.start_server(tmp_path / "redis", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
     try:
         tier = RedisTier(server.url)
         written = [tier.put(key(i), os.urandom(100_000)) for i in range(60)]

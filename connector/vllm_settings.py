@@ -50,8 +50,9 @@ decode instance never came) give way to new saves, and their lent blocks go back
 instead of every new save failing until they expire. ``kv_save_timeout`` then matters only with
 ``"kv_evict_unclaimed": false``.
 
-Roles: ``kv_producer`` (prefill) or ``kv_consumer`` (decode); ``kv_both`` is refused, as a lookup
-buffer carries KV one way. A producer listens at its ``kv_ip:kv_port`` (an address of its own host,
+Roles: ``kv_producer`` (prefill) or ``kv_consumer`` (decode), as a lookup buffer carries KV one
+way; ``kv_both`` with a ``kv_store`` entry is the storage tier (:mod:`connector.vllm_store`), and
+is refused without one. A producer listens at its ``kv_ip:kv_port`` (an address of its own host,
 which it announces in ``kv_transfer_params``); a consumer loads from the producer a request's
 ``kv_transfer_params`` name, and from its own ``kv_ip:kv_port`` for requests that name none.
 """
@@ -123,7 +124,8 @@ class ConnectorSettings:
         bridge_values["kv_buffer_device"] = kv_buffer_device
         if kv_role not in ("kv_producer", "kv_consumer"):
             raise KVConfigError(f"KVBridgeConnector needs kv_role 'kv_producer' (prefill instance) or 'kv_consumer' "
-                                f"(decode instance), got {kv_role!r}: a kvbridge lookup buffer carries KV one way")
+                                f"(decode instance), or 'kv_both' with a kv_store entry (a storage tier), got "
+                                f"{kv_role!r}: a kvbridge lookup buffer carries KV one way")
         bridge_values.setdefault("kv_rank", 0 if kv_role == "kv_producer" else 1)
         # Unselected entries must not hold the budget (and vLLM's lent blocks) until they expire.
         bridge_values.setdefault("kv_evict_unclaimed", True)

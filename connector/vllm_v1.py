@@ -75,6 +75,7 @@ from connector.vllm_prom import KVBridgePromMetrics
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings, listen_port_offset
 from connector.vllm_stats import KVBridgeStats
+from connector.vllm_store import wants_store
 from connector.vllm_worker import WorkerSide, find_layout
 from kv_pipe.errors import KVConfigError
 from lookup_buffer.base import BufferStats
@@ -95,6 +96,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
     """vLLM V1 connector over kvbridge's pipe and lookup buffer; see the module docstring."""
 
     _cache_hit_source = CacheHitSource.P2P
+
+    def __new__(cls, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> Any:
+        transfer = vllm_config.kv_transfer_config
+        if cls is KVBridgeConnector and wants_store(transfer.kv_role, transfer.kv_connector_extra_config):
+            from connector.vllm_store_connector import KVBridgeStoreConnector  # imports this module
+
+            return super().__new__(KVBridgeStoreConnector)
+        return super().__new__(cls)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -1,0 +1,493 @@
+"""The storage tier inside vLLM: ``kv_role="kv_both"`` with a ``kv_store`` setting.
+
+Such an instance stores the KV of every prompt it computes in a :class:`kv_store.TieredStore`, in
+chunks of ``chunk_size`` tokens, and loads from the store whatever prefix of a new prompt any
+instance stored::
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kv_store": {"tiers": "memory,disk:/var/cache/kv", "chunk_size": 256}}}'
+
+Scheduler side (:class:`StoreScheduler`): a new request's prompt is cut into chunks
+(:func:`kv_store.chunk_keys`), one :meth:`kv_store.TieredStore.lookup` says how many leading
+chunks are stored, and the stored prefix beyond vLLM's own prefix cache is claimed as an
+asynchronous load, never past the whole blocks before the prompt's last token (vLLM computes that
+one: :func:`connector.transfer_plan.transfer_prefix_len`). Once a prompt is computed, its full
+chunks that the lookup did not find are handed to the workers to save.
+
+Worker side (:class:`StoreWorker`): a load reads its chunks in one :meth:`~kv_store.TieredStore.get_many`
+in a load thread (:class:`connector.vllm_loads.LoadTracker`), decodes and verifies each
+(:func:`kv_store.decode_chunk`: key, tokens, checksum, HMAC with a secret; then dtype, shape and
+the worker's layout) and writes its blocks into the blocks vLLM allocated. A chunk that is missing
+or fails a check has its blocks reported as load errors: vLLM recomputes them or fails the request
+(``kv_load_failure_policy``); wrong KV is never written. A save copies the chunks out of vLLM's
+blocks in ``wait_for_save``, before vLLM may reuse them, then encodes and puts them from a
+background thread (bounded: a save that finds it full is dropped and counted).
+
+Keys: the namespace digests the identity of :mod:`connector.compat` that both processes of an
+instance can know from vLLM's configuration (model, KV dtype, block size, layers, KV heads per
+rank, head size, vLLM's KV cache layout, format version, TP rank and size); each object also
+carries a digest of the worker's full layout (block shape, attention backend and its interior
+variant), checked on load, so an instance with another interior layout never reads wrong KV.
+
+Tiers: ``memory`` lives in each worker process (a cache in front of the shared tiers, filled by
+saves and by reads); the scheduler's lookups ask the shared tiers (``disk:PATH``, ``redis://``,
+``redis+cluster://``), so a spec needs at least one of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from connector import compat
+from connector.paged import PagedKVCaches, PagedKVLayout, gather_blocks, scatter_blocks
+from connector.secret import SECRET_FILE_KEY, read_secret_file, refuse_inline_secret, resolve_secret
+from connector.transfer_plan import transfer_prefix_len
+from connector.vllm_loads import LoadTicket, LoadTracker
+from kv_pipe.errors import KVConfigError
+from kv_store import (
+    KVStoreError,
+    KVStoreObjectError,
+    TieredStore,
+    chunk_keys,
+    decode_chunk,
+    encode_chunk,
+    mac_key_from_secret,
+    namespace,
+    open_store,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The ``kv_connector_extra_config`` key that turns a ``kv_both`` instance into a storage tier.
+STORE_KEY = "kv_store"
+#: Where the Redis password comes from: this variable, or the file named by the ``_FILE`` one.
+PASSWORD_ENV = "KVBRIDGE_STORE_PASSWORD"
+PASSWORD_FILE_ENV = "KVBRIDGE_STORE_PASSWORD_FILE"
+#: Saves copied out of vLLM's blocks and waiting for their encoding and put, at most.
+SAVE_QUEUE_DEPTH = 16
+#: Version of the chunk contents (one tensor of all layers' blocks, then the layout digest).
+FORMAT_VERSION = 1
+
+_STORE_DEFAULTS: dict[str, Any] = {"tiers": None, "chunk_size": 256, "memory_bytes": 1 << 30,
+                                   "disk_bytes": 16 << 30, "queue_depth": 64, "redis_timeout": 2.0,
+                                   "redis_password_file": None}
+
+
+def wants_store(kv_role: str, extra: Any) -> bool:
+    """Whether vLLM's transfer config asks for the storage tier (``kv_both`` with ``kv_store``)."""
+    return kv_role == "kv_both" and isinstance(extra, Mapping) and STORE_KEY in extra
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSettings:
+    """The ``kv_store`` setting (a tier spec string, or a dict with ``tiers`` and the options below)."""
+
+    tiers: str
+    chunk_size: int = 256
+    memory_bytes: int = 1 << 30
+    disk_bytes: int = 16 << 30
+    queue_depth: int = 64
+    redis_timeout: float = 2.0
+    redis_password: str | None = dataclasses.field(default=None, repr=False)
+    secret: str | None = dataclasses.field(default=None, repr=False)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> StoreSettings:
+        """Parse ``kv_connector_extra_config``; raise KVConfigError naming a bad key (never a secret)."""
+        environ = os.environ if environ is None else environ
+        refuse_inline_secret(extra, "kv_connector_extra_config")
+        unknown = sorted(set(extra) - {STORE_KEY, SECRET_FILE_KEY})
+        if unknown:
+            raise KVConfigError(f"kv_role 'kv_both' with kv_store takes only kv_store and {SECRET_FILE_KEY} in "
+                                f"kv_connector_extra_config, got {unknown}")
+        raw = extra[STORE_KEY]
+        options = dict(_STORE_DEFAULTS)
+        if isinstance(raw, str):
+            options["tiers"] = raw
+        elif isinstance(raw, Mapping):
+            if "redis_password" in raw:
+                raise KVConfigError("kv_store.redis_password is refused: vLLM's command line and logs would show it; "
+                                    f"set {PASSWORD_ENV} or {PASSWORD_FILE_ENV}, or kv_store.redis_password_file")
+            bad = sorted(set(raw) - set(_STORE_DEFAULTS))
+            if bad:
+                raise KVConfigError(f"unknown kv_store keys {bad}; known: {sorted(_STORE_DEFAULTS)}")
+            options.update(raw)
+        else:
+            raise KVConfigError(f"kv_store must be a tier spec string or a mapping, got a {type(raw).__name__}")
+        tiers = options["tiers"]
+        if not isinstance(tiers, str) or not tiers.strip():
+            raise KVConfigError(f"kv_store.tiers must be a tier spec such as 'memory,disk:/path', got {tiers!r}")
+        if any("@" in part for part in tiers.split(",")):
+            raise KVConfigError(f"kv_store.tiers must not carry credentials in a URL; set {PASSWORD_ENV}")
+        if not shared_tiers(tiers):
+            raise KVConfigError(f"kv_store.tiers {tiers!r} needs a disk or Redis tier: a memory tier lives in one "
+                                "worker process and the scheduler cannot look it up")
+        for name in ("chunk_size", "memory_bytes", "disk_bytes", "queue_depth"):
+            value = options[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KVConfigError(f"kv_store.{name} must be a positive integer, got {value!r}")
+        timeout = options["redis_timeout"]
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise KVConfigError(f"kv_store.redis_timeout must be a positive number of seconds, got {timeout!r}")
+        password_file = options["redis_password_file"] or environ.get(PASSWORD_FILE_ENV)
+        password = environ.get(PASSWORD_ENV) or (read_secret_file(password_file) if password_file else None)
+        return cls(tiers=tiers, chunk_size=options["chunk_size"], memory_bytes=options["memory_bytes"],
+                   disk_bytes=options["disk_bytes"], queue_depth=options["queue_depth"],
+                   redis_timeout=float(timeout), redis_password=password,
+                   secret=resolve_secret(environ, extra.get(SECRET_FILE_KEY)))
+
+    def open(self, spec: str | None = None) -> TieredStore:
+        return open_store(self.tiers if spec is None else spec, memory_bytes=self.memory_bytes,
+                          disk_bytes=self.disk_bytes, redis_password=self.redis_password,
+                          redis_timeout=self.redis_timeout, queue_depth=self.queue_depth)
+
+
+def shared_tiers(spec: str) -> str:
+    """The tiers of ``spec`` that every process of an instance sees (all but ``memory``)."""
+    return ",".join(part.strip() for part in spec.split(",") if part.strip() and part.strip() != "memory")
+
+
+def config_identity(vllm_config: Any, kv_cache_config: Any, tp_rank: int, tp_size: int) -> compat.KVLayoutInfo:
+    """What makes stored KV compatible, as both the scheduler and the worker know it from vLLM's
+    configuration (the worker's caches add their layout: :meth:`StoreWorker.register`)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise KVConfigError(f"kvbridge's store needs one KV cache group (all layers full attention), got {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    model = vllm_config.model_config
+    layout = f"{type(spec).__name__}/{kv_cache_config.kv_cache_layout or ''}"
+    return compat.KVLayoutInfo(
+        version=compat.VERSION, role="kv_both", model=model.model, dtype=str(spec.dtype), block_size=spec.block_size,
+        num_layers=len(groups[0].layer_names), block_shape=(), layout=layout, tp_size=tp_size, tp_rank=tp_rank,
+        total_kv_heads=model.get_total_num_kv_heads(), head_size=spec.head_size, latent=bool(model.use_mla))
+
+
+def identity_namespace(identity: compat.KVLayoutInfo) -> bytes:
+    """The store namespace of ``identity`` (:func:`kv_store.namespace`), with the chunk format version."""
+    fields: dict[str, str | int] = {}
+    for name, value in msgspec.structs.asdict(identity).items():
+        if isinstance(value, bool):
+            value = int(value)
+        fields[name] = value if isinstance(value, (str, int)) else str(value)
+    fields["store_format"] = FORMAT_VERSION
+    return namespace(fields)
+
+
+# ---------------------------------------------------------------------- scheduler side
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLoad:
+    """Load the chunks of ``token_ids`` (the prompt up to the end of the last chunk needed) into
+    ``block_ids`` (the request's blocks from its first one), block positions ``skip_blocks`` up to
+    ``stop_blocks`` (the first ones are in vLLM's prefix cache already)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    skip_blocks: int
+    stop_blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSave:
+    """Save the full chunks of ``token_ids`` from chunk ``first_chunk`` on, out of ``block_ids``
+    (the request's blocks from its first one)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    first_chunk: int
+
+
+@dataclasses.dataclass
+class StoreMetadata(KVConnectorMetadata):
+    """One step's work for the workers. Pickled by vLLM between its processes (never networked)."""
+
+    loads: list[StoreLoad] = dataclasses.field(default_factory=list)
+    saves: list[StoreSave] = dataclasses.field(default_factory=list)
+    #: Claimed requests whose allocation this connector does not plan for: reported failed at once.
+    refused: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Prompt:
+    tokens: list[int]
+    keys: list[bytes]  # of the full chunks
+    stored: int = 0  # leading chunks the last lookup found
+    claim: tuple[int, int] | None = None  # (tokens claimed, vLLM's computed tokens), until allocated
+
+
+class StoreScheduler:
+    """Claims stored prefixes and plans saves. Not thread-safe: vLLM calls it from one thread."""
+
+    def __init__(self, settings: StoreSettings, block_size: int, space: bytes, store: TieredStore) -> None:
+        if settings.chunk_size % block_size:
+            raise KVConfigError(f"kv_store.chunk_size ({settings.chunk_size}) must be a multiple of vLLM's block size "
+                                f"({block_size}): chunks are made of whole blocks")
+        self.settings = settings
+        self.block_size = block_size
+        self.namespace = space
+        self.store = store
+        self._prompts: dict[str, _Prompt] = {}  # until the request finishes or its prompt is saved
+        self._loads: list[StoreLoad] = []
+        self._refused: dict[str, list[int]] = {}
+        self._loaded: set[str] = set()  # one load attempt per request
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Stored tokens of ``request``'s prompt beyond the ``num_computed_tokens`` vLLM holds: one
+        lookup of its full chunks per call (vLLM asks again while the request cannot be scheduled)."""
+        tokens = request.prompt_token_ids
+        if tokens is None:  # prompt embeddings: no token key
+            return 0
+        prompt = self._prompts.get(request.request_id)
+        if prompt is None:
+            chunk = self.settings.chunk_size
+            full = len(tokens) // chunk * chunk
+            keys = [k.key for k in chunk_keys(self.namespace, tokens[:full], chunk)] if full else []
+            prompt = self._prompts[request.request_id] = _Prompt(list(tokens), keys)
+        try:
+            prompt.stored = self.store.lookup(prompt.keys) if prompt.keys else 0
+        except KVStoreError as exc:
+            logger.warning("kvbridge store: lookup of request %s failed: %s", request.request_id, exc)
+            prompt.stored = 0
+        if request.request_id in self._loaded or request.num_preemptions > 0:
+            return 0
+        stored = min(prompt.stored * self.settings.chunk_size, transfer_prefix_len(len(tokens), self.block_size))
+        if stored <= num_computed_tokens:
+            prompt.claim = None
+            return 0
+        prompt.claim = (stored, num_computed_tokens)
+        return stored - num_computed_tokens
+
+    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        prompt = self._prompts.get(request.request_id)
+        claim = prompt.claim if prompt is not None else None
+        self._loaded.add(request.request_id)
+        if (claim is None or claim[0] - claim[1] != num_external_tokens or claim[1] % self.block_size
+                or len(block_ids) < claim[0] // self.block_size):
+            # vLLM adjusted the claim in a way this plan does not cover: its blocks fail, none is written.
+            logger.warning("kvbridge store: unexpected allocation for %s (%d external tokens, claim %s, %d blocks)",
+                           request.request_id, num_external_tokens, claim, len(block_ids))
+            self._refused[request.request_id] = list(block_ids)
+            return
+        stop, local = claim
+        end = -(-stop // self.settings.chunk_size) * self.settings.chunk_size
+        self._loads.append(StoreLoad(req_id=request.request_id, token_ids=prompt.tokens[:end],
+                                     block_ids=list(block_ids[: stop // self.block_size]),
+                                     skip_blocks=local // self.block_size, stop_blocks=stop // self.block_size))
+
+    def build_meta(self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[int]]) -> StoreMetadata:
+        """This step's loads and the saves of the prompts this step completes."""
+        meta = StoreMetadata(loads=self._loads, refused=self._refused)
+        self._loads, self._refused = [], {}
+        computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        chunk = self.settings.chunk_size
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            prompt = self._prompts.get(req_id)
+            if prompt is None or req_id not in computed:
+                continue
+            end = len(prompt.keys) * chunk
+            if computed[req_id] + scheduled < end:
+                continue  # not all full chunks computed yet (chunked prefill)
+            del self._prompts[req_id]
+            if prompt.stored < len(prompt.keys):
+                meta.saves.append(StoreSave(req_id=req_id, token_ids=prompt.tokens[:end],
+                                            block_ids=list(block_ids_of(req_id)[: end // self.block_size]),
+                                            first_chunk=prompt.stored))
+        return meta
+
+    def request_finished(self, request: Any) -> tuple[bool, None]:
+        """Forget the request; its blocks are free at once (saves copy them out in the step)."""
+        self._prompts.pop(request.request_id, None)
+        self._refused.pop(request.request_id, None)
+        self._loaded.discard(request.request_id)
+        self._loads = [load for load in self._loads if load.req_id != request.request_id]
+        return False, None
+
+
+# ---------------------------------------------------------------------- worker side
+
+
+@dataclasses.dataclass
+class StoreStats:
+    """A worker's store counters since its start."""
+
+    chunks_loaded: int = 0
+    bytes_loaded: int = 0
+    chunks_failed: int = 0  # missing or refused by a check: their blocks were load errors
+    chunks_saved: int = 0  # handed to the store (a full tier counts its own failed_writes)
+    chunks_present: int = 0  # already there: nothing written
+    bytes_saved: int = 0
+    saves_dropped: int = 0  # the save queue was full, or the store could not be reached
+
+
+class StoreWorker:
+    """One TP rank's loads and saves. Hooks are called from vLLM's model-runner thread."""
+
+    def __init__(self, settings: StoreSettings, identity: compat.KVLayoutInfo) -> None:
+        self.settings = settings
+        self.identity = identity
+        self.namespace = identity_namespace(identity)
+        self.mac_key = mac_key_from_secret(settings.secret)
+        self.store = settings.open()
+        self._caches: PagedKVCaches | None = None
+        self._layout_tag = torch.zeros(0, dtype=torch.uint8)
+        self._tracker = LoadTracker()
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-store-save")
+        self._saves_pending = threading.BoundedSemaphore(SAVE_QUEUE_DEPTH)
+        self._lock = threading.Lock()  # guards _stats
+        self._stats = StoreStats()
+
+    def register(self, caches: Sequence[torch.Tensor], layout: PagedKVLayout, layout_name: str) -> None:
+        self._caches = PagedKVCaches(list(caches), layout)
+        full = msgspec.structs.replace(self.identity, block_shape=layout.block_shape(caches[0], 1),
+                                       layout=f"{self.identity.layout}/{layout_name}/{layout.name}")
+        digest = hashlib.sha256(msgspec.msgpack.encode(full)).digest()
+        self._layout_tag = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        logger.info("kvbridge store ready (TP rank %d of %d): tiers %s, chunks of %d tokens",
+                    self.identity.tp_rank, self.identity.tp_size, self.settings.tiers, self.settings.chunk_size)
+
+    # ------------------------------------------------------------------ loads
+
+    def start_loads(self, loads: Iterable[StoreLoad], refused: Mapping[str, Sequence[int]]) -> None:
+        for load in loads:
+            self._tracker.start(load.req_id, load.block_ids[load.skip_blocks: load.stop_blocks],
+                                lambda ticket, load=load: self._load(load, ticket))
+        for req_id, block_ids in refused.items():
+            self._tracker.finish(self._tracker.begin(req_id, block_ids), block_ids)
+
+    def take_finished_loads(self, finished_req_ids: Iterable[str]) -> set[str]:
+        return self._tracker.take_finished(finished_req_ids)
+
+    def take_failed_blocks(self) -> set[int]:
+        return self._tracker.take_failed_blocks()
+
+    def _load(self, load: StoreLoad, ticket: LoadTicket) -> set[int]:
+        """Read, check and write the chunks of ``load``; returns the blocks that failed."""
+        caches = self._require_caches()
+        per_chunk = self.settings.chunk_size // caches.block_size
+        first, last = load.skip_blocks // per_chunk, -(-load.stop_blocks // per_chunk)
+        keys = chunk_keys(self.namespace, load.token_ids, self.settings.chunk_size)[first:last]
+        try:
+            blobs = self.store.get_many([k.key for k in keys])
+        except KVStoreError as exc:
+            logger.warning("kvbridge store: load of request %s failed: %s", load.req_id, exc)
+            blobs = [None] * len(keys)
+        failed: set[int] = set()
+        for index, (key, blob) in enumerate(zip(keys, blobs, strict=True), start=first):
+            lo, hi = max(index * per_chunk, load.skip_blocks), min((index + 1) * per_chunk, load.stop_blocks)
+            targets = load.block_ids[lo:hi]
+            problem = "missing" if blob is None else None
+            blocks = None
+            if blob is not None:
+                try:
+                    blocks = self._check(decode_chunk(blob, key.key, load.token_ids[key.start:key.stop], self.mac_key),
+                                         per_chunk)
+                except KVStoreObjectError as exc:
+                    problem = exc.reason
+            if blocks is None:
+                logger.warning("kvbridge store: chunk %d of request %s not loaded (%s): blocks %s fail",
+                               index, load.req_id, problem or "other layout", targets)
+                failed.update(targets)
+                self._add(chunks_failed=1)
+                continue
+            if ticket.cancelled.is_set():
+                return set(ticket.block_ids)
+            part = blocks.narrow(1 + caches.layout.block_dim, lo - index * per_chunk, hi - lo)
+            scatter_blocks(caches.caches, caches.layout, torch.tensor(targets, dtype=torch.int64), part)
+            self._add(chunks_loaded=1, bytes_loaded=part.numel() * part.element_size())
+        return failed
+
+    def _check(self, tensors: list[torch.Tensor | None], per_chunk: int) -> torch.Tensor | None:
+        """The chunk's blocks if they fit this worker's caches and layout, else None."""
+        caches = self._require_caches()
+        first = caches.caches[0]
+        expected = (len(caches.caches), *caches.layout.block_shape(first, per_chunk))
+        if len(tensors) != 2 or tensors[0] is None or tensors[1] is None:
+            return None
+        blocks, tag = tensors
+        if blocks.dtype != first.dtype or tuple(blocks.shape) != expected or not torch.equal(tag, self._layout_tag):
+            return None
+        return blocks
+
+    # ------------------------------------------------------------------ saves
+
+    def save(self, saves: Iterable[StoreSave]) -> None:
+        """Copy the chunks of ``saves`` out of vLLM's blocks now; encode and put them in the background."""
+        caches = self._require_caches()
+        per_chunk = self.settings.chunk_size // caches.block_size
+        for spec in saves:
+            if not self._saves_pending.acquire(blocking=False):
+                self._add(saves_dropped=len(spec.block_ids) // per_chunk - spec.first_chunk)
+                logger.warning("kvbridge store: save queue full: request %s not stored", spec.req_id)
+                continue
+            try:
+                ids = torch.tensor(spec.block_ids[spec.first_chunk * per_chunk:], dtype=torch.int64)
+                blocks = gather_blocks(caches.caches, caches.layout, ids)
+                self._saver.submit(self._put, spec, blocks, per_chunk)
+            except BaseException:  # closing, or a copy that failed: the slot is free again
+                self._saves_pending.release()
+                raise
+
+    def _put(self, spec: StoreSave, blocks: torch.Tensor, per_chunk: int) -> None:
+        try:
+            keys = chunk_keys(self.namespace, spec.token_ids, self.settings.chunk_size)
+            dim = 1 + self._require_caches().layout.block_dim
+            for offset, key in enumerate(keys[spec.first_chunk:]):
+                part = blocks.narrow(dim, offset * per_chunk, per_chunk).contiguous()
+                blob = encode_chunk(key.key, spec.token_ids[key.start:key.stop], [part, self._layout_tag],
+                                    self.mac_key)
+                try:
+                    stored = self.store.put(key.key, blob)
+                except KVStoreError as exc:
+                    logger.warning("kvbridge store: put of request %s failed: %s", spec.req_id, exc)
+                    self._add(saves_dropped=1)
+                    continue
+                if stored:
+                    self._add(chunks_saved=1, bytes_saved=part.numel() * part.element_size())
+                else:
+                    self._add(chunks_present=1)
+        except Exception:
+            logger.exception("kvbridge store: save of request %s failed", spec.req_id)
+        finally:
+            self._saves_pending.release()
+
+    # ------------------------------------------------------------------ the rest
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every save handed over so far is put (the fastest tier written)."""
+        self._saver.submit(lambda: None).result(timeout=timeout)
+
+    def close(self) -> None:
+        self._tracker.close()
+        self._saver.shutdown(wait=True)
+        self.store.close()
+
+    def _add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self._stats, name, getattr(self._stats, name) + value)
+
+    def _require_caches(self) -> PagedKVCaches:
+        if self._caches is None:
+            raise KVConfigError("kvbridge store: the KV caches are not registered yet")
+        return self._caches

@@ -1,0 +1,155 @@
+"""``KVBridgeConnector`` as a storage tier: what vLLM gets for ``kv_role="kv_both"`` with ``kv_store``.
+
+:class:`connector.vllm_v1.KVBridgeConnector` builds this subclass for such a configuration; it
+forwards vLLM's hooks to :mod:`connector.vllm_store` (see there for what it does).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+from connector.vllm_store import (
+    StoreMetadata,
+    StoreScheduler,
+    StoreSettings,
+    StoreStats,
+    StoreWorker,
+    config_identity,
+    identity_namespace,
+    shared_tiers,
+)
+from connector.vllm_v1 import KVBridgeConnector
+from connector.vllm_worker import find_layout
+from kv_pipe.errors import KVConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class KVBridgeStoreConnector(KVBridgeConnector):
+    """Stores what the instance computes and loads what any instance stored; see :mod:`connector.vllm_store`."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        KVConnectorBase_V1.__init__(self, vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise KVConfigError("kvbridge's store needs vLLM's KV cache config (vLLM >= 0.32)")
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise KVConfigError("kvbridge does not support pipeline parallelism (pipeline_parallel_size > 1)")
+        settings = StoreSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self._block_size = vllm_config.cache_config.block_size
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler, self._worker = None, None  # the transfer sides: none here
+        self._store_scheduler: StoreScheduler | None = None
+        self._store_worker: StoreWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # The keys a lookup asks for are those TP rank 0 stores; the scheduler sees the shared tiers only.
+            space = identity_namespace(config_identity(vllm_config, kv_cache_config, 0, tp_size))
+            store = settings.open(shared_tiers(settings.tiers))
+            try:
+                self._store_scheduler = StoreScheduler(settings, self._block_size, space, store)
+            except BaseException:
+                store.close()
+                raise
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            identity = config_identity(vllm_config, kv_cache_config, get_tensor_model_parallel_rank(), tp_size)
+            self._store_worker = StoreWorker(settings, identity)
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = list(kv_caches)
+        caches = [kv_caches[name] for name in names]
+        layout_name = self._layout_name(names[0])
+        layout = find_layout(caches[0], self._kv_cache_config.num_blocks, self._block_size, layout_name)
+        self._worker_side().register(caches, layout, layout_name)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        KVConnectorBase_V1.bind_connector_metadata(self, connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._store_metadata()
+        self._worker_side().start_loads(meta.loads, meta.refused)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker_side().take_finished_loads(finished_req_ids) or None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # a chunk holds every layer: wait_for_save copies them all at once
+
+    def wait_for_save(self) -> None:
+        self._worker_side().save(self._store_metadata().saves)
+
+    def build_connector_worker_meta(self) -> None:
+        return None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._store_worker.take_failed_blocks() if self._store_worker is not None else set()
+
+    def get_kv_connector_stats(self) -> None:
+        return None
+
+    def store_stats(self) -> StoreStats:
+        """Worker: the store counters since the start (chunks and bytes loaded and saved)."""
+        return self._worker_side().stats()
+
+    def flush_saves(self, timeout: float = 30.0) -> None:
+        """Worker: wait until every save handed over so far is in the store's fastest tier."""
+        self._worker_side().flush(timeout)
+
+    def shutdown(self) -> None:
+        if self._store_worker is not None:
+            self._store_worker.close()
+        if self._store_scheduler is not None:
+            self._store_scheduler.store.close()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens = self._scheduler_side().num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, tokens > 0  # loaded asynchronously: vLLM keeps stepping its other requests
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._scheduler_side().after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        manager = self._kv_cache_manager
+        if manager is None:
+            raise KVConfigError("kvbridge: vLLM did not bind its KV cache manager to the connector")
+        return self._scheduler_side().build_meta(scheduler_output, lambda req_id: manager.get_block_ids(req_id)[0])
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _store_metadata(self) -> StoreMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, StoreMetadata):
+            raise KVConfigError(f"kvbridge store: unexpected connector metadata {type(meta).__name__}")
+        return meta
+
+    def _worker_side(self) -> StoreWorker:
+        if self._store_worker is None:
+            raise KVConfigError("kvbridge: a worker-side hook was called on the scheduler-side connector")
+        return self._store_worker
+
+    def _scheduler_side(self) -> StoreScheduler:
+        if self._store_scheduler is None:
+            raise KVConfigError("kvbridge: a scheduler-side hook was called on the worker-side connector")
+        return self._store_scheduler

@@ -72,16 +72,18 @@ def client(base_url: str) -> OpenAI:
 
 
 @contextlib.contextmanager
-def serve_stack(model: str, log_dir: Path) -> Iterator[dict[str, Any]]:
+def serve_stack(model: str, log_dir: Path,
+                kv_options: tuple[str, ...] = ("--kv-extra", '{"kv_timeout": 5, "kv_load_timeout": 5}'),
+                ) -> Iterator[dict[str, Any]]:
     """``python -m launch.serve`` with two prefill and two decode instances (serve spreads them over
-    the cores itself), and the proxy over all four; yields their URLs and the log."""
+    the cores itself), and the proxy over all four; yields their URLs and the log. ``kv_options``:
+    serve's options for moving KV (a pipe's timeouts by default)."""
     ports = {name: free_port() for name in ("proxy", "prefill", "decode", "kv")}  # each with the next ones free
     log = log_dir / "serve.log"
     command = [sys.executable, "-m", "launch.serve", model, "--port", str(ports["proxy"]),
                "--prefill-instances", "2", "--decode-instances", "2",
                "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
-               "--kv-port", str(ports["kv"]), "--kv-extra", '{"kv_timeout": 5, "kv_load_timeout": 5}',
-               "--ready-timeout", str(READY_TIMEOUT), "--", *SERVE_ARGS]
+               "--kv-port", str(ports["kv"]), *kv_options, "--ready-timeout", str(READY_TIMEOUT), "--", *SERVE_ARGS]
     server = Server(command, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
     try:
         server.wait_ready(f"http://127.0.0.1:{ports['proxy']}")

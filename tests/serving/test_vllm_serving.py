@@ -3,6 +3,7 @@ proxy) against a single plain vLLM server, through the standard ``openai`` clien
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -96,6 +97,22 @@ def test_disaggregated_serving_equals_a_single_server(stack: dict, reference: di
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
+def test_serving_through_a_store_equals_a_single_server(model: str, reference: dict,
+                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``kvbridge serve --kv-store disk:DIR``: every instance is ``kv_both`` over one disk store, so
+    KV moves from the prefill instances to the decode instances through it (whole chunks; the rest
+    is computed). Every answer equals the plain server's, and decode instances did load stored KV."""
+    store = tmp_path_factory.mktemp("kv-store")
+    options = ("--kv-store", f"disk:{store}", "--kv-extra", json.dumps({"kv_store": {"chunk_size": vp.BLOCK_SIZE}}))
+    with servers.serve_stack(model, tmp_path_factory.mktemp("store-stack"), kv_options=options) as urls:
+        answers = ask_all(urls["proxy"])
+    for kind in ("completions", "stream", "chat", "chat_stream"):
+        assert answers[kind] == reference[kind], kind
+    assert sum(answers["cached"]) > 0, "no decode request found its prefix in the store"
+    assert any(store.iterdir()), "nothing was stored"
+
+
 def test_proxy_falls_back_to_the_decode_instance_when_prefill_is_down(stack: dict, reference: dict) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     fallback = ThreadedProxy([dead], [stack["decode"]])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from connector.vllm_store import StoreSettings
 from kv_pipe.errors import KVConfigError
 from launch import kv_memory, redis_server, serve
 
@@ -222,12 +223,23 @@ def extra_of(instance: serve.Instance) -> dict:
     return transfer_of(instance)["kv_connector_extra_config"]
 
 
-def test_the_store_reaches_every_instance_and_the_roles_stay() -> None:
+def test_with_a_store_every_instance_is_kv_both_over_it_and_no_pipe() -> None:
     spec = "memory,disk:/var/cache/kv,redis://127.0.0.1:6379"
     instances = serve.plan(args("--prefill-instances", "2", "--decode-instances", "2", "--kv-store", spec),
                            SERVE_ARGS, {}, None)
-    assert [extra_of(i)["kv_store"] for i in instances] == [spec] * 4
-    assert [transfer_of(i)["kv_role"] for i in instances] == ["kv_producer"] * 2 + ["kv_consumer"] * 2
+    assert [extra_of(i) for i in instances] == [{"kv_store": spec}] * 4
+    assert [transfer_of(i)["kv_role"] for i in instances] == ["kv_both"] * 4
+    assert all(transfer_of(i)["kv_load_failure_policy"] == "recompute" for i in instances)
+    # What the instances will parse: the store connector's own settings accept it.
+    StoreSettings.from_extra(extra_of(instances[0]), environ={})
+
+
+def test_a_store_no_two_processes_share_or_pipe_options_beside_it_are_refused() -> None:
+    with pytest.raises(KVConfigError, match="memory alone"):
+        serve.plan(args("--kv-store", "memory"), SERVE_ARGS, {}, None)
+    with pytest.raises(KVConfigError, match="kv_buffer_size"):
+        serve.plan(args("--kv-store", "disk:/var/cache/kv", "--kv-extra", '{"kv_buffer_size": 1000000}'),
+                   SERVE_ARGS, {}, None)
 
 
 def test_without_a_store_the_instances_get_no_store_setting() -> None:
@@ -249,13 +261,13 @@ def test_the_managed_redis_is_named_by_url_and_its_password_goes_only_into_the_e
 
 def test_a_kv_store_object_in_kv_extra_sizes_the_tiers_that_kv_store_names() -> None:
     sizes = {"memory_bytes": 123 * MIB, "chunk_size": 128}
-    (prefill, _) = serve.plan(args("--kv-store", "memory", "--kv-extra", json.dumps({"kv_store": sizes})),
+    (prefill, _) = serve.plan(args("--kv-store", "memory,disk:/x", "--kv-extra", json.dumps({"kv_store": sizes})),
                               SERVE_ARGS, {}, None)
-    assert extra_of(prefill)["kv_store"] == {**sizes, "tiers": "memory"}
+    assert extra_of(prefill)["kv_store"] == {**sizes, "tiers": "memory,disk:/x"}
     for given in ("disk:/x", {"tiers": "disk:/x"}):
         with pytest.raises(KVConfigError, match="give them once"):
-            serve.plan(args("--kv-store", "memory", "--kv-extra", json.dumps({"kv_store": given})), SERVE_ARGS,
-                       {}, None)
+            serve.plan(args("--kv-store", "memory,disk:/y", "--kv-extra", json.dumps({"kv_store": given})),
+                       SERVE_ARGS, {}, None)
 
 
 @pytest.mark.parametrize(("spec", "match"), [

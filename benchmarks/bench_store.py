@@ -18,10 +18,14 @@ Instances, one after another, each in its own process:
   ``redis`` is a redis-server started for the run.
 
 Measured per row: TTFT p50/p99 (sequential requests; the time from adding a request to the engine
-step that returns its first token), requests per second (each request generates ``--answer-tokens``),
-the hit rate (prompt tokens loaded from the store, from the connector's ``store_stats()``, over the
-prompt tokens), the load rate (bytes loaded over the row's summed TTFT: a lower bound, since a TTFT
-also computes the question), and every answer's tokens against the plain instance's (mismatches).
+step that returns its first token), requests per second (each request generates 8 tokens, 4 with
+``--quick``), the hit rate (prompt tokens loaded from the store, from the connector's
+``store_stats()``, over the prompt tokens), the load rate (bytes loaded over the row's summed
+TTFT: a lower bound, since a TTFT also computes the question), and every answer's tokens against
+the plain instance's (mismatches).
+Ratios are to the plain instance's TTFT p50; the targets column holds the product's: a warm round
+at most 0.25x from the memory tier and 0.35x from Redis or a new instance, a cold round within 5 %.
+Exits 1 when an answer differs.
 
     python -m benchmarks.bench_store [--quick] [--documents N] [--doc-tokens T] [--rounds R]
         [--tiers memory,disk,redis]
@@ -151,7 +155,7 @@ def engine_body(model: str, workload: Workload, rounds: list[list[list[int]]], t
         engine = llm.llm_engine
         connector = get_kv_transfer_group() if tiers is not None else None
         # An untimed first request: the first forward passes of an engine are slower.
-        _ask(engine, "warmup", random.Random(-1).choices(range(5, vp.VOCAB), k=2 * CHUNK_SIZE + 7), 2)
+        _ask(engine, "warmup", random.Random(-1).choices(range(5, vp.VOCAB), k=workload.doc_tokens), 2)
         results = []
         for index, batch in enumerate(rounds):
             before = connector.store_stats() if connector is not None else None

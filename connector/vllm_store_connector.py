@@ -77,6 +77,11 @@ class KVBridgeStoreConnector(KVBridgeConnector):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         KVConnectorBase_V1.bind_connector_metadata(self, connector_metadata)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Nothing to take back: a save copies its blocks out within the step that computed them, and
+        # vLLM does not preempt a request while its load is in flight.
+        return
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._store_metadata()
         self._worker_side().start_loads(meta.loads, meta.refused)

@@ -163,3 +163,18 @@ def test_bench_doorbell_times_every_design_and_checks_the_bytes(tmp_path: Path) 
         assert len(cells) == 7, cells
         assert all(re.fullmatch(rf"{NUMBER} us( \({NUMBER} GB/s\))?", cell) for cell in cells[1:5]), cells
         assert all(re.fullmatch(rf"{NUMBER}x", cell) for cell in cells[5:]), cells
+
+
+@pytest.mark.timeout(900)
+def test_bench_store_measures_every_tier_and_every_answer_matches_recompute(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "benchmarks.bench_store", "--quick", "--documents", "2", "--doc-tokens", "300"]
+    [result] = procs.run_commands([(command, {})], tmp_path, timeout=840)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    rows = ("plain (recompute)", "plain + prefix cache, later rounds", "memory, cold", "memory, warm", "disk, cold",
+            "disk, warm", "disk, new instance", "redis, cold", "redis, warm", "redis, new instance")
+    for name in rows:
+        cells = table_cells(result.stdout, name)
+        assert len(cells) == 10 and all(re.fullmatch(rf"{NUMBER}x?", cell) for cell in cells[1:6]), cells
+        assert cells[8] == "0", cells  # every answer equals the plain instance's
+    for name in ("memory, warm", "disk, new instance", "redis, new instance"):  # served from the store
+        assert table_cells(result.stdout, name)[6] != "0%"

@@ -275,7 +275,7 @@ def test_worker_stats_carry_each_tier_the_latencies_and_load_errors_per_interval
     assert len(data["store_load_seconds"]) == 1 and data["store_save_seconds"] == []
     assert data["store_tier_up"] == {}  # unchanged since the last interval
     # Again: the memory tier serves now.
-    assert _load(loader, StoreLoad("m", tokens[:2 * FAKE_CHUNK], [9, 3, 5, 7], skip_blocks=0, stop_blocks=4)) == set()
+    assert _load(loader, StoreLoad("m", tokens[:2 * FAKE_CHUNK], [8, 3, 5, 7], skip_blocks=0, stop_blocks=4)) == set()
     again = loader.take_stats()
     assert again.data["store_hit_chunks"] == {"memory": 2} and again.data["store_miss_chunks"] == {}
     assert again.data["store_read_bytes"] == {"memory": data["store_read_bytes"]["disk"]}

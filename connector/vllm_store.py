@@ -42,9 +42,10 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -55,11 +56,14 @@ from connector.paged import PagedKVCaches, PagedKVLayout, gather_blocks, scatter
 from connector.secret import SECRET_FILE_KEY, read_secret_file, refuse_inline_secret, resolve_secret
 from connector.transfer_plan import transfer_prefix_len
 from connector.vllm_loads import LoadTicket, LoadTracker
+from connector.vllm_stats import STORE_LOAD_ERRORS, STORE_TIER_UP, KVBridgeStats
 from kv_pipe.errors import KVConfigError
 from kv_store import (
     KVStoreError,
     KVStoreObjectError,
+    StoreTier,
     TieredStore,
+    TierStats,
     chunk_keys,
     decode_chunk,
     encode_chunk,
@@ -149,9 +153,51 @@ class StoreSettings:
                    secret=resolve_secret(environ, extra.get(SECRET_FILE_KEY)))
 
     def open(self, spec: str | None = None) -> TieredStore:
-        return open_store(self.tiers if spec is None else spec, memory_bytes=self.memory_bytes,
-                          disk_bytes=self.disk_bytes, redis_password=self.redis_password,
-                          redis_timeout=self.redis_timeout, queue_depth=self.queue_depth)
+        """The store of ``spec`` (default: all tiers), each tier counting the bytes it reads and writes."""
+        tiers: list[CountedTier] = []
+        try:
+            for part in (self.tiers if spec is None else spec).split(","):
+                # A store of one tier starts no writer thread: only its tier is kept.
+                single = open_store(part, memory_bytes=self.memory_bytes, disk_bytes=self.disk_bytes,
+                                    redis_password=self.redis_password, redis_timeout=self.redis_timeout)
+                tiers.append(CountedTier(single.tiers[0]))
+            return TieredStore(tiers, queue_depth=self.queue_depth)
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+
+
+class CountedTier(StoreTier):
+    """A tier that counts the bytes of the blobs it returns and stores (the tiers count the rest)."""
+
+    def __init__(self, tier: StoreTier) -> None:
+        self.tier = tier
+        self.name = tier.name
+        self._lock = threading.Lock()
+        self.bytes_read = self.bytes_written = 0
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        blobs = self.tier.get_many(keys)
+        with self._lock:
+            self.bytes_read += sum(len(blob) for blob in blobs if blob is not None)
+        return blobs
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.tier.contains_many(keys)
+
+    def put(self, key: bytes, blob: bytes) -> bool:
+        stored = self.tier.put(key, blob)
+        if stored:
+            with self._lock:
+                self.bytes_written += len(blob)
+        return stored
+
+    def stats(self) -> TierStats:
+        return self.tier.stats()
+
+    def close(self) -> None:
+        self.tier.close()
 
 
 def shared_tiers(spec: str) -> str:
@@ -345,13 +391,19 @@ class StoreWorker:
         self.namespace = identity_namespace(identity)
         self.mac_key = mac_key_from_secret(settings.secret)
         self.store = settings.open()
+        self._tiers = [cast(CountedTier, tier) for tier in self.store.tiers]
         self._caches: PagedKVCaches | None = None
         self._layout_tag = torch.zeros(0, dtype=torch.uint8)
         self._tracker = LoadTracker()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-store-save")
         self._saves_pending = threading.BoundedSemaphore(SAVE_QUEUE_DEPTH)
-        self._lock = threading.Lock()  # guards _stats
+        self._lock = threading.Lock()  # guards _stats and the interval's numbers below
         self._stats = StoreStats()
+        self._load_seconds: list[float] = []
+        self._save_seconds: list[float] = []
+        self._load_errors: dict[str, int] = {}
+        # Per tier, its cumulative numbers at the last take_stats (the interval reports the change).
+        self._reported: dict[str, dict[str, int]] = {}
 
     def register(self, caches: Sequence[torch.Tensor], layout: PagedKVLayout, layout_name: str) -> None:
         self._caches = PagedKVCaches(list(caches), layout)
@@ -378,6 +430,14 @@ class StoreWorker:
         return self._tracker.take_failed_blocks()
 
     def _load(self, load: StoreLoad, ticket: LoadTicket) -> set[int]:
+        start = time.perf_counter()
+        try:
+            return self._read_and_write(load, ticket)
+        finally:
+            with self._lock:
+                self._load_seconds.append(time.perf_counter() - start)
+
+    def _read_and_write(self, load: StoreLoad, ticket: LoadTicket) -> set[int]:
         """Read, check and write the chunks of ``load``; returns the blocks that failed."""
         caches = self._require_caches()
         per_chunk = self.settings.chunk_size // caches.block_size
@@ -401,10 +461,13 @@ class StoreWorker:
                 except KVStoreObjectError as exc:
                     problem = exc.reason
             if blocks is None:
+                problem = problem or "other layout"
                 logger.warning("kvbridge store: chunk %d of request %s not loaded (%s): blocks %s fail",
-                               index, load.req_id, problem or "other layout", targets)
+                               index, load.req_id, problem, targets)
                 failed.update(targets)
                 self._add(chunks_failed=1)
+                with self._lock:
+                    self._load_errors[problem] = self._load_errors.get(problem, 0) + 1
                 continue
             if ticket.cancelled.is_set():
                 return set(ticket.block_ids)
@@ -449,6 +512,7 @@ class StoreWorker:
             keys = chunk_keys(self.namespace, spec.token_ids, self.settings.chunk_size)
             dim = 1 + self._require_caches().layout.block_dim
             for offset, key in enumerate(keys[spec.first_chunk:]):
+                start = time.perf_counter()
                 part = blocks.narrow(dim, offset * per_chunk, per_chunk).contiguous()
                 blob = encode_chunk(key.key, spec.token_ids[key.start:key.stop], [part, self._layout_tag],
                                     self.mac_key)
@@ -458,6 +522,9 @@ class StoreWorker:
                     logger.warning("kvbridge store: put of request %s failed: %s", spec.req_id, exc)
                     self._add(saves_dropped=1)
                     continue
+                finally:
+                    with self._lock:
+                        self._save_seconds.append(time.perf_counter() - start)
                 if stored:
                     self._add(chunks_saved=1, bytes_saved=part.numel() * part.element_size())
                 else:
@@ -472,6 +539,32 @@ class StoreWorker:
     def stats(self) -> StoreStats:
         with self._lock:
             return dataclasses.replace(self._stats)
+
+    def take_stats(self) -> KVBridgeStats:
+        """The store's numbers since the last call, for vLLM's metrics: per tier the change of its
+        counters and, where it changed (or on the first call), whether it is up; load errors per
+        reason; each load's and each chunk save's seconds."""
+        store = self.store.stats()
+        data: dict[str, Any] = {STORE_TIER_UP: {}}
+        for tier in self._tiers:
+            counts = store.tiers[tier.name]
+            now = {"store_hit_chunks": counts.hits, "store_miss_chunks": counts.misses,
+                   "store_read_bytes": tier.bytes_read, "store_written_bytes": tier.bytes_written,
+                   "store_evictions": counts.evictions, "store_failed_writes": counts.failed_writes,
+                   "store_dropped_writes": store.dropped_writes.get(tier.name, 0), STORE_TIER_UP: int(counts.up)}
+            before = self._reported.get(tier.name)
+            self._reported[tier.name] = now
+            for name, value in now.items():
+                if name == STORE_TIER_UP:
+                    if before is None or before[name] != value:
+                        data[name][tier.name] = value
+                elif value != (before or {}).get(name, 0):
+                    data.setdefault(name, {})[tier.name] = value - (before or {}).get(name, 0)
+        with self._lock:
+            data["store_load_seconds"], self._load_seconds = self._load_seconds, []
+            data["store_save_seconds"], self._save_seconds = self._save_seconds, []
+            data[STORE_LOAD_ERRORS], self._load_errors = self._load_errors, {}
+        return KVBridgeStats.from_data(data)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every save handed over so far is put (the fastest tier written)."""

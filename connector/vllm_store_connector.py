@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
+from connector.vllm_stats import KVBridgeStats
 from connector.vllm_store import (
     StoreMetadata,
     StoreScheduler,
@@ -102,8 +103,9 @@ class KVBridgeStoreConnector(KVBridgeConnector):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._store_worker.take_failed_blocks() if self._store_worker is not None else set()
 
-    def get_kv_connector_stats(self) -> None:
-        return None
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        stats = self._store_worker.take_stats() if self._store_worker is not None else None
+        return stats if stats is not None and not stats.is_empty() else None
 
     def store_stats(self) -> StoreStats:
         """Worker: the store counters since the start (chunks and bytes loaded and saved)."""

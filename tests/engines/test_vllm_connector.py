@@ -25,7 +25,7 @@ from connector.vllm_loads import LoadTicket, LoadTracker
 from connector.vllm_prom import KVBridgePromMetrics
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings, listen_port_offset
-from connector.vllm_stats import KVBridgeStats
+from connector.vllm_stats import STORE_TIER_COUNTERS, KVBridgeStats
 from connector.vllm_worker import GAUGES, WorkerSide, find_layout
 from harness import vllm_procs as vp
 from harness.procs import free_port
@@ -391,6 +391,50 @@ def test_prometheus_metrics_carry_vllms_labels() -> None:
     assert value("transfer_seconds_count") == 3 and value("transfer_seconds_bucket", le="0.005") == 1
     assert value("load_wait_seconds_count") == 1 and value("load_wait_seconds_sum") == 1.5
     assert value("connections") == 1
+
+
+def test_store_stats_aggregate_per_tier_across_workers() -> None:
+    one = KVBridgeStats.from_data({"store_hit_chunks": {"memory": 2}, "store_read_bytes": {"memory": 100},
+                                   "store_tier_up": {"memory": 1, "redis": 1}, "store_load_errors": {"missing": 1},
+                                   "store_load_seconds": [0.5]})
+    two = KVBridgeStats.from_data({"store_hit_chunks": {"memory": 1, "redis": 3}, "store_read_bytes": {"redis": 7},
+                                   "store_tier_up": {"redis": 0}, "store_load_errors": {"missing": 2, "checksum": 1},
+                                   "store_save_seconds": [0.25]})
+    assert KVBridgeStats().is_empty() and not two.is_empty()
+    total = one.aggregate(two)
+    assert total.data["store_hit_chunks"] == {"memory": 3, "redis": 3}
+    assert total.data["store_read_bytes"] == {"memory": 100, "redis": 7}
+    assert total.data["store_tier_up"] == {"memory": 1, "redis": 0}  # down for one worker: down
+    assert total.data["store_load_errors"] == {"missing": 3, "checksum": 1}
+    assert (total.data["store_load_seconds"], total.data["store_save_seconds"]) == ([0.5], [0.25])
+    reduced = total.reduce()
+    assert (reduced["store_hit_chunks.redis"], reduced["store_tier_up.redis"]) == (3, 0)
+    assert pickle.loads(pickle.dumps(total)).data == total.data
+    total.reset()
+    assert total.is_empty()
+
+
+def test_prometheus_metrics_carry_the_store_tier_and_reason_labels() -> None:
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    metrics = KVBridgePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
+                                  {0: ["tiny", "0"]})
+    counts = {name: {"disk": 3} for name in STORE_TIER_COUNTERS}
+    metrics.observe(KVBridgeStats.from_data({**counts, "store_tier_up": {"disk": 1, "redis": 0},
+                                             "store_load_errors": {"checksum": 2},
+                                             "store_load_seconds": [0.002], "store_save_seconds": [0.0002]}).data)
+    metrics.observe(KVBridgeStats.from_data({"store_hit_chunks": {"disk": 1}, "store_tier_up": {"redis": 1}}).data)
+
+    def value(name: str, **extra: str) -> float | None:
+        return registry.get_sample_value(f"vllm:kvbridge_{name}", {"model_name": "tiny", "engine": "0", **extra})
+
+    assert value("store_hit_chunks_total", tier="disk") == 4
+    for name in STORE_TIER_COUNTERS[1:]:
+        assert value(f"{name}_total", tier="disk") == 3
+    assert (value("store_tier_up", tier="disk"), value("store_tier_up", tier="redis")) == (1, 1)
+    assert value("store_load_errors_total", reason="checksum") == 2
+    assert value("store_load_seconds_count") == 1 and value("store_load_seconds_sum") == 0.002
+    assert value("store_save_seconds_bucket", le="0.00025") == 1
 
 
 def test_find_layout_cpu_and_flash_shapes() -> None:

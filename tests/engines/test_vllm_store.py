@@ -248,6 +248,60 @@ def test_a_chunk_that_fails_a_check_is_a_load_error_and_writes_nothing(tmp_path:
     loader.close()
 
 
+def test_worker_stats_carry_each_tier_the_latencies_and_load_errors_per_interval(tmp_path: Path) -> None:
+    tokens = list(range(70, 70 + 3 * FAKE_CHUNK))
+    source = vp.fake_caches(1)
+    chunk_bytes = 2 * len(source) * source[0][0].numel() * 4  # two blocks of every layer, float32
+    saver = _worker(tmp_path, source)
+    saver.save([StoreSave("s", tokens[:2 * FAKE_CHUNK], [3, 7, 1, 5], first_chunk=0)])
+    saver.flush()
+    saved = saver.take_stats().data
+    saver.close()  # writes the disk tier
+    assert len(saved["store_save_seconds"]) == 2 and saved["store_load_seconds"] == []
+    assert saved["store_written_bytes"]["memory"] > 2 * chunk_bytes
+    assert saved["store_tier_up"] == {"memory": 1, "disk": 1}
+    target = vp.fake_caches(2)
+    loader = _worker(tmp_path, target)  # its memory tier is empty: the disk serves
+    first = loader.take_stats()
+    assert first.data["store_tier_up"] == {"memory": 1, "disk": 1} and not first.data["store_read_bytes"]
+    # The third chunk was never saved: a miss in both tiers, its blocks a load error.
+    assert _load(loader, StoreLoad("l", tokens, [2, 4, 6, 8, 0, 1], skip_blocks=0, stop_blocks=6)) == {0, 1}
+    data = loader.take_stats().data
+    assert data["store_hit_chunks"] == {"disk": 2}
+    assert data["store_miss_chunks"] == {"memory": 3, "disk": 1}
+    assert data["store_read_bytes"] == {"disk": saved["store_written_bytes"]["memory"]}
+    assert data["store_written_bytes"] == {"memory": saved["store_written_bytes"]["memory"]}  # copied up
+    assert data["store_load_errors"] == {"missing": 1}
+    assert len(data["store_load_seconds"]) == 1 and data["store_save_seconds"] == []
+    assert data["store_tier_up"] == {}  # unchanged since the last interval
+    # Again: the memory tier serves now.
+    assert _load(loader, StoreLoad("m", tokens[:2 * FAKE_CHUNK], [8, 3, 5, 7], skip_blocks=0, stop_blocks=4)) == set()
+    again = loader.take_stats()
+    assert again.data["store_hit_chunks"] == {"memory": 2} and again.data["store_miss_chunks"] == {}
+    assert again.data["store_read_bytes"] == {"memory": data["store_read_bytes"]["disk"]}
+    assert loader.take_stats().is_empty()
+    loader.close()
+
+
+def test_a_full_memory_tier_reports_its_evictions(tmp_path: Path) -> None:
+    tokens = list(range(5, 5 + 3 * FAKE_CHUNK))
+    source = vp.fake_caches(3)
+    chunk_bytes = 2 * len(source) * source[0][0].numel() * 4
+    settings = StoreSettings.from_extra({"kv_store": {"tiers": f"memory,disk:{tmp_path}", "chunk_size": FAKE_CHUNK,
+                                                      "memory_bytes": chunk_bytes * 3 // 2}}, environ={})
+    identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_both", model="fake", dtype="float32",
+                                   block_size=FB, num_layers=len(source), block_shape=(), layout="x", tp_size=1,
+                                   tp_rank=0)
+    worker = StoreWorker(settings, identity)
+    worker.register(source, find_layout(source[0], vp.FAKE_BLOCKS, FB, "CPU_ATTN/vec"), "CPU_ATTN/vec")
+    worker.save([StoreSave("s", tokens, [3, 7, 1, 5, 0, 8], first_chunk=0)])
+    worker.flush()
+    data = worker.take_stats().data
+    worker.close()
+    # Each chunk makes room by evicting the one before: the memory tier holds one at a time.
+    assert data["store_evictions"] == {"memory": 2}
+
+
 # ---------------------------------------------------------------------- engines
 
 

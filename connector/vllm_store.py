@@ -440,6 +440,14 @@ class StoreWorker:
     def _read_and_write(self, load: StoreLoad, ticket: LoadTicket) -> set[int]:
         """Read, check and write the chunks of ``load``; returns the blocks that failed."""
         caches = self._require_caches()
+        outside = [block for block in load.block_ids if not 0 <= block < caches.num_blocks]
+        if outside:  # never from vLLM; a write there would land outside the caches
+            logger.error("kvbridge store: load of request %s names blocks %s outside the cache's %d blocks",
+                         load.req_id, outside, caches.num_blocks)
+            self._add(chunks_failed=1)
+            with self._lock:
+                self._load_errors["block out of range"] = self._load_errors.get("block out of range", 0) + 1
+            return set(ticket.block_ids)
         per_chunk = self.settings.chunk_size // caches.block_size
         first, last = load.skip_blocks // per_chunk, -(-load.stop_blocks // per_chunk)
         keys = chunk_keys(self.namespace, load.token_ids, self.settings.chunk_size)[first:last]

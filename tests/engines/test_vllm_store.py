@@ -192,6 +192,23 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
     loader.close()
 
 
+def test_a_load_naming_a_block_outside_the_cache_fails_whole_and_writes_nothing(tmp_path: Path) -> None:
+    tokens = list(range(50, 50 + 2 * FAKE_CHUNK))
+    saver = _worker(tmp_path, vp.fake_caches(1))
+    saver.save([StoreSave("s", tokens, [3, 7, 1, 5], first_chunk=0)])
+    saver.flush()
+    saver.close()
+    target = vp.fake_caches(2)
+    before = [cache.clone() for cache in target]
+    loader = _worker(tmp_path, target)
+    outside = target[0].shape[0]  # one past the last block
+    load = StoreLoad("l", tokens, [2, 4, 6, outside], skip_blocks=0, stop_blocks=4)
+    assert _load(loader, load) == {2, 4, 6, outside}
+    assert all(torch.equal(cache, old) for cache, old in zip(target, before, strict=True))
+    assert loader.stats().chunks_loaded == 0
+    loader.close()
+
+
 def test_workers_share_chunks_through_redis_with_the_password_from_the_environment(tmp_path: Path) -> None:
     from harness import redis_servers
 

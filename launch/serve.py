@@ -102,16 +102,16 @@ def kv_transfer_config(role: str, kv_ip: str, kv_port: int, extra: dict[str, Any
     return config
 
 
-def store_transfer_config(store: str | dict[str, Any]) -> dict[str, Any]:
+def store_transfer_config(store: str | dict[str, Any], failure_policy: str = "recompute") -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for an instance of a launch with ``--kv-store``: ``kv_both``
     over the store (:mod:`connector.vllm_store`), no pipe. A prefill instance stores the KV it
     computes; its decode instance loads the stored prefix (whole chunks) and computes the rest. A
-    load that fails is recomputed, never served from wrong KV."""
+    load that fails is recomputed (``failure_policy``), never served from wrong KV."""
     return {
         "kv_connector": "KVBridgeConnector",
         "kv_connector_module_path": "connector.vllm_v1",
         "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
+        "kv_load_failure_policy": failure_policy,
         "kv_connector_extra_config": {"kv_store": store},
     }
 

@@ -339,16 +339,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return vp.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def test_a_new_instance_loads_what_another_stored(tiny_model: str, tmp_path: Path) -> None:
-    prompts, shared = _prompts()
-    store = tmp_path / "store"
-    spec = f"disk:{store}"
+def _reference_and_a_storing_instance(tiny_model: str, spec: str, prompts: list[list[int]],
+                                      shared: list[int]) -> tuple[list[list[int]], dict]:
+    """One plain engine's tokens for ``prompts`` and ``shared``, and the results of instance "a",
+    which serves ``prompts`` and stores them in ``spec``; both engines side by side."""
     with vp.Engines() as engines:
         engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts + [shared])
         engines.start("a", sp.store_body, vp.engine_env(1), model=tiny_model,
                       transfer=sp.store_transfer_config(spec), batches=[prompts])
         results = engines.wait(["reference", "a"], timeout=300)
-    reference = [o["tokens"] for o in results["reference"]]
+    return [o["tokens"] for o in results["reference"]], results
+
+
+def test_a_new_instance_loads_what_another_stored(tiny_model: str, tmp_path: Path) -> None:
+    prompts, shared = _prompts()
+    store = tmp_path / "store"
+    spec = f"disk:{store}"
+    reference, results = _reference_and_a_storing_instance(tiny_model, spec, prompts, shared)
     a = results["a"]
     assert [o["tokens"] for o in a["outputs"][0]] == reference[:3]
     assert a["stats"]["chunks_saved"] == sum(len(p) // CHUNK for p in prompts)
@@ -393,12 +400,7 @@ def test_instances_split_into_scheduler_and_worker_processes_share_the_store(tin
     engine's under "fail"."""
     prompts, shared = _prompts()
     spec = f"disk:{tmp_path / 'store'}"
-    with vp.Engines() as engines:
-        engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts + [shared])
-        engines.start("a", sp.store_body, vp.engine_env(1), model=tiny_model,
-                      transfer=sp.store_transfer_config(spec), batches=[prompts])
-        results = engines.wait(["reference", "a"], timeout=300)
-    reference = [o["tokens"] for o in results["reference"]]
+    reference, _ = _reference_and_a_storing_instance(tiny_model, spec, prompts, shared)
     with vp.Engines() as engines:
         engines.start("b", sp.store_body, vp.engine_env(0, multiprocess=True), model=tiny_model,
                       transfer=sp.store_transfer_config(spec, failure_policy="fail"),

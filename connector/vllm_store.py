@@ -91,7 +91,12 @@ _STORE_DEFAULTS: dict[str, Any] = {"tiers": None, "chunk_size": 256, "memory_byt
 
 def wants_store(kv_role: str, extra: Any) -> bool:
     """Whether vLLM's transfer config asks for the storage tier (``kv_both`` with ``kv_store``)."""
-    return kv_role == "kv_both" and isinstance(extra, Mapping) and STORE_KEY in extra
+    return kv_role == "kv_both" and has_store(extra)
+
+
+def has_store(extra: Any) -> bool:
+    """Whether ``kv_connector_extra_config`` has a ``kv_store`` entry (with any role)."""
+    return isinstance(extra, Mapping) and STORE_KEY in extra
 
 
 @dataclasses.dataclass(frozen=True)

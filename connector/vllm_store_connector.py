@@ -36,6 +36,26 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def open_store_sides(settings: StoreSettings, vllm_config: VllmConfig, role: KVConnectorRole,
+                     kv_cache_config: KVCacheConfig) -> tuple[StoreScheduler | None, StoreWorker | None]:
+    """The store's side of an instance in ``role``: (its scheduler side, None) in vLLM's scheduler,
+    (None, its worker side) in a worker."""
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    if role == KVConnectorRole.SCHEDULER:
+        # The keys a lookup asks for are those TP rank 0 stores; the scheduler sees the shared tiers only.
+        space = identity_namespace(config_identity(vllm_config, kv_cache_config, 0, tp_size))
+        store = settings.open(shared_tiers(settings.tiers))
+        try:
+            return StoreScheduler(settings, vllm_config.cache_config.block_size, space, store), None
+        except BaseException:
+            store.close()
+            raise
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return None, StoreWorker(settings, config_identity(vllm_config, kv_cache_config,
+                                                       get_tensor_model_parallel_rank(), tp_size))
+
+
 class KVBridgeStoreConnector(KVBridgeConnector):
     """Stores what the instance computes and loads what any instance stored; see :mod:`connector.vllm_store`."""
 
@@ -47,24 +67,8 @@ class KVBridgeStoreConnector(KVBridgeConnector):
             raise KVConfigError("kvbridge does not support pipeline parallelism (pipeline_parallel_size > 1)")
         settings = StoreSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._block_size = vllm_config.cache_config.block_size
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._scheduler, self._worker = None, None  # the transfer sides: none here
-        self._store_scheduler: StoreScheduler | None = None
-        self._store_worker: StoreWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            # The keys a lookup asks for are those TP rank 0 stores; the scheduler sees the shared tiers only.
-            space = identity_namespace(config_identity(vllm_config, kv_cache_config, 0, tp_size))
-            store = settings.open(shared_tiers(settings.tiers))
-            try:
-                self._store_scheduler = StoreScheduler(settings, self._block_size, space, store)
-            except BaseException:
-                store.close()
-                raise
-        else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            identity = config_identity(vllm_config, kv_cache_config, get_tensor_model_parallel_rank(), tp_size)
-            self._store_worker = StoreWorker(settings, identity)
+        self._store_scheduler, self._store_worker = open_store_sides(settings, vllm_config, role, kv_cache_config)
 
     # ------------------------------------------------------------------ worker side
 

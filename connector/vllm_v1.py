@@ -75,7 +75,7 @@ from connector.vllm_prom import KVBridgePromMetrics
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings, listen_port_offset
 from connector.vllm_stats import KVBridgeStats
-from connector.vllm_store import wants_store
+from connector.vllm_store import has_store, wants_store
 from connector.vllm_worker import WorkerSide, find_layout
 from kv_pipe.errors import KVConfigError
 from lookup_buffer.base import BufferStats
@@ -103,13 +103,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
             from connector.vllm_store_connector import KVBridgeStoreConnector  # imports this module
 
             return super().__new__(KVBridgeStoreConnector)
+        if cls is KVBridgeConnector and has_store(transfer.kv_connector_extra_config):
+            from connector.vllm_pd_store import KVBridgePDStoreConnector  # imports this module
+
+            return super().__new__(KVBridgePDStoreConnector)
         return super().__new__(cls)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self._settings = ConnectorSettings.from_vllm(transfer.kv_role, transfer.kv_port, transfer.kv_buffer_device,
-                                                     transfer.kv_connector_extra_config)
+                                                     self._pipe_extra(transfer.kv_connector_extra_config))
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise KVConfigError("kvbridge does not support pipeline parallelism (pipeline_parallel_size > 1)")
         self._block_size = vllm_config.cache_config.block_size
@@ -136,6 +140,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 total_kv_heads=0 if latent else model.get_total_num_kv_heads(), head_size=model.get_head_size(),
                 latent=latent)
             self._worker = WorkerSide(self._settings, identity, listen_port_offset(tp_rank))
+
+    def _pipe_extra(self, extra: Any) -> Any:
+        """The part of ``kv_connector_extra_config`` that configures the pipe: all of it here."""
+        return extra
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig | None = None) -> bool:

@@ -13,31 +13,28 @@ gives vLLM a model configuration to read.
 
 from __future__ import annotations
 
-import copy
 import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
-import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import ModelConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_v1 import KVBridgeConnector
 from harness import vllm_procs as vp
+from harness import vllm_scheduler
 
 B = vp.BLOCK_SIZE
-PRODUCER_PORT = 14579  # the scheduler side opens nothing: the port is only announced
+PRODUCER_PORT = vllm_scheduler.PRODUCER_PORT
 #: Sampled by the fake workers: never the tiny Llama's EOS, so requests stop at ``max_tokens``.
 TOKEN = 7
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -57,20 +54,7 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
 def make_scheduler(model_config: ModelConfig, role: str, num_blocks: int = 64,
                    failure_policy: str = "fail") -> Scheduler:
     """vLLM's Scheduler with KVBridgeConnector loaded from its kv-transfer config, as vLLM loads it."""
-    transfer = KVTransferConfig(kv_connector="KVBridgeConnector", kv_connector_module_path="connector.vllm_v1",
-                                kv_role=role, kv_port=PRODUCER_PORT, kv_load_failure_policy=failure_policy,
-                                kv_connector_extra_config={"kv_ip": "127.0.0.1"})
-    config = VllmConfig(model_config=copy.deepcopy(model_config),  # VllmConfig adjusts the one it gets
-                        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                                         max_model_len=512, is_encoder_decoder=False),
-                        cache_config=CacheConfig(block_size=B, enable_prefix_caching=True),
-                        kv_transfer_config=transfer, device_config=DeviceConfig("cpu"))
-    config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=B, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
-    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_cache, log_stats=True,
-                          structured_output_manager=StructuredOutputManager(config), block_size=B)
+    scheduler = vllm_scheduler.make_scheduler(model_config, role, num_blocks, failure_policy)
     assert isinstance(scheduler.connector, KVBridgeConnector), type(scheduler.connector)
     assert not scheduler.scheduler_config.async_scheduling, (
         "vLLM assumption: on CPU each step's output is processed before the next step is scheduled")

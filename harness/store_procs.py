@@ -40,3 +40,62 @@ def store_body(model: str, transfer: dict[str, Any], batches: list[list[list[int
         return {"outputs": outputs, "stats": dataclasses.asdict(connector.store_stats())}
     finally:
         vp._shutdown(llm)
+
+
+def pd_store_transfer_config(role: str, port: int, tiers: str, failure_policy: str = "recompute") -> dict[str, Any]:
+    """A prefill (``kv_producer``) or decode (``kv_consumer``) instance of the tests' pairs with a store
+    of ``tiers`` (chunks of :data:`CHUNK_SIZE` tokens)."""
+    return vp.kv_transfer_config(role, port, failure_policy=failure_policy,
+                                 kv_store={"tiers": tiers, "chunk_size": CHUNK_SIZE})
+
+
+def _counters() -> dict[str, Any]:
+    """The worker-side connector's pipe and store counters, once every save is in the store."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    connector.flush_saves()
+    return {"stats": dict(connector.total_stats().data), "store": dataclasses.asdict(connector.store_stats())}
+
+
+def pd_store_producer_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]], prefilled: vp.Flag,
+                           consumer_done: vp.Flag, timeout: float, announce: Any) -> dict[str, Any]:
+    """Prefill each batch (max_tokens=1) once the saves of the batch before are in the store (vLLM's
+    prefix cache off: what a batch reuses comes from the store); put the outputs' kv_transfer_params
+    into ``announce``, set ``prefilled``, stay up until the consumer is done."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    kwargs = vp.engine_kwargs(model, transfer)
+    kwargs["enable_prefix_caching"] = False
+    llm = vp._llm(kwargs)
+    try:
+        outputs = []
+        for batch in batches:
+            outputs.append(vp._generate(llm, batch, 1))
+            get_kv_transfer_group().flush_saves()
+        announce.put([[o["params"] for o in batch] for batch in outputs])
+        prefilled.set()
+        if not consumer_done.wait(timeout):
+            raise TimeoutError(f"the consumer did not finish within {timeout} s")
+        return {"outputs": outputs, **_counters(), "entries_left": vp._entries_left()}
+    finally:
+        vp._shutdown(llm)
+
+
+def pd_store_consumer_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]],
+                           prefilled: vp.Flag, consumer_done: vp.Flag, timeout: float,
+                           announced: Any) -> dict[str, Any]:
+    """Once the producer prefilled, decode each batch with its kv_transfer_params (vLLM's prefix
+    cache off: every reused block comes from the store or the pipe)."""
+    kwargs = vp.engine_kwargs(model, transfer)
+    kwargs["enable_prefix_caching"] = False
+    llm = vp._llm(kwargs)
+    try:
+        if not prefilled.wait(timeout):
+            raise TimeoutError(f"the producer did not prefill within {timeout} s")
+        params = announced.get(timeout=timeout)
+        outputs = [vp._generate(llm, batch, vp.MAX_TOKENS, params[index]) for index, batch in enumerate(batches)]
+        return {"outputs": outputs, **_counters()}
+    finally:
+        consumer_done.set()
+        vp._shutdown(llm)

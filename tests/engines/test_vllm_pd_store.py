@@ -45,8 +45,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(tiny_model: str,
-                                                                               tmp_path: Path) -> None:
+def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(tiny_model: str, tmp_path: Path) -> None:
     first, second = _prompts()
     prompts = first + second
     spec = f"disk:{tmp_path / 'store'}"
@@ -54,13 +53,30 @@ def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(t
     with vp.Engines() as engines:
         prefilled, done, announcements = engines.event(), engines.event(), engines.queue()
         engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts)
-        engines.start("producer", sp.pd_store_producer_body, vp.engine_env(0), model=tiny_model,
-                      transfer=sp.pd_store_transfer_config("kv_producer", port, spec), batches=[first, second],
-                      prefilled=prefilled, consumer_done=done, timeout=480, announce=announcements)
-        engines.start("consumer", sp.pd_store_consumer_body, vp.engine_env(1), model=tiny_model,
-                      transfer=sp.pd_store_transfer_config("kv_consumer", port, spec, failure_policy="fail"),
-                      batches=[first, second], prefilled=prefilled, consumer_done=done, timeout=480,
-                      announced=announcements)
+        engines.start(
+            "producer",
+            sp.pd_store_producer_body,
+            vp.engine_env(0),
+            model=tiny_model,
+            transfer=sp.pd_store_transfer_config("kv_producer", port, spec),
+            batches=[first, second],
+            prefilled=prefilled,
+            consumer_done=done,
+            timeout=480,
+            announce=announcements,
+        )
+        engines.start(
+            "consumer",
+            sp.pd_store_consumer_body,
+            vp.engine_env(1),
+            model=tiny_model,
+            transfer=sp.pd_store_transfer_config("kv_consumer", port, spec, failure_policy="fail"),
+            batches=[first, second],
+            prefilled=prefilled,
+            consumer_done=done,
+            timeout=480,
+            announced=announcements,
+        )
         results = engines.wait(["reference", "producer", "consumer"], timeout=560)
     reference = [o["tokens"] for o in results["reference"]]
     producer, consumer = results["producer"], results["consumer"]
@@ -69,7 +85,8 @@ def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(t
     prefilled_outputs = producer["outputs"][0] + producer["outputs"][1]
     assert [o["tokens"] for o in prefilled_outputs] == [tokens[:1] for tokens in reference]
     assert [o["params"][PARAMS_KEY]["prefix_tokens"] for o in prefilled_outputs] == [
-        vp.transfer_prefix(p) for p in prompts]
+        vp.transfer_prefix(p) for p in prompts
+    ]
     # The second batch came from the store: the repeated prompt's every chunk, the sharing prompt's first two.
     stored_first = sum(_full_chunks(p) for p in first)
     assert producer["store"]["chunks_loaded"] == _full_chunks(first[0]) + 2

@@ -10,15 +10,17 @@ import dataclasses
 from typing import Any
 
 from harness import vllm_procs as vp
-from launch import serve
 
 #: Tokens per stored chunk: two of the tiny model's blocks.
 CHUNK_SIZE = 2 * vp.BLOCK_SIZE
 
 
 def store_transfer_config(tiers: str, failure_policy: str = "recompute", **options: Any) -> dict[str, Any]:
-    """What ``kvbridge serve --kv-store`` gives its instances, with the tests' chunk size."""
-    return serve.store_transfer_config({"tiers": tiers, "chunk_size": CHUNK_SIZE, **options}, failure_policy)
+    """A storage-tier instance: ``kv_both`` over a store of ``tiers`` with the tests' chunk size, no
+    pipe; a load that fails is recomputed (``failure_policy``)."""
+    return {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "connector.vllm_v1",
+            "kv_role": "kv_both", "kv_load_failure_policy": failure_policy,
+            "kv_connector_extra_config": {"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE, **options}}}
 
 
 def store_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]],

@@ -34,9 +34,11 @@ who reaches them; an address beyond loopback that depends on it is warned about.
 lines show ``--api-key`` values as redacted (``VLLM_API_KEY`` keeps the key out of ``ps`` too).
 
 Store: ``--kv-store memory|disk:PATH|redis[://HOST:PORT]`` (several comma-separated, fastest first,
-at least one of them shared: disk or Redis) makes every instance ``kv_both`` over that store
-(:func:`store_transfer_config`): KV moves from prefill to decode instances through the store, and
-any instance reuses what any other stored. Plain ``redis`` makes serve
+at least one of them shared: disk or Redis) gives every instance that store beside its pipe
+(:mod:`connector.vllm_pd_store`): a prefill instance loads the stored prefix of each prompt before
+it computes the rest, stores what it computed and hands the transfer prefix to its decode
+instance over the pipe, as without a store; a decode instance loads the stored prefix from the
+store and the rest over the pipe. Any instance reuses what any other stored. Plain ``redis`` makes serve
 start a ``redis-server`` of its own on a free loopback port (:mod:`launch.redis_server`), sized by
 ``--kv-store-redis-memory``, whose password, derived from the secret, reaches the instances as
 ``KVBRIDGE_STORE_PASSWORD``; it is stopped at exit. ``redis://HOST:PORT`` is a server of your own,
@@ -97,23 +99,9 @@ def kv_transfer_config(role: str, kv_ip: str, kv_port: int, extra: dict[str, Any
         "kv_port": kv_port,
         "kv_connector_extra_config": {"kv_ip": kv_ip, **extra},
     }
-    if role == "kv_consumer":
+    if role == "kv_consumer" or "kv_store" in extra:  # a prefill instance with a store loads too
         config["kv_load_failure_policy"] = "recompute"
     return config
-
-
-def store_transfer_config(store: str | dict[str, Any], failure_policy: str = "recompute") -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for an instance of a launch with ``--kv-store``: ``kv_both``
-    over the store (:mod:`connector.vllm_store`), no pipe. A prefill instance stores the KV it
-    computes; its decode instance loads the stored prefix (whole chunks) and computes the rest. A
-    load that fails is recomputed (``failure_policy``), never served from wrong KV."""
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_connector_module_path": "connector.vllm_v1",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": failure_policy,
-        "kv_connector_extra_config": {"kv_store": store},
-    }
 
 
 def vllm_serve_command(model: str, host: str, port: int, transfer: dict[str, Any], extra: Sequence[str]) -> list[str]:
@@ -314,13 +302,8 @@ def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[s
     extra = {key: value for key, value in args.kv_extra.items() if key != SECRET_FILE_KEY}  # read already
     tiers = store_tiers(args.kv_store) if args.kv_store is not None else []
     store = store_setting(tiers, extra.get("kv_store"), managed_redis)
-    if store is not None:
-        pipe_options = sorted(set(extra) - {"kv_store"})
-        if pipe_options:
-            raise KVConfigError(f"with a store the instances move KV through it, not over a pipe: --kv-extra "
-                                f"{pipe_options} would not be used; give only kv_store there")
-        if tiers and all(tier == "memory" for tier in tiers):
-            raise KVConfigError("--kv-store memory alone is shared by no two processes: add disk:PATH or redis")
+    if tiers and all(tier == "memory" for tier in tiers):
+        raise KVConfigError("--kv-store memory alone is shared by no two processes: add disk:PATH or redis")
     for warning in exposure_warnings(args.kv_ip, tiers, secret, environ):
         logger.warning("%s", warning)
     prefill_tp, decode_tp = tp_sizes(args, serve_args)
@@ -356,8 +339,9 @@ def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[s
             own_extra = dict(extra)
             if role == "kv_consumer" and prefill_tp != decode_tp:
                 own_extra.setdefault("kv_producer_tp_size", prefill_tp)  # requests that name no prefill instance
-            transfer = (kv_transfer_config(role, args.kv_ip, kv_port, own_extra) if store is None
-                        else store_transfer_config(store))
+            if store is not None:
+                own_extra["kv_store"] = store
+            transfer = kv_transfer_config(role, args.kv_ip, kv_port, own_extra)
             port = first_port + index
             instances.append(Instance(name, port, vllm_serve_command(args.model, args.host, port, transfer, vllm_args),
                                       env))

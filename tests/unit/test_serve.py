@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from connector.vllm_settings import ConnectorSettings
 from connector.vllm_store import StoreSettings
 from kv_pipe.errors import KVConfigError
 from launch import kv_memory, redis_server, serve
@@ -223,23 +224,28 @@ def extra_of(instance: serve.Instance) -> dict:
     return transfer_of(instance)["kv_connector_extra_config"]
 
 
-def test_with_a_store_every_instance_is_kv_both_over_it_and_no_pipe() -> None:
+def test_with_a_store_prefill_and_decode_instances_have_it_beside_their_pipe() -> None:
     spec = "memory,disk:/var/cache/kv,redis://127.0.0.1:6379"
-    instances = serve.plan(args("--prefill-instances", "2", "--decode-instances", "2", "--kv-store", spec),
-                           SERVE_ARGS, {}, None)
-    assert [extra_of(i) for i in instances] == [{"kv_store": spec}] * 4
-    assert [transfer_of(i)["kv_role"] for i in instances] == ["kv_both"] * 4
+    options = ("--prefill-instances", "2", "--decode-instances", "2", "--kv-store", spec,
+               "--kv-extra", '{"kv_buffer_size": 1000000}')
+    instances = serve.plan(args(*options), SERVE_ARGS, {}, None)
+    assert [transfer_of(i)["kv_role"] for i in instances] == ["kv_producer"] * 2 + ["kv_consumer"] * 2
+    assert [transfer_of(i)["kv_port"] for i in instances] == [15000, 15001, 15000, 15000]
+    assert [extra_of(i) for i in instances] == [{"kv_ip": "127.0.0.1", "kv_buffer_size": 1000000,
+                                                 "kv_store": spec}] * 4
+    # Both load: a failed load is recomputed, never served from wrong KV.
     assert all(transfer_of(i)["kv_load_failure_policy"] == "recompute" for i in instances)
-    # What the instances will parse: the store connector's own settings accept it.
-    StoreSettings.from_extra(extra_of(instances[0]), environ={})
+    # What the instances will parse: the store's and the pipe's settings accept their parts.
+    StoreSettings.from_extra({"kv_store": extra_of(instances[0])["kv_store"]}, environ={})
+    for instance in instances:
+        transfer = transfer_of(instance)
+        pipe = {key: value for key, value in extra_of(instance).items() if key != "kv_store"}
+        ConnectorSettings.from_vllm(transfer["kv_role"], transfer["kv_port"], "cpu", pipe, environ={})
 
 
-def test_a_store_no_two_processes_share_or_pipe_options_beside_it_are_refused() -> None:
+def test_a_store_no_two_processes_share_is_refused() -> None:
     with pytest.raises(KVConfigError, match="memory alone"):
         serve.plan(args("--kv-store", "memory"), SERVE_ARGS, {}, None)
-    with pytest.raises(KVConfigError, match="kv_buffer_size"):
-        serve.plan(args("--kv-store", "disk:/var/cache/kv", "--kv-extra", '{"kv_buffer_size": 1000000}'),
-                   SERVE_ARGS, {}, None)
 
 
 def test_without_a_store_the_instances_get_no_store_setting() -> None:

@@ -122,11 +122,27 @@ def run_to_end(scheduler: Scheduler) -> list[PDStoreMetadata]:
     metas = []
     for _ in range(40):
         if not scheduler.requests:
+            assert_forgotten(scheduler)
             return metas
         step = scheduler.schedule()
         metas.append(meta(step))
         answer(scheduler, step, sending=set(metas[-1].pipe.held), saved={s.req_id for s in metas[-1].pipe.saves})
     raise AssertionError(f"requests left: {list(scheduler.requests)}")
+
+
+def assert_forgotten(scheduler: Scheduler) -> None:
+    """vLLM holds no block, and no side of the connector remembers a request."""
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == (
+        scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    )  # the null block
+    connector = scheduler.connector
+    for side in (connector._both, connector._scheduler, connector._store_scheduler):
+        left = {
+            name: value
+            for name, value in vars(side).items()
+            if isinstance(value, dict | list | set) and value and name != "settings"
+        }
+        assert not left, f"{type(side).__name__} still holds {left}"
 
 
 # ---------------------------------------------------------------------- decode instance
@@ -214,6 +230,7 @@ def test_decode_fails_a_request_whose_pipe_part_failed_under_policy_fail(
     (output,) = answer(scheduler, step, recving={"d-4"}, invalid=set(pipe_load.block_ids[2:]))[0].outputs
     assert output.finished and request.status == RequestStatus.FINISHED_ERROR
     assert not scheduler.requests
+    assert_forgotten(scheduler)
 
 
 # ---------------------------------------------------------------------- prefill instance
@@ -243,7 +260,6 @@ def test_prefill_loads_the_stored_prefix_then_saves_and_announces_the_whole_tran
     assert output.finished and output.kv_transfer_params[PARAMS_KEY]["prefix_tokens"] == 6 * B
     assert "p-1" in scheduler.requests  # vLLM keeps the blocks the pipe may lend
     run_to_end(scheduler)
-    assert not scheduler.requests
 
 
 # ---------------------------------------------------------------------- configurations

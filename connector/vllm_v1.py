@@ -12,7 +12,10 @@ Use it by changing only vLLM's ``--kv-transfer-config``::
         "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kv_ip": "PREFILL_HOST"}}'
 
 With kvbridge installed, its ``vllm.general_plugins`` entry point registers the name, and
-``kv_connector_module_path`` may be left out. Settings: :mod:`connector.vllm_settings`.
+``kv_connector_module_path`` may be left out. Settings: :mod:`connector.vllm_settings`. With a
+``kv_store`` entry in ``kv_connector_extra_config`` vLLM gets a subclass: the storage tier alone
+for ``kv_both`` (:mod:`connector.vllm_store_connector`), the pipe and the store together for a
+prefill or decode instance (:mod:`connector.vllm_pd_store`).
 
 How it works:
 

@@ -52,9 +52,12 @@ def pd_store_transfer_config(role: str, port: int, tiers: str, failure_policy: s
 
 
 def _counters() -> dict[str, Any]:
-    """The worker-side connector's pipe and store counters, once every save is in the store."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    """The worker-side connector's pipe and store counters, once every save is in the store (None
+    in vLLM's multiprocess mode: the worker is out of reach)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
+    if not has_kv_transfer_group():
+        return {"stats": None, "store": None}
     connector = get_kv_transfer_group()
     connector.flush_saves()
     return {"stats": dict(connector.total_stats().data), "store": dataclasses.asdict(connector.store_stats())}

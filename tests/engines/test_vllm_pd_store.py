@@ -44,20 +44,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return vp.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.mark.timeout(600)
-def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(tiny_model: str, tmp_path: Path) -> None:
-    first, second = _prompts()
-    prompts = first + second
-    spec = f"disk:{tmp_path / 'store'}"
+def _run_pair(
+    model: str, store: Path, first: list[list[int]], second: list[list[int]], multiprocess: bool = False
+) -> dict:
+    """A plain engine for every prompt, and a prefill and a decode instance with a store at ``store``
+    (the decode instance failing a request whose load failed; in vLLM's multiprocess mode with
+    ``multiprocess``): the prefill instance serves ``first``, then ``second``, then the decode
+    instance both with the announcements."""
+    spec = f"disk:{store}"
     port = free_port()
     with vp.Engines() as engines:
         prefilled, done, announcements = engines.event(), engines.event(), engines.queue()
-        engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts)
+        engines.start("reference", vp.reference_body, vp.engine_env(0), model=model, prompts=first + second)
         engines.start(
             "producer",
             sp.pd_store_producer_body,
             vp.engine_env(0),
-            model=tiny_model,
+            model=model,
             transfer=sp.pd_store_transfer_config("kv_producer", port, spec),
             batches=[first, second],
             prefilled=prefilled,
@@ -68,8 +71,8 @@ def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(t
         engines.start(
             "consumer",
             sp.pd_store_consumer_body,
-            vp.engine_env(1),
-            model=tiny_model,
+            vp.engine_env(1, multiprocess),
+            model=model,
             transfer=sp.pd_store_transfer_config("kv_consumer", port, spec, failure_policy="fail"),
             batches=[first, second],
             prefilled=prefilled,
@@ -77,7 +80,14 @@ def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(t
             timeout=480,
             announced=announcements,
         )
-        results = engines.wait(["reference", "producer", "consumer"], timeout=560)
+        return engines.wait(["reference", "producer", "consumer"], timeout=560)
+
+
+@pytest.mark.timeout(600)
+def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(tiny_model: str, tmp_path: Path) -> None:
+    first, second = _prompts()
+    prompts = first + second
+    results = _run_pair(tiny_model, tmp_path / "store", first, second)
     reference = [o["tokens"] for o in results["reference"]]
     producer, consumer = results["producer"], results["consumer"]
 
@@ -115,3 +125,15 @@ def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(t
     # A decode instance stores nothing.
     assert consumer["store"]["chunks_saved"] == consumer["store"]["chunks_present"] == 0
     assert producer["entries_left"] == 0
+
+
+@pytest.mark.timeout(600)
+def test_a_decode_instance_in_vllms_multiprocess_mode_loads_both_parts(tiny_model: str, tmp_path: Path) -> None:
+    """The decode instance's scheduler and worker in two processes: the plan of both parts crosses
+    pickled, and its tokens equal a plain engine's under "fail" with every prefix loaded."""
+    first, second = _prompts()
+    results = _run_pair(tiny_model, tmp_path / "store", first, second, multiprocess=True)
+    decoded = results["consumer"]["outputs"][0] + results["consumer"]["outputs"][1]
+    assert [o["tokens"] for o in decoded] == [o["tokens"] for o in results["reference"]]
+    assert [o["cached"] for o in decoded] == [vp.transfer_prefix(p) for p in first + second]
+    assert results["producer"]["store"]["chunks_loaded"] == _full_chunks(first[0]) + 2

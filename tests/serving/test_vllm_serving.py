@@ -100,9 +100,9 @@ def test_disaggregated_serving_equals_a_single_server(stack: dict, reference: di
 @pytest.mark.timeout(900)
 def test_serving_through_a_store_equals_a_single_server(model: str, reference: dict,
                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
-    """``kvbridge serve --kv-store disk:DIR``: every instance is ``kv_both`` over one disk store, so
-    KV moves from the prefill instances to the decode instances through it (whole chunks; the rest
-    is computed). Every answer equals the plain server's, and decode instances did load stored KV."""
+    """``kvbridge serve --kv-store disk:DIR``: prefill and decode instances with one disk store beside
+    their pipe: a decode instance loads the stored prefix (whole chunks) from the store and the rest
+    over the pipe. Every answer equals the plain server's, and decode instances did load KV."""
     store = tmp_path_factory.mktemp("kv-store")
     options = ("--kv-store", f"disk:{store}", "--kv-extra", json.dumps({"kv_store": {"chunk_size": vp.BLOCK_SIZE}}))
     with servers.serve_stack(model, tmp_path_factory.mktemp("store-stack"), kv_options=options) as urls:

@@ -100,7 +100,25 @@ def test_scheduler_claims_stored_chunks_up_to_the_blocks_before_the_last_token(t
     side.after_alloc(request, list(range(10, 18)), len(tokens) - 2 * B)
     meta = side.build_meta(scheduler_output([], {}), lambda req_id: [])
     assert meta.loads == [StoreLoad("r", tokens, list(range(10, 17)), skip_blocks=1, stop_blocks=7)]
+    assert meta.load_inline  # the step computes nothing else: the worker loads in it
     assert side.num_new_matched_tokens(request, B) == 0  # one load per request
+    side.store.close()
+
+
+def test_loads_run_in_the_step_only_when_it_computes_nothing_else(tmp_path: Path) -> None:
+    side = _scheduler(tmp_path)
+    tokens = list(range(100, 100 + 2 * CHUNK + 1))
+    for key in chunk_keys(SPACE, tokens, CHUNK):
+        side.store.put(key.key, b"x")
+    other = make_request("running", list(range(5, 50)))
+    for name in ("a", "b"):
+        request = make_request(name, tokens)
+        assert side.num_new_matched_tokens(request, 0) == 2 * CHUNK
+        side.after_alloc(request, list(range(10, 20)), 2 * CHUNK)
+    busy = side.build_meta(scheduler_output([new_req_data(other, [1, 2], 0)], {"running": 45}), lambda r: [1, 2])
+    assert [load.req_id for load in busy.loads] == ["a", "b"] and not busy.load_inline  # others wait for the step
+    idle = side.build_meta(scheduler_output([], {}), lambda req_id: [])
+    assert idle.loads == [] and not idle.load_inline  # nothing to load
     side.store.close()
 
 
@@ -189,6 +207,31 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
     stats = loader.stats()
     assert (stats.chunks_loaded, stats.chunks_failed) == (3, 0)
     assert stats.bytes_loaded == 4 * len(target) * target[0][0].numel() * 4
+    loader.close()
+
+
+def test_an_inline_load_is_complete_and_reported_when_start_loads_returns(tmp_path: Path) -> None:
+    tokens = list(range(60, 60 + 2 * FAKE_CHUNK))
+    source = vp.fake_caches(1)
+    saver = _worker(tmp_path, source)
+    saver.save([StoreSave("s", tokens, [3, 7, 1, 5], first_chunk=0)])
+    saver.flush()
+    saver.close()
+    target = vp.fake_caches(2)
+    before = [cache.clone() for cache in target]
+    loader = _worker(tmp_path, target)
+    good = StoreLoad("good", tokens, [2, 4, 6, 8], skip_blocks=1, stop_blocks=4)
+    missing = StoreLoad("missing", list(range(900, 900 + 2 * FAKE_CHUNK)), [0, 5], skip_blocks=0, stop_blocks=2)
+    loader.start_loads([good, missing], {"refused": [1]}, inline=True)
+    # No poll loop: vLLM's get_finished right after start_load_kv, in the same step, sees them all.
+    assert loader.take_finished_loads(set()) == {"good", "missing", "refused"}
+    assert loader.take_failed_blocks() == {0, 5, 1}
+    for layer, cache in enumerate(target):
+        for src, dst in zip([7, 1, 5], [4, 6, 8], strict=True):
+            assert torch.equal(cache[dst], source[layer][src])
+        for untouched in (0, 1, 2, 3, 5, 7):
+            assert torch.equal(cache[untouched], before[layer][untouched])
+    assert (loader.stats().chunks_loaded, loader.stats().chunks_failed) == (2, 1)
     loader.close()
 
 

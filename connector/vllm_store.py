@@ -16,13 +16,17 @@ one: :func:`connector.transfer_plan.transfer_prefix_len`). Once a prompt is comp
 chunks that the lookup did not find are handed to the workers to save.
 
 Worker side (:class:`StoreWorker`): a load reads its chunks in one :meth:`~kv_store.TieredStore.get_many`
-in a load thread (:class:`connector.vllm_loads.LoadTracker`), decodes and verifies each
-(:func:`kv_store.decode_chunk`: key, tokens, checksum, HMAC with a secret; then dtype, shape and
-the worker's layout) and writes its blocks into the blocks vLLM allocated. A chunk that is missing
+in a load thread (:class:`connector.vllm_loads.LoadTracker`), or within the step when the step
+computes nothing else (:attr:`StoreMetadata.load_inline`: no request waits for it, and vLLM learns of
+the load in the same step instead of polling for it in empty steps that compete with the load for
+the cores), decodes and verifies each (:func:`kv_store.decode_chunk`: key, tokens, checksum, tag
+with a secret; then dtype, shape and the worker's layout) and copies its blocks from the object's
+bytes straight into the blocks vLLM allocated. A chunk that is missing
 or fails a check has its blocks reported as load errors: vLLM recomputes them or fails the request
 (``kv_load_failure_policy``); wrong KV is never written. A save copies the chunks out of vLLM's
-blocks in ``wait_for_save``, before vLLM may reuse them, then encodes and puts them from a
-background thread (bounded: a save that finds it full is dropped and counted).
+blocks in ``wait_for_save``, before vLLM may reuse them (one gather per chunk, into host buffers kept
+for the next saves: :class:`StagingPool`), then encodes and puts them from a background thread
+(bounded: a save that finds it full is dropped and counted).
 
 Keys: the namespace digests the identity of :mod:`connector.compat` that both processes of an
 instance can know from vLLM's configuration (model, KV dtype, block size, layers, KV heads per

@@ -210,13 +210,19 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
     loader.close()
 
 
-def test_an_inline_load_is_complete_and_reported_when_start_loads_returns(tmp_path: Path) -> None:
-    tokens = list(range(60, 60 + 2 * FAKE_CHUNK))
+def _stored(path: Path, tokens: list[int], block_ids: list[int]) -> list[torch.Tensor]:
+    """The caches whose blocks ``block_ids`` a worker stored as the chunks of ``tokens`` under ``path``."""
     source = vp.fake_caches(1)
-    saver = _worker(tmp_path, source)
-    saver.save([StoreSave("s", tokens, [3, 7, 1, 5], first_chunk=0)])
+    saver = _worker(path, source)
+    saver.save([StoreSave("s", tokens, block_ids, first_chunk=0)])
     saver.flush()
     saver.close()
+    return source
+
+
+def test_an_inline_load_is_complete_and_reported_when_start_loads_returns(tmp_path: Path) -> None:
+    tokens = list(range(60, 60 + 2 * FAKE_CHUNK))
+    source = _stored(tmp_path, tokens, [3, 7, 1, 5])
     target = vp.fake_caches(2)
     before = [cache.clone() for cache in target]
     loader = _worker(tmp_path, target)
@@ -237,10 +243,7 @@ def test_an_inline_load_is_complete_and_reported_when_start_loads_returns(tmp_pa
 
 def test_a_load_naming_a_block_outside_the_cache_fails_whole_and_writes_nothing(tmp_path: Path) -> None:
     tokens = list(range(50, 50 + 2 * FAKE_CHUNK))
-    saver = _worker(tmp_path, vp.fake_caches(1))
-    saver.save([StoreSave("s", tokens, [3, 7, 1, 5], first_chunk=0)])
-    saver.flush()
-    saver.close()
+    _stored(tmp_path, tokens, [3, 7, 1, 5])
     target = vp.fake_caches(2)
     before = [cache.clone() for cache in target]
     loader = _worker(tmp_path, target)

@@ -3,8 +3,8 @@
 No vLLM engine: a :class:`connector.vllm_store.StoreWorker` over per-layer caches of vLLM CPU's paged
 layout with ``bench_store``'s KV shape (8 layers, 16 KV heads, blocks of 32 tokens, head size 128,
 fp32: 4 MiB per block of all layers, 32 MiB per chunk of 256 tokens). It saves ``--chunks`` chunks,
-then loads them from each tier of ``--tiers`` (``memory``: the worker's memory tier; ``disk``: a new
-worker on the same directory; ``redis``: a new worker on a redis-server started for the run), with
+then loads them from each tier of ``--tiers`` into a new worker (``memory``: its memory tier, filled
+from the disk tier; ``disk``: the same directory; ``redis``: a redis-server started for the run), with
 and without a secret, and times, per load:
 
 * ``get_many``: the store read (one call for all chunks);
@@ -151,13 +151,15 @@ def run(chunks: int, repeat: int, tiers: list[str]) -> str:
                 rows += save_rows(saver, tokens, chunks, "first", label)  # new staging buffers
                 later = [5 + (index * 104729 + len(label)) % 30000 for index in range(chunks * CHUNK_SIZE)]
                 rows += save_rows(saver, later, chunks, "later", label)  # kept staging buffers
-                if "memory" in tiers:
-                    rows += tier_rows("memory", saver, tokens, source, chunks, repeat, round_, label)
-                saver.close()  # writes what its slower tiers have queued
-                for tier in (tier for tier in tiers if tier != "memory"):
-                    # A worker on this tier alone, so that every timed read reaches it.
+                saver.close()  # writes what its slower tiers have queued: no writes run while loads are timed
+                shared["memory"] = f"memory,{shared['disk']}"
+                for tier in tiers:
+                    # A worker on this tier alone (memory: over disk, and filled from it first), so
+                    # that every timed read reaches it.
                     side = worker(shared[tier], [cache.clone() for cache in source], secret)
                     try:
+                        if tier == "memory":
+                            side.store.get_many([key.key for key in chunk_keys(side.namespace, tokens, CHUNK_SIZE)])
                         rows += tier_rows(tier, side, tokens, source, chunks, repeat, round_, label)
                     finally:
                         side.close()

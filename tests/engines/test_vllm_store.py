@@ -15,7 +15,15 @@ import torch
 
 from connector import compat
 from connector.transfer_plan import transfer_prefix_len
-from connector.vllm_store import StoreLoad, StoreSave, StoreScheduler, StoreSettings, StoreWorker, identity_namespace
+from connector.vllm_store import (
+    StagingPool,
+    StoreLoad,
+    StoreSave,
+    StoreScheduler,
+    StoreSettings,
+    StoreWorker,
+    identity_namespace,
+)
 from connector.vllm_worker import find_layout
 from harness import store_procs as sp
 from harness import vllm_procs as vp
@@ -207,6 +215,36 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
     stats = loader.stats()
     assert (stats.chunks_loaded, stats.chunks_failed) == (3, 0)
     assert stats.bytes_loaded == 4 * len(target) * target[0][0].numel() * 4
+    loader.close()
+
+
+def test_staging_buffers_are_reused_only_for_their_shape_and_dtype_and_kept_up_to_a_bound() -> None:
+    pool = StagingPool(keep=2)
+    first, second, third = (pool.empty((2, 3), torch.float32) for _ in range(3))
+    assert len({first.data_ptr(), second.data_ptr(), third.data_ptr()}) == 3  # none idle: all new
+    for buffer in (first, second, third):
+        pool.give_back(buffer)  # the third is not kept
+    assert pool.empty((3, 2), torch.float32).data_ptr() not in (first.data_ptr(), second.data_ptr())
+    assert pool.empty((2, 3), torch.float64).data_ptr() not in (first.data_ptr(), second.data_ptr())
+    taken = [pool.empty([2, 3], torch.float32) for _ in range(2)]
+    assert {buffer.data_ptr() for buffer in taken} == {first.data_ptr(), second.data_ptr()}  # each handed out once
+    assert pool.empty((2, 3), torch.float32).data_ptr() not in {buffer.data_ptr() for buffer in taken}
+
+
+def test_saves_through_reused_staging_buffers_store_each_chunks_own_blocks(tmp_path: Path) -> None:
+    source = vp.fake_caches(1)
+    saver = _worker(tmp_path, source)
+    prompts = [list(range(start, start + 2 * FAKE_CHUNK)) for start in (10, 500, 900)]
+    for tokens, blocks in zip(prompts, ([3, 7, 1, 5], [8, 0, 2, 6], [4, 4, 7, 3]), strict=True):
+        saver.save([StoreSave(f"s{tokens[0]}", tokens, blocks, first_chunk=0)])
+        saver.flush()  # the next save reuses this one's buffers
+    saver.close()
+    loader = _worker(tmp_path, vp.fake_caches(2))
+    for tokens, blocks in zip(prompts, ([3, 7, 1, 5], [8, 0, 2, 6], [4, 4, 7, 3]), strict=True):
+        assert _load(loader, StoreLoad(f"l{tokens[0]}", tokens, [1, 2, 5, 6], skip_blocks=0, stop_blocks=4)) == set()
+        for layer, cache in enumerate(loader._require_caches().caches):
+            for src, dst in zip(blocks, [1, 2, 5, 6], strict=True):
+                assert torch.equal(cache[dst], source[layer][src])
     loader.close()
 
 

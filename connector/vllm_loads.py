@@ -95,6 +95,11 @@ class LoadTracker:
         except RuntimeError:  # shut down: no job runs any more
             self.finish(ticket, ticket.block_ids)
 
+    def run_here(self, ticket: LoadTicket, job: LoadJob) -> None:
+        """Run ``job`` for a ticket of :meth:`begin` in the calling thread, with :meth:`run`'s
+        contract (an exception fails every block); the load is complete when this returns."""
+        self._run(ticket, job)
+
     def finish(self, ticket: LoadTicket, failed: Iterable[int]) -> None:
         """Complete a ticket of :meth:`begin` without a thread, ``failed`` being the blocks that
         failed. Completing a ticket that is already complete does nothing."""

@@ -16,13 +16,17 @@ one: :func:`connector.transfer_plan.transfer_prefix_len`). Once a prompt is comp
 chunks that the lookup did not find are handed to the workers to save.
 
 Worker side (:class:`StoreWorker`): a load reads its chunks in one :meth:`~kv_store.TieredStore.get_many`
-in a load thread (:class:`connector.vllm_loads.LoadTracker`), decodes and verifies each
-(:func:`kv_store.decode_chunk`: key, tokens, checksum, HMAC with a secret; then dtype, shape and
-the worker's layout) and writes its blocks into the blocks vLLM allocated. A chunk that is missing
+in a load thread (:class:`connector.vllm_loads.LoadTracker`), or within the step when the step
+computes nothing else (:attr:`StoreMetadata.load_inline`: no request waits for it, and vLLM learns of
+the load in the same step instead of polling for it in empty steps that compete with the load for
+the cores), decodes and verifies each (:func:`kv_store.decode_chunk`: key, tokens, checksum, tag
+with a secret; then dtype, shape and the worker's layout) and copies its blocks from the object's
+bytes straight into the blocks vLLM allocated. A chunk that is missing
 or fails a check has its blocks reported as load errors: vLLM recomputes them or fails the request
 (``kv_load_failure_policy``); wrong KV is never written. A save copies the chunks out of vLLM's
-blocks in ``wait_for_save``, before vLLM may reuse them, then encodes and puts them from a
-background thread (bounded: a save that finds it full is dropped and counted).
+blocks in ``wait_for_save``, before vLLM may reuse them (one gather per chunk, into host buffers kept
+for the next saves: :class:`StagingPool`), then encodes and puts them from a background thread
+(bounded: a save that finds it full is dropped and counted).
 
 Keys: the namespace digests the identity of :mod:`connector.compat` that both processes of an
 instance can know from vLLM's configuration (model, KV dtype, block size, layers, KV heads per
@@ -61,6 +65,7 @@ from kv_pipe.errors import KVConfigError
 from kv_store import (
     KVStoreError,
     KVStoreObjectError,
+    PutResult,
     StoreTier,
     TieredStore,
     TierStats,
@@ -81,6 +86,8 @@ PASSWORD_ENV = "KVBRIDGE_STORE_PASSWORD"
 PASSWORD_FILE_ENV = "KVBRIDGE_STORE_PASSWORD_FILE"
 #: Saves copied out of vLLM's blocks and waiting for their encoding and put, at most.
 SAVE_QUEUE_DEPTH = 16
+#: Host buffers of one chunk's blocks kept for later saves (see :class:`StagingPool`).
+STAGING_CHUNKS = 4
 #: Version of the chunk contents (one tensor of all layers' blocks, then the layout digest).
 FORMAT_VERSION = 1
 
@@ -271,6 +278,9 @@ class StoreMetadata(KVConnectorMetadata):
     saves: list[StoreSave] = dataclasses.field(default_factory=list)
     #: Claimed requests whose allocation this connector does not plan for: reported failed at once.
     refused: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    #: The step computes nothing: the workers load in it, and report the loads in the same step,
+    #: rather than in a thread (no other request waits for the step; see StoreWorker.start_loads).
+    load_inline: bool = False
 
 
 @dataclasses.dataclass
@@ -342,7 +352,8 @@ class StoreScheduler:
 
     def build_meta(self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[int]]) -> StoreMetadata:
         """This step's loads and the saves of the prompts this step completes."""
-        meta = StoreMetadata(loads=self._loads, refused=self._refused)
+        meta = StoreMetadata(loads=self._loads, refused=self._refused,
+                             load_inline=bool(self._loads) and not scheduler_output.num_scheduled_tokens)
         self._loads, self._refused = [], {}
         computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -381,10 +392,37 @@ class StoreStats:
     chunks_loaded: int = 0
     bytes_loaded: int = 0
     chunks_failed: int = 0  # missing or refused by a check: their blocks were load errors
-    chunks_saved: int = 0  # handed to the store (a full tier counts its own failed_writes)
+    chunks_saved: int = 0  # in the store's fastest tier (the slower ones have them queued)
     chunks_present: int = 0  # already there: nothing written
     bytes_saved: int = 0
-    saves_dropped: int = 0  # the save queue was full, or the store could not be reached
+    saves_dropped: int = 0  # the save queue was full, or no tier took the chunk nor will
+    chunks_queued: int = 0  # the fastest tier was full: only the slower tiers' queues have them
+
+
+class StagingPool:
+    """Host buffers that saves gather chunks into, kept for the next saves: the first touch of a new
+    buffer (the kernel mapping its pages) costs several times the copy into it, and that copy runs
+    on vLLM's engine thread. At most ``keep`` idle buffers are kept; more saves at once allocate."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` and ``dtype``: an idle one if one fits, else a new one."""
+        shape = tuple(shape)
+        with self._lock:
+            for index, buffer in enumerate(self._idle):
+                if buffer.shape == shape and buffer.dtype == dtype:
+                    return self._idle.pop(index)
+        return torch.empty(shape, dtype=dtype)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """``buffer`` (from :meth:`empty`) is read no more: a later save may reuse it."""
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(buffer)
 
 
 class StoreWorker:
@@ -402,6 +440,7 @@ class StoreWorker:
         self._tracker = LoadTracker()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-store-save")
         self._saves_pending = threading.BoundedSemaphore(SAVE_QUEUE_DEPTH)
+        self._staging = StagingPool(STAGING_CHUNKS)
         self._lock = threading.Lock()  # guards _stats and the interval's numbers below
         self._stats = StoreStats()
         self._load_seconds: list[float] = []
@@ -421,10 +460,18 @@ class StoreWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def start_loads(self, loads: Iterable[StoreLoad], refused: Mapping[str, Sequence[int]]) -> None:
+    def start_loads(self, loads: Iterable[StoreLoad], refused: Mapping[str, Sequence[int]],
+                    inline: bool = False) -> None:
+        """Start ``loads`` in load threads, or with ``inline`` run them here, in vLLM's step: for a
+        step that computes nothing, so that no request waits, vLLM learns of them in this step's
+        ``get_finished``, and no thread competes with vLLM's next (empty) steps for the cores."""
         for load in loads:
-            self._tracker.start(load.req_id, load.block_ids[load.skip_blocks: load.stop_blocks],
-                                lambda ticket, load=load: self._load(load, ticket))
+            ticket = self._tracker.begin(load.req_id, load.block_ids[load.skip_blocks: load.stop_blocks])
+            job = lambda ticket, load=load: self._load(load, ticket)
+            if inline:
+                self._tracker.run_here(ticket, job)
+            else:
+                self._tracker.run(ticket, job)
         for req_id, block_ids in refused.items():
             self._tracker.finish(self._tracker.begin(req_id, block_ids), block_ids)
 
@@ -469,8 +516,9 @@ class StoreWorker:
             blocks = None
             if blob is not None:
                 try:
-                    blocks = self._check(decode_chunk(blob, key.key, load.token_ids[key.start:key.stop], self.mac_key),
-                                         per_chunk)
+                    # Views of the blob: the scatter below is the one copy, into vLLM's blocks.
+                    blocks = self._check(decode_chunk(blob, key.key, load.token_ids[key.start:key.stop], self.mac_key,
+                                                      copy=False), per_chunk)
                 except KVStoreObjectError as exc:
                     problem = exc.reason
             if blocks is None:
@@ -513,22 +561,25 @@ class StoreWorker:
                 logger.warning("kvbridge store: save queue full: request %s not stored", spec.req_id)
                 continue
             try:
-                ids = torch.tensor(spec.block_ids[spec.first_chunk * per_chunk:], dtype=torch.int64)
-                blocks = gather_blocks(caches.caches, caches.layout, ids)
-                self._saver.submit(self._put, spec, blocks, per_chunk)
+                # One gather per chunk, into a kept buffer: each chunk is one tensor, encoded as it is.
+                ids = spec.block_ids[spec.first_chunk * per_chunk:]
+                chunks = [gather_blocks(caches.caches, caches.layout,
+                                        torch.tensor(ids[start:start + per_chunk], dtype=torch.int64),
+                                        self._staging.empty)
+                          for start in range(0, len(ids) - per_chunk + 1, per_chunk)]
+                self._saver.submit(self._put, spec, chunks)
             except BaseException:  # closing, or a copy that failed: the slot is free again
                 self._saves_pending.release()
                 raise
 
-    def _put(self, spec: StoreSave, blocks: torch.Tensor, per_chunk: int) -> None:
+    def _put(self, spec: StoreSave, chunks: list[torch.Tensor]) -> None:
         try:
             keys = chunk_keys(self.namespace, spec.token_ids, self.settings.chunk_size)
-            dim = 1 + self._require_caches().layout.block_dim
-            for offset, key in enumerate(keys[spec.first_chunk:]):
+            for key, part in zip(keys[spec.first_chunk:], chunks, strict=True):
                 start = time.perf_counter()
-                part = blocks.narrow(dim, offset * per_chunk, per_chunk).contiguous()
                 blob = encode_chunk(key.key, spec.token_ids[key.start:key.stop], [part, self._layout_tag],
                                     self.mac_key)
+                self._staging.give_back(part)  # the blob holds a copy
                 try:
                     stored = self.store.put(key.key, blob)
                 except KVStoreError as exc:
@@ -538,10 +589,14 @@ class StoreWorker:
                 finally:
                     with self._lock:
                         self._save_seconds.append(time.perf_counter() - start)
-                if stored:
+                if stored is PutResult.STORED:
                     self._add(chunks_saved=1, bytes_saved=part.numel() * part.element_size())
-                else:
+                elif stored is PutResult.QUEUED:
+                    self._add(chunks_queued=1)
+                elif stored is PutResult.PRESENT:
                     self._add(chunks_present=1)
+                else:
+                    self._add(saves_dropped=1)
         except Exception:
             logger.exception("kvbridge store: save of request %s failed", spec.req_id)
         finally:

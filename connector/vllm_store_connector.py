@@ -89,7 +89,7 @@ class KVBridgeStoreConnector(KVBridgeConnector):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._store_metadata()
-        self._worker_side().start_loads(meta.loads, meta.refused)
+        self._worker_side().start_loads(meta.loads, meta.refused, meta.load_inline)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker_side().take_finished_loads(finished_req_ids) or None

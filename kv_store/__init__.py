@@ -17,7 +17,7 @@ from kv_store.keys import ChunkKey, chunk_keys, namespace
 from kv_store.memory import MemoryTier
 from kv_store.objects import decode_chunk, encode_chunk, mac_key_from_secret
 from kv_store.redis_tier import RedisTier
-from kv_store.tiered import StoreStats, TieredStore, open_store
+from kv_store.tiered import PutResult, StoreStats, TieredStore, open_store
 
 __all__ = [
     "ChunkKey",
@@ -27,6 +27,7 @@ __all__ = [
     "KVStoreObjectError",
     "KVStoreUnavailableError",
     "MemoryTier",
+    "PutResult",
     "RedisTier",
     "StoreStats",
     "StoreTier",

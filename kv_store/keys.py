@@ -55,17 +55,25 @@ def namespace(identity: Mapping[str, str | int]) -> bytes:
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian int64 (what keys and stored objects hold)."""
+    """Token ids as little-endian int64 (what keys and stored objects hold). Bools and floats are
+    refused, not converted: ``True`` would key as token 1, and so would ``1.5``."""
+    if any(isinstance(token, bool | np.bool_) for token in token_ids):
+        raise KVStoreConfigError("token ids must be integers that fit int64, got a bool")
     try:
-        return np.asarray(token_ids, dtype="<i8").tobytes()
+        given = np.asarray(token_ids)
+        if given.size and given.dtype.kind not in "iu":
+            raise TypeError(f"got {given.dtype} values")
+        if given.dtype.kind == "u" and given.size and int(given.max()) >= 2**63:
+            raise OverflowError(f"{int(given.max())} does not fit int64")
+        return given.astype("<i8").tobytes()
     except (OverflowError, ValueError, TypeError) as exc:
         raise KVStoreConfigError(f"token ids must be integers that fit int64: {exc}") from exc
 
 
 def chunk_keys(namespace: bytes, token_ids: Sequence[int], chunk_size: int) -> list[ChunkKey]:
     """One key per ``chunk_size`` tokens, plus one for a final partial chunk if any."""
-    if chunk_size < 1:
-        raise KVStoreConfigError(f"chunk_size must be at least 1, got {chunk_size}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise KVStoreConfigError(f"chunk_size must be an integer of at least 1, got {chunk_size!r}")
     if len(namespace) != KEY_BYTES:
         raise KVStoreConfigError(f"namespace must be {KEY_BYTES} bytes (from namespace()), got {len(namespace)}")
     tokens = token_bytes(token_ids)

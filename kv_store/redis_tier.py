@@ -33,6 +33,10 @@ except ImportError:  # the store extra is not installed: RedisTier says so when 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"kvbridge/"
+#: Bytes redis-py asks the socket for at once (its default is 64 KiB). Objects are tens of MiB, and
+#: redis-py's own parser (without hiredis) goes through Python once per read: fewer, larger reads
+#: make a read of a 128 MiB object set about twice as fast.
+SOCKET_READ_BYTES = 1 << 20
 #: What an unreachable or unusable server raises through redis-py.
 _UNAVAILABLE = () if redis is None else (redis.ConnectionError, redis.TimeoutError, ClusterError,
                                          RedisClusterException)
@@ -58,7 +62,8 @@ class RedisTier(StoreTier):
         self._hits = self._misses = self._failed_writes = self._bytes = 0
         self._retry_at: float | None = None  # set while down
         options: dict[str, Any] = {"password": password, "socket_timeout": timeout,
-                                   "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
+                                   "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0),
+                                   "socket_read_size": SOCKET_READ_BYTES}
         try:
             if cluster:
                 self._client = redis.cluster.RedisCluster.from_url(url, **options)

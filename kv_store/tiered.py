@@ -10,6 +10,7 @@ the engine: a full queue drops the write (counted), and a tier that raises
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import queue
 import threading
@@ -37,6 +38,19 @@ class StoreStats:
     promotions: int  # objects copied into a faster tier after a hit in a slower one
 
 
+class PutResult(enum.Enum):
+    """What :meth:`TieredStore.put` did with an object."""
+
+    STORED = "stored"  # the fastest tier holds it; the slower ones have it queued
+    QUEUED = "queued"  # the fastest tier could not take it (full): only the slower tiers' queues have it
+    PRESENT = "present"  # the fastest tier held it already: nothing written
+    DROPPED = "dropped"  # no tier took it and none will (fastest full or unreachable, every queue refused)
+
+    def __bool__(self) -> bool:
+        # ``if store.put(...)`` would read PRESENT and DROPPED as success: callers name the member.
+        raise TypeError("compare a PutResult with its members; it has no truth value")
+
+
 class _Writer:
     """The queue and thread that write one slower tier."""
 
@@ -50,19 +64,21 @@ class _Writer:
         self.closing = False
         self.thread = threading.Thread(target=self._run, name=f"kv_store-{tier.name}-writer", daemon=True)
 
-    def offer(self, key: bytes, blob: bytes) -> None:
+    def offer(self, key: bytes, blob: bytes) -> bool:
+        """Queue ``blob``; ``False`` if it was dropped instead (counted)."""
         with self.lock:
             if key in self.pending:
-                return
+                return True
             if self.closing:
                 self.dropped += 1
-                return
+                return False
             try:
                 self.queue.put_nowait((key, blob))
             except queue.Full:
                 self.dropped += 1
-                return
+                return False
             self.pending.add(key)
+            return True
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not _STOP:
@@ -174,27 +190,29 @@ class TieredStore:
         for writer in self._writers[: level - 1]:
             writer.offer(key, blob)
 
-    def _write_fastest(self, key: bytes, blob: bytes) -> bool:
-        """Write the fastest tier; ``False`` if it already held ``key`` (so the slower ones do too,
-        or have it queued) and nothing more needs writing."""
+    def _write_fastest(self, key: bytes, blob: bytes) -> PutResult:
+        """Write the fastest tier: STORED, PRESENT (so the slower ones hold it too, or have it queued:
+        nothing more to write) or DROPPED (full or unreachable: the slower ones still take it)."""
         fastest = self.tiers[0]
         try:
             if fastest.put(key, blob):
-                return True
-            return not fastest.contains_many([key])[0]  # a full tier: the slower ones still take it
+                return PutResult.STORED
+            return PutResult.PRESENT if fastest.contains_many([key])[0] else PutResult.DROPPED
         except KVStoreUnavailableError:
             with self._lock:
                 self._unavailable[fastest.name] += 1
-            return True
+            return PutResult.DROPPED
 
-    def put(self, key: bytes, blob: bytes) -> bool:
+    def put(self, key: bytes, blob: bytes) -> PutResult:
         """Store ``blob`` under ``key`` in every tier: the fastest now, the others in the background.
-        ``False`` if the fastest tier already held it (nothing is written again)."""
-        if not self._write_fastest(key, blob):
-            return False
-        for writer in self._writers:
-            writer.offer(key, blob)
-        return True
+        Says what happened (:class:`PutResult`)."""
+        fastest = self._write_fastest(key, blob)
+        if fastest is PutResult.PRESENT:
+            return fastest
+        queued = [writer.offer(key, blob) for writer in self._writers]
+        if fastest is PutResult.STORED or not any(queued):
+            return fastest
+        return PutResult.QUEUED
 
     def stats(self) -> StoreStats:
         with self._lock:

@@ -35,7 +35,16 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kv_pipe.errors import KVConfigError
-from kv_store import ChunkKey, KVStoreObjectError, TieredStore, chunk_keys, decode_chunk, encode_chunk, namespace
+from kv_store import (
+    ChunkKey,
+    KVStoreObjectError,
+    PutResult,
+    TieredStore,
+    chunk_keys,
+    decode_chunk,
+    encode_chunk,
+    namespace,
+)
 from lookup_buffer.base import BufferStats, KVLookupBufferBase, SelectResult
 from lookup_buffer.errors import KVInvalidRequestError
 from lookup_buffer.loans import LentTensor, Loan
@@ -127,7 +136,7 @@ class StoreBuffer(KVLookupBufferBase):
             tensors = [self._units(tensor, chunk) for tensor in (key, value)]
             tensors.append(hidden if index == len(keys) - 1 else None)
             blob = encode_chunk(chunk.key, tokens[chunk.start:chunk.stop], tensors, self._mac_key)
-            if self._store.put(chunk.key, blob):
+            if self._store.put(chunk.key, blob) in (PutResult.STORED, PutResult.QUEUED):
                 written += len(blob)
         self._count(inserts=1, transferred_bytes=written)
         return None

@@ -15,7 +15,15 @@ import torch
 
 from connector import compat
 from connector.transfer_plan import transfer_prefix_len
-from connector.vllm_store import StoreLoad, StoreSave, StoreScheduler, StoreSettings, StoreWorker, identity_namespace
+from connector.vllm_store import (
+    StagingPool,
+    StoreLoad,
+    StoreSave,
+    StoreScheduler,
+    StoreSettings,
+    StoreWorker,
+    identity_namespace,
+)
 from connector.vllm_worker import find_layout
 from harness import store_procs as sp
 from harness import vllm_procs as vp
@@ -100,7 +108,25 @@ def test_scheduler_claims_stored_chunks_up_to_the_blocks_before_the_last_token(t
     side.after_alloc(request, list(range(10, 18)), len(tokens) - 2 * B)
     meta = side.build_meta(scheduler_output([], {}), lambda req_id: [])
     assert meta.loads == [StoreLoad("r", tokens, list(range(10, 17)), skip_blocks=1, stop_blocks=7)]
+    assert meta.load_inline  # the step computes nothing else: the worker loads in it
     assert side.num_new_matched_tokens(request, B) == 0  # one load per request
+    side.store.close()
+
+
+def test_loads_run_in_the_step_only_when_it_computes_nothing_else(tmp_path: Path) -> None:
+    side = _scheduler(tmp_path)
+    tokens = list(range(100, 100 + 2 * CHUNK + 1))
+    for key in chunk_keys(SPACE, tokens, CHUNK):
+        side.store.put(key.key, b"x")
+    other = make_request("running", list(range(5, 50)))
+    for name in ("a", "b"):
+        request = make_request(name, tokens)
+        assert side.num_new_matched_tokens(request, 0) == 2 * CHUNK
+        side.after_alloc(request, list(range(10, 20)), 2 * CHUNK)
+    busy = side.build_meta(scheduler_output([new_req_data(other, [1, 2], 0)], {"running": 45}), lambda r: [1, 2])
+    assert [load.req_id for load in busy.loads] == ["a", "b"] and not busy.load_inline  # others wait for the step
+    idle = side.build_meta(scheduler_output([], {}), lambda req_id: [])
+    assert idle.loads == [] and not idle.load_inline  # nothing to load
     side.store.close()
 
 
@@ -192,12 +218,70 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
     loader.close()
 
 
-def test_a_load_naming_a_block_outside_the_cache_fails_whole_and_writes_nothing(tmp_path: Path) -> None:
-    tokens = list(range(50, 50 + 2 * FAKE_CHUNK))
-    saver = _worker(tmp_path, vp.fake_caches(1))
-    saver.save([StoreSave("s", tokens, [3, 7, 1, 5], first_chunk=0)])
+def test_staging_buffers_are_reused_only_for_their_shape_and_dtype_and_kept_up_to_a_bound() -> None:
+    pool = StagingPool(keep=2)
+    first, second, third = (pool.empty((2, 3), torch.float32) for _ in range(3))
+    assert len({first.data_ptr(), second.data_ptr(), third.data_ptr()}) == 3  # none idle: all new
+    for buffer in (first, second, third):
+        pool.give_back(buffer)  # the third is not kept
+    assert pool.empty((3, 2), torch.float32).data_ptr() not in (first.data_ptr(), second.data_ptr())
+    assert pool.empty((2, 3), torch.float64).data_ptr() not in (first.data_ptr(), second.data_ptr())
+    taken = [pool.empty([2, 3], torch.float32) for _ in range(2)]
+    assert {buffer.data_ptr() for buffer in taken} == {first.data_ptr(), second.data_ptr()}  # each handed out once
+    assert pool.empty((2, 3), torch.float32).data_ptr() not in {buffer.data_ptr() for buffer in taken}
+
+
+def test_saves_through_reused_staging_buffers_store_each_chunks_own_blocks(tmp_path: Path) -> None:
+    source = vp.fake_caches(1)
+    saver = _worker(tmp_path, source)
+    prompts = [list(range(start, start + 2 * FAKE_CHUNK)) for start in (10, 500, 900)]
+    for tokens, blocks in zip(prompts, ([3, 7, 1, 5], [8, 0, 2, 6], [4, 4, 7, 3]), strict=True):
+        saver.save([StoreSave(f"s{tokens[0]}", tokens, blocks, first_chunk=0)])
+        saver.flush()  # the next save reuses this one's buffers
+    saver.close()
+    loader = _worker(tmp_path, vp.fake_caches(2))
+    for tokens, blocks in zip(prompts, ([3, 7, 1, 5], [8, 0, 2, 6], [4, 4, 7, 3]), strict=True):
+        assert _load(loader, StoreLoad(f"l{tokens[0]}", tokens, [1, 2, 5, 6], skip_blocks=0, stop_blocks=4)) == set()
+        for layer, cache in enumerate(loader._require_caches().caches):
+            for src, dst in zip(blocks, [1, 2, 5, 6], strict=True):
+                assert torch.equal(cache[dst], source[layer][src])
+    loader.close()
+
+
+def _stored(path: Path, tokens: list[int], block_ids: list[int]) -> list[torch.Tensor]:
+    """The caches whose blocks ``block_ids`` a worker stored as the chunks of ``tokens`` under ``path``."""
+    source = vp.fake_caches(1)
+    saver = _worker(path, source)
+    saver.save([StoreSave("s", tokens, block_ids, first_chunk=0)])
     saver.flush()
     saver.close()
+    return source
+
+
+def test_an_inline_load_is_complete_and_reported_when_start_loads_returns(tmp_path: Path) -> None:
+    tokens = list(range(60, 60 + 2 * FAKE_CHUNK))
+    source = _stored(tmp_path, tokens, [3, 7, 1, 5])
+    target = vp.fake_caches(2)
+    before = [cache.clone() for cache in target]
+    loader = _worker(tmp_path, target)
+    good = StoreLoad("good", tokens, [2, 4, 6, 8], skip_blocks=1, stop_blocks=4)
+    missing = StoreLoad("missing", list(range(900, 900 + 2 * FAKE_CHUNK)), [0, 5], skip_blocks=0, stop_blocks=2)
+    loader.start_loads([good, missing], {"refused": [1]}, inline=True)
+    # No poll loop: vLLM's get_finished right after start_load_kv, in the same step, sees them all.
+    assert loader.take_finished_loads(set()) == {"good", "missing", "refused"}
+    assert loader.take_failed_blocks() == {0, 5, 1}
+    for layer, cache in enumerate(target):
+        for src, dst in zip([7, 1, 5], [4, 6, 8], strict=True):
+            assert torch.equal(cache[dst], source[layer][src])
+        for untouched in (0, 1, 2, 3, 5, 7):
+            assert torch.equal(cache[untouched], before[layer][untouched])
+    assert (loader.stats().chunks_loaded, loader.stats().chunks_failed) == (2, 1)
+    loader.close()
+
+
+def test_a_load_naming_a_block_outside_the_cache_fails_whole_and_writes_nothing(tmp_path: Path) -> None:
+    tokens = list(range(50, 50 + 2 * FAKE_CHUNK))
+    _stored(tmp_path, tokens, [3, 7, 1, 5])
     target = vp.fake_caches(2)
     before = [cache.clone() for cache in target]
     loader = _worker(tmp_path, target)

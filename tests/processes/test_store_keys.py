@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kv_store import ChunkKey, KVStoreConfigError, chunk_keys, namespace
@@ -88,4 +89,23 @@ def test_bad_arguments_are_config_errors():
         chunk_keys(namespace(IDENTITY), [2**63], 16)
     with pytest.raises(KVStoreConfigError, match="layers"):
         namespace({"layers": 1.5})
+    with pytest.raises(KVStoreConfigError, match="layers"):
+        namespace({"layers": True})
+
+
+NOT_INT64 = {"bool": [5, True, 7], "numpy bool": [np.True_], "float": [1.0, 2.0], "int64 overflow": [2**63],
+             "too big": [2**64], "uint64 overflow": np.array([2**63], dtype=np.uint64), "str": ["5"]}
+
+
+@pytest.mark.parametrize("tokens", NOT_INT64.values(), ids=NOT_INT64.keys())
+def test_tokens_that_are_not_int64_integers_are_refused_not_converted(tokens):
+    with pytest.raises(KVStoreConfigError, match="token ids"):
+        chunk_keys(namespace(IDENTITY), tokens, 16)
+
+
+def test_a_bool_chunk_size_is_refused_and_unsigned_tokens_key_as_their_values():
+    with pytest.raises(KVStoreConfigError, match="chunk_size"):
+        chunk_keys(namespace(IDENTITY), TOKENS, True)
+    unsigned = chunk_keys(namespace(IDENTITY), np.array(TOKENS, dtype=np.uint32), 16)
+    assert unsigned == chunk_keys(namespace(IDENTITY), TOKENS, 16)
     assert isinstance(chunk_keys(namespace(IDENTITY), [1], 1)[0], ChunkKey)

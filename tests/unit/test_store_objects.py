@@ -124,3 +124,32 @@ def test_a_forged_header_with_a_valid_checksum_is_refused_field_by_field():
     for case in (unknown_dtype, bigger_shape, negative_shape, body[:-1], body + b"\0"):
         assert refused(forged(case)) == "malformed"
     assert same_bits(decode_chunk(forged(body), KEY, TOKENS, None)[0], torch.arange(6, dtype=torch.int32))
+
+
+def test_an_authenticated_object_with_a_new_body_and_its_checksum_is_refused():
+    """Anyone can recompute the checksum of a changed body; only the key makes the tag that signs it."""
+    blob = encode_chunk(KEY, TOKENS, [torch.arange(6, dtype=torch.int32)], MAC)
+    preamble_end = struct.calcsize("<4sHHQ")
+    body_start = preamble_end + 2 * 32
+    body = bytearray(blob[body_start:])
+    body[-1] ^= 1  # another value, same length
+    preamble = blob[:preamble_end]
+    checksum = objects_module._checksum(preamble, [bytes(body)])
+    forged = preamble + checksum + blob[preamble_end + 32 : body_start] + bytes(body)
+    assert refused(forged, mac_key=MAC) == "not authenticated"
+    assert decode_chunk(forged, KEY, TOKENS, None)[0][-1] == 5 ^ (1 << 24)  # the checksum alone passes it
+
+
+def test_without_copies_the_tensors_view_the_blob_bit_exact_and_keep_it_alive():
+    tensors = chunk_tensors(9)
+    blob = encode_chunk(KEY, TOKENS, tensors, MAC)
+    views = decode_chunk(blob, KEY, TOKENS, MAC, copy=False)
+    assert all(same_bits(a, b) for a, b in zip(views, tensors, strict=True))
+    start, end = id(blob), id(blob) + len(blob) + 64  # a bytes object's data lies inside the object
+    payloads = [view for view in views if view is not None and view.numel()]
+    assert payloads and all(start <= view.data_ptr() < end for view in payloads)
+    del blob
+    assert all(same_bits(a, b) for a, b in zip(views, tensors, strict=True))
+    copies = decode_chunk(encode_chunk(KEY, TOKENS, tensors, None), KEY, TOKENS, None)
+    assert all(copy.data_ptr() != view.data_ptr() for copy, view in zip(copies, views, strict=True)
+               if view is not None and view.numel())

@@ -9,7 +9,15 @@ import threading
 
 import pytest
 
-from kv_store import DiskTier, KVStoreConfigError, KVStoreUnavailableError, MemoryTier, TieredStore, open_store
+from kv_store import (
+    DiskTier,
+    KVStoreConfigError,
+    KVStoreUnavailableError,
+    MemoryTier,
+    PutResult,
+    TieredStore,
+    open_store,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,10 +138,10 @@ def test_a_full_write_queue_drops_and_counts_instead_of_blocking():
     slow.gate.clear()
     store = TieredStore([fast, slow], queue_depth=4)
     k = keys(10)
-    assert store.put(k[0], b"v")
+    assert store.put(k[0], b"v") is PutResult.STORED
     assert slow.entered.acquire(timeout=60)  # the writer is stuck in its first put
     for key in k[1:]:
-        assert store.put(key, b"v")  # never blocks, though the slow tier does
+        assert store.put(key, b"v") is PutResult.STORED  # never blocks, though the slow tier does
     assert fast.contains_many(k) == [True] * 10
     # One write is in the stuck put, four wait in the queue: five are dropped.
     assert store.stats().dropped_writes == {"slow": 5}
@@ -161,10 +169,30 @@ def test_the_same_object_is_written_once():
 def test_an_object_too_big_for_the_fastest_tier_still_reaches_the_slower_ones():
     fast, slow = MemoryTier(10), SlowTier("slow")
     store = TieredStore([fast, slow])
-    assert store.put(b"k", b"x" * 11)
+    assert store.put(b"k", b"x" * 11) is PutResult.QUEUED
     slow.wait_written(1)
     assert slow.get_many([b"k"]) == [b"x" * 11]
     store.close()
+
+
+def test_put_says_what_happened_to_the_object():
+    fast, slow = MemoryTier(10), SlowTier("slow")
+    slow.gate.clear()
+    store = TieredStore([fast, slow], queue_depth=1)
+    assert store.put(b"a", b"x" * 4) is PutResult.STORED
+    assert store.put(b"a", b"x" * 4) is PutResult.PRESENT
+    assert slow.entered.acquire(timeout=60)  # the writer is stuck in the put of "a": its queue is empty
+    assert store.put(b"b", b"y" * 11) is PutResult.QUEUED  # too big for the fast tier: queued for the slow one
+    assert store.put(b"c", b"z" * 11) is PutResult.DROPPED  # too big, and the slow tier's queue is full
+    assert fast.contains_many([b"b", b"c"]) == [False, False]
+    with pytest.raises(TypeError):
+        bool(store.put(b"d", b"v"))  # a result has no truth value: callers compare it with a member
+    slow.gate.set()
+    store.close()
+    assert slow.puts == [b"a", b"b"]
+    alone = TieredStore([MemoryTier(10)])
+    assert alone.put(b"e", b"x" * 11) is PutResult.DROPPED  # one tier, and it is full
+    alone.close()
 
 
 def test_an_unreachable_tier_is_a_counted_miss():
@@ -196,7 +224,7 @@ def test_close_is_bounded_and_counts_what_it_drops():
     store.close(timeout=0.2)
     assert store.stats().dropped_writes == {"slow": 5}  # the one in the stuck put is not counted
     slow.gate.set()
-    assert store.put(b"late", b"v") and store.stats().dropped_writes == {"slow": 6}
+    assert store.put(b"late", b"v") is PutResult.STORED and store.stats().dropped_writes == {"slow": 6}
 
 
 def test_bad_store_settings_are_config_errors():
@@ -212,7 +240,7 @@ def test_open_store_builds_the_tiers_fastest_first(tmp_path):
     store = open_store(f"memory, disk:{tmp_path / 'objects'}", memory_bytes=1000, disk_bytes=5000)
     assert [type(tier) for tier in store.tiers] == [MemoryTier, DiskTier]
     assert (store.tiers[0].capacity_bytes, store.tiers[1].capacity_bytes) == (1000, 5000)
-    assert store.put(b"k" * 32, b"v")
+    assert store.put(b"k" * 32, b"v") is PutResult.STORED
     store.close()
     assert (tmp_path / "objects").is_dir()
     for spec in ("", "memory,,disk:/x", "disk:", "s3://bucket", "memory,memory"):

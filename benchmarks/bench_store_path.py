@@ -1,0 +1,191 @@
+"""Where a store hit's time goes in the vLLM connector, stage by stage, against the copy it must make.
+
+No vLLM engine: a :class:`connector.vllm_store.StoreWorker` over per-layer caches of vLLM CPU's paged
+layout with ``bench_store``'s KV shape (8 layers, 16 KV heads, blocks of 32 tokens, head size 128,
+fp32: 4 MiB per block of all layers, 32 MiB per chunk of 256 tokens). It saves ``--chunks`` chunks,
+then loads them from each tier of ``--tiers`` into a new worker (``memory``: its memory tier, filled
+from the disk tier; ``disk``: the same directory; ``redis``: a redis-server started for the run), with
+and without a secret, and times, per load:
+
+* ``get_many``: the store read (one call for all chunks);
+* ``verify + decode``: :func:`kv_store.decode_chunk` of every chunk (checksum, tag with a secret,
+  header checks; the tensors view the object's bytes);
+* ``scatter``: the copy of every chunk's blocks into the caches' (scattered) blocks;
+* ``whole load``: ``StoreWorker.start_loads(inline=True)`` of the same chunks into other blocks,
+  reported complete when it returns (what vLLM gets in a step that computes nothing else);
+
+and per save: ``save (engine thread)`` (the gather in ``wait_for_save``) and ``save (to the fastest
+tier)`` (until :meth:`StoreWorker.flush`). The baseline, measured in the same run, is one copy of the
+same bytes between two warm tensors: the least a load that writes every byte once can cost. Ratios
+are to it (medians of ``--repeat`` runs).
+
+    python -m benchmarks.bench_store_path [--chunks 4] [--repeat 5] [--tiers memory,disk,redis]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from connector import compat
+from connector.paged import scatter_blocks
+from connector.vllm_store import StoreLoad, StoreSave, StoreSettings, StoreWorker
+from connector.vllm_worker import find_layout
+from kv_store import chunk_keys, decode_chunk
+
+LAYERS, HEADS, BLOCK_SIZE, HEAD_SIZE = 8, 16, 32, 128
+CHUNK_SIZE = 256
+PER_CHUNK = CHUNK_SIZE // BLOCK_SIZE
+LAYOUT_NAME = "CPU_ATTN/bench"
+
+
+def worker(tiers: str, caches: list[torch.Tensor], secret: str | None) -> StoreWorker:
+    environ = {"KVBRIDGE_KV_SECRET": secret} if secret else {}
+    settings = StoreSettings.from_extra({"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE,
+                                                      "memory_bytes": 4 << 30, "disk_bytes": 16 << 30}},
+                                        environ=environ)
+    identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_both", model="bench", dtype="float32",
+                                   block_size=BLOCK_SIZE, num_layers=LAYERS, block_shape=(), layout="bench",
+                                   tp_size=1, tp_rank=0)
+    side = StoreWorker(settings, identity)
+    side.register(caches, find_layout(caches[0], caches[0].shape[0], BLOCK_SIZE, LAYOUT_NAME), LAYOUT_NAME)
+    return side
+
+
+def median_ms(step: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def load_stages(side: StoreWorker, tokens: list[int], chunks: int, repeat: int, round_: list[int]) -> dict[str, float]:
+    """Each stage's median milliseconds for ``chunks`` chunks of ``tokens`` read by ``side``;
+    every load is checked bit for bit against the blocks it was saved from."""
+    caches = side._require_caches()
+    keys = chunk_keys(side.namespace, tokens, CHUNK_SIZE)
+    names = [key.key for key in keys]
+    stages = {"get_many": median_ms(lambda: side.store.get_many(names), repeat)}
+    blobs = side.store.get_many(names)
+    if any(blob is None for blob in blobs):
+        raise RuntimeError("a saved chunk was not found in the store")
+
+    def decode_all() -> list[torch.Tensor]:
+        return [decode_chunk(blob, key.key, tokens[key.start:key.stop], side.mac_key, copy=False)[0]
+                for key, blob in zip(keys, blobs, strict=True)]
+
+    stages["verify + decode"] = median_ms(decode_all, repeat)
+    decoded = decode_all()
+    targets = [torch.arange(chunks * PER_CHUNK + 2 * c * PER_CHUNK, chunks * PER_CHUNK + (2 * c + 1) * PER_CHUNK)
+               for c in range(chunks)]  # every other chunk's worth of blocks: not one run
+
+    def scatter_all() -> None:
+        for blocks, ids in zip(decoded, targets, strict=True):
+            scatter_blocks(caches.caches, caches.layout, ids, blocks)
+
+    stages["scatter"] = median_ms(scatter_all, repeat)
+    blocks = list(range(caches.num_blocks - chunks * PER_CHUNK, caches.num_blocks))
+
+    def whole() -> None:
+        round_[0] += 1
+        load = StoreLoad(f"load-{round_[0]}", tokens, blocks, skip_blocks=0, stop_blocks=len(blocks))
+        side.start_loads([load], {}, inline=True)
+        if side.take_finished_loads(set()) != {load.req_id} or side.take_failed_blocks():
+            raise RuntimeError("an inline load did not complete whole")
+
+    stages["whole load"] = median_ms(whole, repeat)
+    return stages
+
+
+def tier_rows(tier: str, side: StoreWorker, tokens: list[int], source: list[torch.Tensor], chunks: int,
+              repeat: int, round_: list[int], label: str) -> list[tuple[str, str, float]]:
+    """The load stages' rows of ``tier``, after checking the loaded blocks against ``source``'s."""
+    stages = load_stages(side, tokens, chunks, repeat, round_)
+    for layer, cache in enumerate(side._require_caches().caches):
+        if not torch.equal(cache[-chunks * PER_CHUNK:], source[layer][:chunks * PER_CHUNK]):
+            raise RuntimeError(f"a load from {tier} differs from what was saved")
+    nbytes = chunks * PER_CHUNK * LAYERS * source[0][0].numel() * source[0].element_size()
+    return [(f"{stage}, {tier}, {label}", f"{nbytes / ms / 1e6:.2f}", ms) for stage, ms in stages.items()]
+
+
+def save_rows(saver: StoreWorker, tokens: list[int], chunks: int, when: str, label: str
+              ) -> list[tuple[str, str, float]]:
+    start = time.perf_counter()
+    saver.save([StoreSave(f"save-{when}", tokens, list(range(chunks * PER_CHUNK)), first_chunk=0)])
+    engine = time.perf_counter() - start
+    saver.flush()
+    return [(f"save (engine thread), {when}, {label}", "-", engine * 1e3),
+            (f"save (to the fastest tier), {when}, {label}", "-", (time.perf_counter() - start) * 1e3)]
+
+
+def run(chunks: int, repeat: int, tiers: list[str]) -> str:
+    from harness import redis_servers
+
+    generator = torch.Generator().manual_seed(0)
+    shape = (4 * chunks * PER_CHUNK, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    source = [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
+    chunk_bytes = LAYERS * PER_CHUNK * source[0][0].numel() * 4
+    warm_from, warm_to = torch.randn(chunks * chunk_bytes // 4), torch.empty(chunks * chunk_bytes // 4)
+    warm_to.copy_(warm_from)
+    floor = median_ms(lambda: warm_to.copy_(warm_from), repeat)
+    rows = [("one copy of the same bytes (baseline)", "-", floor)]
+    round_ = [0]
+    with tempfile.TemporaryDirectory(prefix="bench-store-path-") as scratch:
+        redis = redis_servers.start_server(Path(scratch) / "redis") if "redis" in tiers else None
+        try:
+            for secret in (None, "bench secret"):
+                label = "with a secret" if secret else "no secret"
+                shared = {"disk": f"disk:{Path(scratch) / label}", "redis": redis.url if redis else ""}
+                saver = worker(",".join(["memory", shared["disk"]] + ([shared["redis"]] if redis else [])),
+                               source, secret)
+                tokens = [5 + (index * 7919 + len(label)) % 30000 for index in range(chunks * CHUNK_SIZE)]
+                rows += save_rows(saver, tokens, chunks, "first", label)  # new staging buffers
+                later = [5 + (index * 104729 + len(label)) % 30000 for index in range(chunks * CHUNK_SIZE)]
+                rows += save_rows(saver, later, chunks, "later", label)  # kept staging buffers
+                saver.close()  # writes what its slower tiers have queued: no writes run while loads are timed
+                shared["memory"] = f"memory,{shared['disk']}"
+                for tier in tiers:
+                    # A worker on this tier alone (memory: over disk, and filled from it first), so
+                    # that every timed read reaches it.
+                    side = worker(shared[tier], [cache.clone() for cache in source], secret)
+                    try:
+                        if tier == "memory":
+                            side.store.get_many([key.key for key in chunk_keys(side.namespace, tokens, CHUNK_SIZE)])
+                        rows += tier_rows(tier, side, tokens, source, chunks, repeat, round_, label)
+                    finally:
+                        side.close()
+        finally:
+            if redis is not None:
+                redis.kill()
+    lines = [f"{chunks} chunks of {CHUNK_SIZE} tokens, {chunk_bytes >> 20} MiB each; medians of {repeat} runs",
+             "| stage | GB/s | ms | x baseline |", "|---|---|---|---|"]
+    lines += [f"| {name} | {rate} | {ms:.1f} | {ms / floor:.1f}x |" for name, rate, ms in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=4, help="chunks per load (default 4: a 1,024-token prompt)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each stage (default 5)")
+    parser.add_argument("--tiers", default="memory,disk,redis", help="tiers to load from, of memory,disk,redis")
+    args = parser.parse_args(argv)
+    tiers = [tier.strip() for tier in args.tiers.split(",") if tier.strip()]
+    if unknown := set(tiers) - {"memory", "disk", "redis"}:
+        parser.error(f"unknown tiers {sorted(unknown)}: choose from memory, disk, redis")
+    if args.chunks < 1 or args.repeat < 1:
+        parser.error("--chunks and --repeat must be at least 1")
+    print(run(args.chunks, args.repeat, tiers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -189,10 +189,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._require_worker().save(self._metadata().saves)
 
     def build_connector_worker_meta(self) -> KVBridgeWorkerMetadata | None:
-        saved, failed = self._require_worker().take_save_outcomes()
-        if not saved and not failed:
+        worker = self._require_worker()
+        saved, failed = worker.take_save_outcomes()
+        gone = worker.take_gone()
+        if not saved and not failed and not gone:
             return None
-        return KVBridgeWorkerMetadata.of_one_worker(saved, failed)
+        return KVBridgeWorkerMetadata.of_one_worker(saved, failed, gone)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()

@@ -26,6 +26,7 @@ connecting keeps failing), so a restarted producer is used again without restart
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 from connector import compat, tp_layout
@@ -55,6 +57,7 @@ from lookup_buffer.connections import Address
 from lookup_buffer.errors import KVEntryTakenBackError, KVInvalidRequestError
 from lookup_buffer.listener import OnConnect
 from lookup_buffer.loans import BorrowedTensor, Loan
+from lookup_buffer.matching import MatchKey
 from lookup_buffer.store import EntryStore
 
 logger = logging.getLogger(__name__)
@@ -187,6 +190,14 @@ class WorkerSide:
         self._kept: dict[str, Loan | None] = {}  # producer: every request saved, with its loan if lent
         self._lent_blocks: dict[str, int] = {}  # producer: blocks of each request in _kept
         self._copied: dict[str, None] = {}  # producer: requests saved by a copy, until finished (in order)
+        # Producer, under _copies_lock (the buffer's threads report departures): the requests whose
+        # copies are stored under each key's digest, in the order they were stored; departures of
+        # copies not registered yet (a select took one before its insert returned); copies of
+        # requests in _copied that left before the request was reported, to report.
+        self._copies_lock = threading.Lock()
+        self._copy_keys: dict[bytes, collections.deque[str]] = {}
+        self._early_departures: dict[bytes, int] = {}
+        self._gone: set[str] = set()
         self._released: dict[str, None] = {}  # producer: requests taken back, until held or saved again (in order)
         self._held: dict[str, float] = {}  # producer: finished requests whose blocks vLLM keeps, and since when
         self._interval = TransferStats()
@@ -225,6 +236,9 @@ class WorkerSide:
                 except KVConfigError as exc:
                     logger.warning("kvbridge: saved blocks will be copied, not lent: %s", exc)
             self._buffer = self._listener_factory(self.settings, self.port_offset, self._check_peer)
+            store = _entry_store(self._buffer)
+            if store is not None:
+                store.watch_departures(self._on_departed)
         else:
             settings = self.settings
             # Each connection is checked against the prefill rank this rank dialed it for.
@@ -334,10 +348,11 @@ class WorkerSide:
 
     def _save_one(self, spec: SaveSpec) -> bool:
         """Save one request; return whether its entry is in the lookup buffer."""
-        if spec.req_id in self._copied:
-            # Saved again after a preemption: its copy, made before, is still in the buffer (or was
-            # taken), and holds the same prefix's KV. A second entry would wait for nobody.
-            return True
+        with self._copies_lock:
+            if spec.req_id in self._copied:
+                # Saved again after a preemption: its copy, made before, is still in the buffer, and
+                # holds the same prefix's KV. A second entry would wait for nobody.
+                return True
         self._kept[spec.req_id] = None  # vLLM keeps its blocks once finished: see take_finished_sending
         self._released.pop(spec.req_id, None)
         if self._buffer is None:
@@ -360,7 +375,7 @@ class WorkerSide:
         self._kept[spec.req_id] = result.loan
         self._lent_blocks[spec.req_id] = len(spec.block_ids)
         if result.loan is None:
-            _remember(self._copied, spec.req_id)
+            self._track_copy(spec.req_id, spec.token_ids)
         self._add(saved_requests=1, lent_requests=int(result.loan is not None), saved_blocks=len(spec.block_ids),
                   saved_bytes=result.num_bytes, save_seconds=result.seconds)
         self._observe(transfer_seconds=result.seconds, save_copy_seconds=result.copy_seconds)
@@ -382,8 +397,10 @@ class WorkerSide:
         save, after a preemption, keeps them. A request taken back is no longer kept: held by vLLM
         (finished), in this step or a later one, it is reported finished sending."""
         for req_id in req_ids:
-            if req_id not in self._kept and req_id not in self._copied:
-                continue  # never saved here
+            with self._copies_lock:
+                saved_here = req_id in self._kept or req_id in self._copied
+            if not saved_here:
+                continue
             loan = self._kept.pop(req_id, None)
             self._lent_blocks.pop(req_id, None)
             _remember(self._released, req_id)
@@ -405,7 +422,9 @@ class WorkerSide:
         for req_id in done:
             self._kept.pop(req_id, None)
             del self._held[req_id]
-            self._copied.pop(req_id, None)
+            with self._copies_lock:
+                self._copied.pop(req_id, None)
+                self._gone.discard(req_id)
             self._released.pop(req_id, None)
             self._lent_blocks.pop(req_id, None)
         if done:
@@ -430,6 +449,48 @@ class WorkerSide:
             except KVTransferError as exc:  # a copy into pipe memory that failed: the loan ended dropped
                 logger.warning("kvbridge: the entry of request %s could not be copied out of its blocks: %s",
                                req_id, exc)
+
+    def _track_copy(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """``req_id`` was saved by a copy, stored under the match key of ``token_ids``: remember it
+        until it is finished, and report it gone if its copy leaves the buffer before that."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        digest = MatchKey(tokens, np.ones(len(tokens), dtype=bool)).digest
+        with self._copies_lock:
+            early = self._early_departures.pop(digest, 0)
+            if early:
+                if early > 1:
+                    self._early_departures[digest] = early - 1
+                self._gone.add(req_id)
+                return
+            self._copy_keys.setdefault(digest, collections.deque()).append(req_id)
+            _remember(self._copied, req_id)
+
+    def _on_departed(self, key: MatchKey) -> None:
+        """A copy under ``key`` left the buffer (a buffer thread, under its store's lock): the oldest
+        copy this worker stored under it. A request still running whose copy left is reported gone
+        (:meth:`take_gone`), and its next save after a preemption makes a new copy."""
+        digest = key.digest
+        with self._copies_lock:
+            queue = self._copy_keys.get(digest)
+            if not queue:
+                self._early_departures[digest] = self._early_departures.get(digest, 0) + 1
+                while len(self._early_departures) > MAX_REMEMBERED:
+                    self._early_departures.pop(next(iter(self._early_departures)))
+                return
+            req_id = queue.popleft()
+            if not queue:
+                del self._copy_keys[digest]
+            if req_id in self._copied:
+                del self._copied[req_id]
+                self._gone.add(req_id)
+
+    def take_gone(self) -> set[str]:
+        """Requests saved by a copy whose copy left the buffer (taken by a select, evicted, expired)
+        before the request was reported finished, since the last call, each once: announcing them
+        would send a decode instance after an entry that is no longer there."""
+        with self._copies_lock:
+            gone, self._gone = self._gone, set()
+            return gone
 
     def take_save_outcomes(self) -> tuple[set[str], set[str]]:
         """Request ids saved, and not saved, since the last call (vLLM asks once per step)."""

@@ -113,6 +113,7 @@ def make_entry(input_tokens: torch.Tensor, roi: torch.Tensor, key: Item, value: 
         nbytes=sum(item.nbytes for item in given if item is not None),
         loan=Loan() if lent else None,
         lent=(isinstance(key, LentTensor), isinstance(value, LentTensor), isinstance(hidden, LentTensor)),
+        tracked=not lent,  # a lent entry's departure is its loan's outcome
     )
     return MatchKey(tokens, roi_array), entry
 

@@ -408,3 +408,25 @@ def test_entries_taken_back_are_never_loaded_and_the_connection_stays() -> None:
     assert producer["outcomes"] == {"stored": TAKEN_BACK, "borrowed": TAKEN_BACK, "kept": "returned"}
     assert producer["stats"]["taken_back"] == 2 and producer["entries_left"] == 0
 
+
+
+def test_a_copy_gone_in_the_step_its_request_finishes_is_announced_as_nothing_and_later_reports_change_nothing(
+) -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    requests = {name: make_request(name, list(range(start, start + 65))) for name, start in (("r", 0), ("s", 100))}
+    new = [new_req_data(request, [index], 0) for index, request in enumerate(requests.values())]
+    side.build_meta(scheduler_output(new, {name: 65 for name in requests}), lambda req_id: [1, 2, 3])
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r", "s"}, set()))
+    side.build_meta(scheduler_output([], {"r": 1, "s": 1}, cached_data(["r", "s"], [65, 65])), {}.__getitem__)
+    _, params = side.request_finished(requests["r"])
+    assert params[PARAMS_KEY]["prefix_tokens"] == 64
+    # The same step's worker outcomes: its copy was evicted (vLLM hands them over after request_finished).
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker(set(), set(), {"r"}))
+    assert params[PARAMS_KEY]["prefix_tokens"] == 0
+    assert side.build_meta(scheduler_output([], {"s": 1}), {}.__getitem__).take_back == ["r"]
+    # Once its announcement left the engine, a report about "s" changes only what is still to come.
+    _, later = side.request_finished(requests["s"])
+    side.build_meta(scheduler_output([], {}), {}.__getitem__)
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker(set(), set(), {"s"}))
+    assert later[PARAMS_KEY]["prefix_tokens"] == 64
+    assert side.build_meta(scheduler_output([], {}), {}.__getitem__).take_back == []

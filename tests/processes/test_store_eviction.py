@@ -360,3 +360,41 @@ def test_selects_for_evicted_entries_miss_at_once_and_unrelated_ones_still_wait(
         # An entry inserted again under an evicted key is served as any other.
         listener.insert(*evicted, timeout=0)
         bodies.check_entry(buffer.drop_select(evicted[0], evicted[1], timeout=forever), evicted, "inserted again")
+
+
+# ------------------------------------------------------------------- departures told to the inserter
+
+
+def test_departures_of_copied_entries_are_told_in_order_and_lent_ones_never() -> None:
+    """Each copied entry's key once it is no longer there to select, whatever took it: a select
+    (a split entry at its first part), eviction, expiry, the store's end; a lent entry's end is its
+    loan's outcome, and its copy out of the loan is not the inserter's copy."""
+    sizes = {index: make_entry(*request(index, 2048))[1].nbytes for index in range(3)}
+    store = EntryStore(capacity_bytes=3 * sizes[0], max_item_bytes=1 << 20, entry_timeout=100.0,
+                       evict_unclaimed=True)
+    told: list[MatchKey] = []
+    store.watch_departures(told.append)
+    copies = [make_entry(*request(index, 2048)) for index in range(3)]
+    duplicate = make_entry(*request(0, 2048))  # the same tokens as copies[0]: stored after it
+    assert all(entry.tracked for _, entry in copies) and duplicate[1].tracked
+    lent_key, lent, _ = stored(7, 2048)
+    lent.tracked = False  # what make_entry makes of lent tensors
+    for key, entry in copies:
+        store.put(key, entry, timeout=0)
+    store.put(lent_key, lent, timeout=0)  # evicts copies[0]
+    assert told == [copies[0][0]]
+    store.put(*duplicate, timeout=0)  # evicts copies[1]
+    assert told == [copies[0][0], copies[1][0]]
+    assert store.pop(copies[0][0]) is duplicate[1]  # taken by a select
+    assert store.pop(lent_key) is lent and len(told) == 3  # a loan's entry: never told
+    whole_key, whole = make_entry(*_splittable(0))
+    store.put(whole_key, whole, timeout=0)
+    store.pop_part(whole_key, (1, 0, 1))  # the first part taken: the whole is gone
+    assert told[2:] == [copies[0][0], whole_key]
+    assert store.counters().entries == 4  # copies[2] and three parts of the whole
+    assert store.expire(now=time.monotonic() + 101)[0] == 4
+    assert told[4:] == [copies[2][0]]  # the parts are not the inserter's entries
+    last_key, last = make_entry(*request(5, 2048))
+    store.put(last_key, last, timeout=0)
+    store.stop(KVBufferFullError("closed"))
+    assert told[5:] == [last_key] and len(told) == 6

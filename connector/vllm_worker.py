@@ -751,7 +751,7 @@ def _kv_request(token_ids: Sequence[int], kv: PagedKV) -> KVRequest:
 
 
 def _default_listener(settings: ConnectorSettings, port_offset: int, on_connect: OnConnect) -> KVLookupBufferBase:
-    return BufferListener(settings.bridge, port_offset, on_connect)
+    return BufferListener(settings.bridge, port_offset, on_connect, buffer_config=settings.buffer)
 
 
 def _default_dialer(settings: ConnectorSettings, host: str, port: int,

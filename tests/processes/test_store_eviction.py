@@ -5,6 +5,7 @@ BufferListener with a consumer over real pipes."""
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from connector.transfer_state import KVConnectorConfig
 from connector.vllm_settings import ConnectorSettings
 from harness import buffer_procs as bodies
 from harness import procs
@@ -21,6 +23,7 @@ from kv_pipe import KVTransferConfig
 from kv_pipe.errors import KVBufferFullError, KVConfigError
 from lookup_buffer import BufferListener, SimpleBuffer, dial
 from lookup_buffer import store as store_module
+from lookup_buffer.config import BufferConfig
 from lookup_buffer.loans import EVICTED, SENT, Loan
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.producer import make_entry
@@ -29,6 +32,7 @@ from lookup_buffer.store import Entry, EntryStore
 pytestmark = pytest.mark.timeout(120)
 
 HOST = "127.0.0.1"
+EVICTING = BufferConfig(kv_evict_unclaimed=True)
 
 
 def request(index: int, nbytes: int = 4096) -> list[torch.Tensor | None]:
@@ -207,17 +211,25 @@ def test_evictions_are_logged_with_their_counts_at_most_once_per_interval(monkey
 
 
 def test_the_setting_is_validated_read_from_the_environment_and_on_in_the_vllm_connector() -> None:
-    assert KVTransferConfig().kv_evict_unclaimed is False
+    assert BufferConfig().kv_evict_unclaimed is False
     with pytest.raises(KVConfigError, match="kv_evict_unclaimed"):
-        KVTransferConfig(kv_evict_unclaimed="yes")
-    assert KVTransferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "true"}).kv_evict_unclaimed is True
-    assert KVTransferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "0"}).kv_evict_unclaimed is False
+        BufferConfig(kv_evict_unclaimed="yes")
+    assert BufferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "true"}).kv_evict_unclaimed is True
+    assert BufferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "0"}).kv_evict_unclaimed is False
     with pytest.raises(KVConfigError, match="KVBRIDGE_KV_EVICT_UNCLAIMED"):
-        KVTransferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "maybe"})
+        BufferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "maybe"})
+    environment = {"KVBRIDGE_KV_EVICT_UNCLAIMED": "yes", "KVBRIDGE_KV_ENTRY_TIMEOUT": "7.5"}
+    assert KVConnectorConfig.from_env(KVTransferConfig(), environment).buffer == BufferConfig(7.5, True)
+    with pytest.raises(KVConfigError, match="kv_entry_timeout"):
+        BufferConfig(kv_entry_timeout=math.inf)
     producer = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_ip": HOST}, {})
-    assert producer.bridge.kv_evict_unclaimed is True
-    backpressure = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_evict_unclaimed": False}, {})
-    assert backpressure.bridge.kv_evict_unclaimed is False
+    assert producer.buffer.kv_evict_unclaimed is True
+    backpressure = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_evict_unclaimed": False,
+                                                                              "kv_entry_timeout": 9}, {})
+    assert backpressure.buffer == BufferConfig(kv_entry_timeout=9, kv_evict_unclaimed=False)
+    # A lookup buffer's settings are not the transport's: the pipe's config refuses them.
+    with pytest.raises(TypeError, match="kv_evict_unclaimed"):
+        KVTransferConfig(kv_evict_unclaimed=True)
 
 
 # ---------------------------------------------------------------------------------------------- over pipes
@@ -271,10 +283,9 @@ def test_a_listener_full_of_abandoned_entries_still_saves_and_serves_new_ones() 
     port = procs.free_port()
     budget = 1 << 20
     size = 200_000  # room for 5 requests
-    producer = KVTransferConfig(kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0, kv_buffer_size=budget,
-                                kv_evict_unclaimed=True)
+    producer = KVTransferConfig(kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0, kv_buffer_size=budget)
     consumer = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_timeout=5.0, kv_buffer_size=budget)
-    with BufferListener(producer) as listener, dial(consumer, HOST, port) as buffer:
+    with BufferListener(producer, buffer_config=EVICTING) as listener, dial(consumer, HOST, port) as buffer:
         for index in range(16):  # abandoned
             listener.insert(*request(index, size), timeout=0)
         live = [request(100 + index, size) for index in range(2)]
@@ -330,10 +341,10 @@ def test_selects_for_evicted_entries_miss_at_once_and_unrelated_ones_still_wait(
     port = procs.free_port()
     size = 40_000
     producer = KVTransferConfig(kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0,
-                                kv_buffer_size=3 * size + 2000, kv_evict_unclaimed=True)
+                                kv_buffer_size=3 * size + 2000)
     consumer = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_timeout=5.0, kv_buffer_size=1 << 20)
     forever = 3600.0
-    with BufferListener(producer) as listener, dial(consumer, HOST, port) as buffer, \
+    with BufferListener(producer, buffer_config=EVICTING) as listener, dial(consumer, HOST, port) as buffer, \
             dial(consumer, HOST, port) as other:
         split = _splittable(0)
         listener.insert(*split, timeout=0)

@@ -18,21 +18,26 @@ the one whose copy left.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
 
+import msgspec
 import numpy as np
 import torch
 
+from connector import compat
 from connector.kv_transfer import send_kv_caches_and_hidden_states
 from connector.paged import PagedKV
 from connector.transfer_plan import SaveSpec
 from connector.vllm_consumer_worker import ConsumerWorker
+from connector.vllm_settings import ConnectorSettings
 from connector.vllm_worker import MAX_REMEMBERED, WorkerSide, entry_store, kv_request, remember
 from kv_pipe.errors import KVBufferFullError, KVConfigError, KVTimeoutError, KVTransferError
 from lookup_buffer.base import BufferStats, KVLookupBufferBase
+from lookup_buffer.connections import Address
 from lookup_buffer.listener import BufferListener
 from lookup_buffer.loans import Loan
 from lookup_buffer.matching import MatchKey
@@ -72,11 +77,15 @@ class ProducerWorker(WorkerSide):
                 self._lends = True
             except KVConfigError as exc:
                 logger.warning("kvbridge: saved blocks will be copied, not lent: %s", exc)
-        self._buffer = self._listener_factory(self.settings, self.port_offset, self._check_peer)
+        self._buffer = self._listener_factory(self._listening_settings(), self.port_offset, self._check_peer)
         store = entry_store(self._buffer)
         if store is not None:
             store.watch_departures(self._on_departed)
         super()._open()
+
+    def _listening_settings(self) -> ConnectorSettings:
+        """The settings the listener is opened with (a listener is a producer)."""
+        return self.settings
 
     def _close(self) -> None:
         buffer, self._buffer = self._buffer, None
@@ -288,3 +297,12 @@ class ProducerWorker(WorkerSide):
 
 class DualWorker(ProducerWorker, ConsumerWorker):
     """Both roles in one worker (``kv_both``): it listens and saves, and connects and loads."""
+
+    def _listening_settings(self) -> ConnectorSettings:
+        bridge = self.settings.bridge.replace(kv_role="kv_producer")
+        return dataclasses.replace(self.settings, bridge=bridge)
+
+    def _identity_towards(self, address: Address | None) -> compat.KVLayoutInfo:
+        # A connection carries KV one way: this worker produces on those it accepts, consumes on those it dials.
+        role = "kv_producer" if address is None else "kv_consumer"
+        return msgspec.structs.replace(super()._identity_towards(address), role=role)

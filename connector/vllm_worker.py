@@ -183,6 +183,10 @@ class WorkerSide:
     def _close(self) -> None:
         """Close this role's transport (each role adds its own)."""
 
+    def _identity_towards(self, address: Address | None) -> compat.KVLayoutInfo:
+        """What this worker says it is on a connection it accepted (``address`` None) or dialed."""
+        return self.identity
+
     def _expected_peer(self, address: Address | None) -> tuple[int, int] | None:
         """The prefill (TP size, TP rank) a connection to ``address`` must reach; None: any."""
         return None
@@ -209,7 +213,7 @@ class WorkerSide:
         """On each new connection: exchange layouts; KVConfigError names every difference. A consumer
         also checks that the producer at ``address`` is the prefill rank it dialed for
         (:meth:`producer_address`)."""
-        peer = compat.exchange(pipe, self.identity, timeout=self.settings.bridge.kv_timeout)
+        peer = compat.exchange(pipe, self._identity_towards(address), timeout=self.settings.bridge.kv_timeout)
         expected = self._expected_peer(address)
         if expected is not None and (peer.tp_size, peer.tp_rank) != expected:
             host, port = address

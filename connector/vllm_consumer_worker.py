@@ -108,7 +108,6 @@ class ConsumerWorker(WorkerSide):
     def _expected_peer(self, address: Address | None) -> tuple[int, int] | None:
         return self._expected_peers.get(address) if address is not None else None
 
-
     def producer_address(self, named: Address | None, producer_tp: int | None = None) -> Address | Sources:
         """Where this TP rank loads from: the producer a request names (its listener's base address),
         else the configured ``kv_ip:kv_port``. With the producer's TP size (``producer_tp``, else

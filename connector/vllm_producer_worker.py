@@ -96,7 +96,6 @@ class ProducerWorker(WorkerSide):
                 logger.warning("kvbridge: closing the lookup buffer: %s", exc)
         super()._close()
 
-
     def save(self, saves: Sequence[SaveSpec]) -> None:
         """Insert each request's transfer-prefix blocks into the lookup buffer.
 

@@ -73,8 +73,8 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
 
     @classmethod
     def of_one_worker(cls, saved: set[str], failed: set[str], gone: set[str] = frozenset()) -> KVBridgeWorkerMetadata:
-        """One rank's outcomes (:meth:`connector.vllm_worker.WorkerSide.take_save_outcomes` and
-        :meth:`~connector.vllm_worker.WorkerSide.take_gone`)."""
+        """One rank's outcomes (:meth:`connector.vllm_producer_worker.ProducerWorker.take_save_outcomes` and
+        :meth:`~connector.vllm_producer_worker.ProducerWorker.take_gone`)."""
         return cls(saved=dict.fromkeys(saved, 1), failed=set(failed), gone=set(gone))
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVBridgeWorkerMetadata:
@@ -185,7 +185,7 @@ class SchedulerSide:
         them to the requests of this very step, whose forward pass writes them. So the entry of a
         saved request that vLLM lists as preempted is taken back by the workers in vLLM's
         ``handle_preemptions``, before this step writes any block
-        (:meth:`connector.vllm_worker.WorkerSide.take_back`), and the request is saved
+        (:meth:`connector.vllm_producer_worker.ProducerWorker.take_back`), and the request is saved
         again from its new blocks once it has recomputed its prefix.
         """
         meta = KVBridgeMetadata()

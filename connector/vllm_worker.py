@@ -191,7 +191,6 @@ class WorkerSide:
         """The prefill (TP size, TP rank) a connection to ``address`` must reach; None: any."""
         return None
 
-
     def _head_fields(self, block_shape: tuple[int, ...], layout: PagedKVLayout) -> dict[str, int]:
         """This rank's KV heads in a block (:class:`compat.KVLayoutInfo` fields): the head dimension
         and, when vLLM did not give it (tests), the model's head count as this rank's times the TP
@@ -270,7 +269,6 @@ class WorkerSide:
     def connections(self) -> int:
         """Connections open now: consumers connected to this producer, or producers this consumer uses."""
         return self.gauges()["connections"]
-
 
     def total_stats(self) -> TransferStats:
         """Counters since the start (a copy)."""

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from kv_pipe import KVConfigError, KVTransferConfig, TorchDistributedPipe
 from kv_store import mac_key_from_secret, open_store
 from lookup_buffer import KVLookupBufferBase, SimpleBuffer, StoreBuffer
+from lookup_buffer.config import BufferConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +39,13 @@ class KVConnectorConfig:
         kv_store: a store spec (see the module docstring); None: a pipe to the peer.
         kv_chunk_size: tokens per stored object (with ``kv_store``); a multiple of the KV block
             size for paged KV.
+        buffer: what a producer's buffer over a pipe does with entries nobody selects.
     """
 
     transfer: KVTransferConfig = dataclasses.field(default_factory=KVTransferConfig)
     kv_store: str | None = None
     kv_chunk_size: int = 256
+    buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
 
     def __post_init__(self) -> None:
         if self.kv_store is not None and (not isinstance(self.kv_store, str) or not self.kv_store.strip()):
@@ -52,14 +55,16 @@ class KVConnectorConfig:
 
     @classmethod
     def from_env(cls, transfer: KVTransferConfig, environ: Mapping[str, str] | None = None) -> KVConnectorConfig:
-        """``transfer`` with ``KVBRIDGE_KV_STORE`` and ``KVBRIDGE_KV_CHUNK_SIZE`` (unset: defaults)."""
+        """``transfer`` with ``KVBRIDGE_KV_STORE``, ``KVBRIDGE_KV_CHUNK_SIZE`` and the lookup buffer's
+        variables (:meth:`lookup_buffer.config.BufferConfig.from_env`); unset ones keep their defaults."""
         env = os.environ if environ is None else environ
         chunk_text = env.get("KVBRIDGE_KV_CHUNK_SIZE")
         try:
             chunk_size = cls.kv_chunk_size if chunk_text is None else int(chunk_text)
         except ValueError:
             raise KVConfigError(f"KVBRIDGE_KV_CHUNK_SIZE must be an integer, got {chunk_text!r}") from None
-        return cls(transfer=transfer, kv_store=env.get("KVBRIDGE_KV_STORE") or None, kv_chunk_size=chunk_size)
+        return cls(transfer=transfer, kv_store=env.get("KVBRIDGE_KV_STORE") or None, kv_chunk_size=chunk_size,
+                   buffer=BufferConfig.from_env(env))
 
 
 def build_kv_buffer(config: KVConnectorConfig, *, identity: Mapping[str, str | int] | None = None,
@@ -69,12 +74,12 @@ def build_kv_buffer(config: KVConnectorConfig, *, identity: Mapping[str, str | i
     the config does not. The caller owns the buffer (close it)."""
     transfer = config.transfer
     if config.kv_store is None:
-        if transfer.kv_role == "kv_both":  # refused before the pipe waits for its peer
-            raise KVConfigError("a buffer over a pipe needs kv_role 'kv_producer' or 'kv_consumer'; "
-                                "'kv_both' needs a kv_store")
+        if transfer.kv_role not in ("kv_producer", "kv_consumer"):  # refused before the pipe waits for its peer
+            raise KVConfigError(f"a buffer over a pipe needs kv_role 'kv_producer' or 'kv_consumer', got "
+                                f"{transfer.kv_role!r}; 'kv_both' needs a kv_store")
         pipe = TorchDistributedPipe(transfer)
         try:
-            return SimpleBuffer(pipe, transfer)
+            return SimpleBuffer(pipe, transfer, buffer_config=config.buffer)
         except BaseException:
             pipe.close()
             raise

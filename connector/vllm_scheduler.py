@@ -14,6 +14,12 @@ then sets the saved prefix into that same announcement if, and only if, every wo
 share. An outcome that comes later than that (vLLM defers ``wait_for_save`` past the step's
 output only for draft-model speculative decoding) leaves the announcement at 0: the decode
 instance then computes the prompt itself rather than wait for KV that may not exist.
+
+Announcing nothing for a copy known gone: a request saved by a copy may lose it before it finishes
+(evicted from a full buffer, expired, or taken by a select for the same tokens). Its workers report
+it gone (:attr:`KVBridgeWorkerMetadata.gone`), and the request is then announced with 0 tokens:
+the decode instance computes the prompt at once instead of claiming blocks for a certain miss. A
+report that comes in the step the request finishes still changes its announcement in place.
 """
 
 from __future__ import annotations
@@ -57,16 +63,19 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
     """The workers' save outcomes of one step; vLLM aggregates those of all TP ranks.
 
     ``saved`` counts, per request id, the ranks that saved their share; ``failed`` holds the ids
-    that at least one rank could not save. Pickled by vLLM between its processes (never networked).
+    that at least one rank could not save; ``gone`` those whose saved copy left at least one rank's
+    buffer before the request finished. Pickled by vLLM between its processes (never networked).
     """
 
     saved: dict[str, int] = dataclasses.field(default_factory=dict)
     failed: set[str] = dataclasses.field(default_factory=set)
+    gone: set[str] = dataclasses.field(default_factory=set)
 
     @classmethod
-    def of_one_worker(cls, saved: set[str], failed: set[str]) -> KVBridgeWorkerMetadata:
-        """One rank's outcomes (:meth:`connector.vllm_worker.WorkerSide.take_save_outcomes`)."""
-        return cls(saved=dict.fromkeys(saved, 1), failed=set(failed))
+    def of_one_worker(cls, saved: set[str], failed: set[str], gone: set[str] = frozenset()) -> KVBridgeWorkerMetadata:
+        """One rank's outcomes (:meth:`connector.vllm_producer_worker.ProducerWorker.take_save_outcomes` and
+        :meth:`~connector.vllm_producer_worker.ProducerWorker.take_gone`)."""
+        return cls(saved=dict.fromkeys(saved, 1), failed=set(failed), gone=set(gone))
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVBridgeWorkerMetadata:
         if not isinstance(other, KVBridgeWorkerMetadata):
@@ -74,7 +83,7 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
         saved = dict(self.saved)
         for req_id, ranks in other.saved.items():
             saved[req_id] = saved.get(req_id, 0) + ranks
-        return KVBridgeWorkerMetadata(saved=saved, failed=self.failed | other.failed)
+        return KVBridgeWorkerMetadata(saved=saved, failed=self.failed | other.failed, gone=self.gone | other.gone)
 
 
 class SchedulerSide:
@@ -101,6 +110,7 @@ class SchedulerSide:
         self._saving: dict[str, int] = {}  # producer: req_id -> prefix tokens handed to the workers
         self._saved: dict[str, int] = {}  # producer: prefix tokens the workers saved (0: failed), still running
         self._pending: dict[str, tuple[dict[str, int], int]] = {}  # producer: announcement, prefix in flight
+        self._finishing: dict[str, dict[str, Any]] = {}  # producer: announcements of this step's finished requests
         self._loads: dict[str, LoadSpec] = {}  # consumer: planned, not yet handed to the worker
         self._refused: dict[str, list[int]] = {}  # consumer: claimed but not loadable, not yet handed over
         self._loaded: set[str] = set()  # consumer: requests that already had their one load attempt
@@ -175,7 +185,7 @@ class SchedulerSide:
         them to the requests of this very step, whose forward pass writes them. So the entry of a
         saved request that vLLM lists as preempted is taken back by the workers in vLLM's
         ``handle_preemptions``, before this step writes any block
-        (:meth:`connector.vllm_worker.WorkerSide.take_back`), and the request is saved
+        (:meth:`connector.vllm_producer_worker.ProducerWorker.take_back`), and the request is saved
         again from its new blocks once it has recomputed its prefix.
         """
         meta = KVBridgeMetadata()
@@ -183,6 +193,7 @@ class SchedulerSide:
             logger.warning("kvbridge: the save outcome of request %s came after its announcement left the engine: "
                            "announced 0 tokens (the decode instance computes the prompt)", req_id)
         self._pending.clear()
+        self._finishing.clear()  # their announcements have left the engine
         scheduled: Mapping[str, int] = scheduler_output.num_scheduled_tokens
         # Loads are asynchronous: their requests wait for them unscheduled.
         meta.loads = list(self._loads.values())
@@ -239,7 +250,8 @@ class SchedulerSide:
     def record_saves(self, outcomes: KVBridgeWorkerMetadata) -> None:
         """Take in the workers' save outcomes of a step (see the module docstring)."""
         for req_id in outcomes.failed | outcomes.saved.keys():
-            saved = req_id not in outcomes.failed and outcomes.saved.get(req_id, 0) >= self.num_workers
+            saved = (req_id not in outcomes.failed and req_id not in outcomes.gone
+                     and outcomes.saved.get(req_id, 0) >= self.num_workers)
             if req_id in self._pending:
                 announcement, prefix = self._pending.pop(req_id)
                 announcement["prefix_tokens"] = prefix if saved else 0
@@ -250,6 +262,14 @@ class SchedulerSide:
                 continue  # a late outcome of a request already announced (see build_meta), preempted or aborted
             if not saved and outcomes.saved.get(req_id, 0) > 0:
                 self._take_back.append(req_id)  # announced with 0 tokens: the ranks that saved hold it for nobody
+        for req_id in outcomes.gone - outcomes.failed - outcomes.saved.keys():
+            if self._saved.get(req_id):
+                self._saved[req_id] = 0
+            elif req_id in self._finishing:
+                self._finishing.pop(req_id)["prefix_tokens"] = 0
+            else:
+                continue  # announced already, or with 0 tokens
+            self._take_back.append(req_id)  # the ranks whose share is still there hold it for nobody
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Forget a finished or aborted request. The producer announces the prefix it saved, and
@@ -273,6 +293,8 @@ class SchedulerSide:
             return False, None
         if in_flight is not None:
             self._pending[req_id] = (announcement, in_flight)
+        elif announcement["prefix_tokens"]:
+            self._finishing[req_id] = announcement
         if handed_to_workers:
             self._held.append(req_id)
         return handed_to_workers, {PARAMS_KEY: announcement}

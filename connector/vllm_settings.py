@@ -8,7 +8,8 @@ connector's own options go into ``kv_connector_extra_config``::
         "kv_port": 14579, "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"kv_ip": "10.0.0.5", "kv_timeout": 10, "kv_load_timeout": 5}}'
 
-Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConfig` fields):
+Connector options (extra config keys that are neither :class:`kv_pipe.KVTransferConfig` fields nor
+:class:`lookup_buffer.config.BufferConfig` fields, which go to the producer's lookup buffer):
 
 ``kv_load_timeout`` (seconds, default 5)
     How long the consumer waits for the producer's entry of a request the producer announced
@@ -43,8 +44,8 @@ Connector options (extra config keys that are not :class:`kv_pipe.KVTransferConf
     a key here: vLLM's command line and logs would show it. ``KVBRIDGE_KV_SECRET`` /
     ``KVBRIDGE_KV_SECRET_FILE`` in the instance's environment work too.
 
-Of the kvbridge fields, ``kv_evict_unclaimed`` defaults to true here (false in
-:class:`kv_pipe.KVTransferConfig`): when the prefill instance's buffer is full, the oldest entries no
+Of the lookup buffer's fields, ``kv_evict_unclaimed`` defaults to true here (false in
+:class:`lookup_buffer.config.BufferConfig`): when the prefill instance's buffer is full, the oldest entries no
 decode instance has taken yet (their client went away, their request was prefilled twice, their
 decode instance never came) give way to new saves, and their lent blocks go back to vLLM,
 instead of every new save failing until they expire. ``kv_save_timeout`` then matters only with
@@ -67,6 +68,7 @@ from typing import Any
 from connector.secret import SECRET_FILE_KEY, refuse_inline_secret, resolve_secret
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError
+from lookup_buffer.config import BufferConfig
 
 #: Extra config keys owned by the connector; every other key must be a kvbridge config field.
 _OPTION_DEFAULTS: dict[str, Any] = {
@@ -84,12 +86,14 @@ class ConnectorSettings:
     """Everything the connector needs from vLLM's configuration.
 
     Attributes:
-        bridge: the kvbridge transport configuration (pipe and lookup buffer).
+        bridge: the kvbridge transport configuration (role, addresses, byte budget, pipe).
         load_timeout: see the module docstring (``kv_load_timeout``).
         save_timeout: see ``kv_save_timeout``.
         lend_blocks: see ``kv_lend_blocks``.
         lend_lease: see ``kv_lend_lease``.
         producer_tp_size: see ``kv_producer_tp_size`` (None: this instance's own TP size).
+        buffer: what the producer's lookup buffer does with entries nobody selects (evicting
+            them when full, by default here).
     """
 
     bridge: KVTransferConfig
@@ -98,6 +102,7 @@ class ConnectorSettings:
     lend_blocks: bool = True
     lend_lease: float = 2.0
     producer_tp_size: int | None = None
+    buffer: BufferConfig = dataclasses.field(default_factory=lambda: BufferConfig(kv_evict_unclaimed=True))
 
     @classmethod
     def from_vllm(cls, kv_role: str, kv_port: int, kv_buffer_device: str,
@@ -109,9 +114,13 @@ class ConnectorSettings:
         refuse_inline_secret(extra, "kv_connector_extra_config")
         options = dict(_OPTION_DEFAULTS)
         bridge_values: dict[str, Any] = {}
+        # Unselected entries must not hold the budget (and vLLM's lent blocks) until they expire.
+        buffer_values: dict[str, Any] = {"kv_evict_unclaimed": True}
         for name, value in extra.items():
             if name in options:
                 options[name] = value
+            elif name in BufferConfig.fields():
+                buffer_values[name] = value
             else:
                 bridge_values[name] = value
         for name in ("kv_role", "kv_buffer_device"):
@@ -127,10 +136,9 @@ class ConnectorSettings:
                                 f"(decode instance), or 'kv_both' with a kv_store entry (a storage tier), got "
                                 f"{kv_role!r}: a kvbridge lookup buffer carries KV one way")
         bridge_values.setdefault("kv_rank", 0 if kv_role == "kv_producer" else 1)
-        # Unselected entries must not hold the budget (and vLLM's lent blocks) until they expire.
-        bridge_values.setdefault("kv_evict_unclaimed", True)
         bridge_values["kv_secret"] = resolve_secret(environ, options[SECRET_FILE_KEY])
         bridge = KVTransferConfig.from_dict(bridge_values)
+        buffer = BufferConfig.from_dict(buffer_values)
         for name in ("kv_load_timeout", "kv_save_timeout", "kv_lend_lease"):
             value = options[name]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -143,7 +151,7 @@ class ConnectorSettings:
             raise KVConfigError(f"kv_producer_tp_size must be a TP size from 1 to {MAX_TP_SIZE}, got {producer_tp!r}")
         return cls(bridge=bridge, load_timeout=float(options["kv_load_timeout"]),
                    save_timeout=float(options["kv_save_timeout"]), lend_blocks=options["kv_lend_blocks"],
-                   lend_lease=float(options["kv_lend_lease"]), producer_tp_size=producer_tp)
+                   lend_lease=float(options["kv_lend_lease"]), producer_tp_size=producer_tp, buffer=buffer)
 
 
 #: Largest TP size accepted in settings and announcements.

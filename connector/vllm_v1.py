@@ -74,6 +74,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector import compat
 from connector.transfer_stats import TransferStats
+from connector.vllm_consumer_worker import ConsumerWorker
+from connector.vllm_producer_worker import ProducerWorker
 from connector.vllm_prom import KVBridgePromMetrics
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings, listen_port_offset
@@ -176,37 +178,47 @@ class KVBridgeConnector(KVConnectorBase_V1):
         # The first hook of a step: vLLM then zeroes newly allocated blocks and applies block copies
         # (before it binds the metadata), and the forward pass computes into them, so the blocks of
         # a preempted request, freed and perhaps given to another, are taken back here.
-        self._require_worker().take_back(_bridge_metadata(kv_connector_metadata).take_back)
+        if (producer := self._producer()) is not None:
+            producer.take_back(_bridge_metadata(kv_connector_metadata).take_back)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta, worker = self._metadata(), self._require_worker()
-        worker.hold(meta.held)
-        worker.start_loads(meta.loads)
-        worker.refuse_loads(meta.refused)
+        meta = self._metadata()
+        if (producer := self._producer()) is not None:
+            producer.hold(meta.held)
+        if (consumer := self._consumer()) is not None:
+            consumer.start_loads(meta.loads)
+            consumer.refuse_loads(meta.refused)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: vLLM schedules a request only once get_finished reported it
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        worker = self._require_worker()
-        recving = worker.take_finished_loads(finished_req_ids)
-        return worker.take_finished_sending() or None, recving or None
+        producer, consumer = self._producer(), self._consumer()
+        recving = consumer.take_finished_loads(finished_req_ids) if consumer is not None else set()
+        sending = producer.take_finished_sending() if producer is not None else set()
+        return sending or None, recving or None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
         return  # a block is complete only after the last layer: wait_for_save saves all layers at once
 
     def wait_for_save(self) -> None:
-        self._require_worker().save(self._metadata().saves)
+        if (producer := self._producer()) is not None:
+            producer.save(self._metadata().saves)
 
     def build_connector_worker_meta(self) -> KVBridgeWorkerMetadata | None:
-        saved, failed = self._require_worker().take_save_outcomes()
-        if not saved and not failed:
+        producer = self._producer()
+        if producer is None:
             return None
-        return KVBridgeWorkerMetadata.of_one_worker(saved, failed)
+        saved, failed = producer.take_save_outcomes()
+        gone = producer.take_gone()
+        if not saved and not failed and not gone:
+            return None
+        return KVBridgeWorkerMetadata.of_one_worker(saved, failed, gone)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed_blocks() if self._worker is not None else set()
+        consumer = self._consumer() if self._worker is not None else None
+        return consumer.take_failed_blocks() if consumer is not None else set()
 
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         interval = self._worker.take_stats() if self._worker is not None else None
@@ -267,6 +279,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if self._worker is None:
             raise KVConfigError("kvbridge: a worker-side hook was called on the scheduler-side connector")
         return self._worker
+
+    def _producer(self) -> ProducerWorker | None:
+        """The worker, if its role saves (None on a decode instance)."""
+        worker = self._require_worker()
+        return worker if isinstance(worker, ProducerWorker) else None
+
+    def _consumer(self) -> ConsumerWorker | None:
+        """The worker, if its role loads (None on a prefill instance)."""
+        worker = self._require_worker()
+        return worker if isinstance(worker, ConsumerWorker) else None
 
     def _require_scheduler(self) -> SchedulerSide:
         if self._scheduler is None:

@@ -25,6 +25,7 @@ from harness.tensors import random_tensor, same_bits
 from kv_pipe import KVTransferConfig, TorchDistributedPipe
 from kv_pipe.errors import KVBufferFullError, KVPipeClosedError, KVTransferError
 from lookup_buffer import SimpleBuffer
+from lookup_buffer.config import BufferConfig
 from lookup_buffer.matching import token_arrays
 from lookup_buffer.protocol import (
     MAX_REQUEST_BYTES,
@@ -60,8 +61,9 @@ def run_side(rank: int, port: int, body: Callable[..., Any], changes: dict, sync
 
     The producer stays up until the consumer's body has finished (its ``consumer_done`` event).
     """
-    cfg = config(rank, port, **changes)
-    buffer = SimpleBuffer(TorchDistributedPipe(cfg), cfg)
+    kept = {name: value for name, value in changes.items() if name in BufferConfig.fields()}
+    cfg = config(rank, port, **{name: value for name, value in changes.items() if name not in kept})
+    buffer = SimpleBuffer(TorchDistributedPipe(cfg), cfg, buffer_config=BufferConfig(**kept))
     close_error = None
     try:
         result = body(buffer, sync, *args)

@@ -95,9 +95,9 @@ def _install(fault: str) -> None:
     name, _, arg = fault.partition("=")
     rank = int(os.environ["RANK"])
     if name == "corrupt-kv" and rank == 1:
-        pair.SimpleBuffer = lambda pipe, config: CorruptingBuffer(SimpleBuffer(pipe, config))
+        pair.SimpleBuffer = lambda pipe, config, **kept: CorruptingBuffer(SimpleBuffer(pipe, config, **kept))
     elif name == "lose-insert" and rank == 0:
-        pair.SimpleBuffer = lambda pipe, config: LosingBuffer(SimpleBuffer(pipe, config), int(arg))
+        pair.SimpleBuffer = lambda pipe, config, **kept: LosingBuffer(SimpleBuffer(pipe, config, **kept), int(arg))
     elif name == "crash-rank" and rank == int(arg):
         handshake = pair.handshake
 

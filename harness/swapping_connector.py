@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from connector.tp_layout import Source
 from connector.tp_sources import Sources
+from connector.vllm_consumer_worker import ConsumerWorker
 from connector.vllm_v1 import KVBridgeConnector
-from connector.vllm_worker import WorkerSide
 from lookup_buffer.connections import Address
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class HeadSwappingWorker(WorkerSide):
+class HeadSwappingWorker(ConsumerWorker):
     def producer_address(self, named: Address | None, producer_tp: int | None = None) -> Address | Sources:
         address = super().producer_address(named, producer_tp)
         if not isinstance(address, Sources) or not address.plan:

@@ -29,7 +29,8 @@ class KVTransferConfig:
 
     Attributes:
         kv_role: ``kv_producer`` (prefill side, inserts KV), ``kv_consumer`` (decode side, selects
-            KV) or ``kv_both``.
+            KV) or ``kv_both`` (a storage tier); None (the default): no role, enough for a pipe, which
+            carries tensors either way. Every lookup buffer and the connector need one.
         kv_rank: 0 or 1, this side's rank inside the 2-member transfer group. Rank 0 hosts the
             rendezvous (TCPStore) and, in a lookup buffer, the producer's control server.
         kv_parallel_size: members of the transfer group; kvbridge pipes are point-to-point, so 2.
@@ -50,22 +51,16 @@ class KVTransferConfig:
             on the wire.
         kv_connect_timeout: seconds to wait for the peer to appear when the pipe is created.
         kv_secret: optional shared secret; when set, both sides must hold the same one.
-        kv_entry_timeout: seconds a producer keeps an entry that no consumer selects (its client
-            went away, or a router sent the request elsewhere) before dropping it and freeing its
-            bytes.
         kv_shared_memory: ``auto`` (the same-host path, payloads through shared memory and frames
             over a local socket, when both sides prove they share a host and network namespace,
             else everything over the transport), ``on`` (refuse to connect without it) or ``off``
             (always over the transport). CUDA pipes always use NCCL.
-        kv_evict_unclaimed: what a producer's lookup buffer does when an insert does not fit in
-            ``kv_buffer_size``. False (the default): the insert waits for selects or expiry to
-            free room, up to its timeout (backpressure: nothing inserted is lost). True: the
-            oldest entries no consumer has selected yet are evicted until it fits, so entries
-            whose consumer never comes give way to new ones instead of filling the budget until
-            they expire. The vLLM connector turns it on.
+
+    What a producer's lookup buffer does with entries nobody selects is the buffer's own
+    configuration (:class:`lookup_buffer.config.BufferConfig`).
     """
 
-    kv_role: str = "kv_both"
+    kv_role: str | None = None
     kv_rank: int = 0
     kv_parallel_size: int = 2
     kv_ip: str = "127.0.0.1"
@@ -77,16 +72,14 @@ class KVTransferConfig:
     kv_connect_timeout: float = 300.0
     kv_secret: str | None = dataclasses.field(default=None, repr=False)
     kv_shared_memory: str = "auto"
-    kv_entry_timeout: float = 480.0
-    kv_evict_unclaimed: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise :class:`KVConfigError` naming the first invalid field."""
-        if self.kv_role not in KV_ROLES:
-            raise KVConfigError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise KVConfigError(f"kv_role must be one of {KV_ROLES} or None, got {self.kv_role!r}")
         if self.kv_parallel_size != 2:
             raise KVConfigError(
                 f"kv_parallel_size must be 2 (kvbridge pipes are point-to-point), "
@@ -109,7 +102,7 @@ class KVTransferConfig:
             )
         if self.kv_device_index is not None and (not _is_int(self.kv_device_index) or self.kv_device_index < 0):
             raise KVConfigError(f"kv_device_index must be None or a GPU index >= 0, got {self.kv_device_index!r}")
-        for name in ("kv_timeout", "kv_connect_timeout", "kv_entry_timeout"):
+        for name in ("kv_timeout", "kv_connect_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise KVConfigError(f"{name} must be a number of seconds, got {value!r}")
@@ -121,8 +114,6 @@ class KVTransferConfig:
             raise KVConfigError(
                 f"kv_shared_memory must be one of {SHARED_MEMORY_MODES}, got {self.kv_shared_memory!r}"
             )
-        if not isinstance(self.kv_evict_unclaimed, bool):
-            raise KVConfigError(f"kv_evict_unclaimed must be true or false, got {self.kv_evict_unclaimed!r}")
 
     @property
     def is_producer(self) -> bool:
@@ -164,9 +155,9 @@ class KVTransferConfig:
 
         Every other field (``kv_buffer_size``, ``kv_buffer_device``, ``kv_device_index`` (``none``
         for None), ``kv_timeout``,
-        ``kv_connect_timeout``, ``kv_secret``, ``kv_shared_memory``, ``kv_entry_timeout``,
-        ``kv_evict_unclaimed``: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``) is
-        read from ``KVBRIDGE_<FIELD>`` or keeps its default. Keyword ``overrides`` beat the environment.
+        ``kv_connect_timeout``, ``kv_secret``, ``kv_shared_memory``) is read from
+        ``KVBRIDGE_<FIELD>`` or keeps its default. Keyword ``overrides`` beat the environment. The
+        lookup buffer's own variables are read by :meth:`lookup_buffer.config.BufferConfig.from_env`.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -205,13 +196,11 @@ def _parse_field(field: dataclasses.Field, key: str, text: str) -> Any:
         return _parse_int(key, text)
     if field.name == "kv_device_index":
         return None if text.strip().lower() in ("", "none") else _parse_int(key, text)
-    if field.name in ("kv_timeout", "kv_connect_timeout", "kv_entry_timeout"):
+    if field.name in ("kv_timeout", "kv_connect_timeout"):
         try:
             return float(text)
         except ValueError:
             raise KVConfigError(f"environment variable {key} must be a number, got {text!r}") from None
-    if field.name == "kv_evict_unclaimed":
-        return _parse_bool(key, text)
     return text
 
 
@@ -219,7 +208,8 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def _parse_bool(key: str, text: str) -> bool:
+def parse_bool(key: str, text: str) -> bool:
+    """The boolean an environment variable ``key`` holds (KVConfigError if it is not one)."""
     word = text.strip().lower()
     if word in _TRUE or word in _FALSE:
         return word in _TRUE

@@ -395,7 +395,7 @@ def run(settings: PairSettings, config: KVConnectorConfig) -> int:
         buffer: KVLookupBufferBase
         if config.kv_store is None:
             pipe = stack.enter_context(_closing(TorchDistributedPipe(transfer)))
-            buffer = stack.enter_context(_closing(SimpleBuffer(pipe, transfer)))
+            buffer = stack.enter_context(_closing(SimpleBuffer(pipe, transfer, buffer_config=config.buffer)))
         else:
             buffer = stack.enter_context(_closing(build_kv_buffer(
                 config, identity=_store_identity(model, digest, prompts[0]), token_dim=STORE_TOKEN_DIM)))

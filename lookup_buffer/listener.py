@@ -44,6 +44,7 @@ from kv_pipe.host_memory import HostMemoryPool
 from kv_pipe.protocol import HOST_FRAME_BYTES, SHARED_DATA_START, message_cost
 from kv_pipe.shared_memory import MAX_SEGMENT_BYTES
 from lookup_buffer.base import BufferStats, KVLookupBufferBase, SelectResult
+from lookup_buffer.config import BufferConfig
 from lookup_buffer.control import Endpoint, control_host
 from lookup_buffer.loans import LentTensor, Loan
 from lookup_buffer.producer import BufferProducer, log_expired, make_entry
@@ -133,14 +134,16 @@ class BufferListener(KVLookupBufferBase):
         config: ``kv_ip``/``kv_port`` (+ ``port_offset``) is where consumers ask to connect;
             ``kv_buffer_size`` bounds the bytes held for all consumers together (each connection's
             pipe has this budget too; a consumer with a smaller one is refused, as it could not
-            receive every entry); ``kv_entry_timeout`` drops entries nobody selects;
-            ``kv_evict_unclaimed`` lets a new entry evict the oldest unselected ones from a full budget.
+            receive every entry).
         port_offset: added to ``kv_port`` (e.g. a TP rank).
         on_connect: see :data:`OnConnect`.
         max_pipe_bytes: bound of the memory all connections' pipes keep together (see
             :func:`pipe_memory`; a connection is charged as if on the same-host path until its pipe
             is up); None: ``PIPE_MEMORY_BUDGETS * kv_buffer_size``, at least what ``MAX_CONNECTIONS``
             connections without shared memory keep.
+        buffer_config: what becomes of entries nobody selects (``kv_entry_timeout`` drops them,
+            ``kv_evict_unclaimed`` lets a new entry evict the oldest of them from a full budget);
+            default: :class:`~lookup_buffer.config.BufferConfig`'s defaults.
 
     Construction binds the address and returns at once. Thread-safe. ``drop_select`` is the
     consumer's and raises KVConfigError here. :meth:`close` returns within about
@@ -151,7 +154,8 @@ class BufferListener(KVLookupBufferBase):
     """
 
     def __init__(self, config: KVTransferConfig, port_offset: int = 0, on_connect: OnConnect | None = None,
-                 pipe_factory: PipeFactory = TorchDistributedPipe, max_pipe_bytes: int | None = None) -> None:
+                 pipe_factory: PipeFactory = TorchDistributedPipe, max_pipe_bytes: int | None = None,
+                 buffer_config: BufferConfig | None = None) -> None:
         config.validate()
         if config.kv_role != "kv_producer":
             raise KVConfigError(f"a BufferListener is a producer: kv_role must be 'kv_producer', "
@@ -160,8 +164,10 @@ class BufferListener(KVLookupBufferBase):
         self._on_connect = on_connect
         self._pipe_factory = pipe_factory
         self._max_item_bytes = config.kv_buffer_size - message_cost(0)
-        self._store = EntryStore(config.kv_buffer_size, self._max_item_bytes, config.kv_entry_timeout,
-                                 config.kv_evict_unclaimed)
+        kept = buffer_config or BufferConfig()
+        self.buffer_config = kept
+        self._store = EntryStore(config.kv_buffer_size, self._max_item_bytes, kept.kv_entry_timeout,
+                                 kept.kv_evict_unclaimed)
         self._memory = HostMemoryPool(config.kv_buffer_size)
         self._signer = ControlSigner(config.kv_secret)
         # Until its pipe is up, a connection is charged as if it were on the same-host path.

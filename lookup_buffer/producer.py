@@ -36,6 +36,7 @@ from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPipeClosedError, KVTransferError
 from lookup_buffer.base import BufferStats
+from lookup_buffer.config import BufferConfig
 from lookup_buffer.control import Endpoint
 from lookup_buffer.errors import KVInvalidRequestError, fresh_error
 from lookup_buffer.loans import DROPPED, RECLAIMED, RETURNED, SENT, LentTensor, Loan, loan_table
@@ -113,6 +114,7 @@ def make_entry(input_tokens: torch.Tensor, roi: torch.Tensor, key: Item, value: 
         nbytes=sum(item.nbytes for item in given if item is not None),
         loan=Loan() if lent else None,
         lent=(isinstance(key, LentTensor), isinstance(value, LentTensor), isinstance(hidden, LentTensor)),
+        tracked=not lent,  # a lent entry's departure is its loan's outcome
     )
     return MatchKey(tokens, roi_array), entry
 
@@ -125,17 +127,21 @@ class BufferProducer:
         address: where to bind the control channel, or an endpoint already bound (a ROUTER).
         store: the entries to serve, shared with other connections; the connection then neither
             expires nor drops them (their owner does), and a failure of this connection leaves
-            them to the others. Without it the producer has a store of its own.
+            them to the others. Without it the producer has a store of its own, kept as
+            ``buffer_config`` says (default: :class:`~lookup_buffer.config.BufferConfig`'s defaults).
     """
 
     def __init__(self, pipe: KVPipeBase, config: KVTransferConfig, address: str | Endpoint,
-                 store: EntryStore | None = None) -> None:
+                 store: EntryStore | None = None, buffer_config: BufferConfig | None = None) -> None:
         self._pipe = pipe
         self._config = config
         self._owns_store = store is None
         # An entry whose tensors the pipe would refuse is refused at insert, not halfway through a hit.
-        self._store = store or EntryStore(config.kv_buffer_size, pipe.max_tensor_bytes, config.kv_entry_timeout,
-                                          config.kv_evict_unclaimed)
+        if store is None:
+            kept = buffer_config or BufferConfig()
+            store = EntryStore(config.kv_buffer_size, pipe.max_tensor_bytes, kept.kv_entry_timeout,
+                               kept.kv_evict_unclaimed)
+        self._store = store
         self._lock = threading.Lock()  # guards the counters and the failure state below
         self._hits = self._misses = self._waits = self._bad_messages = self._sent_bytes = 0
         self._failure: KVTransferError | None = None

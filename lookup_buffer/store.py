@@ -10,6 +10,12 @@ An entry that leaves unselected (evicted, expired, taken back by its owner) leav
 match key for :data:`TOMBSTONE_SECONDS`: a select waiting for that key, or coming soon after, is
 answered a miss at once (:meth:`EntryStore.gone`) instead of holding its consumer for its whole wait.
 Watchers (:meth:`EntryStore.watch`) are told each such key.
+
+An entry inserted with bytes of its own (not lent) is *tracked*: its inserter may need to know once it
+is no longer there to be selected, whatever took it (a select, eviction, expiry, the store's end), so
+that it does not send a consumer after it. Departure watchers (:meth:`EntryStore.watch_departures`)
+are told the key of each tracked entry that leaves; a store's tracked entries under one key leave in
+the order they were stored.
 """
 
 from __future__ import annotations
@@ -53,10 +59,10 @@ class Entry:
     """One inserted request: the tensors a hit sends (or lent tensors, with their ``loan``), and the
     bytes it is charged for."""
 
-    __slots__ = ("items", "nbytes", "largest", "expires", "order", "loan", "lent", "stored")
+    __slots__ = ("items", "nbytes", "largest", "expires", "order", "loan", "lent", "stored", "tracked")
 
     def __init__(self, items: tuple[torch.Tensor | LentTensor, ...], nbytes: int, loan: Loan | None = None,
-                 lent: tuple[bool, bool, bool] = (False, False, False)) -> None:
+                 lent: tuple[bool, bool, bool] = (False, False, False), tracked: bool = False) -> None:
         self.items = items
         self.lent = lent  # which of key, value and hidden are lent
         self.nbytes = nbytes
@@ -67,6 +73,7 @@ class Entry:
         self.order = (0, 0)
         self.stored: float | None = None  # time.monotonic() when first stored (kept by a copy of it)
         self.loan = loan
+        self.tracked = tracked  # its departure is told to the departure watchers (see the module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +140,7 @@ class EntryStore:
         # makes a select miss.
         self._tombstones: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._watchers: list[Callable[[MatchKey], object]] = []
+        self._departure_watchers: list[Callable[[MatchKey], object]] = []
 
     def put(self, key: MatchKey, entry: Entry, timeout: float) -> None:
         """Store ``entry``: evicting the oldest unclaimed entries to make room (``evict_unclaimed``),
@@ -199,6 +207,7 @@ class EntryStore:
                 return None
             entry = queue.popleft()
             self._forget(key, queue, entry)
+            self._departed(key, entry)
             if entry.stored is not None:
                 self._waits.append(time.monotonic() - entry.stored)
             return entry
@@ -233,6 +242,7 @@ class EntryStore:
                     return None
                 queue.popleft()
                 self._forget(key, queue, whole)
+                self._departed(key, whole)  # its first part is taken: the whole is no longer there
                 entry = None
                 for index, (piece_part, piece) in enumerate(parts):
                     piece.expires, piece.stored, piece.order = whole.expires, whole.stored, (whole.order[0], index + 1)
@@ -274,6 +284,7 @@ class EntryStore:
             queue = self._entries[key]
             queue.remove(entry)
             self._forget(key, queue, entry)
+            self._departed(key, entry)
             self._bury(key)
             return True
 
@@ -287,6 +298,20 @@ class EntryStore:
         with self._cond:
             if watcher in self._watchers:
                 self._watchers.remove(watcher)
+
+    def watch_departures(self, watcher: Callable[[MatchKey], object]) -> None:
+        """Call ``watcher`` with the match key of every tracked entry (see the module docstring) once
+        it leaves the store: taken by a select (a split entry when its first part is), evicted,
+        expired, withdrawn, or dropped by :meth:`stop`. Under the store's lock: it must neither block
+        nor call the store."""
+        with self._cond:
+            self._departure_watchers.append(watcher)
+
+    def _departed(self, key: MatchKey | tuple[MatchKey, Part], entry: Entry) -> None:
+        """Tell the departure watchers that ``entry``, under ``key``, left (under the lock)."""
+        if entry.tracked:
+            for watcher in self._departure_watchers:
+                watcher(key[0] if isinstance(key, tuple) else key)
 
     def gone(self, key: MatchKey) -> bool:
         """Whether an entry under ``key`` left unselected within :data:`TOMBSTONE_SECONDS` and none
@@ -368,6 +393,7 @@ class EntryStore:
                 # the parts of an older entry split after it.
                 queue.remove(entry)
                 self._forget(key, queue, entry)
+                self._departed(key, entry)
                 if entry.loan is not None:
                     entry.loan.end(EXPIRED)
                 self._bury(key)
@@ -385,6 +411,7 @@ class EntryStore:
         queue = self._entries[key]
         queue.remove(entry)  # usually its key's first (see expire)
         self._forget(key, queue, entry)
+        self._departed(key, entry)
         if entry.loan is not None:
             entry.loan.end(EVICTED)
         self._bury(key)
@@ -436,7 +463,8 @@ class EntryStore:
             if self._error is None:
                 self._error = error
             dropped = self._count, self._bytes
-            for entry in self._stored:
+            for entry, key in sorted(self._stored.items(), key=lambda item: item[0].order):
+                self._departed(key, entry)
                 if entry.loan is not None:
                     entry.loan.end(DROPPED)
             self._entries.clear()

@@ -21,9 +21,14 @@ import pytest
 import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from connector import compat
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec
+from connector.vllm_consumer_worker import ConsumerWorker
+from connector.vllm_producer_worker import DualWorker, ProducerWorker
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
+from connector.vllm_settings import ConnectorSettings
 from connector.vllm_v1 import KVBridgeConnector
+from connector.vllm_worker import WorkerSide, find_layout
 from harness import vllm_procs as vp
 from harness.procs import free_port
 from harness.vllm_fakes import (
@@ -35,7 +40,8 @@ from harness.vllm_fakes import (
     new_req_data,
     scheduler_output,
 )
-from kv_pipe.errors import KVBufferFullError
+from kv_pipe.config import KVTransferConfig
+from kv_pipe.errors import KVBufferFullError, KVConfigError
 from lookup_buffer.loans import TAKEN_BACK, Loan
 
 # ====================================================================== scheduler side
@@ -408,3 +414,72 @@ def test_entries_taken_back_are_never_loaded_and_the_connection_stays() -> None:
     assert producer["outcomes"] == {"stored": TAKEN_BACK, "borrowed": TAKEN_BACK, "kept": "returned"}
     assert producer["stats"]["taken_back"] == 2 and producer["entries_left"] == 0
 
+
+
+def test_a_copy_gone_in_the_step_its_request_finishes_is_announced_as_nothing_and_later_reports_change_nothing(
+) -> None:
+    side = SchedulerSide(B, is_producer=True, is_consumer=False)
+    requests = {name: make_request(name, list(range(start, start + 65))) for name, start in (("r", 0), ("s", 100))}
+    new = [new_req_data(request, [index], 0) for index, request in enumerate(requests.values())]
+    side.build_meta(scheduler_output(new, {name: 65 for name in requests}), lambda req_id: [1, 2, 3])
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r", "s"}, set()))
+    side.build_meta(scheduler_output([], {"r": 1, "s": 1}, cached_data(["r", "s"], [65, 65])), {}.__getitem__)
+    _, params = side.request_finished(requests["r"])
+    assert params[PARAMS_KEY]["prefix_tokens"] == 64
+    # The same step's worker outcomes: its copy was evicted (vLLM hands them over after request_finished).
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker(set(), set(), {"r"}))
+    assert params[PARAMS_KEY]["prefix_tokens"] == 0
+    assert side.build_meta(scheduler_output([], {"s": 1}), {}.__getitem__).take_back == ["r"]
+    # Once its announcement left the engine, a report about "s" changes only what is still to come.
+    _, later = side.request_finished(requests["s"])
+    side.build_meta(scheduler_output([], {}), {}.__getitem__)
+    side.record_saves(KVBridgeWorkerMetadata.of_one_worker(set(), set(), {"s"}))
+    assert later[PARAMS_KEY]["prefix_tokens"] == 64
+    assert side.build_meta(scheduler_output([], {}), {}.__getitem__).take_back == []
+
+
+# ====================================================================== the worker of each role
+
+
+def _settings(role: str | None, port: int) -> ConnectorSettings:
+    bridge = KVTransferConfig(kv_role=role, kv_ip="127.0.0.1", kv_port=port, kv_timeout=5.0,
+                              kv_connect_timeout=30.0, kv_buffer_size=1 << 20)
+    return ConnectorSettings(bridge=bridge, load_timeout=5.0, save_timeout=0.0, lend_blocks=False)
+
+
+def _identity(role: str) -> compat.KVLayoutInfo:
+    return compat.KVLayoutInfo(version=compat.VERSION, role=role, model="fake", dtype="", block_size=vp.FAKE_BLOCK_SIZE,
+                               num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
+
+
+def test_each_role_gets_its_worker_class_and_only_its_methods() -> None:
+    port = free_port()
+    kinds = {role: WorkerSide(_settings(role, port), _identity(role), 0)
+             for role in ("kv_producer", "kv_consumer", "kv_both")}
+    assert [type(worker) for worker in kinds.values()] == [ProducerWorker, ConsumerWorker, DualWorker]
+    assert not hasattr(kinds["kv_producer"], "start_loads") and not hasattr(kinds["kv_consumer"], "save")
+    assert isinstance(kinds["kv_both"], ProducerWorker) and isinstance(kinds["kv_both"], ConsumerWorker)
+    with pytest.raises(KVConfigError, match="kv_role"):
+        WorkerSide(_settings(None, port), _identity("kv_producer"), 0)
+
+
+def test_a_worker_of_both_roles_loads_bit_exact_what_it_saved_over_its_own_listener() -> None:
+    """``kv_both``: on the connection it dials it is the consumer, on the one it accepts the producer."""
+    caches = vp.fake_caches(5)
+    worker = WorkerSide(_settings("kv_both", free_port()), _identity("kv_both"), 0)
+    worker.connect(caches, find_layout(caches[0], vp.FAKE_BLOCKS, vp.FAKE_BLOCK_SIZE, "CPU_ATTN/fake"))
+    try:
+        saved = [cache[[1, 7]].clone() for cache in caches]
+        untouched = [cache[[0, 2, 3, 4, 6, 8]].clone() for cache in caches]
+        tokens = list(range(40, 40 + 2 * vp.FAKE_BLOCK_SIZE))
+        worker.save([SaveSpec("r", tokens, [1, 7])])
+        assert worker.take_save_outcomes() == ({"r"}, set())
+        failed = vp.load_and_wait(worker, [LoadSpec("r", tokens, [5, 2], skip_blocks=0, wait=True)], timeout=60)
+        assert failed == set()
+        for cache, blocks, others in zip(caches, saved, untouched, strict=True):
+            assert torch.equal(cache[[5, 2]], blocks)
+            assert torch.equal(cache[[0, 3, 4, 6, 8]], others[[0, 2, 3, 4, 5]])  # block 2 was written
+        assert worker.take_gone() == {"r"}  # its copy was taken, before "r" finished
+        assert worker.gauges()["connections"] == 2  # one each way: accepted and dialed
+    finally:
+        worker.close()

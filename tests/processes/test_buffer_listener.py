@@ -21,6 +21,7 @@ from harness.tensors import random_tensor, same_bits
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError, KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
 from lookup_buffer import BufferListener, ProducerConnections, dial
+from lookup_buffer.config import BufferConfig
 from lookup_buffer.protocol import ControlSigner, Refusal, decode_connect_answer
 
 pytestmark = pytest.mark.timeout(120)
@@ -237,8 +238,10 @@ def test_tensors_made_by_the_listener_reach_whichever_consumer_selects_them_bit_
 
 
 def test_entries_nobody_takes_expire_and_free_their_bytes(port: int) -> None:
-    config = producer_config(port, kv_entry_timeout=1.0, kv_buffer_size=1 << 20)
-    with BufferListener(config) as listener, dial(consumer_config(kv_buffer_size=1 << 20), HOST, port) as consumer:
+    config = producer_config(port, kv_buffer_size=1 << 20)
+    expiring = BufferConfig(kv_entry_timeout=1.0)
+    with BufferListener(config, buffer_config=expiring) as listener, \
+            dial(consumer_config(kv_buffer_size=1 << 20), HOST, port) as consumer:
         tokens = [torch.tensor([index, index + 1]) for index in range(3)]
         roi = torch.ones(2, dtype=torch.bool)
         big = torch.zeros(600_000, dtype=torch.uint8)

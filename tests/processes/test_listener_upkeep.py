@@ -16,6 +16,7 @@ from kv_pipe import TorchDistributedPipe
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPeerLostError
 from lookup_buffer import BufferListener, dial
+from lookup_buffer.config import BufferConfig
 from lookup_buffer.listener import pipe_memory
 
 pytestmark = pytest.mark.timeout(180)
@@ -88,8 +89,8 @@ def test_a_connection_slow_to_close_delays_neither_a_new_consumer_nor_expiry() -
     port = procs.free_port()
     held = HeldClose()
     before = set(threading.enumerate())
-    config = producer_config(port, kv_entry_timeout=1.0)
-    listener = BufferListener(config, pipe_factory=held)
+    config = producer_config(port)
+    listener = BufferListener(config, pipe_factory=held, buffer_config=BufferConfig(kv_entry_timeout=1.0))
     try:
         first = dial(consumer_config(), HOST, port)
         wait_until(lambda: listener.connections == 1)

@@ -5,6 +5,7 @@ BufferListener with a consumer over real pipes."""
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import threading
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from connector.transfer_state import KVConnectorConfig
 from connector.vllm_settings import ConnectorSettings
 from harness import buffer_procs as bodies
 from harness import procs
@@ -21,6 +23,7 @@ from kv_pipe import KVTransferConfig
 from kv_pipe.errors import KVBufferFullError, KVConfigError
 from lookup_buffer import BufferListener, SimpleBuffer, dial
 from lookup_buffer import store as store_module
+from lookup_buffer.config import BufferConfig
 from lookup_buffer.loans import EVICTED, SENT, Loan
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.producer import make_entry
@@ -29,6 +32,7 @@ from lookup_buffer.store import Entry, EntryStore
 pytestmark = pytest.mark.timeout(120)
 
 HOST = "127.0.0.1"
+EVICTING = BufferConfig(kv_evict_unclaimed=True)
 
 
 def request(index: int, nbytes: int = 4096) -> list[torch.Tensor | None]:
@@ -207,17 +211,25 @@ def test_evictions_are_logged_with_their_counts_at_most_once_per_interval(monkey
 
 
 def test_the_setting_is_validated_read_from_the_environment_and_on_in_the_vllm_connector() -> None:
-    assert KVTransferConfig().kv_evict_unclaimed is False
+    assert BufferConfig().kv_evict_unclaimed is False
     with pytest.raises(KVConfigError, match="kv_evict_unclaimed"):
-        KVTransferConfig(kv_evict_unclaimed="yes")
-    assert KVTransferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "true"}).kv_evict_unclaimed is True
-    assert KVTransferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "0"}).kv_evict_unclaimed is False
+        BufferConfig(kv_evict_unclaimed="yes")
+    assert BufferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "true"}).kv_evict_unclaimed is True
+    assert BufferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "0"}).kv_evict_unclaimed is False
     with pytest.raises(KVConfigError, match="KVBRIDGE_KV_EVICT_UNCLAIMED"):
-        KVTransferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "maybe"})
+        BufferConfig.from_env({"KVBRIDGE_KV_EVICT_UNCLAIMED": "maybe"})
+    environment = {"KVBRIDGE_KV_EVICT_UNCLAIMED": "yes", "KVBRIDGE_KV_ENTRY_TIMEOUT": "7.5"}
+    assert KVConnectorConfig.from_env(KVTransferConfig(), environment).buffer == BufferConfig(7.5, True)
+    with pytest.raises(KVConfigError, match="kv_entry_timeout"):
+        BufferConfig(kv_entry_timeout=math.inf)
     producer = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_ip": HOST}, {})
-    assert producer.bridge.kv_evict_unclaimed is True
-    backpressure = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_evict_unclaimed": False}, {})
-    assert backpressure.bridge.kv_evict_unclaimed is False
+    assert producer.buffer.kv_evict_unclaimed is True
+    backpressure = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_evict_unclaimed": False,
+                                                                              "kv_entry_timeout": 9}, {})
+    assert backpressure.buffer == BufferConfig(kv_entry_timeout=9, kv_evict_unclaimed=False)
+    # A lookup buffer's settings are not the transport's: the pipe's config refuses them.
+    with pytest.raises(TypeError, match="kv_evict_unclaimed"):
+        KVTransferConfig(kv_evict_unclaimed=True)
 
 
 # ---------------------------------------------------------------------------------------------- over pipes
@@ -271,10 +283,9 @@ def test_a_listener_full_of_abandoned_entries_still_saves_and_serves_new_ones() 
     port = procs.free_port()
     budget = 1 << 20
     size = 200_000  # room for 5 requests
-    producer = KVTransferConfig(kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0, kv_buffer_size=budget,
-                                kv_evict_unclaimed=True)
+    producer = KVTransferConfig(kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0, kv_buffer_size=budget)
     consumer = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_timeout=5.0, kv_buffer_size=budget)
-    with BufferListener(producer) as listener, dial(consumer, HOST, port) as buffer:
+    with BufferListener(producer, buffer_config=EVICTING) as listener, dial(consumer, HOST, port) as buffer:
         for index in range(16):  # abandoned
             listener.insert(*request(index, size), timeout=0)
         live = [request(100 + index, size) for index in range(2)]
@@ -330,10 +341,10 @@ def test_selects_for_evicted_entries_miss_at_once_and_unrelated_ones_still_wait(
     port = procs.free_port()
     size = 40_000
     producer = KVTransferConfig(kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0,
-                                kv_buffer_size=3 * size + 2000, kv_evict_unclaimed=True)
+                                kv_buffer_size=3 * size + 2000)
     consumer = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_timeout=5.0, kv_buffer_size=1 << 20)
     forever = 3600.0
-    with BufferListener(producer) as listener, dial(consumer, HOST, port) as buffer, \
+    with BufferListener(producer, buffer_config=EVICTING) as listener, dial(consumer, HOST, port) as buffer, \
             dial(consumer, HOST, port) as other:
         split = _splittable(0)
         listener.insert(*split, timeout=0)
@@ -360,3 +371,41 @@ def test_selects_for_evicted_entries_miss_at_once_and_unrelated_ones_still_wait(
         # An entry inserted again under an evicted key is served as any other.
         listener.insert(*evicted, timeout=0)
         bodies.check_entry(buffer.drop_select(evicted[0], evicted[1], timeout=forever), evicted, "inserted again")
+
+
+# ------------------------------------------------------------------- departures told to the inserter
+
+
+def test_departures_of_copied_entries_are_told_in_order_and_lent_ones_never() -> None:
+    """Each copied entry's key once it is no longer there to select, whatever took it: a select
+    (a split entry at its first part), eviction, expiry, the store's end; a lent entry's end is its
+    loan's outcome, and its copy out of the loan is not the inserter's copy."""
+    sizes = {index: make_entry(*request(index, 2048))[1].nbytes for index in range(3)}
+    store = EntryStore(capacity_bytes=3 * sizes[0], max_item_bytes=1 << 20, entry_timeout=100.0,
+                       evict_unclaimed=True)
+    told: list[MatchKey] = []
+    store.watch_departures(told.append)
+    copies = [make_entry(*request(index, 2048)) for index in range(3)]
+    duplicate = make_entry(*request(0, 2048))  # the same tokens as copies[0]: stored after it
+    assert all(entry.tracked for _, entry in copies) and duplicate[1].tracked
+    lent_key, lent, _ = stored(7, 2048)
+    lent.tracked = False  # what make_entry makes of lent tensors
+    for key, entry in copies:
+        store.put(key, entry, timeout=0)
+    store.put(lent_key, lent, timeout=0)  # evicts copies[0]
+    assert told == [copies[0][0]]
+    store.put(*duplicate, timeout=0)  # evicts copies[1]
+    assert told == [copies[0][0], copies[1][0]]
+    assert store.pop(copies[0][0]) is duplicate[1]  # taken by a select
+    assert store.pop(lent_key) is lent and len(told) == 3  # a loan's entry: never told
+    whole_key, whole = make_entry(*_splittable(0))
+    store.put(whole_key, whole, timeout=0)
+    store.pop_part(whole_key, (1, 0, 1))  # the first part taken: the whole is gone
+    assert told[2:] == [copies[0][0], whole_key]
+    assert store.counters().entries == 4  # copies[2] and three parts of the whole
+    assert store.expire(now=time.monotonic() + 101)[0] == 4
+    assert told[4:] == [copies[2][0]]  # the parts are not the inserter's entries
+    last_key, last = make_entry(*request(5, 2048))
+    store.put(last_key, last, timeout=0)
+    store.stop(KVBufferFullError("closed"))
+    assert told[5:] == [last_key] and len(told) == 6

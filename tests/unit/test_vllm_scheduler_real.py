@@ -17,7 +17,9 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from vllm import SamplingParams
 from vllm.config import ModelConfig
 from vllm.utils.hashing import sha256
@@ -27,11 +29,17 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from connector import compat
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec, transfer_prefix_len
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
+from connector.vllm_settings import ConnectorSettings
 from connector.vllm_v1 import KVBridgeConnector
+from connector.vllm_worker import WorkerSide, find_layout
 from harness import vllm_procs as vp
 from harness import vllm_scheduler
+from harness.procs import free_port
+from lookup_buffer import BufferListener
+from lookup_buffer.matching import MatchKey
 
 B = vp.BLOCK_SIZE
 PRODUCER_PORT = vllm_scheduler.PRODUCER_PORT
@@ -468,3 +476,107 @@ def test_prefix_in_the_local_cache_is_drained_not_loaded(model_config: ModelConf
     scheduler.update_from_output(step, worker_output(scheduler, step))
     run_to_end(scheduler)
     assert_all_freed(scheduler)
+
+
+# ---------------------------------------------------------------------- producer worker and scheduler
+
+
+def producer_worker(num_blocks: int, budget: int) -> tuple[WorkerSide, list[torch.Tensor]]:
+    """A producer's worker over random caches of ``num_blocks`` blocks, its listener on a free port,
+    copying its saves into a lookup buffer of ``budget`` bytes (evicting the oldest when full)."""
+    generator = torch.Generator().manual_seed(3)
+    caches = [torch.randn((num_blocks, 4, B, 128), generator=generator) for _ in range(2)]
+    settings = ConnectorSettings.from_vllm("kv_producer", free_port(), "cpu", {
+        "kv_ip": "127.0.0.1", "kv_buffer_size": budget, "kv_lend_blocks": False})
+    identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_producer", model="fake", dtype="", block_size=B,
+                                   num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
+    worker = WorkerSide(settings, identity, port_offset=0)
+    worker.connect(caches, find_layout(caches[0], num_blocks, B, "CPU_ATTN/fake"))
+    return worker, caches
+
+
+def step_with_worker(scheduler: Scheduler, worker: WorkerSide) -> tuple[SchedulerOutput, list[Any]]:
+    """One engine step whose connector outcomes come from a real producer worker, hooked as vLLM's
+    model runner calls it; returns the step and its request outputs."""
+    step = scheduler.schedule()
+    meta = metadata(step)
+    worker.take_back(meta.take_back)
+    worker.hold(meta.held)
+    worker.save(meta.saves)
+    saved, failed = worker.take_save_outcomes()
+    gone = worker.take_gone()
+    req_ids = list(step.num_scheduled_tokens)
+    sampled = [[TOKEN] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
+               for r in req_ids]
+    kv_output = KVConnectorOutput(finished_sending=worker.take_finished_sending() or None,
+                                  kv_connector_worker_meta=KVBridgeWorkerMetadata.of_one_worker(saved, failed, gone)
+                                  if saved or failed or gone else None)
+    output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                               sampled_token_ids=sampled, kv_connector_output=kv_output)
+    outputs = scheduler.update_from_output(step, output)
+    return step, [out for engine in outputs.values() for out in engine.outputs]
+
+
+def test_producer_announces_nothing_for_a_copy_evicted_before_its_request_finished(
+        model_config: ModelConfig) -> None:
+    # An entry of 2 blocks is 2 layers x 2 blocks x 64 KiB: the buffer holds one, not two.
+    scheduler = make_scheduler(model_config, "kv_producer", num_blocks=16)
+    worker, _ = producer_worker(num_blocks=16, budget=400_000)
+    try:
+        early = make_request("p-early", num_tokens=2 * B + 5, max_tokens=3, seed=21)  # decodes two more steps
+        late = make_request("p-late", num_tokens=2 * B + 9, max_tokens=1, seed=22)
+        scheduler.add_request(early)
+        step, _ = step_with_worker(scheduler, worker)
+        assert [save.req_id for save in metadata(step).saves] == ["p-early"]
+        assert worker.buffer_stats().entries == 1
+
+        scheduler.add_request(late)
+        step, outputs = step_with_worker(scheduler, worker)  # saving p-late evicts p-early's copy
+        assert [save.req_id for save in metadata(step).saves] == ["p-late"]
+        assert (worker.buffer_stats().entries, worker.buffer_stats().evicted) == (1, 1)
+        announced = {out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
+                     for out in outputs if out.finished}
+        assert announced == {"p-late": 2 * B}
+
+        finished: dict[str, int] = {}
+        for _ in range(8):
+            _, outputs = step_with_worker(scheduler, worker)
+            finished.update({out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
+                             for out in outputs if out.finished})
+            if not scheduler.requests:
+                break
+        assert finished == {"p-early": 0}, "the decode instance must not be sent to an entry that is gone"
+        assert_all_freed(scheduler)
+        assert worker.take_gone() == set()
+    finally:
+        worker.close()
+
+
+def test_a_copy_taken_before_its_request_finished_is_reported_gone_once_and_saved_again_after_a_preemption(
+) -> None:
+    worker, caches = producer_worker(num_blocks=8, budget=1 << 20)
+    try:
+        tokens = list(range(100, 100 + 2 * B))
+        worker.save([SaveSpec("r", tokens, [3, 5])])
+        assert worker.take_save_outcomes() == ({"r"}, set())
+        listener = worker._buffer
+        assert isinstance(listener, BufferListener)
+        # Another consumer takes it (drained, or a duplicate prompt's decode): the store pops it.
+        store = listener._store
+        key = MatchKey(np.asarray(tokens, dtype=np.int64), np.ones(len(tokens), dtype=bool))
+        entry = store.pop(key)
+        assert entry is not None  # the key: (layer, block, ...) of the saved blocks
+        assert torch.equal(entry.items[1][0, 0], caches[0][3]) and torch.equal(entry.items[1][1, 1], caches[1][5])
+        assert worker.take_gone() == {"r"}
+        assert worker.take_gone() == set()  # once
+        # Preempted, recomputed and saved again: the copy is gone, so a new one is inserted.
+        worker.take_back(["r"])
+        worker.save([SaveSpec("r", tokens, [6, 2])])
+        assert worker.take_save_outcomes() == ({"r"}, set())
+        assert worker.buffer_stats().entries == 1
+        again = store.pop(key)
+        assert again is not None
+        assert torch.equal(again.items[1][0, 0], caches[0][6]) and torch.equal(again.items[1][1, 1], caches[1][2])
+        assert worker.take_gone() == {"r"}
+    finally:
+        worker.close()

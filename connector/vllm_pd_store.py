@@ -203,26 +203,32 @@ class KVBridgePDStoreConnector(KVBridgeConnector):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # The pipe takes back the entries of preempted requests; the store's saves copied their blocks out already.
-        self._require_worker().take_back(_pd_metadata(kv_connector_metadata).pipe.take_back)
+        if (producer := self._producer()) is not None:
+            producer.take_back(_pd_metadata(kv_connector_metadata).pipe.take_back)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta, worker = self._pd_meta(), self._require_worker()
+        meta = self._pd_meta()
         self._join.expect(meta.store, meta.pipe)
-        worker.hold(meta.pipe.held)
-        worker.start_loads(meta.pipe.loads)
-        worker.refuse_loads(meta.pipe.refused)
+        if (producer := self._producer()) is not None:
+            producer.hold(meta.pipe.held)
+        if (consumer := self._consumer()) is not None:
+            consumer.start_loads(meta.pipe.loads)
+            consumer.refuse_loads(meta.pipe.refused)
         self._store_side().start_loads(meta.store.loads, meta.store.refused)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        worker, store = self._require_worker(), self._store_side()
-        pipe_done = worker.take_finished_loads(finished_req_ids)
+        producer, consumer, store = self._producer(), self._consumer(), self._store_side()
+        pipe_done = consumer.take_finished_loads(finished_req_ids) if consumer is not None else set()
+        pipe_failed = consumer.take_failed_blocks() if consumer is not None else set()
         store_done = store.take_finished_loads(finished_req_ids)
-        recving = self._join.settle(store_done, pipe_done, worker.take_failed_blocks() | store.take_failed_blocks())
-        return worker.take_finished_sending() or None, recving or None
+        recving = self._join.settle(store_done, pipe_done, pipe_failed | store.take_failed_blocks())
+        sending = producer.take_finished_sending() if producer is not None else set()
+        return sending or None, recving or None
 
     def wait_for_save(self) -> None:
         meta = self._pd_meta()
-        self._require_worker().save(meta.pipe.saves)
+        if (producer := self._producer()) is not None:
+            producer.save(meta.pipe.saves)
         self._store_side().save(meta.store.saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -524,7 +524,7 @@ def split_specs(model: str, workload: Workload, variants: list[str]) -> list[dic
     if taking:
         specs.append(
             _spec(
-                "split-decode",
+                "decode-instance",
                 model,
                 workload,
                 {1},
@@ -579,11 +579,10 @@ def measure_split(
     load on the host) falls on every variant alike."""
 
     def side(variant: str) -> dict[str, str]:
-        return {"prefill": urls[variant], **({"decode": urls["split-decode"]} if variant in SPLIT_TAKEN else {})}
+        return {"prefill": urls[variant], **({"decode": urls["decode-instance"]} if variant in SPLIT_TAKEN else {})}
 
-    for variant in variants:
-        for prompt in warmup:
-            prefill(variant, urls[variant], prompt)
+    for variant in variants:  # the decode instance takes a taken variant's warm-up entries too
+        producer_throughput(variant, side(variant), warmup, 1)
     results: dict[str, dict[str, Any]] = {}
     for method, batches in plan.items():
         before = {variant: metric(urls[variant], PREFILL_TIME_METRIC) for variant in variants}

@@ -55,7 +55,7 @@ killed while the request was in flight; after a rank kill, an error of a request
 After the load, the gauges of every live instance (``vllm:kvbridge_entries_held``,
 ``_bytes_buffered``, ``_loans_out``, ``_blocks_lent``, ``_loads_in_flight``, ``_connections``) and
 vLLM's ``vllm:kv_cache_usage_perc`` are polled until they are idle (0, connections at most one per
-instance of the other role, the KV cache usage what it was when that life of the instance started,
+pair of ranks of an instance of the other role, the KV cache usage what it was when that life of the instance started,
 before any request: every block vLLM lent or held is free again), for
 ``--entry-timeout`` plus 30 s; an instance still not idle then gets one small request to make its
 engine step (said in the output), and is polled again. Counters (preemptions, loads, entries) are
@@ -157,6 +157,10 @@ class Settings:
     #: TP sizes of the prefill and decode instances (each rank a vLLM worker process, the ranks on both cores).
     prefill_tp: int = 1
     decode_tp: int = 1
+    #: Seconds an instance's (re)start may take until it answers (TP instances on a busy host: more).
+    ready_timeout: float = xp.READY_TIMEOUT
+    #: kvbridge's ``kv_timeout`` and ``kv_load_timeout`` of every instance (None: the harness's 5 and 8 s).
+    kv_timeout: float | None = None
 
 
 # ---------------------------------------------------------------------- prompts, reference, cluster
@@ -180,17 +184,21 @@ def reference_answers(
     return xp.plain_answers(model, prompts, logs / "reference.log", ROOMY_ARGS, clients, tp)
 
 
-def chaos_cluster(model: str, logs: Path, entry_timeout: float, prefill_tp: int = 1, decode_tp: int = 1) -> xp.TwoByTwo:
+def chaos_cluster(model: str, logs: Path, settings: Settings) -> xp.TwoByTwo:
     """Two prefill instances (pressed KV cache, short ``kv_entry_timeout``) and two decode instances
     (roomy, ``fail`` on a failed load), each pinned to one of the two cores (its ranks on both)."""
+    kv_extra: dict[str, Any] = {"kv_entry_timeout": settings.entry_timeout}
+    if settings.kv_timeout is not None:
+        kv_extra |= {"kv_timeout": settings.kv_timeout, "kv_load_timeout": settings.kv_timeout}
     return xp.TwoByTwo(
         model,
         logs,
         prefill_args=PRESSED_ARGS,
         decode_args=ROOMY_ARGS,
-        kv_extra={"kv_entry_timeout": entry_timeout},
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
+        kv_extra=kv_extra,
+        prefill_tp=settings.prefill_tp,
+        decode_tp=settings.decode_tp,
+        ready_timeout=settings.ready_timeout,
     )
 
 
@@ -211,14 +219,21 @@ def read_metrics(url: str, names: dict[str, str], timeout: float = 10.0) -> dict
     return values
 
 
-def gauges_idle(role: str, gauges: dict[str, float], usage_at_start: float) -> bool:
-    """Idle: nothing held, lent, buffered or loading; at most one connection per instance of the
-    other role (two of them); vLLM's KV cache usage back where it started (every block free again)."""
+def gauges_idle(gauges: dict[str, float], usage_at_start: float, most_connections: int = 2) -> bool:
+    """Idle: nothing held, lent, buffered or loading; at most ``most_connections`` connections (see
+    :func:`most_connections`); vLLM's KV cache usage back where it started (every block free again)."""
     return (
         all(value == 0 for name, value in gauges.items() if name not in ("connections", USAGE))
-        and gauges["connections"] <= 2
+        and gauges["connections"] <= most_connections
         and gauges[USAGE] == usage_at_start
     )
+
+
+def most_connections(prefill_tp: int, decode_tp: int) -> int:
+    """Connections an idle instance may keep, summed over its ranks: each pair of a prefill and a
+    decode rank that share KV heads keeps one, and each instance has two of the other role, so
+    ``2 x max(prefill_tp, decode_tp)`` (TP sizes divide one another)."""
+    return 2 * max(prefill_tp, decode_tp)
 
 
 def kv_cache_usage(instance: xp.Instance) -> float:
@@ -234,11 +249,15 @@ def nudge(instance: xp.Instance, timeout: float = xp.REQUEST_TIMEOUT) -> None:
 
 
 def settle(
-    instances: list[xp.Instance], usage_at_start: dict[str, float], wait: float, poll: float = 2.0
+    instances: list[xp.Instance],
+    usage_at_start: dict[str, float],
+    wait: float,
+    connections: int = 2,
+    poll: float = 2.0,
 ) -> dict[str, Any]:
     """Poll the gauges of every live instance until all are idle (``usage_at_start``: each instance's
-    KV cache usage when its life started) or ``wait`` seconds passed; then nudge those still busy
-    (one small request each) and poll again for 30 s."""
+    KV cache usage when its life started; ``connections``: the most it may keep) or ``wait`` seconds
+    passed; then nudge those still busy (one small request each) and poll again for 30 s."""
     start = time.monotonic()
     live = [i for i in instances if i.alive]
     gauges: dict[str, dict[str, float]] = {}
@@ -254,7 +273,7 @@ def settle(
                     logger.warning("reading the gauges of %s failed: %s", instance.name, exc)
                     continue
                 if idle_after[instance.name] is None and gauges_idle(
-                    role_of(instance), gauges[instance.name], usage_at_start[instance.name]
+                    gauges[instance.name], usage_at_start[instance.name], connections
                 ):
                     idle_after[instance.name] = round(time.monotonic() - start, 1)
             if all(value is not None for value in idle_after.values()) or time.monotonic() >= deadline:
@@ -284,6 +303,7 @@ def settle(
         "nudged": nudged,
         "not_live": [i.name for i in instances if not i.alive],
         "usage_at_start": usage_at_start,
+        "most_connections": connections,
     }
 
 
@@ -443,7 +463,7 @@ class Chaos:
             length = self.now()
             for thread in threads:  # each finishes its request in flight, bounded by the request bound
                 thread.join(timeout=self.settings.bound + 30)
-            killer.join(timeout=xp.READY_TIMEOUT + 60)  # a restart under way completes
+            killer.join(timeout=self.settings.ready_timeout + RANK_FAILURE_BOUND + 60)  # a restart completes
         stuck = [t.name for t in [*threads, killer] if t.is_alive()]
         if stuck:
             self.failure = self.failure or f"threads still running after the load: {stuck}"
@@ -802,7 +822,7 @@ def run_chaos(settings: Settings, root: Path, progress: bool = True) -> dict[str
     abandon_prompts = [p for p in prompt_pool(16, settings.seed + 1000) if p not in prompts]
     logger.info("reference answers of %d prompts from one plain vllm serve", len(prompts))
     reference = reference_answers(model, prompts, root / "logs", settings.clients, settings.decode_tp)
-    cluster = chaos_cluster(model, root / "logs", settings.entry_timeout, settings.prefill_tp, settings.decode_tp)
+    cluster = chaos_cluster(model, root / "logs", settings)
     front: ThreadedProxy | None = None
     try:
         logger.info("starting 2 prefill and 2 decode instances (logs in %s)", root / "logs")
@@ -828,7 +848,12 @@ def run_chaos(settings: Settings, root: Path, progress: bool = True) -> dict[str
         load_seconds = chaos.run(progress)
         chaos.judge()
         logger.info("load stopped; waiting for every gauge to come back to idle")
-        settled = settle(cluster.instances, chaos.usage_at_start, settings.entry_timeout + 30)
+        settled = settle(
+            cluster.instances,
+            chaos.usage_at_start,
+            settings.entry_timeout + 30,
+            most_connections(settings.prefill_tp, settings.decode_tp),
+        )
         chaos.read_final_counters()
         return chaos.report(load_seconds, settled)
     finally:
@@ -936,8 +961,8 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     lines += [
         "",
-        "Gauges after the load (idle: 0, connections <= 2, vLLM's KV cache usage as at the start of the "
-        "instance's life):",
+        f"Gauges after the load (idle: 0, connections <= {settled['most_connections']}, vLLM's KV cache usage "
+        "as at the start of the instance's life):",
         format_table(["instance", *GAUGES, "KV cache usage (start)", "idle after (s)", "nudged"], rows),
     ]
     if settled["nudged"]:
@@ -1000,6 +1025,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-tp", type=int, default=defaults.prefill_tp, help="TP size of the prefill instances")
     parser.add_argument("--decode-tp", type=int, default=defaults.decode_tp, help="TP size of the decode instances")
     parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=defaults.ready_timeout,
+        help="seconds an instance's (re)start may take until it answers",
+    )
+    parser.add_argument(
+        "--kv-timeout",
+        type=float,
+        default=None,
+        help="kvbridge's kv_timeout and kv_load_timeout of every instance (default: 5 and 8 s)",
+    )
+    parser.add_argument(
         "--logs",
         type=Path,
         default=None,
@@ -1026,6 +1063,8 @@ def main(argv: list[str] | None = None) -> int:
         after_restart=args.after_restart,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        ready_timeout=args.ready_timeout,
+        kv_timeout=args.kv_timeout,
     )
     root = args.logs or Path(tempfile.mkdtemp(prefix="bench_chaos-"))
     report = run_chaos(settings, root, progress=not args.no_progress)

@@ -50,6 +50,7 @@ class Instance:
     logs: Path
     server: Server | None = None
     starts: int = 0
+    ready_timeout: float = READY_TIMEOUT  # seconds a start may take until /health answers
 
     @property
     def url(self) -> str:
@@ -59,7 +60,7 @@ class Instance:
         """Start (again, on the same ports) and wait until ``/health`` answers."""
         self.starts += 1
         self.server = Server(self.command, self.logs / f"{self.name}-{self.starts}.log", env=self.env)
-        self.server.wait_ready(self.url)
+        self.server.wait_ready(self.url, self.ready_timeout)
 
     @property
     def alive(self) -> bool:
@@ -152,6 +153,7 @@ class TwoByTwo:
         kv_extra: dict[str, Any] | None = None,
         prefill_tp: int = 1,
         decode_tp: int = 1,
+        ready_timeout: float = READY_TIMEOUT,
     ) -> None:
         logs.mkdir(parents=True, exist_ok=True)
         kv_ports = [free_port(max(4, prefill_tp)), free_port(max(4, prefill_tp))]
@@ -184,6 +186,9 @@ class TwoByTwo:
             )
             for j in range(2)
         ]
+
+        for one in self.instances:
+            one.ready_timeout = ready_timeout
 
     @property
     def instances(self) -> list[Instance]:

@@ -76,12 +76,12 @@ IDLE = {name: 0.0 for name in chaos.GAUGES} | {chaos.USAGE: 0.0}
     ],
 )
 def test_an_instance_is_idle_only_with_nothing_held_and_its_kv_cache_as_it_started(change: dict, idle: bool) -> None:
-    assert chaos.gauges_idle("prefill", IDLE | change, usage_at_start=0.0) is idle
+    assert chaos.gauges_idle(IDLE | change, usage_at_start=0.0) is idle
 
 
 def test_the_kv_cache_usage_is_compared_with_the_start_of_the_instances_life() -> None:
-    assert chaos.gauges_idle("decode", IDLE | {chaos.USAGE: 0.25}, usage_at_start=0.25)
-    assert not chaos.gauges_idle("decode", IDLE | {chaos.USAGE: 0.0}, usage_at_start=0.25)
+    assert chaos.gauges_idle(IDLE | {chaos.USAGE: 0.25}, usage_at_start=0.25)
+    assert not chaos.gauges_idle(IDLE | {chaos.USAGE: 0.0}, usage_at_start=0.25)
 
 
 def _judged(outcomes: list[chaos.Outcome], kills: list[chaos.Kill]) -> list[bool]:
@@ -115,3 +115,12 @@ def test_a_whole_instance_kill_explains_only_requests_in_flight_at_that_moment()
         chaos.Outcome("proxy", 4, 9.0, 11.0, cause=chaos.DECODE_KILLED),  # the wrong role
     ]
     assert _judged(outcomes, [kill]) == [True, False, False, True, False]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "most"), [(1, 1, 2), (2, 2, 4), (1, 2, 4), (2, 1, 4)])
+def test_an_idle_instance_keeps_one_connection_per_pair_of_ranks_sharing_heads(
+    prefill_tp: int, decode_tp: int, most: int
+) -> None:
+    assert chaos.most_connections(prefill_tp, decode_tp) == most
+    assert chaos.gauges_idle(IDLE | {"connections": float(most)}, 0.0, most)
+    assert not chaos.gauges_idle(IDLE | {"connections": float(most + 1)}, 0.0, most)

@@ -519,7 +519,11 @@ def split_specs(model: str, workload: Workload, variants: list[str]) -> list[dic
         kv_ports[variant] = free_port()
         lend = {"kv_lend_blocks": False} if variant == "no-lend" else {}
         transfers[variant] = kv_transfer_config("kv_producer", address, kv_ports[variant], {**extra, **lend})
-    specs = [_spec(variant, model, workload, {0}, address, 0, transfers[variant]) for variant in variants]
+    # Without a decode leg is the decode variant's instance with nobody taking its entries: one fewer
+    # instance on the host (the work an untaken entry leaves behind, its copy when its lease ends,
+    # falls on core 0 whichever instance it is).
+    alone = [v for v in variants if not (v == "threads" and "decode" in variants)]
+    specs = [_spec(variant, model, workload, {0}, address, 0, transfers[variant]) for variant in alone]
     taking = [variant for variant in variants if variant in SPLIT_TAKEN]
     if taking:
         specs.append(
@@ -543,12 +547,18 @@ def split_specs(model: str, workload: Workload, variants: list[str]) -> list[dic
 SPLIT_TAKEN = {"decode", "no-lend"}
 
 
-def split_plan(workload: Workload) -> dict[str, list[list[list[int]]]]:
-    """Per method, ``split_batches`` batches of ``producer_clients[0] x producer_requests`` prompts, the
-    same for every variant (each instance sees each prompt once: no prefix cache hit)."""
+def split_plan(workload: Workload, variants: list[str]) -> dict[str, dict[str, list[list[list[int]]]]]:
+    """Per method and variant, ``split_batches`` batches of ``producer_clients[0] x producer_requests``
+    prompts of their own (variants may share an instance: no prompt is seen twice, no prefix cache hit)."""
     size = workload.producer_clients[0] * workload.producer_requests
     return {
-        method: [prompts_for(workload, 7000 + 100 * index + batch, size) for batch in range(workload.split_batches)]
+        method: {
+            variant: [
+                prompts_for(workload, 7000 + 1000 * index + 100 * number + batch, size)
+                for batch in range(workload.split_batches)
+            ]
+            for number, variant in enumerate(variants)
+        }
         for index, method in enumerate(("alone", "alternating"))
     }
 
@@ -569,14 +579,15 @@ def split_schedule(method: str, variants: list[str], batches: list[Any]) -> list
 def measure_split(
     urls: dict[str, str],
     variants: list[str],
-    plan: dict[str, list[list[list[int]]]],
+    plan: dict[str, dict[str, list[list[list[int]]]]],
     warmup: list[list[int]],
     clients: int,
 ) -> dict[str, dict[str, Any]]:
     """Per method and variant: each batch's result (:func:`producer_throughput`) and vLLM's prefill
-    time over the method. ``alone``: each variant's batches back to back, one variant after another;
-    ``alternating``: batch by batch, every variant in turn (the order rotating), so that drift (other
-    load on the host) falls on every variant alike."""
+    time over its batches (read around each batch: variants may share an instance). ``alone``: each
+    variant's batches back to back, one variant after another; ``alternating``: batch by batch, every
+    variant in turn (the order rotating), so that drift (other load on the host) falls on every
+    variant alike."""
 
     def side(variant: str) -> dict[str, str]:
         return {"prefill": urls[variant], **({"decode": urls["decode-instance"]} if variant in SPLIT_TAKEN else {})}
@@ -585,19 +596,13 @@ def measure_split(
         producer_throughput(variant, side(variant), warmup, 1)
     results: dict[str, dict[str, Any]] = {}
     for method, batches in plan.items():
-        before = {variant: metric(urls[variant], PREFILL_TIME_METRIC) for variant in variants}
-        runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
-        schedule = split_schedule(method, variants, batches)
-        for variant, batch in schedule:
-            runs[variant].append(producer_throughput(variant, side(variant), batch, clients))
-        time.sleep(1.5)  # vLLM records a request's stats after its answer
-        results[method] = {
-            variant: {
-                "batches": runs[variant],
-                "prefill_time": metric(urls[variant], PREFILL_TIME_METRIC) - before[variant],
-            }
-            for variant in variants
-        }
+        results[method] = {variant: {"batches": [], "prefill_time": 0.0} for variant in variants}
+        for variant, index in split_schedule(method, variants, list(range(len(batches[variants[0]])))):
+            before = metric(urls[variant], PREFILL_TIME_METRIC)
+            run = producer_throughput(variant, side(variant), batches[variant][index], clients)
+            time.sleep(1.0)  # vLLM records a request's stats after its answer
+            results[method][variant]["batches"].append(run)
+            results[method][variant]["prefill_time"] += metric(urls[variant], PREFILL_TIME_METRIC) - before
     return results
 
 
@@ -606,8 +611,10 @@ def run_split(model: str, workload: Workload, variants: list[str], log_dir: Path
     specs = split_specs(model, workload, variants)
     with servers(specs, log_dir, "split") as started:
         urls = {server.name: server.url for server in started}
+        if "threads" in variants and "decode" in variants:
+            urls["threads"] = urls["decode"]
         return measure_split(
-            urls, variants, split_plan(workload), prompts_for(workload, 999, 2), workload.producer_clients[0]
+            urls, variants, split_plan(workload, variants), prompts_for(workload, 999, 2), workload.producer_clients[0]
         )
 
 
@@ -1049,6 +1056,7 @@ def main() -> int:
     parser.add_argument("--kv-extra", default=None, help='kvbridge settings (JSON), e.g. {"kv_lend_blocks": false}')
     parser.add_argument("--netns", action="store_true", help="the pairs also across two namespaces (needs root)")
     parser.add_argument("--prompt", type=int, default=None)
+    parser.add_argument("--kv-memory", type=int, default=None, help="each instance's --kv-cache-memory-bytes")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--json", action="store_true", help="print the summary as JSON too")
     args = parser.parse_args()
@@ -1061,6 +1069,8 @@ def main() -> int:
         )
     if args.prompt:
         workload = dataclasses.replace(workload, prompt=args.prompt)
+    if args.kv_memory:
+        workload = dataclasses.replace(workload, kv_memory=args.kv_memory)
     if args.kv_extra:
         workload = dataclasses.replace(workload, kv_extra=args.kv_extra)
     if args.rounds:

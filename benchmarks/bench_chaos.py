@@ -28,23 +28,35 @@ Every answer is compared with the reference (tokens and text). Faults injected:
 * every ``--kill-every`` seconds a random instance is SIGKILLed (its whole process group) and
   restarted on the same ports, one at a time (the next kill waits for the restart); no kill starts
   in the last half period (or, with ``--max-kills N``: N kills, the load going on until
-  ``--after-restart`` seconds after the last restart).
+  ``--after-restart`` seconds after the last restart);
+* a failing rank (``--kill-roles prefill-rank,decode-rank`` with ``--prefill-tp`` / ``--decode-tp``
+  2): one TP worker process of an instance is SIGKILLed, not the instance. The instance must then
+  exit, or still answer, within 90 s (it is probed with a small request every few seconds: vLLM's
+  API server leaves once a request meets its dead engine); one that does neither is a hang and
+  fails the run. What is left of it is then killed and it is restarted like the others.
+
+Tensor parallelism: ``--prefill-tp`` and ``--decode-tp`` give the prefill and decode instances that
+many TP ranks (vLLM worker processes, rank r of an instance on core ``(its core + r) % 2``); the
+reference server runs at the decode instances' TP size, so its sums run in the same order.
 
 Errors are classified by cause and each is checked against the kills: an error is *expected* only
 when an instance of the role its cause names (for the P/D flow by hand, that very instance) was
-killed while the request was in flight. The causes:
+killed while the request was in flight; after a rank kill, an error of a request at that instance
+(through the proxy: at any) between the kill and the instance's exit is expected too. The causes:
 
 * ``decode killed``: the decode instance's connection broke (the proxy answers 502, cuts a JSON
   answer or ends a stream with an error event);
-* ``prefill killed``: the prefill instance's connection broke (P/D flow by hand only: the proxy
-  sends such a request to the other prefill instance);
+* ``prefill killed``: the prefill instance's connection broke or it answered 500 (P/D flow by hand
+  only: the proxy sends such a request to the other prefill instance);
 * ``load failed``: the decode instance answered 500 (its load failed and ``fail`` failed the
   request): expected only when a prefill instance was killed meanwhile;
 * ``hang``: no answer within ``--bound`` seconds; anything else is ``other``.
 
 After the load, the gauges of every live instance (``vllm:kvbridge_entries_held``,
-``_bytes_buffered``, ``_loans_out``, ``_blocks_lent``, ``_loads_in_flight``, ``_connections``) are
-polled until they are idle (0, connections at most one per instance of the other role), for
+``_bytes_buffered``, ``_loans_out``, ``_blocks_lent``, ``_loads_in_flight``, ``_connections``) and
+vLLM's ``vllm:kv_cache_usage_perc`` are polled until they are idle (0, connections at most one per
+pair of ranks of an instance of the other role, the KV cache usage what it was when that life of the instance started,
+before any request: every block vLLM lent or held is free again), for
 ``--entry-timeout`` plus 30 s; an instance still not idle then gets one small request to make its
 engine step (said in the output), and is polled again. Counters (preemptions, loads, entries) are
 read from ``/metrics`` just before each kill and at the end, and summed over an instance's lives.
@@ -53,7 +65,7 @@ Prints a table; ``--out`` writes every figure as JSON. Exit status 0 when no ans
 hung, every error was expected and every gauge came back to idle, else 1.
 
     python -m benchmarks.bench_chaos [--duration 600] [--kill-every 60] [--clients 6] [--seed 0]
-        [--out chaos.json]
+        [--prefill-tp 2 --decode-tp 2 --kill-roles prefill-rank,decode-rank,prefill,decode] [--out chaos.json]
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ import random
 import re
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -105,6 +118,11 @@ COUNTERS = {
     "load_errors": "vllm:kvbridge_load_errors_total",
 }
 GAUGE_METRICS = {name: f"vllm:kvbridge_{name}" for name in GAUGES}
+#: vLLM's share of its KV cache's blocks in use (free blocks include cached ones no request holds): at
+#: rest it must be back where the instance's life started.
+USAGE, USAGE_METRIC = "kv_cache_usage", "vllm:kv_cache_usage_perc"
+#: How long an instance whose TP rank was killed may take to exit (or answer) before it counts as hung.
+RANK_FAILURE_BOUND = 90.0
 #: Error causes (see the module docstring) and the role of the instance whose kill explains each.
 DECODE_KILLED, PREFILL_KILLED, LOAD_FAILED, HANG = "decode killed", "prefill killed", "load failed", "hang"
 CAUSE_ROLE = {DECODE_KILLED: "decode", PREFILL_KILLED: "prefill", LOAD_FAILED: "prefill"}
@@ -127,13 +145,22 @@ class Settings:
     stream_share: float = 0.25
     entry_timeout: float = 20.0
     bound: float = xp.REQUEST_TIMEOUT
-    #: Roles of the victims in turn (e.g. ("prefill", "decode")); empty: any instance at random.
+    #: Roles of the victims in turn (e.g. ("prefill", "decode")); empty: any instance at random. A role
+    #: with ``-rank`` (``prefill-rank``, ``decode-rank``) kills one TP worker of such an instance, not
+    #: the instance: a failing rank (TP size at least 2).
     kill_roles: tuple[str, ...] = ()
     #: With ``max_kills`` > 0: exactly that many kills (none left out near the end), and the load goes
     #: on past ``duration`` until ``after_restart`` seconds after the last restart (at most 3 x
     #: ``duration``), so that every restarted instance serves again. 0: kills until near the end.
     max_kills: int = 0
     after_restart: float = 20.0
+    #: TP sizes of the prefill and decode instances (each rank a vLLM worker process, the ranks on both cores).
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    #: Seconds an instance's (re)start may take until it answers (TP instances on a busy host: more).
+    ready_timeout: float = xp.READY_TIMEOUT
+    #: kvbridge's ``kv_timeout`` and ``kv_load_timeout`` of every instance (None: the harness's 5 and 8 s).
+    kv_timeout: float | None = None
 
 
 # ---------------------------------------------------------------------- prompts, reference, cluster
@@ -148,19 +175,31 @@ def prompt_pool(count: int, seed: int) -> list[list[int]]:
     return [list(prompt) for prompt in pool]
 
 
-def reference_answers(model: str, prompts: list[list[int]], logs: Path,
-                      clients: int = 6) -> dict[tuple[int, ...], tuple[str, list[int]]]:
-    """(text, token ids) of every prompt from one plain ``vllm serve`` with room for all of them,
-    stopped before returning."""
+def reference_answers(
+    model: str, prompts: list[list[int]], logs: Path, clients: int = 6, tp: int = 1
+) -> dict[tuple[int, ...], tuple[str, list[int]]]:
+    """(text, token ids) of every prompt from one plain ``vllm serve`` with room for all of them (at
+    the decode instances' TP size ``tp``: the same sums in the same order), stopped before returning."""
     logs.mkdir(parents=True, exist_ok=True)
-    return xp.plain_answers(model, prompts, logs / "reference.log", ROOMY_ARGS, clients)
+    return xp.plain_answers(model, prompts, logs / "reference.log", ROOMY_ARGS, clients, tp)
 
 
-def chaos_cluster(model: str, logs: Path, entry_timeout: float) -> xp.TwoByTwo:
+def chaos_cluster(model: str, logs: Path, settings: Settings) -> xp.TwoByTwo:
     """Two prefill instances (pressed KV cache, short ``kv_entry_timeout``) and two decode instances
-    (roomy, ``fail`` on a failed load), each pinned to one of the two cores."""
-    return xp.TwoByTwo(model, logs, prefill_args=PRESSED_ARGS, decode_args=ROOMY_ARGS,
-                       kv_extra={"kv_entry_timeout": entry_timeout})
+    (roomy, ``fail`` on a failed load), each pinned to one of the two cores (its ranks on both)."""
+    kv_extra: dict[str, Any] = {"kv_entry_timeout": settings.entry_timeout}
+    if settings.kv_timeout is not None:
+        kv_extra |= {"kv_timeout": settings.kv_timeout, "kv_load_timeout": settings.kv_timeout}
+    return xp.TwoByTwo(
+        model,
+        logs,
+        prefill_args=PRESSED_ARGS,
+        decode_args=ROOMY_ARGS,
+        kv_extra=kv_extra,
+        prefill_tp=settings.prefill_tp,
+        decode_tp=settings.decode_tp,
+        ready_timeout=settings.ready_timeout,
+    )
 
 
 # ---------------------------------------------------------------------- metrics
@@ -180,24 +219,45 @@ def read_metrics(url: str, names: dict[str, str], timeout: float = 10.0) -> dict
     return values
 
 
-def gauges_idle(role: str, gauges: dict[str, float]) -> bool:
-    """Idle: nothing held, lent, buffered or loading; at most one connection per instance of the
-    other role (two of them)."""
-    return all(value == 0 for name, value in gauges.items() if name != "connections") and gauges["connections"] <= 2
+def gauges_idle(gauges: dict[str, float], usage_at_start: float, most_connections: int = 2) -> bool:
+    """Idle: nothing held, lent, buffered or loading; at most ``most_connections`` connections (see
+    :func:`most_connections`); vLLM's KV cache usage back where it started (every block free again)."""
+    return (
+        all(value == 0 for name, value in gauges.items() if name not in ("connections", USAGE))
+        and gauges["connections"] <= most_connections
+        and gauges[USAGE] == usage_at_start
+    )
 
 
-def nudge(instance: xp.Instance) -> None:
+def most_connections(prefill_tp: int, decode_tp: int) -> int:
+    """Connections an idle instance may keep, summed over its ranks: each pair of a prefill and a
+    decode rank that share KV heads keeps one, and each instance has two of the other role, so
+    ``2 x max(prefill_tp, decode_tp)`` (TP sizes divide one another)."""
+    return 2 * max(prefill_tp, decode_tp)
+
+
+def kv_cache_usage(instance: xp.Instance) -> float:
+    return read_metrics(instance.url, {USAGE: USAGE_METRIC})[USAGE]
+
+
+def nudge(instance: xp.Instance, timeout: float = xp.REQUEST_TIMEOUT) -> None:
     """One small request (within one block: no KV moves) so that the instance's engine steps."""
-    prompt = list(range(5, 5 + vp.BLOCK_SIZE // 2))
+    body = xp.completion_body(list(range(5, 5 + vp.BLOCK_SIZE // 2)))
     if role_of(instance) == "prefill":
-        xp.prefill(instance.url, prompt)
-    else:
-        xp.ask(instance.url, prompt)
+        body = proxy.prefill_body(body)
+    xp.post(instance.url + "/v1/completions", body, timeout=timeout)
 
 
-def settle(instances: list[xp.Instance], wait: float, poll: float = 2.0) -> dict[str, Any]:
-    """Poll the gauges of every live instance until all are idle or ``wait`` seconds passed; then
-    nudge those still busy (one small request each) and poll again for 30 s."""
+def settle(
+    instances: list[xp.Instance],
+    usage_at_start: dict[str, float],
+    wait: float,
+    connections: int = 2,
+    poll: float = 2.0,
+) -> dict[str, Any]:
+    """Poll the gauges of every live instance until all are idle (``usage_at_start``: each instance's
+    KV cache usage when its life started; ``connections``: the most it may keep) or ``wait`` seconds
+    passed; then nudge those still busy (one small request each) and poll again for 30 s."""
     start = time.monotonic()
     live = [i for i in instances if i.alive]
     gauges: dict[str, dict[str, float]] = {}
@@ -208,11 +268,13 @@ def settle(instances: list[xp.Instance], wait: float, poll: float = 2.0) -> dict
         while True:
             for instance in live:
                 try:
-                    gauges[instance.name] = read_metrics(instance.url, GAUGE_METRICS)
+                    gauges[instance.name] = read_metrics(instance.url, {**GAUGE_METRICS, USAGE: USAGE_METRIC})
                 except (urllib.error.URLError, OSError) as exc:
                     logger.warning("reading the gauges of %s failed: %s", instance.name, exc)
                     continue
-                if idle_after[instance.name] is None and gauges_idle(role_of(instance), gauges[instance.name]):
+                if idle_after[instance.name] is None and gauges_idle(
+                    gauges[instance.name], usage_at_start[instance.name], connections
+                ):
                     idle_after[instance.name] = round(time.monotonic() - start, 1)
             if all(value is not None for value in idle_after.values()) or time.monotonic() >= deadline:
                 return all(value is not None for value in idle_after.values())
@@ -222,16 +284,27 @@ def settle(instances: list[xp.Instance], wait: float, poll: float = 2.0) -> dict
     if not idle:
         for instance in live:
             if idle_after[instance.name] is None:
-                logger.warning("%s not idle %.0f s after the load (%s): sending it one small request",
-                               instance.name, time.monotonic() - start, gauges.get(instance.name))
+                logger.warning(
+                    "%s not idle %.0f s after the load (%s): sending it one small request",
+                    instance.name,
+                    time.monotonic() - start,
+                    gauges.get(instance.name),
+                )
                 nudged.append(instance.name)
                 try:
                     nudge(instance)
                 except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
                     logger.warning("the nudge of %s failed: %s", instance.name, exc)
         idle = poll_until(time.monotonic() + 30)
-    return {"idle": idle, "gauges": gauges, "idle_after_s": idle_after, "nudged": nudged,
-            "not_live": [i.name for i in instances if not i.alive]}
+    return {
+        "idle": idle,
+        "gauges": gauges,
+        "idle_after_s": idle_after,
+        "nudged": nudged,
+        "not_live": [i.name for i in instances if not i.alive],
+        "usage_at_start": usage_at_start,
+        "most_connections": connections,
+    }
 
 
 # ---------------------------------------------------------------------- requests and their outcomes
@@ -263,6 +336,17 @@ class Kill:
     at: float  # seconds since the load started
     ready: float | None = None  # restarted and healthy
     in_flight: int = 0  # requests in flight when it was killed
+    rank: int | None = None  # a TP worker killed, not the instance
+    #: After a rank kill: when the instance was gone (its API server exited, else it was killed once it
+    #: failed its probe), and how it went: "exited", "answered" (it still served), or "hung".
+    gone: float | None = None
+    failed_how: str | None = None
+
+    @property
+    def failing_until(self) -> float:
+        """Until when the victim may fail requests: a killed instance at once, one with a dead rank
+        until it is gone."""
+        return self.gone if self.gone is not None else self.at
 
 
 class _ProtocolProblem(Exception):
@@ -286,6 +370,8 @@ def classify(exc: BaseException, stage: str, via_proxy: bool) -> tuple[str, str]
         detail = f"HTTP {exc.code}: {body[:300]}"
         if stage == "decode" and exc.code == 500:
             return LOAD_FAILED, detail
+        if stage == "prefill" and exc.code == 500:  # the P/D flow by hand: its engine died under it
+            return PREFILL_KILLED, detail
         if via_proxy and exc.code == 502 and "decode instance failed" in body:
             return DECODE_KILLED, detail
         return f"other: HTTP {exc.code}", detail
@@ -310,8 +396,15 @@ def classify(exc: BaseException, stage: str, via_proxy: bool) -> tuple[str, str]
 class Chaos:
     """The clients, the abandoner and the killer over a started cluster and proxy."""
 
-    def __init__(self, settings: Settings, cluster: xp.TwoByTwo, proxy_url: str, prompts: list[list[int]],
-                 abandon_prompts: list[list[int]], reference: dict[tuple[int, ...], tuple[str, list[int]]]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        cluster: xp.TwoByTwo,
+        proxy_url: str,
+        prompts: list[list[int]],
+        abandon_prompts: list[list[int]],
+        reference: dict[tuple[int, ...], tuple[str, list[int]]],
+    ) -> None:
         self.settings = settings
         self.cluster = cluster
         self.proxy_url = proxy_url
@@ -329,6 +422,7 @@ class Chaos:
         self.retired: dict[str, Counter[str]] = {i.name: Counter() for i in cluster.instances}
         self.counters: dict[str, Counter[str]] = {}  # every life
         self.last_life: dict[str, dict[str, float]] = {}  # the life running at the end (after a restart)
+        self.usage_at_start: dict[str, float] = {}  # vLLM's KV cache usage as each instance's life started
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._serial = 0
@@ -345,15 +439,21 @@ class Chaos:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         self._t0 = time.monotonic()
-        threads = [threading.Thread(target=self._client, args=(i,), name=f"client{i}", daemon=True)
-                   for i in range(self.settings.clients)]
+        threads = [
+            threading.Thread(target=self._client, args=(i,), name=f"client{i}", daemon=True)
+            for i in range(self.settings.clients)
+        ]
         threads.append(threading.Thread(target=self._abandoner, name="abandoner", daemon=True))
         killer = threading.Thread(target=self._killer, name="killer", daemon=True)
         for thread in [*threads, killer]:
             thread.start()
         try:
-            with logging_redirect_tqdm(), tqdm(total=int(self.settings.duration), unit="s", desc="chaos",
-                                               disable=not progress, file=sys.stderr) as bar:
+            with (
+                logging_redirect_tqdm(),
+                tqdm(
+                    total=int(self.settings.duration), unit="s", desc="chaos", disable=not progress, file=sys.stderr
+                ) as bar,
+            ):
                 while not self._load_done() and self.failure is None:
                     time.sleep(1.0)
                     bar.update(min(int(self.now()), int(self.settings.duration)) - bar.n)
@@ -363,7 +463,7 @@ class Chaos:
             length = self.now()
             for thread in threads:  # each finishes its request in flight, bounded by the request bound
                 thread.join(timeout=self.settings.bound + 30)
-            killer.join(timeout=xp.READY_TIMEOUT + 60)  # a restart under way completes
+            killer.join(timeout=self.settings.ready_timeout + RANK_FAILURE_BOUND + 60)  # a restart completes
         stuck = [t.name for t in [*threads, killer] if t.is_alive()]
         if stuck:
             self.failure = self.failure or f"threads still running after the load: {stuck}"
@@ -381,10 +481,14 @@ class Chaos:
     def _summary(self) -> dict[str, int]:
         with self._lock:
             outcomes = list(self.outcomes)
-        return {"served": sum(o.cause is None for o in outcomes), "wrong": sum(o.wrong for o in outcomes),
-                "errors": sum(o.cause is not None and o.cause != HANG for o in outcomes),
-                "hangs": sum(o.cause == HANG for o in outcomes), "kills": len(self.kills),
-                "abandoned": sum(self.abandoned.values())}
+        return {
+            "served": sum(o.cause is None for o in outcomes),
+            "wrong": sum(o.wrong for o in outcomes),
+            "errors": sum(o.cause is not None and o.cause != HANG for o in outcomes),
+            "hangs": sum(o.cause == HANG for o in outcomes),
+            "kills": len(self.kills),
+            "abandoned": sum(self.abandoned.values()),
+        }
 
     def _up(self, instances: list[xp.Instance]) -> list[xp.Instance]:
         with self._lock:
@@ -403,16 +507,18 @@ class Chaos:
             else:
                 self._request("proxy", prompt, None, None, rng.random() < self.settings.stream_share)
 
-    def _request(self, flow: str, index: int, prefill: xp.Instance | None, decode: xp.Instance | None,
-                 stream: bool) -> None:
+    def _request(
+        self, flow: str, index: int, prefill: xp.Instance | None, decode: xp.Instance | None, stream: bool
+    ) -> None:
         prompt = self.prompts[index]
         body = xp.completion_body(prompt, stream)
         with self._lock:
             self._serial += 1
             serial = self._serial
             self.in_flight[serial] = (flow, self.now())
-        outcome = Outcome(flow, index, self.now(), 0.0, prefill.name if prefill else None,
-                          decode.name if decode else None)
+        outcome = Outcome(
+            flow, index, self.now(), 0.0, prefill.name if prefill else None, decode.name if decode else None
+        )
         stage = "prefill" if prefill is not None else "decode"
         try:
             if prefill is None or decode is None:
@@ -424,15 +530,23 @@ class Chaos:
                 if not isinstance(params, dict):
                     raise _ProtocolProblem(f"{prefill.name} answered without kv_transfer_params: {answered}")
                 stage = "decode"
-                payload = xp.post(decode.url + "/v1/completions", proxy.decode_body(body, params),
-                                  timeout=self.settings.bound)
+                payload = xp.post(
+                    decode.url + "/v1/completions", proxy.decode_body(body, params), timeout=self.settings.bound
+                )
             answer = xp.answer(payload)
             outcome.cached = answer.cached
             outcome.wrong = answer.tokens != self.reference[tuple(prompt)]
             if outcome.wrong:
                 outcome.detail = f"got {answer.tokens}, expected {self.reference[tuple(prompt)]}"
-                logger.error("WRONG answer (%s flow, prompt %d of %d tokens, %s -> %s): %s", flow, index, len(prompt),
-                             outcome.prefill, outcome.decode, outcome.detail)
+                logger.error(
+                    "WRONG answer (%s flow, prompt %d of %d tokens, %s -> %s): %s",
+                    flow,
+                    index,
+                    len(prompt),
+                    outcome.prefill,
+                    outcome.decode,
+                    outcome.detail,
+                )
         except _ProtocolProblem as exc:
             outcome.cause, outcome.detail = "other: no kv_transfer_params", str(exc)[:300]
         except Exception as exc:  # every failure is classified and counted
@@ -455,8 +569,11 @@ class Chaos:
             instance = rng.choice(prefills)
             prompt = rng.choice(self.abandon_prompts)
             try:
-                xp.post(instance.url + "/v1/completions", proxy.prefill_body(xp.completion_body(prompt)),
-                        timeout=self.settings.bound)
+                xp.post(
+                    instance.url + "/v1/completions",
+                    proxy.prefill_body(xp.completion_body(prompt)),
+                    timeout=self.settings.bound,
+                )
                 with self._lock:
                     self.abandoned[instance.name] += 1
             except Exception as exc:  # counted; its instance may have been killed
@@ -474,16 +591,22 @@ class Chaos:
             elif self.now() > self.settings.duration - every / 2:
                 return
             role = roles[len(self.kills) % len(roles)] if roles else None
+            rank = None
+            if role is not None and role.endswith("-rank"):
+                role = role.removesuffix("-rank")
+                rank = rng.randrange(self.settings.prefill_tp if role == "prefill" else self.settings.decode_tp)
             victim = rng.choice([i for i in self.cluster.instances if role is None or role_of(i) == role])
             try:
-                self._kill_and_restart(victim)
+                self._kill_and_restart(victim, rank)
             except Exception as exc:  # the run stops and says why
                 self.failure = f"restarting {victim.name} failed: {exc}"
                 logger.error("%s", self.failure)
                 return
             next_at = max(next_at + every, self.now())
 
-    def _kill_and_restart(self, victim: xp.Instance) -> None:
+    def _kill_and_restart(self, victim: xp.Instance, rank: int | None = None) -> None:
+        """SIGKILL the instance (its process group), or only its TP rank ``rank``'s worker: then the
+        instance must exit or still answer within :data:`RANK_FAILURE_BOUND`, never hang; restart it."""
         with self._lock:
             self.down.add(victim.name)
         try:
@@ -492,15 +615,61 @@ class Chaos:
         except (urllib.error.URLError, OSError) as exc:
             logger.warning("reading the counters of %s before its kill failed: %s", victim.name, exc)
         with self._lock:
-            kill = Kill(victim.name, role_of(victim), self.now(), in_flight=len(self.in_flight))
+            kill = Kill(victim.name, role_of(victim), self.now(), in_flight=len(self.in_flight), rank=rank)
             self.kills.append(kill)
-        victim.kill()
-        logger.info("killed %s at %.1f s (%d requests in flight)", victim.name, kill.at, kill.in_flight)
+        if rank is None:
+            victim.kill()
+            logger.info("killed %s at %.1f s (%d requests in flight)", victim.name, kill.at, kill.in_flight)
+        else:
+            pid = victim.kill_rank(rank)
+            logger.info(
+                "killed TP rank %d (pid %d) of %s at %.1f s (%d requests in flight)",
+                rank,
+                pid,
+                victim.name,
+                kill.at,
+                kill.in_flight,
+            )
+            kill.failed_how = self._await_failure(victim)
+            kill.gone = self.now()
+            logger.info("%s with a dead rank: %s after %.1f s", victim.name, kill.failed_how, kill.gone - kill.at)
+            if kill.failed_how == "hung":
+                self.failure = self.failure or (
+                    f"{victim.name} neither exited nor answered within "
+                    f"{RANK_FAILURE_BOUND:g} s of its TP rank {rank}'s death"
+                )
+            victim.kill()  # what is left of it
         victim.start()  # same ports; waits until /health answers
         kill.ready = self.now()
+        self.record_usage(victim)
         with self._lock:
             self.down.discard(victim.name)
         logger.info("%s restarted in %.1f s", victim.name, kill.ready - kill.at)
+
+    def _await_failure(self, victim: xp.Instance) -> str:
+        """How an instance whose TP rank died fails: "exited" (its API server), "answered" (a small
+        request was served: it still works), or "hung" (neither within :data:`RANK_FAILURE_BOUND`). It is
+        probed with a small request every few seconds: vLLM's API server leaves once a request meets
+        the dead engine."""
+        deadline = time.monotonic() + RANK_FAILURE_BOUND
+        assert victim.server is not None
+        process = victim.server.process
+        while time.monotonic() < deadline:
+            try:
+                process.wait(timeout=3)
+                return "exited"
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                nudge(victim, timeout=max(1.0, deadline - time.monotonic()))
+                return "answered"
+            except (urllib.error.URLError, OSError, http.client.HTTPException, json.JSONDecodeError):
+                continue  # refused or failed: it is going down
+        return "exited" if process.poll() is not None else "hung"
+
+    def record_usage(self, instance: xp.Instance) -> None:
+        """vLLM's KV cache usage of the instance's new life, before any request of it."""
+        self.usage_at_start[instance.name] = kv_cache_usage(instance)
 
     # ------------------------------------------------------------------ the figures
 
@@ -511,11 +680,35 @@ class Chaos:
             if role is None:
                 continue
             named = outcome.prefill if role == "prefill" else outcome.decode  # None through the proxy
-            outcome.expected = any(kill.role == role and (named is None or kill.victim == named)
-                                   and outcome.start <= kill.at <= outcome.end for kill in self.kills)
+            outcome.expected = any(
+                (
+                    kill.role == role
+                    and (named is None or kill.victim == named)
+                    and outcome.start <= kill.at <= outcome.end
+                )
+                or self._failed_by_rank(outcome, kill)
+                for kill in self.kills
+            )
             if not outcome.expected:
-                logger.error("UNEXPECTED error (%s flow, %.1f-%.1f s, %s -> %s): %s: %s", outcome.flow, outcome.start,
-                             outcome.end, outcome.prefill, outcome.decode, outcome.cause, outcome.detail)
+                logger.error(
+                    "UNEXPECTED error (%s flow, %.1f-%.1f s, %s -> %s): %s: %s",
+                    outcome.flow,
+                    outcome.start,
+                    outcome.end,
+                    outcome.prefill,
+                    outcome.decode,
+                    outcome.cause,
+                    outcome.detail,
+                )
+
+    @staticmethod
+    def _failed_by_rank(outcome: Outcome, kill: Kill) -> bool:
+        """An instance whose rank died fails what it serves until it is gone: a request there (through
+        the proxy: at any instance) in that time."""
+        if kill.rank is None:
+            return False
+        there = kill.victim in (outcome.prefill, outcome.decode) or outcome.prefill is None
+        return there and outcome.start <= kill.failing_until and kill.at <= outcome.end
 
     def read_final_counters(self) -> None:
         for instance in self.cluster.instances:
@@ -540,9 +733,12 @@ class Chaos:
         for flow in ("proxy", "long"):
             seconds = sorted(o.seconds for o in served if o.flow == flow)
             if seconds:
-                latency[flow] = {"median_s": round(statistics.median(seconds), 3),
-                                 "p99_s": round(seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))], 3),
-                                 "max_s": round(seconds[-1], 3), "over_15_s": sum(s > 15 for s in seconds)}
+                latency[flow] = {
+                    "median_s": round(statistics.median(seconds), 3),
+                    "p99_s": round(seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))], 3),
+                    "max_s": round(seconds[-1], 3),
+                    "over_15_s": sum(s > 15 for s in seconds),
+                }
         prefill_names = [i.name for i in self.cluster.prefills]
         decode_names = [i.name for i in self.cluster.decodes]
 
@@ -553,28 +749,50 @@ class Chaos:
         return {
             "settings": dataclasses.asdict(self.settings),
             "load_seconds": round(load_seconds, 1),
-            "requests": {"sent": len(outcomes), "served": len(served), "wrong": sum(o.wrong for o in outcomes),
-                         "hangs": sum(o.cause == HANG for o in outcomes), "errors": len(errors),
-                         "unexpected_errors": sum(not o.expected for o in errors),
-                         "by_flow": {flow: {"sent": sum(o.flow == flow for o in outcomes),
-                                            "served": sum(o.flow == flow for o in served)}
-                                     for flow in ("proxy", "long")},
-                         "answers_with_whole_prefix_cached": loaded_whole, "latency": latency},
+            "requests": {
+                "sent": len(outcomes),
+                "served": len(served),
+                "wrong": sum(o.wrong for o in outcomes),
+                "hangs": sum(o.cause == HANG for o in outcomes),
+                "errors": len(errors),
+                "unexpected_errors": sum(not o.expected for o in errors),
+                "by_flow": {
+                    flow: {"sent": sum(o.flow == flow for o in outcomes), "served": sum(o.flow == flow for o in served)}
+                    for flow in ("proxy", "long")
+                },
+                "answers_with_whole_prefix_cached": loaded_whole,
+                "latency": latency,
+            },
             "errors_by_cause": by_cause,
             "error_details": [dataclasses.asdict(o) for o in outcomes if o.cause is not None][:50],
             "wrong_details": [dataclasses.asdict(o) for o in outcomes if o.wrong][:20],
             "slowest": [dataclasses.asdict(o) for o in sorted(served, key=lambda o: -o.seconds)[:20]],
-            "faults": {"kills": [dataclasses.asdict(k) for k in self.kills],
-                       "kills_by_instance": dict(Counter(k.victim for k in self.kills)),
-                       "abandoned": sum(self.abandoned.values()), "abandoned_by_instance": dict(self.abandoned),
-                       "abandon_failures": self.abandon_failures},
+            "faults": {
+                "kills": [dataclasses.asdict(k) for k in self.kills],
+                "kills_by_instance": dict(Counter(k.victim for k in self.kills)),
+                "abandoned": sum(self.abandoned.values()),
+                "abandoned_by_instance": dict(self.abandoned),
+                "abandon_failures": self.abandon_failures,
+            },
             "counters": {name: dict(counter) for name, counter in self.counters.items()},
             "counters_last_life": self.last_life,
-            "prefill": {name: total(prefill_names, name) for name in
-                        ("preemptions", "saved_requests", "save_failures", "taken_back", "expired", "evicted")},
-            "decode": {name: total(decode_names, name) for name in
-                       ("load_hits", "load_misses", "load_errors", "drained", "external_hits", "external_queries",
-                        "local_hits", "prompt_tokens")},
+            "prefill": {
+                name: total(prefill_names, name)
+                for name in ("preemptions", "saved_requests", "save_failures", "taken_back", "expired", "evicted")
+            },
+            "decode": {
+                name: total(decode_names, name)
+                for name in (
+                    "load_hits",
+                    "load_misses",
+                    "load_errors",
+                    "drained",
+                    "external_hits",
+                    "external_queries",
+                    "local_hits",
+                    "prompt_tokens",
+                )
+            },
             "settle": settled,
             "failure": self.failure,
         }
@@ -582,35 +800,60 @@ class Chaos:
 
 def passed(report: dict[str, Any]) -> bool:
     requests = report["requests"]
-    return (requests["wrong"] == 0 and requests["hangs"] == 0 and requests["unexpected_errors"] == 0
-            and report["settle"]["idle"] and report["failure"] is None)
+    return (
+        requests["wrong"] == 0
+        and requests["hangs"] == 0
+        and requests["unexpected_errors"] == 0
+        and report["settle"]["idle"]
+        and report["failure"] is None
+    )
 
 
 def run_chaos(settings: Settings, root: Path, progress: bool = True) -> dict[str, Any]:
     """Everything: model, reference, cluster, proxy, load, settling; every process is stopped on
     the way out, whatever happens. Returns the report (see :meth:`Chaos.report`)."""
+    for role in settings.kill_roles:
+        tp = {"prefill-rank": settings.prefill_tp, "decode-rank": settings.decode_tp}.get(role)
+        if role not in ("prefill", "decode") and (tp is None or tp < 2):
+            raise ValueError(f"kill role {role!r}: prefill, decode, or prefill-rank / decode-rank with a TP size >= 2")
     root.mkdir(parents=True, exist_ok=True)
     model = vp.make_tiny_llama(root / "model", with_tokenizer=True, max_positions=1024)
     prompts = prompt_pool(settings.prompts, settings.seed)
     abandon_prompts = [p for p in prompt_pool(16, settings.seed + 1000) if p not in prompts]
     logger.info("reference answers of %d prompts from one plain vllm serve", len(prompts))
-    reference = reference_answers(model, prompts, root / "logs", settings.clients)
-    cluster = chaos_cluster(model, root / "logs", settings.entry_timeout)
+    reference = reference_answers(model, prompts, root / "logs", settings.clients, settings.decode_tp)
+    cluster = chaos_cluster(model, root / "logs", settings)
     front: ThreadedProxy | None = None
     try:
         logger.info("starting 2 prefill and 2 decode instances (logs in %s)", root / "logs")
         cluster.start()
         # The proxy's own read bound is above the clients' so that a hang shows as one, not as a 504.
-        front = ThreadedProxy([i.url for i in cluster.prefills], [i.url for i in cluster.decodes],
-                              read_timeout=settings.bound * 5, prefill_policy="round_robin",
-                              decode_policy="least_outstanding")
+        front = ThreadedProxy(
+            [i.url for i in cluster.prefills],
+            [i.url for i in cluster.decodes],
+            read_timeout=settings.bound * 5,
+            prefill_policy="round_robin",
+            decode_policy="least_outstanding",
+        )
         chaos = Chaos(settings, cluster, front.url, prompts, abandon_prompts, reference)
-        logger.info("load for %.0f s: %d clients, a kill every %.0f s, an abandoned prefill every %.0f s",
-                    settings.duration, settings.clients, settings.kill_every, settings.abandon_every)
+        for instance in cluster.instances:
+            chaos.record_usage(instance)
+        logger.info(
+            "load for %.0f s: %d clients, a kill every %.0f s, an abandoned prefill every %.0f s",
+            settings.duration,
+            settings.clients,
+            settings.kill_every,
+            settings.abandon_every,
+        )
         load_seconds = chaos.run(progress)
         chaos.judge()
         logger.info("load stopped; waiting for every gauge to come back to idle")
-        settled = settle(cluster.instances, settings.entry_timeout + 30)
+        settled = settle(
+            cluster.instances,
+            chaos.usage_at_start,
+            settings.entry_timeout + 30,
+            most_connections(settings.prefill_tp, settings.decode_tp),
+        )
         chaos.read_final_counters()
         return chaos.report(load_seconds, settled)
     finally:
@@ -628,52 +871,104 @@ def _per_instance(counts: dict[str, int]) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     requests, faults = report["requests"], report["faults"]
-    lines = [f"Load: {report['load_seconds']:.0f} s, {report['settings']['clients']} clients; "
-             f"{requests['sent']} requests ({requests['by_flow']['proxy']['sent']} through the proxy, "
-             f"{requests['by_flow']['long']['sent']} P/D by hand with a long prefill)", ""]
-    rows = [("requests served", requests["served"]), ("answers wrong (must be 0)", requests["wrong"]),
-            (f"hangs, no answer within {report['settings']['bound']:g} s (must be 0)", requests["hangs"]),
-            ("errors", requests["errors"]),
-            ("errors not explained by a kill (must be 0)", requests["unexpected_errors"])]
+    lines = [
+        f"Load: {report['load_seconds']:.0f} s, {report['settings']['clients']} clients; "
+        f"{requests['sent']} requests ({requests['by_flow']['proxy']['sent']} through the proxy, "
+        f"{requests['by_flow']['long']['sent']} P/D by hand with a long prefill)",
+        "",
+    ]
+    rows = [
+        ("requests served", requests["served"]),
+        ("answers wrong (must be 0)", requests["wrong"]),
+        (f"hangs, no answer within {report['settings']['bound']:g} s (must be 0)", requests["hangs"]),
+        ("errors", requests["errors"]),
+        ("errors not explained by a kill (must be 0)", requests["unexpected_errors"]),
+    ]
     for cause, counts in sorted(report["errors_by_cause"].items()):
         rows.append((f"  {cause}: in flight at a kill / not", f"{counts['expected']} / {counts['unexpected']}"))
-    rows += [("kills (restarted on the same ports)", len(faults["kills"])),
-             ("  by instance", _per_instance(faults["kills_by_instance"])),
-             ("abandoned prefills (decode never sent)", faults["abandoned"]),
-             ("  by instance", _per_instance(faults["abandoned_by_instance"])),
-             ("  failed (instance killed)", len(faults["abandon_failures"])),
-             ("prefill: preemptions", f"{report['prefill']['preemptions']:g}"),
-             ("prefill: entries saved / taken back", f"{report['prefill']['saved_requests']:g} / "
-                                                     f"{report['prefill']['taken_back']:g}"),
-             ("prefill: entries expired / evicted", f"{report['prefill']['expired']:g} / "
-                                                    f"{report['prefill']['evicted']:g}"),
-             ("decode: loads hit / missed / failed", f"{report['decode']['load_hits']:g} / "
-                                                     f"{report['decode']['load_misses']:g} / "
-                                                     f"{report['decode']['load_errors']:g}"),
-             ("decode: entries drained (own prefix cache)", f"{report['decode']['drained']:g}"),
-             ("decode: external prefix hits / prompt tokens", f"{report['decode']['external_hits']:g} / "
-                                                              f"{report['decode']['prompt_tokens']:g}"),
-             ("answers with the whole transfer prefix cached", requests["answers_with_whole_prefix_cached"])]
+    rows += [
+        ("kills (restarted on the same ports)", len(faults["kills"])),
+        ("  by instance", _per_instance(faults["kills_by_instance"])),
+        ("abandoned prefills (decode never sent)", faults["abandoned"]),
+        ("  by instance", _per_instance(faults["abandoned_by_instance"])),
+        ("  failed (instance killed)", len(faults["abandon_failures"])),
+        ("prefill: preemptions", f"{report['prefill']['preemptions']:g}"),
+        (
+            "prefill: entries saved / taken back",
+            f"{report['prefill']['saved_requests']:g} / {report['prefill']['taken_back']:g}",
+        ),
+        ("prefill: entries expired / evicted", f"{report['prefill']['expired']:g} / {report['prefill']['evicted']:g}"),
+        (
+            "decode: loads hit / missed / failed",
+            f"{report['decode']['load_hits']:g} / "
+            f"{report['decode']['load_misses']:g} / "
+            f"{report['decode']['load_errors']:g}",
+        ),
+        ("decode: entries drained (own prefix cache)", f"{report['decode']['drained']:g}"),
+        (
+            "decode: external prefix hits / prompt tokens",
+            f"{report['decode']['external_hits']:g} / {report['decode']['prompt_tokens']:g}",
+        ),
+        ("answers with the whole transfer prefix cached", requests["answers_with_whole_prefix_cached"]),
+    ]
     for flow, figures in requests["latency"].items():
-        rows.append((f"latency {flow}: median / p99 / max (over 15 s)",
-                     f"{figures['median_s']:.2f} / {figures['p99_s']:.2f} / {figures['max_s']:.2f} s "
-                     f"({figures['over_15_s']})"))
+        rows.append(
+            (
+                f"latency {flow}: median / p99 / max (over 15 s)",
+                f"{figures['median_s']:.2f} / {figures['p99_s']:.2f} / {figures['max_s']:.2f} s "
+                f"({figures['over_15_s']})",
+            )
+        )
     lines.append(format_table(["what", "value"], rows))
     if faults["kills"]:
-        lines += ["", format_table(["kill", "victim", "at (s)", "healthy again after (s)", "requests in flight (all)"],
-                                   [(n + 1, k["victim"], f"{k['at']:.1f}",
-                                     f"{k['ready'] - k['at']:.1f}" if k["ready"] is not None else "never",
-                                     k["in_flight"]) for n, k in enumerate(faults["kills"])])]
+        lines += [
+            "",
+            format_table(
+                [
+                    "kill",
+                    "victim",
+                    "what died",
+                    "at (s)",
+                    "a dead rank: the instance (s)",
+                    "healthy again after (s)",
+                    "requests in flight (all)",
+                ],
+                [
+                    (
+                        n + 1,
+                        k["victim"],
+                        "instance" if k["rank"] is None else f"TP rank {k['rank']}",
+                        f"{k['at']:.1f}",
+                        "-" if k["rank"] is None else f"{k['failed_how']} after {k['gone'] - k['at']:.1f}",
+                        f"{k['ready'] - k['at']:.1f}" if k["ready"] is not None else "never",
+                        k["in_flight"],
+                    )
+                    for n, k in enumerate(faults["kills"])
+                ],
+            ),
+        ]
     settled = report["settle"]
     names = sorted(settled["gauges"])
-    rows = [(name, *(f"{settled['gauges'][name].get(g, 0):g}" for g in GAUGES),
-             settled["idle_after_s"].get(name) if settled["idle_after_s"].get(name) is not None else "never",
-             "yes" if name in settled["nudged"] else "no") for name in names]
-    lines += ["", "Gauges after the load (idle: 0, connections <= 2):",
-              format_table(["instance", *GAUGES, "idle after (s)", "nudged"], rows)]
+    rows = [
+        (
+            name,
+            *(f"{settled['gauges'][name].get(g, 0):g}" for g in GAUGES),
+            f"{settled['gauges'][name].get(USAGE, 0):g} ({settled['usage_at_start'].get(name, 0):g})",
+            settled["idle_after_s"].get(name) if settled["idle_after_s"].get(name) is not None else "never",
+            "yes" if name in settled["nudged"] else "no",
+        )
+        for name in names
+    ]
+    lines += [
+        "",
+        f"Gauges after the load (idle: 0, connections <= {settled['most_connections']}, vLLM's KV cache usage "
+        "as at the start of the instance's life):",
+        format_table(["instance", *GAUGES, "KV cache usage (start)", "idle after (s)", "nudged"], rows),
+    ]
     if settled["nudged"]:
-        lines.append(f"Nudged (one small request each, their engines were idle and took no step): "
-                     f"{', '.join(settled['nudged'])}")
+        lines.append(
+            f"Nudged (one small request each, their engines were idle and took no step): {', '.join(settled['nudged'])}"
+        )
     if report["failure"]:
         lines.append(f"FAILURE: {report['failure']}")
     lines.append("PASS" if passed(report) else "FAIL")
@@ -684,38 +979,93 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = Settings()
     parser.add_argument("--duration", type=float, default=defaults.duration, help="seconds of load")
-    parser.add_argument("--kill-every", type=float, default=defaults.kill_every,
-                        help="seconds between two kills (each followed by a restart)")
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=defaults.kill_every,
+        help="seconds between two kills (each followed by a restart)",
+    )
     parser.add_argument("--clients", type=int, default=defaults.clients, help="concurrent client threads")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--prompts", type=int, default=defaults.prompts, help="prompts in the pool")
-    parser.add_argument("--abandon-every", type=float, default=defaults.abandon_every,
-                        help="seconds between two abandoned prefills")
-    parser.add_argument("--long-share", type=float, default=defaults.long_share,
-                        help="share of requests whose prefill generates --long-tokens (P/D flow by hand)")
+    parser.add_argument(
+        "--abandon-every", type=float, default=defaults.abandon_every, help="seconds between two abandoned prefills"
+    )
+    parser.add_argument(
+        "--long-share",
+        type=float,
+        default=defaults.long_share,
+        help="share of requests whose prefill generates --long-tokens (P/D flow by hand)",
+    )
     parser.add_argument("--long-tokens", type=int, default=defaults.long_tokens)
-    parser.add_argument("--entry-timeout", type=float, default=defaults.entry_timeout,
-                        help="kv_entry_timeout of every instance (seconds)")
-    parser.add_argument("--bound", type=float, default=defaults.bound,
-                        help="seconds without an answer that count as a hang")
-    parser.add_argument("--kill-roles", default="", help="victims' roles in turn, e.g. prefill,decode "
-                        "(default: any instance at random)")
-    parser.add_argument("--max-kills", type=int, default=0,
-                        help="exactly this many kills, the load going on until --after-restart seconds after the last "
-                             "restart (0: a kill every --kill-every seconds until near the end)")
+    parser.add_argument(
+        "--entry-timeout",
+        type=float,
+        default=defaults.entry_timeout,
+        help="kv_entry_timeout of every instance (seconds)",
+    )
+    parser.add_argument(
+        "--bound", type=float, default=defaults.bound, help="seconds without an answer that count as a hang"
+    )
+    parser.add_argument(
+        "--kill-roles",
+        default="",
+        help="victims' roles in turn, e.g. prefill,decode "
+        "(default: any instance at random); prefill-rank / decode-rank: one TP worker of such "
+        "an instance (TP size at least 2)",
+    )
+    parser.add_argument(
+        "--max-kills",
+        type=int,
+        default=0,
+        help="exactly this many kills, the load going on until --after-restart seconds after the last "
+        "restart (0: a kill every --kill-every seconds until near the end)",
+    )
     parser.add_argument("--after-restart", type=float, default=defaults.after_restart)
-    parser.add_argument("--logs", type=Path, default=None, help="folder for the model and every log "
-                        "(default: a new temporary folder, kept)")
+    parser.add_argument("--prefill-tp", type=int, default=defaults.prefill_tp, help="TP size of the prefill instances")
+    parser.add_argument("--decode-tp", type=int, default=defaults.decode_tp, help="TP size of the decode instances")
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=defaults.ready_timeout,
+        help="seconds an instance's (re)start may take until it answers",
+    )
+    parser.add_argument(
+        "--kv-timeout",
+        type=float,
+        default=None,
+        help="kvbridge's kv_timeout and kv_load_timeout of every instance (default: 5 and 8 s)",
+    )
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        help="folder for the model and every log (default: a new temporary folder, kept)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write every figure there as JSON")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request otherwise
-    settings = Settings(duration=args.duration, kill_every=args.kill_every, clients=args.clients, seed=args.seed,
-                        prompts=args.prompts, abandon_every=args.abandon_every, long_share=args.long_share,
-                        long_tokens=args.long_tokens, entry_timeout=args.entry_timeout, bound=args.bound,
-                        kill_roles=tuple(r for r in args.kill_roles.split(",") if r), max_kills=args.max_kills,
-                        after_restart=args.after_restart)
+    settings = Settings(
+        duration=args.duration,
+        kill_every=args.kill_every,
+        clients=args.clients,
+        seed=args.seed,
+        prompts=args.prompts,
+        abandon_every=args.abandon_every,
+        long_share=args.long_share,
+        long_tokens=args.long_tokens,
+        entry_timeout=args.entry_timeout,
+        bound=args.bound,
+        kill_roles=tuple(r for r in args.kill_roles.split(",") if r),
+        max_kills=args.max_kills,
+        after_restart=args.after_restart,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        ready_timeout=args.ready_timeout,
+        kv_timeout=args.kv_timeout,
+    )
     root = args.logs or Path(tempfile.mkdtemp(prefix="bench_chaos-"))
     report = run_chaos(settings, root, progress=not args.no_progress)
     if args.out is not None:

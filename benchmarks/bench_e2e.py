@@ -31,7 +31,19 @@ Measured per setup:
   (``--rounds``) with the same prompts, to the same instance without a connector, started beside it
   on the same core and idle meanwhile; the decode instance takes every entry (its one-token requests
   go out from other threads, so the clients keep the prefill instance as busy as the plain one);
-* every answer (token ids) against the plain server's.
+* every answer (token ids) against the plain server's;
+* ``--measure split``: the prefill instance's gap to a plain instance, split into its parts. One
+  instance per variant (``--split-variants``), all on core 0, each sent batches of prefill requests
+  (``producer_clients[0]`` clients, ``x producer_requests`` requests a batch): ``plain`` (no
+  connector), ``noop`` (a connector that claims and saves nothing, :mod:`harness.noop_connector`:
+  vLLM's connector machinery alone), ``threads`` (kvbridge's producer, nobody taking its entries:
+  its threads and saves, and the copies of entries whose lease ends), ``decode`` (kvbridge's producer,
+  a decode instance on core 1 taking every entry) and ``no-lend`` (the same with
+  ``kv_lend_blocks`` false). Two methods: ``alone``, each variant's batches in its own window, one
+  variant after another; ``alternating``, batch by batch, every variant in turn (the order
+  rotating), which cancels drift from other load on the host: trust that one on a shared machine.
+  Per variant: requests per second, the ratio to plain, and vLLM's ``request_prefill_time_seconds``
+  sum (its time computing the prompts).
 
 Placement: the prefill instance's processes (API server, engine core, worker, every thread) run on
 core 0 and the decode instance's on core 1; the plain server on both. ``VLLM_CPU_OMP_THREADS_BIND``
@@ -41,6 +53,8 @@ for kv transfer"), which on a 2-core host puts both NIXL instances' forward pass
 
     python -m benchmarks.bench_e2e [--quick] [--setups plain,kvbridge,nixl] [--clients 1,4,8]
         [--producer-clients 4,8] [--netns] [--out DIR]
+    python -m benchmarks.bench_e2e --measure split --producer-clients 4 [--split-batches 3]
+        [--producer-requests 4] [--split-variants plain,noop,threads,decode,no-lend]
 
 Prints the tables (and ``--json``), saves ``bench_e2e.png`` (matplotlib) and ``bench_e2e.json``.
 ``--quick``: 300-token prompts, 4 tokens, 1 and 2 clients, few requests: a smoke run.
@@ -69,7 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import netns
-from harness.procs import free_port
+from harness.procs import free_port, session_processes
 from harness.vllm_procs import VOCAB, make_heavy_kv_llama
 from launch.serve import kv_transfer_config, stop, vllm_serve_command
 
@@ -80,9 +94,17 @@ LINK_RATE = "1gbit"
 #: The plain servers' cores: ``plain`` has the pair's two, ``plain-one-core`` the prefill instance's
 #: one (the least a prefill leg on that core can take, whatever moves the KV afterwards).
 PLAIN_CORES = {"plain": {0, 1}, "plain-one-core": {0}}
+#: Prefill instances that answer without ``kv_transfer_params``: no connector, or one that saves nothing.
+WITHOUT_PARAMS = {"plain-prefill", "plain", "noop"}
 #: What a NIXL prefill request carries (vLLM's toy proxy sends the same).
-NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
+NIXL_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,19 +119,43 @@ class Workload:
     rounds: int = 3  # of the producer measurement, alternating with the instance without a connector
     kv_memory: int = 5 << 28  # 1.25 GiB: 8 requests of 1016 tokens at 128 KiB per token, each instance
     kv_extra: str = "{}"  # JSON: kvbridge settings on top of the defaults (kv_extra_config)
+    split_batches: int = 3  # batches per variant and method in the split measurement
 
 
-QUICK = Workload(prompt=300, max_tokens=4, sequential=2, per_client=2, producer_requests=3, clients=(1, 2),
-                 producer_clients=(2,), rounds=1, kv_memory=1 << 29)
+QUICK = Workload(
+    prompt=300,
+    max_tokens=4,
+    sequential=2,
+    per_client=2,
+    producer_requests=3,
+    clients=(1, 2),
+    producer_clients=(2,),
+    rounds=1,
+    kv_memory=1 << 29,
+    split_batches=1,
+)
 
 
 # ---------------------------------------------------------------------- instances
 
 
 def serve_args(workload: Workload) -> list[str]:
-    return ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforce-eager",
-            "--max-model-len", str(workload.prompt + workload.max_tokens + 64), "--block-size", "32", "--seed", "0",
-            "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(workload.kv_memory)]
+    return [
+        "--served-model-name",
+        MODEL_NAME,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(workload.prompt + workload.max_tokens + 64),
+        "--block-size",
+        "32",
+        "--seed",
+        "0",
+        "--enable-prompt-tokens-details",
+        "--kv-cache-memory-bytes",
+        str(workload.kv_memory),
+    ]
 
 
 @dataclasses.dataclass
@@ -122,17 +168,9 @@ class Server:
 
 def _session_threads(leader: int) -> Iterator[int]:
     """Every thread of every process in the session that ``leader`` leads."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            session = int(stat.rsplit(")", 1)[1].split()[3])
-            if session != leader:
-                continue
-            yield from (int(tid) for tid in os.listdir(f"/proc/{entry}/task"))
-        except (OSError, ValueError, IndexError):
-            continue
+    for pid in session_processes(leader):
+        with contextlib.suppress(OSError):
+            yield from (int(tid) for tid in os.listdir(f"/proc/{pid}/task"))
 
 
 def pin(server: Server) -> int:
@@ -174,8 +212,9 @@ def _answers_health(url: str, namespace: str | None) -> bool:
 
 
 @contextlib.contextmanager
-def servers(specs: list[dict[str, Any]], log_dir: Path, tag: str, hosts: netns.TwoHosts | None = None
-            ) -> Iterator[list[Server]]:
+def servers(
+    specs: list[dict[str, Any]], log_dir: Path, tag: str, hosts: netns.TwoHosts | None = None
+) -> Iterator[list[Server]]:
     """Start each ``{"name", "argv", "env", "cores", "host" (index), "address", "port"}`` one after another,
     wait until it answers, pin it; stop them all on exit."""
     started: list[Server] = []
@@ -183,8 +222,11 @@ def servers(specs: list[dict[str, Any]], log_dir: Path, tag: str, hosts: netns.T
         for spec in specs:
             log = open(log_dir / f"{tag}-{spec['name']}.log", "wb")  # noqa: SIM115 - closed with the process
             cores = sorted(spec["cores"])
-            extra = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]),
-                     "VLLM_LOGGING_LEVEL": "WARNING", **spec.get("env", {})}
+            extra = {
+                "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]),
+                "VLLM_LOGGING_LEVEL": "WARNING",
+                **spec.get("env", {}),
+            }
             argv, env = spec["argv"], {**os.environ, **extra}
             if hosts is not None:
                 argv, env = ["ip", "netns", "exec", hosts.names[spec["host"]], *argv], netns.child_env(extra)
@@ -232,14 +274,21 @@ class Record:
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     return urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT)
 
 
 def _body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    return {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
 
 
 def prefill(setup: str, url: str, prompt: list[int]) -> dict[str, Any] | None:
@@ -249,13 +298,14 @@ def prefill(setup: str, url: str, prompt: list[int]) -> dict[str, Any] | None:
         body["kv_transfer_params"] = dict(NIXL_PREFILL_PARAMS)
     with _post(url, body) as reply:
         params = json.load(reply).get("kv_transfer_params")
-    if params is None and setup != "plain-prefill":
+    if params is None and setup not in WITHOUT_PARAMS:
         raise RuntimeError(f"{url} returned no kv_transfer_params")
     return params
 
 
-def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> tuple[list[float], list[int],
-                                                                                                   int | None]:
+def stream(
+    url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
+) -> tuple[list[float], list[int], int | None]:
     body = {**_body(prompt, max_tokens), "stream": True, "stream_options": {"include_usage": True}}
     if params is not None:
         body["kv_transfer_params"] = params
@@ -264,7 +314,7 @@ def stream(url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] 
         for line in reply:
             if not line.startswith(b"data: {"):
                 continue
-            chunk = json.loads(line[len(b"data: "):])
+            chunk = json.loads(line[len(b"data: ") :])
             for choice in chunk.get("choices") or ():
                 ids = choice.get("token_ids") or []
                 if ids:
@@ -353,8 +403,14 @@ def producer_throughput(setup: str, urls: dict[str, str], prompts: list[list[int
     for thread in taker_threads:
         thread.join(REQUEST_TIMEOUT)
     loaded = sum(1 for cached in taken if isinstance(cached, int) and cached > 0)
-    return {"clients": clients, "requests": len(prompts), "seconds": wall, "rps": len(prompts) / wall,
-            "latency_p50": _pct(latencies, 50), "loaded": loaded if taker_threads else None}
+    return {
+        "clients": clients,
+        "requests": len(prompts),
+        "seconds": wall,
+        "rps": len(prompts) / wall,
+        "latency_p50": _pct(latencies, 50),
+        "loaded": loaded if taker_threads else None,
+    }
 
 
 def metric(url: str, name: str) -> float:
@@ -363,7 +419,7 @@ def metric(url: str, name: str) -> float:
         text = reply.read().decode()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -395,12 +451,18 @@ class Plan:
 
     @classmethod
     def of(cls, workload: Workload) -> Plan:
-        return cls(sequential=prompts_for(workload, 1, workload.sequential),
-                   concurrent={c: prompts_for(workload, 100 + c, max(8, c * workload.per_client))
-                               for c in workload.clients},
-                   producer=[{c: prompts_for(workload, 1000 * (r + 1) + c, c * workload.producer_requests)
-                              for c in workload.producer_clients} for r in range(workload.rounds)],
-                   warmup=prompts_for(workload, 999, 2))
+        return cls(
+            sequential=prompts_for(workload, 1, workload.sequential),
+            concurrent={c: prompts_for(workload, 100 + c, max(8, c * workload.per_client)) for c in workload.clients},
+            producer=[
+                {
+                    c: prompts_for(workload, 1000 * (r + 1) + c, c * workload.producer_requests)
+                    for c in workload.producer_clients
+                }
+                for r in range(workload.rounds)
+            ],
+            warmup=prompts_for(workload, 999, 2),
+        )
 
 
 def measure_serving(setup: str, urls: dict[str, str], plan: Plan, workload: Workload) -> dict[str, Any]:
@@ -429,34 +491,270 @@ def measure_producer(setup: str, urls: dict[str, str], plain_url: str, plan: Pla
         for clients, batch in prompts.items():
             for name in order:
                 results.setdefault(clients, {}).setdefault(name, []).append(
-                    producer_throughput(name, sides[name], batch, clients))
+                    producer_throughput(name, sides[name], batch, clients)
+                )
     return results
+
+
+# ---------------------------------------------------------------------- the prefill instance's gap, split
+
+#: The prefill instance's variants of the ``split`` measurement, all on core 0 (see the module docstring).
+SPLIT_VARIANTS = ("plain", "noop", "threads", "decode", "no-lend")
+#: vLLM's own time in prefill, summed over requests (the sum of its histogram).
+PREFILL_TIME_METRIC = "vllm:request_prefill_time_seconds_sum"
+NOOP_TRANSFER = {
+    "kv_connector": "NoopKVConnector",
+    "kv_connector_module_path": "harness.noop_connector",
+    "kv_role": "kv_producer",
+}
+
+
+def split_specs(model: str, workload: Workload, variants: list[str]) -> list[dict[str, Any]]:
+    """One prefill instance per variant on core 0, then (when a variant takes its entries) one decode
+    instance on core 1 that loads from whichever producer a request names."""
+    address, extra = "127.0.0.1", {"kv_connect_timeout": 300, **json.loads(workload.kv_extra)}
+    transfers: dict[str, dict[str, Any] | None] = {"plain": None, "noop": NOOP_TRANSFER}
+    kv_ports = {}
+    for variant in ("threads", "decode", "no-lend"):
+        kv_ports[variant] = free_port()
+        lend = {"kv_lend_blocks": False} if variant == "no-lend" else {}
+        transfers[variant] = kv_transfer_config("kv_producer", address, kv_ports[variant], {**extra, **lend})
+    # Without a decode leg is the decode variant's instance with nobody taking its entries: one fewer
+    # instance on the host (the work an untaken entry leaves behind, its copy when its lease ends,
+    # falls on core 0 whichever instance it is).
+    alone = [v for v in variants if not (v == "threads" and "decode" in variants)]
+    specs = [_spec(variant, model, workload, {0}, address, 0, transfers[variant]) for variant in alone]
+    taking = [variant for variant in variants if variant in SPLIT_TAKEN]
+    if taking:
+        specs.append(
+            _spec(
+                "decode-instance",
+                model,
+                workload,
+                {1},
+                address,
+                1,
+                {
+                    **kv_transfer_config("kv_consumer", address, kv_ports[taking[0]], extra),
+                    "kv_load_failure_policy": "fail",
+                },
+            )
+        )
+    return specs
+
+
+#: The variants whose every entry the decode instance takes.
+SPLIT_TAKEN = {"decode", "no-lend"}
+
+
+def split_plan(workload: Workload, variants: list[str]) -> dict[str, dict[str, list[list[list[int]]]]]:
+    """Per method and variant, ``split_batches`` batches of ``producer_clients[0] x producer_requests``
+    prompts of their own (variants may share an instance: no prompt is seen twice, no prefix cache hit)."""
+    size = workload.producer_clients[0] * workload.producer_requests
+    return {
+        method: {
+            variant: [
+                prompts_for(workload, 7000 + 1000 * index + 100 * number + batch, size)
+                for batch in range(workload.split_batches)
+            ]
+            for number, variant in enumerate(variants)
+        }
+        for index, method in enumerate(("alone", "alternating"))
+    }
+
+
+def split_schedule(method: str, variants: list[str], batches: list[Any]) -> list[tuple[str, Any]]:
+    """(variant, batch) in the order sent: ``alone``, each variant's batches back to back, one variant
+    after another; ``alternating``, batch by batch, every variant in turn, the first variant of each
+    turn the next one (so that no variant always follows the same one)."""
+    if method == "alone":
+        return [(variant, batch) for variant in variants for batch in batches]
+    return [
+        (variants[(index + turn) % len(variants)], batch)
+        for index, batch in enumerate(batches)
+        for turn in range(len(variants))
+    ]
+
+
+def measure_split(
+    urls: dict[str, str],
+    variants: list[str],
+    plan: dict[str, dict[str, list[list[list[int]]]]],
+    warmup: list[list[int]],
+    clients: int,
+) -> dict[str, dict[str, Any]]:
+    """Per method and variant: each batch's result (:func:`producer_throughput`) and vLLM's prefill
+    time over its batches (read around each batch: variants may share an instance). ``alone``: each
+    variant's batches back to back, one variant after another; ``alternating``: batch by batch, every
+    variant in turn (the order rotating), so that drift (other load on the host) falls on every
+    variant alike."""
+
+    def side(variant: str) -> dict[str, str]:
+        return {"prefill": urls[variant], **({"decode": urls["decode-instance"]} if variant in SPLIT_TAKEN else {})}
+
+    for variant in variants:  # the decode instance takes a taken variant's warm-up entries too
+        producer_throughput(variant, side(variant), warmup, 1)
+    results: dict[str, dict[str, Any]] = {}
+    for method, batches in plan.items():
+        results[method] = {variant: {"batches": [], "prefill_time": 0.0} for variant in variants}
+        for variant, index in split_schedule(method, variants, list(range(len(batches[variants[0]])))):
+            before = metric(urls[variant], PREFILL_TIME_METRIC)
+            run = producer_throughput(variant, side(variant), batches[variant][index], clients)
+            time.sleep(1.0)  # vLLM records a request's stats after its answer
+            results[method][variant]["batches"].append(run)
+            results[method][variant]["prefill_time"] += metric(urls[variant], PREFILL_TIME_METRIC) - before
+    return results
+
+
+def run_split(model: str, workload: Workload, variants: list[str], log_dir: Path) -> dict[str, Any]:
+    """Start the variants' instances, measure them both ways, stop them."""
+    specs = split_specs(model, workload, variants)
+    with servers(specs, log_dir, "split") as started:
+        urls = {server.name: server.url for server in started}
+        if "threads" in variants and "decode" in variants:
+            urls["threads"] = urls["decode"]
+        return measure_split(
+            urls, variants, split_plan(workload, variants), prompts_for(workload, 999, 2), workload.producer_clients[0]
+        )
+
+
+def summarise_split(split: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per method and variant: requests, req/s (all its batches' requests over their summed time), the
+    ratio to plain's (and, alternating, the range of the per-batch ratios), vLLM's prefill time."""
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for method, by_variant in split.items():
+        plain = by_variant["plain"]
+        rows = {}
+        for variant, one in by_variant.items():
+            requests = sum(run["requests"] for run in one["batches"])
+            seconds = sum(run["seconds"] for run in one["batches"])
+            rps = requests / seconds
+            plain_rps = sum(run["requests"] for run in plain["batches"]) / sum(
+                run["seconds"] for run in plain["batches"]
+            )
+            ratios = [run["rps"] / base["rps"] for run, base in zip(one["batches"], plain["batches"], strict=True)]
+            taken = [run["loaded"] for run in one["batches"] if run["loaded"] is not None]
+            rows[variant] = {
+                "requests": requests,
+                "rps": rps,
+                "ratio": rps / plain_rps,
+                "ratio_range": (min(ratios), max(ratios)),
+                "prefill_time": one["prefill_time"],
+                "prefill_time_ratio": one["prefill_time"] / plain["prefill_time"],
+                "loaded": sum(taken) if taken else None,
+            }
+        summary[method] = rows
+    return summary
+
+
+SPLIT_MEANING = {
+    "plain": "no connector",
+    "noop": "a connector that does nothing (vLLM's machinery)",
+    "threads": "kvbridge producer, no decode leg",
+    "decode": "kvbridge producer, decode takes every entry",
+    "no-lend": "the same, kv_lend_blocks false",
+}
+
+
+def split_table(summary: dict[str, dict[str, dict[str, Any]]], workload: Workload) -> str:
+    variants = list(next(iter(summary.values())))
+    lines = [
+        f"The prefill instance's gap, split (core 0, {workload.prompt}-token prompts, max_tokens=1, "
+        f"{workload.producer_clients[0]} clients, {workload.split_batches} batches of "
+        f"{workload.producer_clients[0] * workload.producer_requests} per variant and method; alone: each variant "
+        "in its own window; alternating: batch by batch, variants in turn):",
+        "",
+        "| variant | alone req/s | alone ratio | alternating req/s | alternating ratio (batch range) | "
+        "prefill time sum, alone / alternating (s) | its ratio to plain, alone / alternating | "
+        "entries taken |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for variant in variants:
+        alone, alt = summary["alone"][variant], summary["alternating"][variant]
+        low, high = alt["ratio_range"]
+        loaded = (
+            "-" if alt["loaded"] is None else f"{alone['loaded']}+{alt['loaded']}/{alone['requests'] + alt['requests']}"
+        )
+        lines.append(
+            f"| {variant}: {SPLIT_MEANING[variant]} | {alone['rps']:.2f} | {alone['ratio']:.2f}x | "
+            f"{alt['rps']:.2f} | {alt['ratio']:.2f}x ({low:.2f}-{high:.2f}) | "
+            f"{alone['prefill_time']:.2f} / {alt['prefill_time']:.2f} | "
+            f"{alone['prefill_time_ratio']:.2f} / {alt['prefill_time_ratio']:.2f} | {loaded} |"
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- setups
 
 
-def _spec(name: str, model: str, workload: Workload, cores: set[int], address: str, host: int,
-          transfer: dict[str, Any] | None, env: dict[str, str] | None = None) -> dict[str, Any]:
+def _spec(
+    name: str,
+    model: str,
+    workload: Workload,
+    cores: set[int],
+    address: str,
+    host: int,
+    transfer: dict[str, Any] | None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     port = free_port()
-    argv = (vllm_serve_command(model, address, port, transfer, serve_args(workload)) if transfer is not None else
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", address,
-             "--port", str(port), *serve_args(workload)])
-    return {"name": name, "argv": argv, "env": env or {}, "cores": cores, "address": address, "port": port,
-            "host": host}
+    argv = (
+        vllm_serve_command(model, address, port, transfer, serve_args(workload))
+        if transfer is not None
+        else [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            address,
+            "--port",
+            str(port),
+            *serve_args(workload),
+        ]
+    )
+    return {
+        "name": name,
+        "argv": argv,
+        "env": env or {},
+        "cores": cores,
+        "address": address,
+        "port": port,
+        "host": host,
+    }
 
 
 def pair_specs(kind: str, model: str, workload: Workload, addresses: tuple[str, str]) -> list[dict[str, Any]]:
     if kind == "kvbridge":
         kv_port = free_port()
         extra = {"kv_connect_timeout": 300, **json.loads(workload.kv_extra)}
-        return [_spec("prefill", model, workload, {0}, addresses[0], 0,
-                      kv_transfer_config("kv_producer", addresses[0], kv_port, extra)),
-                _spec("decode", model, workload, {1}, addresses[1], 1,
-                      {**kv_transfer_config("kv_consumer", addresses[0], kv_port, extra),
-                       "kv_load_failure_policy": "fail"})]
-    transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                "kv_load_failure_policy": "fail"}
+        return [
+            _spec(
+                "prefill",
+                model,
+                workload,
+                {0},
+                addresses[0],
+                0,
+                kv_transfer_config("kv_producer", addresses[0], kv_port, extra),
+            ),
+            _spec(
+                "decode",
+                model,
+                workload,
+                {1},
+                addresses[1],
+                1,
+                {**kv_transfer_config("kv_consumer", addresses[0], kv_port, extra), "kv_load_failure_policy": "fail"},
+            ),
+        ]
+    transfer = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "fail",
+    }
     specs = []
     for index, name in enumerate(("prefill", "decode")):
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": addresses[index]}
@@ -466,14 +764,16 @@ def pair_specs(kind: str, model: str, workload: Workload, addresses: tuple[str, 
     return specs
 
 
-def run_setup(setup: str, model: str, workload: Workload, plan: Plan, log_dir: Path, measure: set[str]
-              ) -> dict[str, Any]:
+def run_setup(
+    setup: str, model: str, workload: Workload, plan: Plan, log_dir: Path, measure: set[str]
+) -> dict[str, Any]:
     """Start one setup, measure it, stop it. ``setup``: plain, plain-prefill, kvbridge, nixl, or a pair
     with ``@netns`` / ``@1gbit`` (across two namespaces, the link unlimited or limited)."""
     local = ("127.0.0.1", "127.0.0.1")
     if setup in PLAIN_CORES:
-        with servers([_spec(setup, model, workload, PLAIN_CORES[setup], local[0], 0, None)], log_dir, setup
-                     ) as (server,):
+        with servers([_spec(setup, model, workload, PLAIN_CORES[setup], local[0], 0, None)], log_dir, setup) as (
+            server,
+        ):
             return {"serving": measure_serving(setup, {"decode": server.url}, plan, workload)}
     kind, _, where = setup.partition("@")
     if not where:
@@ -483,27 +783,47 @@ def run_setup(setup: str, model: str, workload: Workload, plan: Plan, log_dir: P
         with servers(specs, log_dir, setup) as started:
             result = _measure_pair(setup, started[0], started[1], plan, workload, measure - {"producer"})
             if "producer" in measure:
-                result["producer"] = measure_producer(setup, {"prefill": started[0].url, "decode": started[1].url},
-                                                      started[2].url, plan)
+                result["producer"] = measure_producer(
+                    setup, {"prefill": started[0].url, "decode": started[1].url}, started[2].url, plan
+                )
             return result
     with netns.two_hosts() as hosts:
         if where == "1gbit":
             for host in (0, 1):
-                hosts.tc(host, "qdisc", "add", "dev", hosts.links[host], "root", "tbf", "rate", LINK_RATE, "burst",
-                         "512kb", "latency", "50ms")
+                hosts.tc(
+                    host,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    hosts.links[host],
+                    "root",
+                    "tbf",
+                    "rate",
+                    LINK_RATE,
+                    "burst",
+                    "512kb",
+                    "latency",
+                    "50ms",
+                )
         specs = pair_specs(kind, model, workload, hosts.addresses)
         with servers(specs, log_dir, setup, hosts) as (prefill_server, decode_server):
             out = log_dir / f"{setup}-client.json"
-            args = {"setup": setup, "urls": {"prefill": prefill_server.url, "decode": decode_server.url},
-                    "workload": dataclasses.asdict(workload), "measure": sorted(measure - {"producer"})}
+            args = {
+                "setup": setup,
+                "urls": {"prefill": prefill_server.url, "decode": decode_server.url},
+                "workload": dataclasses.asdict(workload),
+                "measure": sorted(measure - {"producer"}),
+            }
             client = [sys.executable, "-m", "benchmarks.bench_e2e", "--client", json.dumps(args), str(out)]
-            subprocess.run(["ip", "netns", "exec", hosts.names[1], *client], env=netns.child_env(), check=True,
-                           timeout=3600)
+            subprocess.run(
+                ["ip", "netns", "exec", hosts.names[1], *client], env=netns.child_env(), check=True, timeout=3600
+            )
             return _from_json(json.loads(out.read_text()))
 
 
-def _measure_pair(setup: str, prefill_server: Server, decode_server: Server, plan: Plan, workload: Workload,
-                  measure: set[str]) -> dict[str, Any]:
+def _measure_pair(
+    setup: str, prefill_server: Server, decode_server: Server, plan: Plan, workload: Workload, measure: set[str]
+) -> dict[str, Any]:
     urls = {"prefill": prefill_server.url, "decode": decode_server.url}
     result: dict[str, Any] = {}
     if "serving" in measure:
@@ -518,9 +838,14 @@ def _client_main(args: list[str]) -> None:
     """``--client JSON OUT``: measure a pair from inside the decode namespace; save the records."""
     spec = json.loads(args[0])
     workload = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec["workload"].items()})
-    result = _measure_pair(spec["setup"], Server("prefill", spec["urls"]["prefill"], set(), None),  # type: ignore[arg-type]
-                           Server("decode", spec["urls"]["decode"], set(), None),  # type: ignore[arg-type]
-                           Plan.of(workload), workload, set(spec["measure"]))
+    result = _measure_pair(
+        spec["setup"],
+        Server("prefill", spec["urls"]["prefill"], set(), None),  # type: ignore[arg-type]
+        Server("decode", spec["urls"]["decode"], set(), None),  # type: ignore[arg-type]
+        Plan.of(workload),
+        workload,
+        set(spec["measure"]),
+    )
     Path(args[1]).write_text(json.dumps(_to_json(result)))
 
 
@@ -553,7 +878,8 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
     def answers(serving: dict[str, Any]) -> list[list[int]]:
         return [r.token_ids for r in serving["sequential"]] + [
-            r.token_ids for c in sorted(serving["concurrent"]) for r in serving["concurrent"][c]["records"]]
+            r.token_ids for c in sorted(serving["concurrent"]) for r in serving["concurrent"][c]["records"]
+        ]
 
     summary: dict[str, Any] = {}
     for setup, result in results.items():
@@ -570,11 +896,18 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 records = run["records"]
                 gaps = [gap for r in records for gap in r.gaps]
                 row["concurrent"][clients] = {
-                    "ttft_p50": _pct([r.ttft for r in records], 50), "ttft_p99": _pct([r.ttft for r in records], 99),
-                    "itl_p50": _pct(gaps, 50), "itl_p99": _pct(gaps, 99), "rps": len(records) / run["seconds"]}
+                    "ttft_p50": _pct([r.ttft for r in records], 50),
+                    "ttft_p99": _pct([r.ttft for r in records], 99),
+                    "itl_p50": _pct(gaps, 50),
+                    "itl_p99": _pct(gaps, 99),
+                    "rps": len(records) / run["seconds"],
+                }
             mine = answers(serving)
-            row["loaded"] = (sum(1 for r in seq if r.cached) + sum(
-                1 for run in serving["concurrent"].values() for r in run["records"] if r.cached), len(mine))
+            row["loaded"] = (
+                sum(1 for r in seq if r.cached)
+                + sum(1 for run in serving["concurrent"].values() for r in run["records"] if r.cached),
+                len(mine),
+            )
             if "external_tokens" in serving:  # warm-up requests included
                 row["external_per_request"] = serving["external_tokens"] / (len(mine) + 2)
             if reference is not None:
@@ -585,13 +918,17 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 mine, plain = sides[setup], sides["plain-prefill"]
                 ratios = [a["rps"] / b["rps"] for a, b in zip(mine, plain, strict=True)]
                 row["producer"][clients] = {
-                    "rounds": len(mine), "requests": mine[0]["requests"],
+                    "rounds": len(mine),
+                    "requests": mine[0]["requests"],
                     "rps": statistics.median(one["rps"] for one in mine),
                     "plain_rps": statistics.median(one["rps"] for one in plain),
-                    "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios)),
+                    "ratio": statistics.median(ratios),
+                    "ratio_range": (min(ratios), max(ratios)),
                     "latency_p50": statistics.median(one["latency_p50"] for one in mine),
                     "plain_latency_p50": statistics.median(one["latency_p50"] for one in plain),
-                    "loaded": sum(one["loaded"] or 0 for one in mine), "taken": sum(one["requests"] for one in mine)}
+                    "loaded": sum(one["loaded"] or 0 for one in mine),
+                    "taken": sum(one["requests"] for one in mine),
+                }
         summary[setup] = row
     return summary
 
@@ -601,39 +938,56 @@ def _ms(seconds: float | None) -> str:
 
 
 def tables(summary: dict[str, Any], workload: Workload) -> str:
-    lines = [f"Sequential, {workload.prompt}-token prompts, {workload.max_tokens} tokens (median, ms):", "",
-             "| setup | TTFT | prefill leg | decode leg (load + first token) | answers = plain | "
-             "requests reporting cached tokens | tokens loaded per request |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Sequential, {workload.prompt}-token prompts, {workload.max_tokens} tokens (median, ms):",
+        "",
+        "| setup | TTFT | prefill leg | decode leg (load + first token) | answers = plain | "
+        "requests reporting cached tokens | tokens loaded per request |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for setup, row in summary.items():
         if "seq_ttft" not in row:
             continue
         equal = f"{row['equal'][0]}/{row['equal'][1]}" if "equal" in row else "-"
         loaded = f"{row['loaded'][0]}/{row['loaded'][1]}" if row.get("seq_prefill") is not None else "-"
         external = f"{row['external_per_request']:.0f}" if "external_per_request" in row else "-"
-        lines.append(f"| {setup} | {_ms(row['seq_ttft'])} | {_ms(row.get('seq_prefill'))} | "
-                     f"{_ms(row.get('seq_decode'))} | {equal} | {loaded} | {external} |")
-    lines += ["", "Concurrent clients: TTFT p50/p99, ITL p50/p99 (ms), requests per second:", "",
-              "| setup | clients | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | req/s |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {setup} | {_ms(row['seq_ttft'])} | {_ms(row.get('seq_prefill'))} | "
+            f"{_ms(row.get('seq_decode'))} | {equal} | {loaded} | {external} |"
+        )
+    lines += [
+        "",
+        "Concurrent clients: TTFT p50/p99, ITL p50/p99 (ms), requests per second:",
+        "",
+        "| setup | clients | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | req/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for setup, row in summary.items():
         for clients, c in row.get("concurrent", {}).items():
-            lines.append(f"| {setup} | {clients} | {_ms(c['ttft_p50'])} | {_ms(c['ttft_p99'])} | {_ms(c['itl_p50'])} | "
-                         f"{_ms(c['itl_p99'])} | {c['rps']:.2f} |")
+            lines.append(
+                f"| {setup} | {clients} | {_ms(c['ttft_p50'])} | {_ms(c['ttft_p99'])} | {_ms(c['itl_p50'])} | "
+                f"{_ms(c['itl_p99'])} | {c['rps']:.2f} |"
+            )
     producer_rows = [(setup, row["producer"]) for setup, row in summary.items() if "producer" in row]
     if producer_rows:
-        lines += ["", "The prefill instance (core 0), prefill requests only (max_tokens=1), against the same "
-                  "instance without a connector, alternating rounds (medians; the ratio's range over rounds):", "",
-                  "| setup | clients | rounds x requests | req/s | without connector | ratio | prefill answer p50 "
-                  "(ms), with / without | entries loaded |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "The prefill instance (core 0), prefill requests only (max_tokens=1), against the same "
+            "instance without a connector, alternating rounds (medians; the ratio's range over rounds):",
+            "",
+            "| setup | clients | rounds x requests | req/s | without connector | ratio | prefill answer p50 "
+            "(ms), with / without | entries loaded |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for setup, producer in producer_rows:
             for clients, one in producer.items():
                 low, high = one["ratio_range"]
-                lines.append(f"| {setup} | {clients} | {one['rounds']} x {one['requests']} | {one['rps']:.2f} | "
-                             f"{one['plain_rps']:.2f} | {one['ratio']:.2f}x ({low:.2f}-{high:.2f}) | "
-                             f"{_ms(one['latency_p50'])} / {_ms(one['plain_latency_p50'])} | "
-                             f"{one['loaded']}/{one['taken']} |")
+                lines.append(
+                    f"| {setup} | {clients} | {one['rounds']} x {one['requests']} | {one['rps']:.2f} | "
+                    f"{one['plain_rps']:.2f} | {one['ratio']:.2f}x ({low:.2f}-{high:.2f}) | "
+                    f"{_ms(one['latency_p50'])} / {_ms(one['plain_latency_p50'])} | "
+                    f"{one['loaded']}/{one['taken']} |"
+                )
     return "\n".join(lines)
 
 
@@ -663,8 +1017,9 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     for index, (label, setup) in enumerate(bars):
         source = dict(producers)[setup] if setup else (producers[0][1] if producers else {})
         key = "rps" if setup else "plain_rps"
-        axes[3].bar([i + index * width for i in range(len(clients))], [source[c][key] for c in clients], width,
-                    label=label)
+        axes[3].bar(
+            [i + index * width for i in range(len(clients))], [source[c][key] for c in clients], width, label=label
+        )
     axes[3].set_xticks([i + 0.4 - width / 2 for i in range(len(clients))], [f"{c} clients" for c in clients])
     axes[3].set_title("prefill instance: prefill requests/s")
     axes[3].legend(fontsize=7)
@@ -685,10 +1040,23 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=None, help="rounds of the producer measurement")
     parser.add_argument("--clients", default=None, help="concurrencies, e.g. 1,4,8")
     parser.add_argument("--producer-clients", default=None, help="concurrencies of the producer measurement, e.g. 4,8")
-    parser.add_argument("--measure", default="serving,producer")
+    parser.add_argument("--measure", default="serving,producer", help="serving, producer, split")
+    parser.add_argument(
+        "--split-variants",
+        default="plain,noop,threads,decode",
+        help=f"the split measurement's prefill instances, plain first: {', '.join(SPLIT_VARIANTS)}",
+    )
+    parser.add_argument("--split-batches", type=int, default=None, help="batches per variant and method (split)")
+    parser.add_argument(
+        "--producer-requests",
+        type=int,
+        default=None,
+        help="prefill requests per client in a producer round or a split batch",
+    )
     parser.add_argument("--kv-extra", default=None, help='kvbridge settings (JSON), e.g. {"kv_lend_blocks": false}')
     parser.add_argument("--netns", action="store_true", help="the pairs also across two namespaces (needs root)")
     parser.add_argument("--prompt", type=int, default=None)
+    parser.add_argument("--kv-memory", type=int, default=None, help="each instance's --kv-cache-memory-bytes")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--json", action="store_true", help="print the summary as JSON too")
     args = parser.parse_args()
@@ -696,16 +1064,26 @@ def main() -> int:
     if args.clients:
         workload = dataclasses.replace(workload, clients=tuple(int(c) for c in args.clients.split(",")))
     if args.producer_clients:
-        workload = dataclasses.replace(workload,
-                                       producer_clients=tuple(int(c) for c in args.producer_clients.split(",")))
+        workload = dataclasses.replace(
+            workload, producer_clients=tuple(int(c) for c in args.producer_clients.split(","))
+        )
     if args.prompt:
         workload = dataclasses.replace(workload, prompt=args.prompt)
+    if args.kv_memory:
+        workload = dataclasses.replace(workload, kv_memory=args.kv_memory)
     if args.kv_extra:
         workload = dataclasses.replace(workload, kv_extra=args.kv_extra)
     if args.rounds:
         workload = dataclasses.replace(workload, rounds=args.rounds)
+    if args.producer_requests:
+        workload = dataclasses.replace(workload, producer_requests=args.producer_requests)
+    if args.split_batches:
+        workload = dataclasses.replace(workload, split_batches=args.split_batches)
     measure = set(args.measure.split(","))
-    setups = args.setups.split(",")
+    split_variants = args.split_variants.split(",")
+    if split_variants[0] != "plain" or not set(split_variants) <= set(SPLIT_VARIANTS):
+        parser.error(f"--split-variants: plain first, then any of {', '.join(SPLIT_VARIANTS)}")
+    setups = args.setups.split(",") if measure & {"serving", "producer"} else []
     if "serving" not in measure:
         setups = [s for s in setups if s not in PLAIN_CORES]
     if args.netns:
@@ -726,13 +1104,41 @@ def main() -> int:
             except netns.NamespacesUnavailable as exc:
                 print(f"{setup}: skipped ({exc})", flush=True)
                 continue
-            print(f"{setup}: done in {time.monotonic() - started:.0f} s, load average "
-                  f"{Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
+            print(
+                f"{setup}: done in {time.monotonic() - started:.0f} s, load average "
+                f"{Path('/proc/loadavg').read_text().split()[:3]}",
+                flush=True,
+            )
+        split = None
+        if "split" in measure:
+            started = time.monotonic()
+            (args.out / "logs").mkdir(exist_ok=True)
+            split = run_split(model, workload, split_variants, args.out / "logs")
+            print(
+                f"split: done in {time.monotonic() - started:.0f} s, load average "
+                f"{Path('/proc/loadavg').read_text().split()[:3]}",
+                flush=True,
+            )
     summary = summarise(results)
     print(tables(summary, workload))
-    (args.out / "bench_e2e.json").write_text(json.dumps(_to_json({"workload": dataclasses.asdict(workload),
-                                                                  "summary": summary, "results": results})))
-    if plot(summary, args.out / "bench_e2e.png"):
+    split_summary = summarise_split(split) if split is not None else None
+    if split_summary is not None:
+        print()
+        print(split_table(split_summary, workload))
+    (args.out / "bench_e2e.json").write_text(
+        json.dumps(
+            _to_json(
+                {
+                    "workload": dataclasses.asdict(workload),
+                    "summary": summary,
+                    "results": results,
+                    "split": split,
+                    "split_summary": split_summary,
+                }
+            )
+        )
+    )
+    if results and plot(summary, args.out / "bench_e2e.png"):
         print(f"saved {args.out / 'bench_e2e.png'}")
     if args.json:
         print(json.dumps(_to_json(summary)))

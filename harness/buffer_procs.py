@@ -83,10 +83,6 @@ def run_side(rank: int, port: int, body: Callable[..., Any], changes: dict, sync
 # ---------------------------------------------------------------- data
 
 
-
-
-
-
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64, torch.uint8, torch.int32)
 
 
@@ -428,8 +424,13 @@ PASSING = 24  # selects that come and go while PARKED waits: half hit, half miss
 def _passing_request(index: int) -> list:
     generator = torch.Generator().manual_seed(1000 + index)
     tokens = _tokens(70, index)
-    return [tokens, _ones(2), random_tensor(generator, torch.float32, (3, 40 + index)), None,
-            random_tensor(generator, torch.bfloat16, (index + 1,))]
+    return [
+        tokens,
+        _ones(2),
+        random_tensor(generator, torch.float32, (3, 40 + index)),
+        None,
+        random_tensor(generator, torch.bfloat16, (index + 1,)),
+    ]
 
 
 def _in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list]:
@@ -626,8 +627,16 @@ def _junk_frames(rng: random.Random) -> list[tuple[str, list[bytes], str]]:
     roi = _ones(3).numpy()
     session = bytes(SESSION_BYTES)  # never the producer's: it draws its session at random
     valid = encode_request(ControlSigner(None), select_request(77, tokens, roi, 0, session=session, counter=1))
-    good = dict(type="select", v=PROTOCOL_VERSION, request_id=5, session=session, counter=1, tokens=tokens.tobytes(),
-                roi=roi.tobytes(), wait_ms=0)
+    good = dict(
+        type="select",
+        v=PROTOCOL_VERSION,
+        request_id=5,
+        session=session,
+        counter=1,
+        tokens=tokens.tobytes(),
+        roi=roi.tobytes(),
+        wait_ms=0,
+    )
 
     def variant(**changes: Any) -> list[bytes]:
         fields = dict(good, **changes)
@@ -721,8 +730,12 @@ def _attack(address: str, rounds: int, stop: threading.Event) -> dict:
             silent.close()
         dealer.close()
         context.term()
-    return {"sent_during_traffic": sent_during_traffic, "answered": answered, "wrong": wrong,
-            "version_refusal": version_refusal}
+    return {
+        "sent_during_traffic": sent_during_traffic,
+        "answered": answered,
+        "wrong": wrong,
+        "version_refusal": version_refusal,
+    }
 
 
 def consumer_under_attack(buffer: SimpleBuffer, sync: dict, seed: int, count: int, address: str) -> dict:

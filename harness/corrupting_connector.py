@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def corrupting_dialer(settings: ConnectorSettings, host: str, port: int,
-                      on_connect: OnConnect | None) -> KVLookupBufferBase:
+def corrupting_dialer(
+    settings: ConnectorSettings, host: str, port: int, on_connect: OnConnect | None
+) -> KVLookupBufferBase:
     return CorruptingBuffer(dial(settings.bridge, host, port, on_connect))
 
 
@@ -37,5 +38,6 @@ class CorruptingKVBridgeConnector(KVBridgeConnector):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         if self._worker is not None:  # not connected yet: the worker connects in register_kv_caches
-            self._worker = WorkerSide(self._worker.settings, self._worker.identity, self._worker.port_offset,
-                                      dialer=corrupting_dialer)
+            self._worker = WorkerSide(
+                self._worker.settings, self._worker.identity, self._worker.port_offset, dialer=corrupting_dialer
+            )

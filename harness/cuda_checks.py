@@ -75,9 +75,15 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _config(rank: int, port: int, **changes) -> KVTransferConfig:
-    values = dict(kv_rank=rank, kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_port=port,
-                  kv_timeout=20.0, kv_connect_timeout=60.0, kv_buffer_size=512 << 20,
-                  kv_device_index=gpu().index)
+    values = dict(
+        kv_rank=rank,
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_port=port,
+        kv_timeout=20.0,
+        kv_connect_timeout=60.0,
+        kv_buffer_size=512 << 20,
+        kv_device_index=gpu().index,
+    )
     values.update(changes)
     return KVTransferConfig(**values)
 
@@ -127,8 +133,11 @@ def _host_staged_pipe_side(rank: int, port: int, shared_memory: str) -> dict[str
                 assert _same_bits(received, _pipe_case(index).contiguous()), f"case {index} arrived changed"
                 pipe.send_tensor(received.to(device), timeout=60)
         pipe.flush(timeout=60)
-        return {"seconds": time.perf_counter() - started, "shared": pipe.uses_shared_memory,
-                "pinned": len(pipe._pinned)}
+        return {
+            "seconds": time.perf_counter() - started,
+            "shared": pipe.uses_shared_memory,
+            "pinned": len(pipe._pinned),
+        }
 
 
 def check_pipe_host_staged() -> str:
@@ -139,8 +148,10 @@ def check_pipe_host_staged() -> str:
         results = _two_sides(_host_staged_pipe_side, procs.free_port(), mode)
         assert results[0]["shared"] == (mode == "on"), results
         pinned = min(results[0]["pinned"], results[1]["pinned"])
-        notes.append(f"{'shared memory' if mode == 'on' else 'gloo'}: {results[0]['seconds']:.1f} s"
-                     + (f", segments pinned: {'yes' if pinned == 2 else 'no'}" if mode == "on" else ""))
+        notes.append(
+            f"{'shared memory' if mode == 'on' else 'gloo'}: {results[0]['seconds']:.1f} s"
+            + (f", segments pinned: {'yes' if pinned == 2 else 'no'}" if mode == "on" else "")
+        )
     return "; ".join(notes)
 
 
@@ -161,13 +172,17 @@ def check_paged_layouts() -> str:
             expected = gather_blocks(host_caches, layout, ids)
             on_gpu = gather_blocks(gpu_caches, layout, ids)
             assert on_gpu.device == device and _same_bits(on_gpu, expected), (layout.name, dtype)
-            in_device_memory = gather_blocks(gpu_caches, layout, ids,
-                                             lambda s, d: torch.empty(tuple(s), dtype=d, device=device))
+            in_device_memory = gather_blocks(
+                gpu_caches, layout, ids, lambda s, d: torch.empty(tuple(s), dtype=d, device=device)
+            )
             assert _same_bits(in_device_memory, expected), (layout.name, dtype)
             for pinned in (True, False):
-                staged = gather_blocks(gpu_caches, layout, ids,
-                                       lambda s, d, p=pinned and device.type == "cuda":
-                                       torch.empty(tuple(s), dtype=d, pin_memory=p))
+                staged = gather_blocks(
+                    gpu_caches,
+                    layout,
+                    ids,
+                    lambda s, d, p=pinned and device.type == "cuda": torch.empty(tuple(s), dtype=d, pin_memory=p),
+                )
                 assert staged.device.type == "cpu" and _same_bits(staged, expected), (layout.name, dtype, pinned)
                 targets = [torch.zeros_like(cache) for cache in gpu_caches]
                 scatter_blocks(targets, layout, ids, staged)
@@ -217,8 +232,10 @@ def _connector_side(rank: int, port: int) -> str:
     layout = FLASH_ATTN_LAYOUT
     if rank == 0:
         caches = PagedKVCaches([cache.to(device) for cache in _connector_caches(1)], layout)
-        requests = [KVRequest(_tokens(i, n), PagedKV(caches, src), _hidden(i).to(device))
-                    for i, (n, src, _) in enumerate(CONNECTOR_REQUESTS)]
+        requests = [
+            KVRequest(_tokens(i, n), PagedKV(caches, src), _hidden(i).to(device))
+            for i, (n, src, _) in enumerate(CONNECTOR_REQUESTS)
+        ]
         with SimpleBuffer(TorchDistributedPipe(config), config) as buffer:
             started = time.perf_counter()
             results = send_kv_caches_and_hidden_states(buffer, requests)
@@ -230,8 +247,9 @@ def _connector_side(rank: int, port: int) -> str:
     before = _connector_caches(2)
     caches = PagedKVCaches([cache.to(device) for cache in before], layout)
     hidden = [torch.zeros(256, dtype=torch.bfloat16, device=device) for _ in CONNECTOR_REQUESTS]
-    requests = [KVRequest(_tokens(i, n), PagedKV(caches, dst), hidden[i])
-                for i, (n, _, dst) in enumerate(CONNECTOR_REQUESTS)]
+    requests = [
+        KVRequest(_tokens(i, n), PagedKV(caches, dst), hidden[i]) for i, (n, _, dst) in enumerate(CONNECTOR_REQUESTS)
+    ]
     with SimpleBuffer(TorchDistributedPipe(config), config) as buffer:
         results = recv_kv_caches_and_hidden_states(buffer, requests, timeout=60)
     assert all(result.hit for result in results), [result.reason for result in results]
@@ -445,8 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         props = torch.cuda.get_device_properties(gpu().index)
-        card = (f"{props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda}")
+        card = (
+            f"{props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}"
+        )
     rows: list[tuple[str, str, str, str]] = []
     if not arguments.no_pytest:
         started = time.perf_counter()

@@ -35,12 +35,20 @@ class _Wrapper(KVLookupBufferBase):
     def __init__(self, inner: KVLookupBufferBase) -> None:
         self.inner = inner
 
-    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-               hidden: torch.Tensor | None, timeout: float | None = None) -> Loan | None:
+    def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        timeout: float | None = None,
+    ) -> Loan | None:
         return self.inner.insert(input_tokens, roi, key, value, hidden, timeout)
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> SelectResult:
+    def drop_select(
+        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False
+    ) -> SelectResult:
         return self.inner.drop_select(input_tokens, roi, timeout, borrow)
 
     @property
@@ -62,8 +70,9 @@ class CorruptingBuffer(_Wrapper):
         self.enabled = enabled
         self._generator = torch.Generator().manual_seed(seed)
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> SelectResult:
+    def drop_select(
+        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False
+    ) -> SelectResult:
         entry = super().drop_select(input_tokens, roi, timeout)  # never borrowed: the key is replaced
         key = entry[2]
         if self.enabled and key is not None:
@@ -79,8 +88,15 @@ class LosingBuffer(_Wrapper):
         self.lost = lost
         self._inserts = 0
 
-    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-               hidden: torch.Tensor | None, timeout: float | None = None) -> Loan | None:
+    def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        timeout: float | None = None,
+    ) -> Loan | None:
         index, self._inserts = self._inserts, self._inserts + 1
         if index == self.lost:
             logger.warning("fault injection: insert %d is lost", index)
@@ -101,8 +117,9 @@ def _install(fault: str) -> None:
     elif name == "crash-rank" and rank == int(arg):
         handshake = pair.handshake
 
-        def handshake_then_die(control: TorchDistributedPipe, digest: torch.Tensor,
-                               settings: pair.PairSettings) -> None:
+        def handshake_then_die(
+            control: TorchDistributedPipe, digest: torch.Tensor, settings: pair.PairSettings
+        ) -> None:
             handshake(control, digest, settings)
             logger.warning("fault injection: rank %d dies now", rank)
             os._exit(pair.EXIT_ERROR)
@@ -115,8 +132,9 @@ def _install(fault: str) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         raise SystemExit("usage: python -m harness.fault_injection corrupt-kv | lose-insert=I | crash-rank=R")
-    logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('RANK', '?')}] %(levelname)s "
-                        "%(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"[rank {os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s"
+    )
     _install(argv[0])
     from launch import pair
 

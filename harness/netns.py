@@ -67,11 +67,18 @@ class TwoHosts:
     def popen(self, host: int, argv: list[str], env: dict[str, str], log_dir: Path, tag: str) -> subprocess.Popen:
         """Start ``argv`` inside namespace ``host`` in its own session; output goes to files in ``log_dir``."""
         with open(log_dir / f"{tag}.out", "w") as out, open(log_dir / f"{tag}.err", "w") as err:
-            return subprocess.Popen(["ip", "netns", "exec", self.names[host], *argv], env=env, cwd=REPO,
-                                    stdout=out, stderr=err, start_new_session=True)
+            return subprocess.Popen(
+                ["ip", "netns", "exec", self.names[host], *argv],
+                env=env,
+                cwd=REPO,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
 
-    def spawn(self, host: int, target: str, args: list[Any], log_dir: Path, tag: str,
-              env: dict[str, str] | None = None) -> Child:
+    def spawn(
+        self, host: int, target: str, args: list[Any], log_dir: Path, tag: str, env: dict[str, str] | None = None
+    ) -> Child:
         """Run ``target`` ("module:function") with ``args`` in a Python process inside namespace ``host``."""
         result_file = log_dir / f"{tag}.json"
         argv = [sys.executable, "-m", "harness.netns", target, str(result_file), json.dumps(args)]
@@ -96,8 +103,10 @@ def two_hosts() -> Iterator[TwoHosts]:
     _remove_leftovers()
     pid, serial = os.getpid(), next(_COUNTER)
     # Interface names have at most 15 characters.
-    hosts = TwoHosts(names=(f"{_PREFIX}-{pid}-{serial}-a", f"{_PREFIX}-{pid}-{serial}-b"),
-                     links=(f"kv{pid % 10**7}x{serial % 1000}a", f"kv{pid % 10**7}x{serial % 1000}b"))
+    hosts = TwoHosts(
+        names=(f"{_PREFIX}-{pid}-{serial}-a", f"{_PREFIX}-{pid}-{serial}-b"),
+        links=(f"kv{pid % 10**7}x{serial % 1000}a", f"kv{pid % 10**7}x{serial % 1000}b"),
+    )
     try:
         _run("ip", "netns", "add", hosts.names[0])
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -105,8 +114,21 @@ def two_hosts() -> Iterator[TwoHosts]:
     try:
         _run("ip", "netns", "add", hosts.names[1])
         # Created inside the first namespace, so the host's own interfaces are never involved.
-        _run("ip", "-n", hosts.names[0], "link", "add", hosts.links[0], "type", "veth", "peer", "name",
-             hosts.links[1], "netns", hosts.names[1])
+        _run(
+            "ip",
+            "-n",
+            hosts.names[0],
+            "link",
+            "add",
+            hosts.links[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            hosts.links[1],
+            "netns",
+            hosts.names[1],
+        )
         for host in (0, 1):
             hosts.ip(host, "link", "set", "lo", "up")
             hosts.ip(host, "addr", "add", f"{hosts.addresses[host]}/24", "dev", hosts.links[host])
@@ -182,8 +204,10 @@ class Child:
         kill_session(self.process)
 
     def logs(self) -> str:
-        return f"--- {self.tag} stdout\n{self.stdout.read_text()[-3000:]}\n--- {self.tag} stderr\n" \
-               f"{self.stderr.read_text()[-5000:]}"
+        return (
+            f"--- {self.tag} stdout\n{self.stdout.read_text()[-3000:]}\n--- {self.tag} stderr\n"
+            f"{self.stderr.read_text()[-5000:]}"
+        )
 
 
 def kill_session(process: subprocess.Popen) -> None:

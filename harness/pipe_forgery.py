@@ -14,15 +14,22 @@ def connect_as_forger(config: KVTransferConfig, port_offset: int = 0) -> rendezv
     """The connection a real host pipe with ``config`` would have, shared-memory segments and local
     socket included (the peer maps the forger's segment), with no pipe threads behind it; its
     ``channel`` carries frames as the pipe's would."""
-    hello = Hello(frame_bytes=HOST_FRAME_BYTES, max_in_flight=config.kv_buffer_size, device="cpu",
-                  timeout_ms=round(config.kv_timeout * 1000))
+    hello = Hello(
+        frame_bytes=HOST_FRAME_BYTES,
+        max_in_flight=config.kv_buffer_size,
+        device="cpu",
+        timeout_ms=round(config.kv_timeout * 1000),
+    )
     device = torch.device("cpu")
     connection = rendezvous.connect(config, config.kv_port + port_offset, hello, device)
-    connection.shared = shared_memory.establish(connection.outgoing, connection.incoming, config.kv_rank,
-                                                config.kv_shared_memory, config.kv_buffer_size, device)
-    connection.channel = (SocketChannel(connection.shared.connection, silence=config.kv_timeout)
-                          if connection.shared is not None
-                          else GroupChannel(connection.outgoing, connection.incoming, 1 - config.kv_rank))
+    connection.shared = shared_memory.establish(
+        connection.outgoing, connection.incoming, config.kv_rank, config.kv_shared_memory, config.kv_buffer_size, device
+    )
+    connection.channel = (
+        SocketChannel(connection.shared.connection, silence=config.kv_timeout)
+        if connection.shared is not None
+        else GroupChannel(connection.outgoing, connection.incoming, 1 - config.kv_rank)
+    )
     return connection
 
 

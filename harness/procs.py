@@ -141,8 +141,11 @@ def run_commands(commands: list[tuple[list[str], dict[str, str]]], tmp_path: Pat
             out, err = tmp_path / f"{index}.out", tmp_path / f"{index}.err"
             files.append((out, err))
             with out.open("w") as stdout, err.open("w") as stderr:
-                started.append(subprocess.Popen(command, cwd=REPO, env={**env_base, **env},
-                                                stdout=stdout, stderr=stderr, start_new_session=True))
+                started.append(
+                    subprocess.Popen(
+                        command, cwd=REPO, env={**env_base, **env}, stdout=stdout, stderr=stderr, start_new_session=True
+                    )
+                )
         deadline = time.monotonic() + timeout
         for process in started:
             try:
@@ -157,5 +160,22 @@ def run_commands(commands: list[tuple[list[str], dict[str, str]]], tmp_path: Pat
             except ProcessLookupError:
                 pass
             process.wait(timeout=10)
-    return [Finished(process.returncode, out.read_text(), err.read_text())
-            for process, (out, err) in zip(started, files, strict=True)]
+    return [
+        Finished(process.returncode, out.read_text(), err.read_text())
+        for process, (out, err) in zip(started, files, strict=True)
+    ]
+
+
+def session_processes(leader: int) -> list[int]:
+    """The pids of every process in the session ``leader`` leads (a server started in its own session)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            session = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        if session == leader:
+            pids.append(int(entry))
+    return pids

@@ -47,9 +47,22 @@ class RedisServer:
 
     def start(self) -> None:
         """Start (or restart, empty) the server and wait until it answers."""
-        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-                   "--save", "", "--appendonly", "no", "--logfile", str(self.directory / "redis.log"),
-                   *self.options]
+        command = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.directory),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(self.directory / "redis.log"),
+            *self.options,
+        ]
         if self.password is not None:
             command += ["--requirepass", self.password]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -97,13 +110,25 @@ def start_cluster(directory: Path, nodes: int = 3) -> list[RedisServer]:
             port = _free_port_with_bus()
             node_dir = directory / f"node{index}"
             node_dir.mkdir(parents=True)
-            server = RedisServer(port, node_dir, ["--cluster-enabled", "yes",
-                                                  "--cluster-config-file", str(node_dir / "nodes.conf")])
+            server = RedisServer(
+                port, node_dir, ["--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf")]
+            )
             servers.append(server)
             server.start()
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers),
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=START_TIMEOUT)
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{s.port}" for s in servers),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=START_TIMEOUT,
+        )
         wait_cluster_ok(servers)
         return servers
     except BaseException:

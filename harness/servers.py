@@ -26,9 +26,24 @@ from harness.procs import REPO, free_port
 from launch import proxy, serve
 
 NAME = "tiny"
-SERVE_ARGS = ["--served-model-name", NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-              "--block-size", str(vp.BLOCK_SIZE), "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
-              "--max-num-batched-tokens", str(vp.MAX_NUM_BATCHED_TOKENS), "--enable-prompt-tokens-details"]
+SERVE_ARGS = [
+    "--served-model-name",
+    NAME,
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    "512",
+    "--block-size",
+    str(vp.BLOCK_SIZE),
+    "--kv-cache-memory-bytes",
+    str(64 << 20),
+    "--seed",
+    "0",
+    "--max-num-batched-tokens",
+    str(vp.MAX_NUM_BATCHED_TOKENS),
+    "--enable-prompt-tokens-details",
+]
 READY_TIMEOUT = 240.0
 
 
@@ -43,12 +58,18 @@ class Server:
     def __init__(self, command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self._file = log.open("wb")
-        self.process = subprocess.Popen(command, stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, **(env or {})}, cwd=REPO)
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+            cwd=REPO,
+        )
 
-    def wait_ready(self, url: str) -> None:
+    def wait_ready(self, url: str, timeout: float = READY_TIMEOUT) -> None:
         try:
-            serve.wait_healthy(url, self.process, READY_TIMEOUT)
+            serve.wait_healthy(url, self.process, timeout)
         except (RuntimeError, TimeoutError) as exc:
             raise AssertionError(f"{exc}; log:\n{self.log.read_text(errors='replace')[-5000:]}") from exc
 
@@ -72,24 +93,49 @@ def client(base_url: str) -> OpenAI:
 
 
 @contextlib.contextmanager
-def serve_stack(model: str, log_dir: Path,
-                kv_options: tuple[str, ...] = ("--kv-extra", '{"kv_timeout": 5, "kv_load_timeout": 5}'),
-                ) -> Iterator[dict[str, Any]]:
+def serve_stack(
+    model: str,
+    log_dir: Path,
+    kv_options: tuple[str, ...] = ("--kv-extra", '{"kv_timeout": 5, "kv_load_timeout": 5}'),
+) -> Iterator[dict[str, Any]]:
     """``python -m launch.serve`` with two prefill and two decode instances (serve spreads them over
     the cores itself), and the proxy over all four; yields their URLs and the log. ``kv_options``:
     serve's options for moving KV (a pipe's timeouts by default)."""
     ports = {name: free_port() for name in ("proxy", "prefill", "decode", "kv")}  # each with the next ones free
     log = log_dir / "serve.log"
-    command = [sys.executable, "-m", "launch.serve", model, "--port", str(ports["proxy"]),
-               "--prefill-instances", "2", "--decode-instances", "2",
-               "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
-               "--kv-port", str(ports["kv"]), *kv_options, "--ready-timeout", str(READY_TIMEOUT), "--", *SERVE_ARGS]
+    command = [
+        sys.executable,
+        "-m",
+        "launch.serve",
+        model,
+        "--port",
+        str(ports["proxy"]),
+        "--prefill-instances",
+        "2",
+        "--decode-instances",
+        "2",
+        "--prefill-port",
+        str(ports["prefill"]),
+        "--decode-port",
+        str(ports["decode"]),
+        "--kv-port",
+        str(ports["kv"]),
+        *kv_options,
+        "--ready-timeout",
+        str(READY_TIMEOUT),
+        "--",
+        *SERVE_ARGS,
+    ]
     server = Server(command, log, env={"VLLM_LOG_STATS_INTERVAL": "1"})
     try:
         server.wait_ready(f"http://127.0.0.1:{ports['proxy']}")
         urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
-        yield {"log": log, **urls, "prefills": [f"http://127.0.0.1:{ports['prefill'] + i}" for i in range(2)],
-               "decodes": [f"http://127.0.0.1:{ports['decode'] + j}" for j in range(2)]}
+        yield {
+            "log": log,
+            **urls,
+            "prefills": [f"http://127.0.0.1:{ports['prefill'] + i}" for i in range(2)],
+            "decodes": [f"http://127.0.0.1:{ports['decode'] + j}" for j in range(2)],
+        }
     finally:
         server.stop()
 
@@ -97,8 +143,9 @@ def serve_stack(model: str, log_dir: Path,
 class ThreadedProxy:
     """launch.proxy.Proxy over the given instances, served from a thread of this process, on a free port."""
 
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str], read_timeout: float = 120,
-                 **routing: str) -> None:
+    def __init__(
+        self, prefill_urls: list[str], decode_urls: list[str], read_timeout: float = 120, **routing: str
+    ) -> None:
         self.port = free_port(1)
         app = proxy.Proxy(prefill_urls, decode_urls, proxy.Timeouts(read=read_timeout), **routing).app()
         self._loop = asyncio.new_event_loop()
@@ -122,9 +169,24 @@ class ThreadedProxy:
 # Memory pressure: a prefill instance whose KV cache holds one 1024-token request.
 #: KV bytes of one block of the tiny model: 2 layers x (K, V) x 2 heads x 64 x fp32 x 32 tokens.
 BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * vp.BLOCK_SIZE
-COMMON_ARGS = ["--served-model-name", NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-               "--block-size", str(vp.BLOCK_SIZE), "--seed", "0", "--max-num-batched-tokens", "128",
-               "--max-num-seqs", "16", "--enable-prompt-tokens-details"]
+COMMON_ARGS = [
+    "--served-model-name",
+    NAME,
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    "1024",
+    "--block-size",
+    str(vp.BLOCK_SIZE),
+    "--seed",
+    "0",
+    "--max-num-batched-tokens",
+    "128",
+    "--max-num-seqs",
+    "16",
+    "--enable-prompt-tokens-details",
+]
 PRESSED_ARGS = [*COMMON_ARGS, "--kv-cache-memory-bytes", str(33 * BLOCK_BYTES)]  # one 1024-token request
 ROOMY_ARGS = [*COMMON_ARGS, "--kv-cache-memory-bytes", str(64 << 20)]
 

@@ -23,8 +23,9 @@ def store_transfer_config(tiers: str, failure_policy: str = "recompute", **optio
             "kv_connector_extra_config": {"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE, **options}}}
 
 
-def store_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]],
-               prefix_caching: bool = True) -> dict[str, Any]:
+def store_body(
+    model: str, transfer: dict[str, Any], batches: list[list[list[int]]], prefix_caching: bool = True
+) -> dict[str, Any]:
     """Serve ``batches`` one after the other; return their outputs and the store counters, once
     every save is in the store's fastest tier. In vLLM's multiprocess mode the worker is out of
     reach: no counters, and the saves are complete once the engine is shut down."""

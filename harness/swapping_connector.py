@@ -36,8 +36,9 @@ class HeadSwappingWorker(ConsumerWorker):
             return address
         plan = address.plan
         if len(plan) > 1:  # each source's heads go where another's belong
-            swapped = tuple(Source(theirs.rank, theirs.part, mine.heads)
-                            for mine, theirs in zip(plan, reversed(plan), strict=True))
+            swapped = tuple(
+                Source(theirs.rank, theirs.part, mine.heads) for mine, theirs in zip(plan, reversed(plan), strict=True)
+            )
         else:
             (source,) = plan
             held = self.identity.total_kv_heads // address.producer_tp

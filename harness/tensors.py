@@ -32,8 +32,9 @@ def as_received(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach().resolve_conj().resolve_neg()
 
 
-def exchange_both_ways(pipe: Any, mine: list[torch.Tensor | None], theirs: list[torch.Tensor | None],
-                       timeout: float) -> int:
+def exchange_both_ways(
+    pipe: Any, mine: list[torch.Tensor | None], theirs: list[torch.Tensor | None], timeout: float
+) -> int:
     """Send ``mine`` from a thread while receiving and checking ``theirs`` bit for bit; both
     directions run at once. Returns the bytes received; raises whatever the sender raised."""
     errors: list[BaseException] = []

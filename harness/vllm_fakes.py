@@ -27,8 +27,9 @@ def new_req_data(request: Request, block_ids: list[int], num_computed: int) -> N
     return NewRequestData.from_request(request, (block_ids,))
 
 
-def scheduler_output(new: list[NewRequestData], scheduled: dict[str, int],
-                     cached: CachedRequestData | None = None) -> SchedulerOutput:
+def scheduler_output(
+    new: list[NewRequestData], scheduled: dict[str, int], cached: CachedRequestData | None = None
+) -> SchedulerOutput:
     output = SchedulerOutput.make_empty()
     output.scheduled_new_reqs = new
     output.num_scheduled_tokens = scheduled
@@ -47,8 +48,10 @@ def cached_data(req_ids: list[str], num_computed: list[int]) -> CachedRequestDat
     return data
 
 
-FAKE_TOKENS = {name: list(range(start, start + n)) for name, start, n in
-               (("a", 10, 8), ("b", 30, 12), ("c", 50, 4), ("d", 60, 4), ("x", 90, 4))}
+FAKE_TOKENS = {
+    name: list(range(start, start + n))
+    for name, start, n in (("a", 10, 8), ("b", 30, 12), ("c", 50, 4), ("d", 60, 4), ("x", 90, 4))
+}
 
 
 class FailingInserts:
@@ -58,8 +61,15 @@ class FailingInserts:
         self.failures = failures
         self.inserted: list[list[int]] = []
 
-    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-               hidden: torch.Tensor | None, timeout: float | None = None) -> None:
+    def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        timeout: float | None = None,
+    ) -> None:
         failure = self.failures.get(int(input_tokens[0]))
         if failure is not None:
             raise failure
@@ -79,8 +89,9 @@ def random_blocks(seed: int, count: int) -> torch.Tensor:
     return torch.randn(shape, generator=generator)
 
 
-def poll_until_reported(worker: Any, until: set[str],
-                        finished_req_ids: set[str] | None = None) -> list[tuple[set[str], set[int]]]:
+def poll_until_reported(
+    worker: Any, until: set[str], finished_req_ids: set[str] | None = None
+) -> list[tuple[set[str], set[int]]]:
     """Poll as vLLM does each step (finished loads, then failed blocks) until ``until`` were all
     reported; return each poll's reports (a hang guard only: no timing is asserted)."""
     polls: list[tuple[set[str], set[int]]] = []

@@ -39,26 +39,38 @@ def make_tiny_llama(path: Path, with_tokenizer: bool = False, max_positions: int
     """Save a random 2-layer Llama (1.7 M parameters) into ``path``; optionally a word-level tokenizer
     (:func:`word`) with a chat template, for the OpenAI chat endpoint. ``max_positions`` bounds
     vLLM's ``--max-model-len``."""
-    return _make_llama(path, layers=2, heads=4, kv_heads=2, head_dim=64, max_positions=max_positions,
-                       with_tokenizer=with_tokenizer)
+    return _make_llama(
+        path, layers=2, heads=4, kv_heads=2, head_dim=64, max_positions=max_positions, with_tokenizer=with_tokenizer
+    )
 
 
 def make_heavy_kv_llama(path: Path, max_positions: int = 2048) -> str:
     """A random Llama whose KV is heavy (8 layers x 16 KV heads x 128: 128 KiB per token in fp32) and
     whose body is light, with the word-level tokenizer: the benchmarks' serving model."""
-    return _make_llama(path, layers=8, heads=16, kv_heads=16, head_dim=128, max_positions=max_positions,
-                       with_tokenizer=True)
+    return _make_llama(
+        path, layers=8, heads=16, kv_heads=16, head_dim=128, max_positions=max_positions, with_tokenizer=True
+    )
 
 
-def _make_llama(path: Path, *, layers: int, heads: int, kv_heads: int, head_dim: int, max_positions: int,
-                with_tokenizer: bool) -> str:
+def _make_llama(
+    path: Path, *, layers: int, heads: int, kv_heads: int, head_dim: int, max_positions: int, with_tokenizer: bool
+) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=0,
-                         eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     if with_tokenizer:
@@ -108,9 +120,14 @@ KVBRIDGE_CONNECTOR = ("KVBridgeConnector", "connector.vllm_v1")
 CORRUPTING_CONNECTOR = ("CorruptingKVBridgeConnector", "harness.corrupting_connector")
 
 
-def kv_transfer_config(role: str, port: int, module_path: bool = True,
-                       connector: tuple[str, str] = KVBRIDGE_CONNECTOR, failure_policy: str = "recompute",
-                       **extra: Any) -> dict[str, Any]:
+def kv_transfer_config(
+    role: str,
+    port: int,
+    module_path: bool = True,
+    connector: tuple[str, str] = KVBRIDGE_CONNECTOR,
+    failure_policy: str = "recompute",
+    **extra: Any,
+) -> dict[str, Any]:
     """``module_path=False`` leaves the module out: vLLM then finds the class through kvbridge's plugin.
     ``failure_policy="fail"`` makes vLLM fail a request whose load failed, rather than recompute it."""
     config: dict[str, Any] = {
@@ -118,8 +135,14 @@ def kv_transfer_config(role: str, port: int, module_path: bool = True,
         "kv_role": role,
         "kv_port": port,
         "kv_load_failure_policy": failure_policy,
-        "kv_connector_extra_config": {"kv_ip": "127.0.0.1", "kv_timeout": 5.0, "kv_connect_timeout": 120.0,
-                                      "kv_buffer_size": 64 << 20, "kv_load_timeout": 5.0, **extra},
+        "kv_connector_extra_config": {
+            "kv_ip": "127.0.0.1",
+            "kv_timeout": 5.0,
+            "kv_connect_timeout": 120.0,
+            "kv_buffer_size": 64 << 20,
+            "kv_load_timeout": 5.0,
+            **extra,
+        },
     }
     if module_path:
         config["kv_connector_module_path"] = connector[1]
@@ -127,9 +150,17 @@ def kv_transfer_config(role: str, port: int, module_path: bool = True,
 
 
 def engine_kwargs(model: str, transfer: dict[str, Any] | None = None) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-                                  max_model_len=512, block_size=BLOCK_SIZE, kv_cache_memory_bytes=64 << 20,
-                                  seed=0, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=64 << 20,
+        seed=0,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+    )
     if transfer is not None:
         kwargs["kv_transfer_config"] = transfer
     return kwargs
@@ -137,8 +168,11 @@ def engine_kwargs(model: str, transfer: dict[str, Any] | None = None) -> dict[st
 
 def engine_env(core: int, multiprocess: bool = False) -> dict[str, str]:
     """Environment of one engine process, pinned to ``core`` (two engines on two cores)."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-            "VLLM_LOGGING_LEVEL": "WARNING"}
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
 
 
 # ---------------------------------------------------------------------- engine bodies (child processes)
@@ -150,21 +184,30 @@ def _llm(kwargs: dict[str, Any]):
     return LLM(**kwargs)
 
 
-def _generate(llm, prompts: list[list[int]], max_tokens: int,
-              transfer_params: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
+def _generate(
+    llm, prompts: list[list[int]], max_tokens: int, transfer_params: list[dict[str, Any] | None] | None = None
+) -> list[dict[str, Any]]:
     """Greedy outputs of ``prompts``; ``transfer_params[i]`` goes with prompt i as its kv_transfer_params."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                             extra_args={"kv_transfer_params": kv} if kv is not None else None)
-              for kv in transfer_params or [None] * len(prompts)]
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={"kv_transfer_params": kv} if kv is not None else None,
+        )
+        for kv in transfer_params or [None] * len(prompts)
+    ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [_summary(o) for o in outputs]
 
 
-def _generate_with_aborts(llm, prompts: list[list[int]], max_tokens: int, abort: list[int],
-                          abort_after_steps: int, timeout: float = 120) -> list[dict[str, Any] | None]:
+def _generate_with_aborts(
+    llm, prompts: list[list[int]], max_tokens: int, abort: list[int], abort_after_steps: int, timeout: float = 120
+) -> list[dict[str, Any] | None]:
     """Step the engine by hand and abort the requests ``abort`` after ``abort_after_steps`` steps;
     returns the outputs in prompt order, None for aborted requests."""
     from vllm import SamplingParams
@@ -189,12 +232,20 @@ def _generate_with_aborts(llm, prompts: list[list[int]], max_tokens: int, abort:
 
 
 def _summary(output: Any) -> dict[str, Any]:
-    return {"tokens": list(output.outputs[0].token_ids), "cached": output.num_cached_tokens,
-            "finish": output.outputs[0].finish_reason, "params": output.kv_transfer_params}
+    return {
+        "tokens": list(output.outputs[0].token_ids),
+        "cached": output.num_cached_tokens,
+        "finish": output.outputs[0].finish_reason,
+        "params": output.kv_transfer_params,
+    }
 
 
-def _run_batch(llm, batch: list[list[int]] | dict[str, Any], max_tokens: int,
-               transfer_params: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any] | None]:
+def _run_batch(
+    llm,
+    batch: list[list[int]] | dict[str, Any],
+    max_tokens: int,
+    transfer_params: list[dict[str, Any] | None] | None = None,
+) -> list[dict[str, Any] | None]:
     """A batch is a list of prompts, or ``{"prompts", "abort", "abort_after_steps"}``."""
     if isinstance(batch, dict):
         return _generate_with_aborts(llm, batch["prompts"], max_tokens, batch["abort"], batch["abort_after_steps"])
@@ -228,8 +279,15 @@ def reference_body(model: str, prompts: list[list[int]]) -> list[dict[str, Any]]
         _shutdown(llm)
 
 
-def producer_body(model: str, transfer: dict[str, Any], batches: list[Any], prefilled: Flag,
-                  consumer_done: Flag, timeout: float, announce: Any = None) -> dict[str, Any]:
+def producer_body(
+    model: str,
+    transfer: dict[str, Any],
+    batches: list[Any],
+    prefilled: Flag,
+    consumer_done: Flag,
+    timeout: float,
+    announce: Any = None,
+) -> dict[str, Any]:
     """Prefill each batch (max_tokens=1), put the outputs' kv_transfer_params (per batch) into the
     queue ``announce`` if given, set ``prefilled``, stay up until the consumer is done."""
     llm = _llm(engine_kwargs(model, transfer))
@@ -245,9 +303,16 @@ def producer_body(model: str, transfer: dict[str, Any], batches: list[Any], pref
         _shutdown(llm)
 
 
-def consumer_body(model: str, transfer: dict[str, Any], batches: list[Any], prefilled: Flag,
-                  consumer_done: Flag, timeout: float, kill_pid: int | None = None,
-                  announced: Any = None) -> dict[str, Any]:
+def consumer_body(
+    model: str,
+    transfer: dict[str, Any],
+    batches: list[Any],
+    prefilled: Flag,
+    consumer_done: Flag,
+    timeout: float,
+    kill_pid: int | None = None,
+    announced: Any = None,
+) -> dict[str, Any]:
     """Wait for the producer's prefill, then decode each batch, with the producer's
     kv_transfer_params taken from the queue ``announced`` if given (as a proxy passes them on).
     With ``kill_pid``, SIGKILL that process (the producer) after the first batch, mid-run."""
@@ -267,8 +332,9 @@ def consumer_body(model: str, transfer: dict[str, Any], batches: list[Any], pref
         _shutdown(llm)
 
 
-def late_producer_body(model: str, transfer: dict[str, Any], prompt: list[int], go: Flag, consumer_done: Flag,
-                       timeout: float) -> dict[str, Any]:
+def late_producer_body(
+    model: str, transfer: dict[str, Any], prompt: list[int], go: Flag, consumer_done: Flag, timeout: float
+) -> dict[str, Any]:
     """Start, wait for ``go``, then prefill ``prompt`` (its entry reaches the buffer late); stay up
     until the consumer is done."""
     llm = _llm(engine_kwargs(model, transfer))
@@ -283,9 +349,17 @@ def late_producer_body(model: str, transfer: dict[str, Any], prompt: list[int], 
         _shutdown(llm)
 
 
-def late_consumer_body(model: str, transfer: dict[str, Any], streams: list[list[int]], stream_tokens: int,
-                       prompt: list[int], waiting_steps: int, go: Flag, consumer_done: Flag,
-                       timeout: float) -> dict[str, Any]:
+def late_consumer_body(
+    model: str,
+    transfer: dict[str, Any],
+    streams: list[list[int]],
+    stream_tokens: int,
+    prompt: list[int],
+    waiting_steps: int,
+    go: Flag,
+    consumer_done: Flag,
+    timeout: float,
+) -> dict[str, Any]:
     """Decode ``streams``; once each has a token, add ``prompt`` announced as saved although the
     producer has not prefilled it yet; step ``waiting_steps`` times, then set ``go`` (the producer
     prefills) and step until everything finished. Returns the output token counts after each step
@@ -301,8 +375,13 @@ def late_consumer_body(model: str, transfer: dict[str, Any], streams: list[list[
         for request_id, stream in zip(ids, streams, strict=True):
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=stream), stream_params)
         announced = {"kvbridge": {"prefix_tokens": transfer_prefix(prompt)}}
-        late_params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
-                                     extra_args={"kv_transfer_params": announced})
+        late_params = SamplingParams(
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={"kv_transfer_params": announced},
+        )
         counts = dict.fromkeys([*ids, "late"], 0)
         finished: dict[str, Any] = {}
         history: list[list[int]] = []
@@ -321,8 +400,12 @@ def late_consumer_body(model: str, transfer: dict[str, Any], streams: list[list[
             history.append([counts[i] for i in ids] + [counts["late"]])
             if len(history) == waiting_steps + 1:
                 go.set()
-        return {"history": history, "late": finished["late"], "streams": [finished[i] for i in ids],
-                "stats": _connector_totals()}
+        return {
+            "history": history,
+            "late": finished["late"],
+            "streams": [finished[i] for i in ids],
+            "stats": _connector_totals(),
+        }
     finally:
         consumer_done.set()
         _shutdown(llm)
@@ -423,7 +506,6 @@ class Engines:
         self._results.close()
 
 
-
 # ---------------------------------------------------------------------- worker-side bodies (no engine)
 
 #: Fake paged caches in vLLM's CPU layout ``[blocks, heads, block_size, 2 * head_size]``, odd sizes.
@@ -439,18 +521,34 @@ def fake_caches(seed: int, block_size: int = FAKE_BLOCK_SIZE) -> list[Any]:
     return [torch.randn(shape, generator=generator) * 3 + 0.5 for _ in range(FAKE_LAYERS)]
 
 
-def fake_worker(role: str, port: int, block_size: int, caches: list[Any], options: dict[str, Any],
-                listener_factory: Callable[..., Any] | None = None, dialer: Callable[..., Any] | None = None):
+def fake_worker(
+    role: str,
+    port: int,
+    block_size: int,
+    caches: list[Any],
+    options: dict[str, Any],
+    listener_factory: Callable[..., Any] | None = None,
+    dialer: Callable[..., Any] | None = None,
+):
     """A connected WorkerSide over ``caches`` (by default over kvbridge's listener and dialer)."""
     from connector import compat
     from connector.vllm_settings import ConnectorSettings
     from connector.vllm_worker import WorkerSide, find_layout
 
-    extra = {"kv_ip": "127.0.0.1", "kv_timeout": 3.0, "kv_connect_timeout": 60.0, "kv_buffer_size": 1 << 20,
-             **options}
+    extra = {"kv_ip": "127.0.0.1", "kv_timeout": 3.0, "kv_connect_timeout": 60.0, "kv_buffer_size": 1 << 20, **options}
     settings = ConnectorSettings.from_vllm(role, port, "cpu", extra)
-    identity = compat.KVLayoutInfo(version=compat.VERSION, role=role, model="fake", dtype="", block_size=block_size,
-                                   num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
+    identity = compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role=role,
+        model="fake",
+        dtype="",
+        block_size=block_size,
+        num_layers=0,
+        block_shape=(),
+        layout="",
+        tp_size=1,
+        tp_rank=0,
+    )
     worker = WorkerSide(settings, identity, port_offset=0, listener_factory=listener_factory, dialer=dialer)
     worker.connect(caches, find_layout(caches[0], FAKE_BLOCKS, block_size, "CPU_ATTN/fake"))
     return worker
@@ -478,8 +576,9 @@ def load_and_wait(worker: Any, specs: list[Any], timeout: float) -> set[int]:
     return failed
 
 
-def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, timeout: float,
-                         extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def worker_producer_body(
+    port: int, saves: list[Any], saved: Any, done: Any, timeout: float, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Save ``saves`` from :func:`fake_caches` (seed 1, in whole pages: every block can be lent)
     under inference mode, as vLLM does; set ``saved``; serve until ``done``, then until every saved
     request's blocks were returned (vLLM holds them all: the worker reports them finished sending)."""
@@ -503,14 +602,20 @@ def worker_producer_body(port: int, saves: list[Any], saved: Any, done: Any, tim
         while len(returned) < len(saves) and time.monotonic() < deadline:
             returned |= worker.take_finished_sending()
             time.sleep(0.01)
-        return {"stats": worker.total_stats().data, "entries_left": worker.buffer_stats().entries,
-                "outcomes": outcomes, "early": early, "returned": returned}
+        return {
+            "stats": worker.total_stats().data,
+            "entries_left": worker.buffer_stats().entries,
+            "outcomes": outcomes,
+            "early": early,
+            "returned": returned,
+        }
     finally:
         worker.close()
 
 
-def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, done: Any,
-                         timeout: float) -> dict[str, Any]:
+def worker_consumer_body(
+    port: int, steps: list[tuple[str, Any]], saved: Any, done: Any, timeout: float
+) -> dict[str, Any]:
     """Run ``steps`` on caches :func:`fake_caches` (seed 2): ``("load", [LoadSpec...])`` records the
     failed blocks; ``("corrupt", bool)`` makes the worker's lookup buffer hand out noise from then on
     (the negative control, :class:`harness.fault_injection.CorruptingBuffer`). Returns the caches."""
@@ -523,8 +628,9 @@ def worker_consumer_body(port: int, steps: list[tuple[str, Any]], saved: Any, do
         buffers.append(CorruptingBuffer(dial(settings.bridge, host, producer_port, on_connect), enabled=False))
         return buffers[-1]
 
-    worker = fake_worker("kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 0.5},
-                         dialer=corruptible)
+    worker = fake_worker(
+        "kv_consumer", port, FAKE_BLOCK_SIZE, fake_caches(2), {"kv_load_timeout": 0.5}, dialer=corruptible
+    )
     try:
         if not saved.wait(timeout):
             raise TimeoutError(f"the producer did not save within {timeout} s")
@@ -564,8 +670,7 @@ def worker_mismatch_consumer_body(port: int, block_size: int, done: Any, timeout
     with _captured_warnings() as warnings:
         worker = fake_worker("kv_consumer", port, block_size, fake_caches(2, block_size), {"kv_load_timeout": 1.0})
         try:
-            failed = load_and_wait(worker, [LoadSpec("m", list(range(1, 1 + block_size)), [0], 0, wait=True)],
-                                   timeout)
+            failed = load_and_wait(worker, [LoadSpec("m", list(range(1, 1 + block_size)), [0], 0, wait=True)], timeout)
         finally:
             done.set()
             worker.close()
@@ -591,9 +696,17 @@ def _captured_warnings() -> Iterator[list[str]]:
         logging.getLogger().removeHandler(handler)
 
 
-def worker_reconnecting_consumer_body(port: int, first: Any, lost: Any, second: Any, first_saved: Any,
-                                      first_loaded: Any, killed: Any, second_saved: Any,
-                                      timeout: float) -> dict[str, Any]:
+def worker_reconnecting_consumer_body(
+    port: int,
+    first: Any,
+    lost: Any,
+    second: Any,
+    first_saved: Any,
+    first_loaded: Any,
+    killed: Any,
+    second_saved: Any,
+    timeout: float,
+) -> dict[str, Any]:
     """Load ``first`` (saved by the first producer), then, once that producer was killed, ``lost``
     (fails: nothing listens, or the connection is found dead), then, once a restarted producer saved it,
     ``second``, retrying while the connection is being made again. No restart of this worker."""
@@ -618,9 +731,14 @@ def worker_reconnecting_consumer_body(port: int, first: Any, lost: Any, second: 
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no load from the restarted producer within {timeout} s ({attempts} attempts)")
             time.sleep(0.2)
-        return {"failed": [failed_first, failed_lost], "attempts": attempts, "connections_before": connections_before,
-                "connections_after": worker.connections, "stats": worker.total_stats().data,
-                "caches": [c.numpy() for c in worker.caches]}
+        return {
+            "failed": [failed_first, failed_lost],
+            "attempts": attempts,
+            "connections_before": connections_before,
+            "connections_after": worker.connections,
+            "stats": worker.total_stats().data,
+            "caches": [c.numpy() for c in worker.caches],
+        }
     finally:
         worker.close()
 
@@ -634,8 +752,9 @@ def worker_killed_producer_body(port: int, connected: Any, kill: Any, timeout: f
     raise TimeoutError(f"not told to die within {timeout} s")
 
 
-def worker_orphan_consumer_body(port: int, specs: list[Any], connected: Any, kill: Any,
-                                timeout: float) -> dict[str, Any]:
+def worker_orphan_consumer_body(
+    port: int, specs: list[Any], connected: Any, kill: Any, timeout: float
+) -> dict[str, Any]:
     """Connect (a load of an entry nobody saved: a miss), have the producer killed, then load ``specs``
     one by one; report what failed."""
     from connector.transfer_plan import LoadSpec

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import vllm_procs as vp
-from harness.procs import free_port
+from harness.procs import free_port, session_processes
 from harness.servers import NAME, SERVE_ARGS, Server
 from launch import proxy, serve
 
@@ -50,6 +50,7 @@ class Instance:
     logs: Path
     server: Server | None = None
     starts: int = 0
+    ready_timeout: float = READY_TIMEOUT  # seconds a start may take until /health answers
 
     @property
     def url(self) -> str:
@@ -59,7 +60,7 @@ class Instance:
         """Start (again, on the same ports) and wait until ``/health`` answers."""
         self.starts += 1
         self.server = Server(self.command, self.logs / f"{self.name}-{self.starts}.log", env=self.env)
-        self.server.wait_ready(self.url)
+        self.server.wait_ready(self.url, self.ready_timeout)
 
     @property
     def alive(self) -> bool:
@@ -74,6 +75,21 @@ class Instance:
             pass
         self.server.process.wait(timeout=30)
 
+    def kill_rank(self, rank: int) -> int:
+        """SIGKILL the worker process of TP rank ``rank`` only (vLLM's ``VLLM::Worker_TP<rank>``), as a
+        rank that crashes; returns its pid. Raises LookupError when the instance has no such worker."""
+        assert self.server is not None
+        title = f"Worker_TP{rank}"
+        for pid in session_processes(self.server.process.pid):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if command.split(" ", 1)[0].endswith(title):
+                os.kill(pid, signal.SIGKILL)
+                return pid
+        raise LookupError(f"{self.name} has no process titled *{title}")
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
@@ -83,20 +99,44 @@ class Instance:
         return self.server.log.read_text(errors="replace")[-chars:]
 
 
-def instance(model: str, name: str, role: str, kv_port: int, core: int, logs: Path,
-             multiprocess: bool = False, serve_args: list[str] = SERVE_ARGS,
-             kv_extra: dict[str, Any] | None = None) -> Instance:
+def instance(
+    model: str,
+    name: str,
+    role: str,
+    kv_port: int,
+    core: int,
+    logs: Path,
+    multiprocess: bool = False,
+    serve_args: list[str] = SERVE_ARGS,
+    kv_extra: dict[str, Any] | None = None,
+    tp: int = 1,
+) -> Instance:
     """A prefill (``kv_producer``) or decode (``kv_consumer``) instance pinned to ``core``. Decode
     instances fail a request whose load failed (``kv_load_failure_policy: fail``), so a load that
     silently failed cannot pass as a hit. ``kv_extra`` adds to (or overrides) :data:`KV_EXTRA` in
-    the connector's ``kv_connector_extra_config``, e.g. a short ``kv_entry_timeout``."""
+    the connector's ``kv_connector_extra_config``, e.g. a short ``kv_entry_timeout``. With ``tp`` > 1
+    the instance runs that many TP ranks (vLLM's worker processes, so multiprocess), rank r on core
+    ``(core + r) % 2``; a prefill instance then listens at ``kv_port`` to ``kv_port + tp - 1``."""
     port = free_port(1)
     transfer = serve.kv_transfer_config(role, "127.0.0.1", kv_port, {**KV_EXTRA, **(kv_extra or {})})
     if role == "kv_consumer":
         transfer["kv_load_failure_policy"] = "fail"
-    command = serve.vllm_serve_command(model, "127.0.0.1", port, transfer, serve_args)
-    env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    args, env = tp_placement(serve_args, tp, core, multiprocess)
+    command = serve.vllm_serve_command(model, "127.0.0.1", port, transfer, args)
     return Instance(name, role, port, kv_port, core, command, env, logs)
+
+
+def tp_placement(
+    serve_args: list[str], tp: int, core: int, multiprocess: bool = False
+) -> tuple[list[str], dict[str, str]]:
+    """(vLLM arguments, environment) of an instance of ``tp`` TP ranks, rank r pinned to core
+    ``(core + r) % 2``; TP needs vLLM's worker processes (multiprocess)."""
+    args = [*serve_args, "--tensor-parallel-size", str(tp)] if tp > 1 else serve_args
+    bind = "|".join(str((core + rank) % 2) for rank in range(tp))
+    return args, {
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess or tp > 1 else "0",
+    }
 
 
 class TwoByTwo:
@@ -104,14 +144,51 @@ class TwoByTwo:
     name their producer; the decode instances' configured one (the first prefill instance) only
     serves requests naming none."""
 
-    def __init__(self, model: str, logs: Path, prefill_args: list[str] = SERVE_ARGS,
-                 decode_args: list[str] = SERVE_ARGS, kv_extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        logs: Path,
+        prefill_args: list[str] = SERVE_ARGS,
+        decode_args: list[str] = SERVE_ARGS,
+        kv_extra: dict[str, Any] | None = None,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
+        ready_timeout: float = READY_TIMEOUT,
+    ) -> None:
         logs.mkdir(parents=True, exist_ok=True)
-        kv_ports = [free_port(), free_port()]
-        self.prefills = [instance(model, f"prefill{i}", "kv_producer", kv_ports[i], i, logs,
-                                  serve_args=prefill_args, kv_extra=kv_extra) for i in range(2)]
-        self.decodes = [instance(model, f"decode{j}", "kv_consumer", kv_ports[0], 1 - j, logs,
-                                 serve_args=decode_args, kv_extra=kv_extra) for j in range(2)]
+        kv_ports = [free_port(max(4, prefill_tp)), free_port(max(4, prefill_tp))]
+        self.prefills = [
+            instance(
+                model,
+                f"prefill{i}",
+                "kv_producer",
+                kv_ports[i],
+                i,
+                logs,
+                serve_args=prefill_args,
+                kv_extra=kv_extra,
+                tp=prefill_tp,
+            )
+            for i in range(2)
+        ]
+        decode_extra = {**(kv_extra or {}), "kv_producer_tp_size": prefill_tp} if prefill_tp != decode_tp else kv_extra
+        self.decodes = [
+            instance(
+                model,
+                f"decode{j}",
+                "kv_consumer",
+                kv_ports[0],
+                1 - j,
+                logs,
+                serve_args=decode_args,
+                kv_extra=decode_extra,
+                tp=decode_tp,
+            )
+            for j in range(2)
+        ]
+
+        for one in self.instances:
+            one.ready_timeout = ready_timeout
 
     @property
     def instances(self) -> list[Instance]:
@@ -133,14 +210,27 @@ class TwoByTwo:
         return "\n".join(f"--- {i.name}:\n{i.log_tail(2000)}" for i in self.instances if i.server is not None)
 
 
-def plain_answers(model: str, prompts: list[list[int]], log: Path, serve_args: list[str],
-                  clients: int) -> dict[tuple[int, ...], Any]:
-    """Each prompt's answer (:attr:`Answer.tokens`) from one plain ``vllm serve`` on core 0, asked by
-    ``clients`` at a time; the server is stopped before returning."""
+def plain_answers(
+    model: str, prompts: list[list[int]], log: Path, serve_args: list[str], clients: int, tp: int = 1
+) -> dict[tuple[int, ...], Any]:
+    """Each prompt's answer (:attr:`Answer.tokens`) from one plain ``vllm serve`` on core 0 (at TP size
+    ``tp``: its ranks on cores 0 and 1 in turn), asked by ``clients`` at a time; the server is
+    stopped before returning."""
     port = free_port(1)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), *serve_args]
-    server = Server(command, log, env={"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    args, env = tp_placement(serve_args, tp, 0)
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
+    server = Server(command, log, env=env)
     try:
         server.wait_ready(f"http://127.0.0.1:{port}")
         with ThreadPoolExecutor(clients) as pool:
@@ -165,7 +255,7 @@ def post(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> di
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data:"):])
+            event = json.loads(line[len("data:") :])
             if "error" in event:
                 raise RuntimeError(f"the stream of {url} ended with an error event: {event['error']}")
             for choice in event.get("choices", []):
@@ -173,13 +263,19 @@ def post(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT) -> di
                 token_ids.extend(choice.get("token_ids") or [])
                 finish = choice.get("finish_reason") or finish
             usage = event.get("usage") or usage
-        return {"choices": [{"text": "".join(text), "token_ids": token_ids, "finish_reason": finish}],
-                "usage": usage}
+        return {"choices": [{"text": "".join(text), "token_ids": token_ids, "finish_reason": finish}], "usage": usage}
 
 
 def completion_body(prompt: list[int], stream: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": NAME, "prompt": prompt, "max_tokens": vp.MAX_TOKENS, "temperature": 0,
-                            "ignore_eos": True, "return_token_ids": True, "stream": stream}
+    body: dict[str, Any] = {
+        "model": NAME,
+        "prompt": prompt,
+        "max_tokens": vp.MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -234,8 +330,20 @@ def metric(base_url: str, name: str) -> float:
 def router_command(prefill_urls: list[str], decode_urls: list[str], port: int) -> list[str]:
     """vllm-router in P/D mode; round-robin prefill with random decode reaches every pairing."""
     binary = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-    command = [binary, "--vllm-pd-disaggregation", "--kv-connector", "nixl", "--host", "127.0.0.1",
-               "--port", str(port), "--prefill-policy", "round_robin", "--decode-policy", "random"]
+    command = [
+        binary,
+        "--vllm-pd-disaggregation",
+        "--kv-connector",
+        "nixl",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill-policy",
+        "round_robin",
+        "--decode-policy",
+        "random",
+    ]
     for url in prefill_urls:
         command += ["--prefill", url]
     for url in decode_urls:

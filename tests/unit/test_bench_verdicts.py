@@ -1,0 +1,126 @@
+"""The benchmarks' own bookkeeping, without any server: the split measurement's order and figures
+(``benchmarks/bench_e2e.py``), and the chaos soak's verdicts on gauges and on errors after a TP
+rank was killed (``benchmarks/bench_chaos.py``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from benchmarks import bench_chaos as chaos
+from benchmarks import bench_e2e as e2e
+
+VARIANTS = ["plain", "noop", "threads", "decode"]
+
+
+def test_alternating_sends_every_batch_to_every_variant_once_per_turn_with_the_lead_rotating() -> None:
+    batches = ["b0", "b1", "b2", "b3", "b4"]
+    schedule = e2e.split_schedule("alternating", VARIANTS, batches)
+    assert len(schedule) == len(VARIANTS) * len(batches)
+    assert Counter(schedule) == Counter((v, b) for v in VARIANTS for b in batches)  # each pair once
+    turns = [schedule[i : i + len(VARIANTS)] for i in range(0, len(schedule), len(VARIANTS))]
+    for index, turn in enumerate(turns):
+        assert {batch for _, batch in turn} == {batches[index]}
+        assert sorted(v for v, _ in turn) == sorted(VARIANTS)
+    assert [turn[0][0] for turn in turns] == ["plain", "noop", "threads", "decode", "plain"]
+
+
+def test_alone_sends_each_variants_batches_back_to_back() -> None:
+    schedule = e2e.split_schedule("alone", VARIANTS, ["b0", "b1"])
+    assert schedule == [(v, b) for v in VARIANTS for b in ("b0", "b1")]
+
+
+def _batch(requests: int, seconds: float, loaded: int | None = None) -> dict:
+    return {"requests": requests, "seconds": seconds, "rps": requests / seconds, "loaded": loaded}
+
+
+def test_split_summary_pools_the_batches_and_takes_every_ratio_against_plain() -> None:
+    split = {
+        "alone": {
+            "plain": {"batches": [_batch(16, 4.0), _batch(16, 8.0)], "prefill_time": 10.0},
+            "decode": {"batches": [_batch(16, 5.0, 16), _batch(16, 11.0, 15)], "prefill_time": 12.5},
+        },
+        "alternating": {
+            "plain": {"batches": [_batch(8, 2.0)], "prefill_time": 4.0},
+            "decode": {"batches": [_batch(8, 4.0, 7)], "prefill_time": 3.0},
+        },
+    }
+    summary = e2e.summarise_split(split)
+    alone = summary["alone"]
+    assert alone["plain"]["rps"] == pytest.approx(32 / 12)
+    assert alone["decode"]["rps"] == pytest.approx(32 / 16)
+    assert alone["decode"]["ratio"] == pytest.approx((32 / 16) / (32 / 12))
+    assert alone["decode"]["ratio_range"] == pytest.approx((4.0 / 5.0, 8.0 / 11.0)[::-1])  # min, max per batch
+    assert alone["decode"]["prefill_time_ratio"] == pytest.approx(1.25)
+    assert alone["decode"]["loaded"] == 31 and alone["plain"]["loaded"] is None
+    assert alone["plain"]["ratio"] == pytest.approx(1.0)
+    assert summary["alternating"]["decode"]["ratio"] == pytest.approx(0.5)
+    assert summary["alternating"]["decode"]["prefill_time_ratio"] == pytest.approx(0.75)
+    table = e2e.split_table(summary, e2e.Workload(producer_clients=(4,), producer_requests=4, split_batches=2))
+    assert "| decode: kvbridge producer, decode takes every entry | 2.00 | 0.75x | 2.00 | 0.50x (0.50-0.50) |" in table
+
+
+IDLE = {name: 0.0 for name in chaos.GAUGES} | {chaos.USAGE: 0.0}
+
+
+@pytest.mark.parametrize(
+    ("change", "idle"),
+    [
+        ({}, True),
+        ({"connections": 2.0}, True),
+        ({"connections": 3.0}, False),
+        ({"entries_held": 1.0}, False),
+        ({"blocks_lent": 4.0}, False),
+        ({chaos.USAGE: 0.03}, False),  # vLLM still holds blocks nobody frees
+    ],
+)
+def test_an_instance_is_idle_only_with_nothing_held_and_its_kv_cache_as_it_started(change: dict, idle: bool) -> None:
+    assert chaos.gauges_idle(IDLE | change, usage_at_start=0.0) is idle
+
+
+def test_the_kv_cache_usage_is_compared_with_the_start_of_the_instances_life() -> None:
+    assert chaos.gauges_idle(IDLE | {chaos.USAGE: 0.25}, usage_at_start=0.25)
+    assert not chaos.gauges_idle(IDLE | {chaos.USAGE: 0.0}, usage_at_start=0.25)
+
+
+def _judged(outcomes: list[chaos.Outcome], kills: list[chaos.Kill]) -> list[bool]:
+    run = object.__new__(chaos.Chaos)  # judge reads only the outcomes and the kills
+    run.outcomes, run.kills = outcomes, kills
+    run.judge()
+    return [o.expected for o in outcomes]
+
+
+def test_errors_at_an_instance_whose_rank_died_are_expected_until_it_is_gone_and_not_after() -> None:
+    kill = chaos.Kill("decode0", "decode", at=10.0, rank=1, gone=14.0, failed_how="exited")
+    outcomes = [
+        chaos.Outcome("long", 0, 9.0, 11.0, "prefill0", "decode0", cause=chaos.LOAD_FAILED),  # in flight at the kill
+        chaos.Outcome("long", 1, 12.0, 12.5, "prefill1", "decode0", cause=chaos.LOAD_FAILED),  # sent while failing
+        chaos.Outcome("long", 2, 15.0, 16.0, "prefill1", "decode0", cause=chaos.LOAD_FAILED),  # after it was gone
+        chaos.Outcome("long", 3, 12.0, 13.0, "prefill1", "decode1", cause=chaos.LOAD_FAILED),  # another instance
+        chaos.Outcome("proxy", 4, 13.0, 13.5, cause=chaos.DECODE_KILLED),  # through the proxy
+        chaos.Outcome("long", 5, 12.0, 13.0, "prefill0", "decode0", cause=chaos.HANG),  # a hang is never expected
+        chaos.Outcome("long", 6, 1.0, 2.0, "prefill0", "decode0", cause=chaos.LOAD_FAILED),  # before the kill
+    ]
+    assert _judged(outcomes, [kill]) == [True, True, False, False, True, False, False]
+
+
+def test_a_whole_instance_kill_explains_only_requests_in_flight_at_that_moment() -> None:
+    kill = chaos.Kill("prefill0", "prefill", at=10.0)
+    outcomes = [
+        chaos.Outcome("long", 0, 9.0, 11.0, "prefill0", "decode0", cause=chaos.PREFILL_KILLED),
+        chaos.Outcome("long", 1, 10.5, 11.0, "prefill0", "decode0", cause=chaos.PREFILL_KILLED),
+        chaos.Outcome("long", 2, 9.0, 11.0, "prefill1", "decode0", cause=chaos.PREFILL_KILLED),
+        chaos.Outcome("proxy", 3, 9.0, 11.0, cause=chaos.LOAD_FAILED),
+        chaos.Outcome("proxy", 4, 9.0, 11.0, cause=chaos.DECODE_KILLED),  # the wrong role
+    ]
+    assert _judged(outcomes, [kill]) == [True, False, False, True, False]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "most"), [(1, 1, 2), (2, 2, 4), (1, 2, 4), (2, 1, 4)])
+def test_an_idle_instance_keeps_one_connection_per_pair_of_ranks_sharing_heads(
+    prefill_tp: int, decode_tp: int, most: int
+) -> None:
+    assert chaos.most_connections(prefill_tp, decode_tp) == most
+    assert chaos.gauges_idle(IDLE | {"connections": float(most)}, 0.0, most)
+    assert not chaos.gauges_idle(IDLE | {"connections": float(most + 1)}, 0.0, most)

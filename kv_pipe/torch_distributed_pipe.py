@@ -71,6 +71,7 @@ from kv_pipe.errors import (
     KVTransferError,
 )
 from kv_pipe.exported_memory import ExportDescriptor, PeerMemory
+from kv_pipe.failure import FailureLatch, fresh_error
 from kv_pipe.protocol import (
     HEADER_BYTES,
     ITEM_KINDS,
@@ -231,9 +232,7 @@ class TorchDistributedPipe(KVPipeBase):
         # lock (SimpleQueue.put is reentrant), and a ring between its look and its sleep is not lost.
         self._sender_doorbell: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._receiver_parked = threading.Condition(self._lock)  # the receiver thread, while callers receive
-        self._error: BaseException | None = None  # the first fatal error; the pipe is dead after it
-        self._error_raised = False
-        self._closing = False  # close() was called
+        self._failure = FailureLatch()  # the first fatal error, and close()
         self._final_frame_queued = False  # CLOSE or CLOSE_ACK queued: nothing may follow it
         self._peer_finished = False  # the peer sent CLOSE or CLOSE_ACK
         self._send_queue: collections.deque[list[_Outgoing]] = collections.deque()
@@ -348,10 +347,10 @@ class TorchDistributedPipe(KVPipeBase):
                     self._report_credit()
                     self._streams.hand_over(tensor)
                     return tensor
-                self._raise_if_failed()
+                self._failure.raise_if_failed()
                 if self._peer_finished:
                     raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
-                if self._closing:
+                if self._failure.closed:
                     raise KVPipeClosedError("recv_tensor on a closed pipe")
                 may_receive_here = self._may_receive_here(deadline)
                 receive_here = may_receive_here and self._recv_role.acquire(blocking=False)
@@ -371,7 +370,7 @@ class TorchDistributedPipe(KVPipeBase):
                 if arrived is False:
                     with self._lock:
                         if not self._recv_queue:
-                            self._raise_if_failed()
+                            self._failure.raise_if_failed()
                             raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
 
     def _may_receive_here(self, deadline: float | None) -> bool:
@@ -399,16 +398,15 @@ class TorchDistributedPipe(KVPipeBase):
         deadline = _deadline(timeout)
         with self._lock:
             while self._sent_messages < self._queued_messages:
-                self._raise_if_failed()
+                self._failure.raise_if_failed()
                 if not _wait(self._transmitted, deadline):
                     raise KVTimeoutError(f"flush: queued tensors were not sent within {timeout:g} s")
 
     def close(self) -> None:
         with self._lock:
-            if self._closing:
+            if not self._failure.close():
                 return
-            self._closing = True
-            if self._error is None and not self._final_frame_queued:
+            if self._failure.error is None and not self._final_frame_queued:
                 self._queue_final_frame(FrameKind.CLOSE)
             self._wake_callers()
         # Both threads end once the peer has answered CLOSE; a dead peer ends them with an error
@@ -431,12 +429,12 @@ class TorchDistributedPipe(KVPipeBase):
             self._shared = None  # received tensors keep the peer's segment mapped while they live
         with self._lock:
             unsent = self._queued_messages - self._sent_messages
-            lost = unsent > 0 or not isinstance(self._error, KVTransferError)  # a bug surfaces anyway
-            if self._error is not None and not self._error_raised and lost:
-                self._error_raised = True
-                if isinstance(self._error, KVTransferError):
-                    raise KVTransferError(f"close: {unsent} queued message(s) were never sent") from self._error
-                raise self._error
+            lost = unsent > 0 or not isinstance(self._failure.error, KVTransferError)  # a bug surfaces anyway
+            error = self._failure.unreported() if lost else None
+            if isinstance(error, KVTransferError):
+                raise KVTransferError(f"close: {unsent} queued message(s) were never sent") from error
+            if error is not None:
+                raise fresh_error(error)
 
     # ------------------------------------------------------------------ sending (callers)
 
@@ -479,13 +477,13 @@ class TorchDistributedPipe(KVPipeBase):
             prepared = self._run(self._prepare_own_unit, unit, action="sending")
             if prepared is False:
                 self._send_role.release()
-                self._raise_if_failed()
+                self._failure.raise_if_failed()
                 return
         try:
             self._send_unit(*prepared)
         finally:
             self._send_role.release()
-        self._raise_if_failed()
+        self._failure.raise_if_failed()
 
     def _wait_for_credit(self, cost: int, timeout: float | None, deadline: float | None) -> None:
         """Wait until the budget has room for a unit of ``cost`` and no sender that waited longer is
@@ -544,16 +542,9 @@ class TorchDistributedPipe(KVPipeBase):
         return self._frame_headers(unit, freed), unit
 
     def _raise_if_unusable_for_send(self) -> None:
-        self._raise_if_failed()
-        if self._closing:
-            raise KVPipeClosedError("send_tensor on a closed pipe")
+        self._failure.raise_if_unusable("send_tensor on a closed pipe")
         if self._final_frame_queued or self._peer_finished:
             raise KVPipeClosedError("the peer closed the pipe; nothing more can be sent")
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            self._error_raised = True
-            raise self._error
 
     # ------------------------------------------------------------------ sender thread
 
@@ -602,7 +593,7 @@ class TorchDistributedPipe(KVPipeBase):
         """Wait until something is to be sent; False once the pipe failed."""
         while True:
             with self._lock:
-                if self._error is not None:
+                if self._failure.error is not None:
                     return False
                 if self._send_queue or self._credit.report_urgent():
                     return True
@@ -768,19 +759,19 @@ class TorchDistributedPipe(KVPipeBase):
     def _receive_frames(self) -> None:
         while True:
             with self._lock:
-                while not self._peer_finished and self._error is None:
+                while not self._peer_finished and self._failure.error is None:
                     pause = self._callers_keep_the_channel()
                     if not pause:
                         break
                     self._receiver_parked.wait(pause)
-                if self._peer_finished or self._error is not None:
+                if self._peer_finished or self._failure.error is not None:
                     return
             self._channel.readable(min(self._keepalive_interval, self._last_received + self.config.kv_timeout
                                        - time.monotonic()))
             if self._callers_receiving or not self._recv_role.acquire(blocking=False):
                 continue
             try:
-                if self._peer_finished or self._error is not None:
+                if self._peer_finished or self._failure.error is not None:
                     return
                 while (self._run(self._receive_frame, time.monotonic(), action="receiving") is True
                        and not (self._role_wanted and not self._channel.interruptible)):
@@ -820,7 +811,7 @@ class TorchDistributedPipe(KVPipeBase):
         spin = self._spin
         while True:
             with self._lock:
-                if self._recv_queue or self._peer_finished or self._error is not None:
+                if self._recv_queue or self._peer_finished or self._failure.error is not None:
                     return True
                 if not self._may_receive_here(deadline):
                     return None
@@ -850,7 +841,7 @@ class TorchDistributedPipe(KVPipeBase):
             self._recv_queue.extend(items)
             if first.kind is FrameKind.CLOSE:
                 self._peer_finished = True
-                if not self._final_frame_queued and self._error is None:
+                if not self._final_frame_queued and self._failure.error is None:
                     self._queue_final_frame(FrameKind.CLOSE_ACK)
             elif first.kind is FrameKind.CLOSE_ACK:
                 self._peer_finished = True
@@ -966,9 +957,9 @@ class TorchDistributedPipe(KVPipeBase):
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
-            first = self._error is None and not (self._closing and self._peer_finished)
+            # Closing, the pipe still fails until the peer answered CLOSE (messages may be unsent).
+            first = self._failure.fail(error, after_close=not self._peer_finished)
             if first:
-                self._error = error
                 if isinstance(error, KVTransferError):
                     logger.error("%s", error)
             self._wake_callers()

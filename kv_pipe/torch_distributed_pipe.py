@@ -11,7 +11,8 @@
   frames while no caller does, validates them, takes their payloads in and queues the items for
   :meth:`recv_tensor`. A caller sends its own unit when nothing is queued ahead of it, and receives
   frames itself while no one else does, so a message costs no thread hand-off (two kernel wake-ups,
-  about 100 µs).
+  about 100 µs). Which callers may, on each channel, is :mod:`kv_pipe.turns`; the frame layout and
+  its checks are pure functions of :mod:`kv_pipe.protocol`.
 * Any transport timeout closes gloo's connection for good, and an operation on the groups ends only
   once the peer has done its part (posted its receive, sent a frame), which a live peer does within
   the keepalive interval. So over the groups only a caller with twice that interval to spare waits

@@ -34,6 +34,7 @@ import dataclasses
 import enum
 import math
 import struct
+from collections.abc import Sequence
 
 import torch
 
@@ -231,6 +232,88 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int, sha
         )
     return FrameHeader(kind, seq, consumed, bool(want_credit), dtype, shape, nbytes, inline, bool(more), place,
                        freed)
+
+
+@dataclasses.dataclass(slots=True)
+class Record:
+    """One record to send, before it is laid out in a frame: an item (TENSOR, NONE) or a control
+    record. ``place``: where its payload lies in the sender's shared-memory segment (0: not there)."""
+
+    kind: FrameKind
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
+    place: int = 0
+
+
+def lay_out_records(records: Sequence[Record], frame_bytes: int, inline_payloads: bool, seq: int, consumed: int,
+                    want_credit: bool, freed: int = 0) -> list[tuple[int, FrameHeader]]:
+    """Where each record of a unit starts in its frame, and its header: the first record's gives
+    back region ``freed``; ``seq`` is the sequence number of the unit's first item.
+
+    Records share a frame while the next one's header fits after the last one's inline bytes; a
+    tensor is inline if it fits where its record starts, is not in shared memory, and
+    ``inline_payloads`` (else it is a payload behind its frame). A frame ends after a record whose
+    header says no ``more``.
+    """
+    laid_out = []
+    offset = 0  # where the current record starts in its frame
+    last = len(records) - 1
+    for index, record in enumerate(records):
+        header = FrameHeader(record.kind, seq, consumed, want_credit, record.dtype, record.shape, record.nbytes,
+                             freed=0 if index else freed, place=record.place)
+        if record.dtype is not None:
+            capacity = record_inline_capacity(frame_bytes, offset) if inline_payloads else 0
+            header.inline = record.nbytes <= capacity and not record.place
+        if record.kind in ITEM_KINDS:
+            seq += 1
+        laid_out.append((offset, header))
+        if index < last:
+            following = next_record_offset(offset, record.nbytes if header.inline else 0)
+            header.more = following + HEADER_BYTES <= frame_bytes
+            offset = following if header.more else 0
+    return laid_out
+
+
+def frame_length(offset: int, header: FrameHeader) -> int:
+    """The bytes a frame whose last record starts at ``offset`` with ``header`` fills."""
+    return offset + HEADER_BYTES + (header.nbytes if header.inline else 0)
+
+
+def decode_frame(frame: memoryview, inline_payloads: bool, max_nbytes: int, shared_bytes: int,
+                 seq: int) -> list[tuple[int, FrameHeader]]:
+    """Parse and validate every record of a received frame (byte-addressed, as long as the frames
+    both sides agreed on): where each starts and its header, in order. ``seq`` is the sequence
+    number the peer's next item must carry; the rest is as for :func:`decode_header`. Raises
+    KVProtocolError on anything off, before any payload is received.
+    """
+    frame_bytes = len(frame)
+    offset = 0
+    records = []
+    while True:
+        capacity = record_inline_capacity(frame_bytes, offset) if inline_payloads else 0
+        header = decode_header(frame[offset : offset + HEADER_BYTES], max_nbytes=max_nbytes,
+                               inline_capacity=capacity, shared_bytes=shared_bytes)
+        if records:
+            first = records[0][1]
+            if header.consumed != first.consumed or header.want_credit != first.want_credit:
+                raise KVProtocolError("peer sent a frame whose records disagree on credit")
+            if header.kind not in ITEM_KINDS:
+                raise KVProtocolError(f"peer sent a {header.kind.name} record after another record in one frame")
+            if header.freed:
+                raise KVProtocolError("peer gave a region back in a record other than its frame's first")
+        if (header.freed or header.kind is FrameKind.FREED) and not shared_bytes:
+            raise KVProtocolError("peer freed shared-memory regions, but this side gave it none")
+        if header.kind in ITEM_KINDS:
+            if header.seq != seq:
+                raise KVProtocolError(f"peer's message {header.seq} arrived where {seq} was due")
+            seq += 1
+        records.append((offset, header))
+        if not header.more:
+            return records
+        offset = next_record_offset(offset, header.nbytes if header.inline else 0)
+        if offset + HEADER_BYTES > frame_bytes:
+            raise KVProtocolError(f"peer announced a record at byte {offset}, past the end of its frame")
 
 
 def check_sendable(tensor: torch.Tensor) -> None:

@@ -11,7 +11,8 @@
   frames while no caller does, validates them, takes their payloads in and queues the items for
   :meth:`recv_tensor`. A caller sends its own unit when nothing is queued ahead of it, and receives
   frames itself while no one else does, so a message costs no thread hand-off (two kernel wake-ups,
-  about 100 µs).
+  about 100 µs). Which callers may, on each channel, is :mod:`kv_pipe.turns`; the frame layout and
+  its checks are pure functions of :mod:`kv_pipe.protocol`.
 * Any transport timeout closes gloo's connection for good, and an operation on the groups ends only
   once the peer has done its part (posted its receive, sent a frame), which a live peer does within
   the keepalive interval. So over the groups only a caller with twice that interval to spare waits
@@ -46,6 +47,7 @@
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import math
 import queue
@@ -71,6 +73,7 @@ from kv_pipe.errors import (
     KVTransferError,
 )
 from kv_pipe.exported_memory import ExportDescriptor, PeerMemory
+from kv_pipe.failure import FailureLatch, fresh_error
 from kv_pipe.protocol import (
     HEADER_BYTES,
     ITEM_KINDS,
@@ -79,13 +82,16 @@ from kv_pipe.protocol import (
     FrameHeader,
     FrameKind,
     Hello,
+    Record,
     check_sendable,
     chunk_bounds,
-    decode_header,
+    decode_frame,
+    frame_length,
+    lay_out_records,
     message_cost,
-    next_record_offset,
     record_inline_capacity,
 )
+from kv_pipe.turns import RECEIVER_PARK_SECONDS, GroupTurns, SocketTurns, ThreadTurns
 from kv_pipe.wire import HostWire, flat_bytes
 
 logger = logging.getLogger(__name__)
@@ -93,19 +99,6 @@ logger = logging.getLogger(__name__)
 _FINAL_KINDS = (FrameKind.CLOSE, FrameKind.CLOSE_ACK)
 #: Kinds that count as the user's messages for flush(): items, and the final frame close() queues.
 _COUNTED_KINDS = (*ITEM_KINDS, *_FINAL_KINDS)
-#: A caller receiving on a local socket polls it without sleeping for a while before it sleeps: a
-#: frame that arrives meanwhile is seen without a kernel wake-up (50-100 µs on a virtual machine,
-#: paid by both sides). The while adapts: half again the last wait for a frame, if that was under
-#: the longest spin, else the shortest (a long wait is a large copy on the peer's side, which
-#: polling would take a core from).
-SPIN_SECONDS = (50e-6, 1e-3)
-#: While callers receive on a local socket, the receiver thread leaves the socket to them and looks
-#: again after this long: were it to wake at every arrival too, it would contend with them.
-RECEIVER_PARK_SECONDS = 0.05
-#: On the groups, the receiver thread leaves the receive role to callers for this long after one
-#: received, so that a caller receiving again soon (a ping-pong) finds it free. Meanwhile a peer's
-#: frame that no caller is receiving waits for the thread, and so may the peer's send (at most this).
-CALLERS_RETURN_SECONDS = 0.01
 #: How long credit and regions of the peer's segment whose tensors died wait to go back with a
 #: message that is sent anyway, before the sender thread sends them alone (a wake-up and a frame per
 #: message would cost more). Credit the peer asked for goes at once. The wait starts at the shortest;
@@ -118,6 +111,26 @@ RETURN_DELAY_SECONDS = (0.001, 0.064)
 
 class _TransportError(Exception):
     """A torch.distributed send or receive failed: the peer is gone or the connection broke."""
+
+
+class Frame(enum.Enum):
+    """What one receive of a frame came to."""
+
+    TAKEN = enum.auto()  # a frame arrived and what it carries is queued; more may come
+    NONE_YET = enum.auto()  # no frame started by the deadline (a local socket only)
+    ENDED = enum.auto()  # the peer finished: nothing more will come
+
+
+class CallerReceive(enum.Enum):
+    """How a caller's turn at receiving frames ended."""
+
+    READY = enum.auto()  # an item, the end of the stream or a failure is queued
+    TIMED_OUT = enum.auto()  # nothing of the sort came by the caller's deadline
+    LEAVE_TO_THREAD = enum.auto()  # the caller's deadline is near: the receiver thread receives for it
+
+
+class _Step(enum.Enum):
+    FAILED = enum.auto()  # a step of a transfer failed the pipe (see TorchDistributedPipe._run)
 
 
 class _Outgoing:
@@ -231,9 +244,7 @@ class TorchDistributedPipe(KVPipeBase):
         # lock (SimpleQueue.put is reentrant), and a ring between its look and its sleep is not lost.
         self._sender_doorbell: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._receiver_parked = threading.Condition(self._lock)  # the receiver thread, while callers receive
-        self._error: BaseException | None = None  # the first fatal error; the pipe is dead after it
-        self._error_raised = False
-        self._closing = False  # close() was called
+        self._failure = FailureLatch()  # the first fatal error, and close()
         self._final_frame_queued = False  # CLOSE or CLOSE_ACK queued: nothing may follow it
         self._peer_finished = False  # the peer sent CLOSE or CLOSE_ACK
         self._send_queue: collections.deque[list[_Outgoing]] = collections.deque()
@@ -248,11 +259,7 @@ class TorchDistributedPipe(KVPipeBase):
         # holds a role is the only one using that direction of the channel.
         self._send_role = threading.Lock()
         self._recv_role = threading.Lock()
-        self._callers_receiving = 0  # callers holding the receive role
-        self._waiting_for_thread = 0  # callers that must leave the receiving to the receiver thread
-        self._last_caller_received = -math.inf  # when callers last had the receive role
-        self._role_wanted = False  # a caller waited for the role since the receiver thread took it
-        self._spin = SPIN_SECONDS[0]
+        self._turns = self._make_turns()
 
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
@@ -348,67 +355,55 @@ class TorchDistributedPipe(KVPipeBase):
                     self._report_credit()
                     self._streams.hand_over(tensor)
                     return tensor
-                self._raise_if_failed()
+                self._failure.raise_if_failed()
                 if self._peer_finished:
                     raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
-                if self._closing:
+                if self._failure.closed:
                     raise KVPipeClosedError("recv_tensor on a closed pipe")
-                may_receive_here = self._may_receive_here(deadline)
+                may_receive_here = self._turns.may_receive_here(deadline)
                 receive_here = may_receive_here and self._recv_role.acquire(blocking=False)
                 if not receive_here and not self._wait_for_an_item(may_receive_here, deadline):
                     raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
-                self._callers_receiving += receive_here
+                if receive_here:
+                    self._turns.caller_took_role()
             if receive_here:
                 try:
                     arrived = self._receive_until_an_item(deadline)
                 finally:
                     self._recv_role.release()
                     with self._lock:
-                        self._callers_receiving -= 1
-                        self._last_caller_received = time.monotonic()
-                        if self._waiting_for_thread:
+                        if self._turns.caller_left_role():
                             self._receiver_parked.notify()
-                if arrived is False:
+                if arrived is CallerReceive.TIMED_OUT:
                     with self._lock:
                         if not self._recv_queue:
-                            self._raise_if_failed()
+                            self._failure.raise_if_failed()
                             raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
-
-    def _may_receive_here(self, deadline: float | None) -> bool:
-        """Whether a caller with ``deadline`` may receive frames itself: on a local socket always, on
-        gloo's groups if it has time to spare (a receive there lasts until the peer's next frame),
-        on NCCL's never (only the pipe's threads issue NCCL operations, on the pipe's streams)."""
-        if not self._channel.callers_may_post:
-            return False
-        return self._channel.interruptible or self._has_time_for_the_groups(deadline)
 
     def _wait_for_an_item(self, may_receive_here: bool, deadline: float | None) -> bool:
         """Wait for an item, the end of the stream, or (``may_receive_here``) the receive role to
         come free; False once ``deadline`` passed (hold ``_lock``)."""
-        if may_receive_here:
-            self._role_wanted = True
-            return _wait(self._items, deadline)
-        self._waiting_for_thread += 1
-        self._receiver_parked.notify()  # this caller waits for the receiver thread
+        self._turns.caller_waits(for_role=may_receive_here)
+        if not may_receive_here:
+            self._receiver_parked.notify()  # this caller waits for the receiver thread
         try:
             return _wait(self._items, deadline)
         finally:
-            self._waiting_for_thread -= 1
+            self._turns.caller_stops_waiting(for_role=may_receive_here)
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = _deadline(timeout)
         with self._lock:
             while self._sent_messages < self._queued_messages:
-                self._raise_if_failed()
+                self._failure.raise_if_failed()
                 if not _wait(self._transmitted, deadline):
                     raise KVTimeoutError(f"flush: queued tensors were not sent within {timeout:g} s")
 
     def close(self) -> None:
         with self._lock:
-            if self._closing:
+            if not self._failure.close():
                 return
-            self._closing = True
-            if self._error is None and not self._final_frame_queued:
+            if self._failure.error is None and not self._final_frame_queued:
                 self._queue_final_frame(FrameKind.CLOSE)
             self._wake_callers()
         # Both threads end once the peer has answered CLOSE; a dead peer ends them with an error
@@ -431,12 +426,12 @@ class TorchDistributedPipe(KVPipeBase):
             self._shared = None  # received tensors keep the peer's segment mapped while they live
         with self._lock:
             unsent = self._queued_messages - self._sent_messages
-            lost = unsent > 0 or not isinstance(self._error, KVTransferError)  # a bug surfaces anyway
-            if self._error is not None and not self._error_raised and lost:
-                self._error_raised = True
-                if isinstance(self._error, KVTransferError):
-                    raise KVTransferError(f"close: {unsent} queued message(s) were never sent") from self._error
-                raise self._error
+            lost = unsent > 0 or not isinstance(self._failure.error, KVTransferError)  # a bug surfaces anyway
+            error = self._failure.unreported() if lost else None
+            if isinstance(error, KVTransferError):
+                raise KVTransferError(f"close: {unsent} queued message(s) were never sent") from error
+            if error is not None:
+                raise fresh_error(error)
 
     # ------------------------------------------------------------------ sending (callers)
 
@@ -470,22 +465,23 @@ class TorchDistributedPipe(KVPipeBase):
                 self._wait_for_credit(cost, timeout, deadline)
             self._credit.reserve(cost)
             self._queued_messages += len(unit)
-            if not (not self._send_queue and self._may_send_here(unit, deadline)
+            tensors = [message.data for message in unit if message.kind is FrameKind.TENSOR]
+            if not (not self._send_queue and self._turns.may_send_here(tensors, deadline)
                     and self._send_role.acquire(blocking=False)):
                 self._send_queue.append(unit)
                 self._sender_doorbell.put(None)
                 return
             # Nothing is queued ahead of this unit and no one else is sending: send it from here.
             prepared = self._run(self._prepare_own_unit, unit, action="sending")
-            if prepared is False:
+            if prepared is _Step.FAILED:
                 self._send_role.release()
-                self._raise_if_failed()
+                self._failure.raise_if_failed()
                 return
         try:
             self._send_unit(*prepared)
         finally:
             self._send_role.release()
-        self._raise_if_failed()
+        self._failure.raise_if_failed()
 
     def _wait_for_credit(self, cost: int, timeout: float | None, deadline: float | None) -> None:
         """Wait until the budget has room for a unit of ``cost`` and no sender that waited longer is
@@ -511,49 +507,24 @@ class TorchDistributedPipe(KVPipeBase):
                 self._room.notify_all()  # the next in line may find room at once
             self._credit_waiters.remove(turn)
 
-    def _may_send_here(self, unit: list[_Outgoing], deadline: float | None) -> bool:
-        """Whether a caller may send ``unit`` itself (hold ``_lock``); else the sender thread does, as
-        a caller's wait may not outlast its timeout.
-
-        On a local socket: if its payloads all go through shared memory (a frame leaves at once, a
-        payload written to the socket waits for the wire). Over the groups: if the caller has time
-        to spare (see :meth:`_has_time_for_the_groups`) and no tensor is larger than a frame holds,
-        so that it waits for at most a frame's worth of wire per item.
-        """
+    def _make_turns(self) -> ThreadTurns:
+        """Who sends and receives on this pipe's channel (see :mod:`kv_pipe.turns`)."""
         if not self._channel.callers_may_post:
-            return False  # NCCL: only the sender thread sends, on its own stream
-        if self._shared is None:
-            inline = record_inline_capacity(self._wire.frame_bytes, 0)
-            return self._has_time_for_the_groups(deadline) and all(message.nbytes <= inline for message in unit)
-        payloads = [message.data for message in unit
-                    if message.kind is FrameKind.TENSOR and message.nbytes >= SHARED_MIN_BYTES]
-        return not payloads or self._shared.room_for(payloads)
+            return ThreadTurns()
+        if self._channel.interruptible:
+            return SocketTurns(self._shared.room_for)
+        return GroupTurns(self._keepalive_interval, record_inline_capacity(self._wire.frame_bytes, 0))
 
-    def _has_time_for_the_groups(self, deadline: float | None) -> bool:
-        """Whether a caller with ``deadline`` may wait in an operation on the groups: one ends when
-        the peer has done its part (a frame sent, a receive posted), which a live peer does within
-        the keepalive interval, and it cannot be abandoned earlier (a torch.distributed wait that
-        times out breaks the connection for good). Only a caller with twice that interval to spare
-        keeps its deadline in one."""
-        return deadline is None or deadline - time.monotonic() >= 2 * self._keepalive_interval
-
-    def _prepare_own_unit(self, unit: list[_Outgoing]) -> tuple[list[FrameHeader], list[_Outgoing]]:
+    def _prepare_own_unit(self, unit: list[_Outgoing]) -> tuple[list[tuple[int, FrameHeader]], list[_Outgoing]]:
         """Headers for a unit a caller sends itself, with the regions to give back (hold ``_lock``)."""
         record, freed = self._take_freed()
         unit = unit if record is None else [record, *unit]
         return self._frame_headers(unit, freed), unit
 
     def _raise_if_unusable_for_send(self) -> None:
-        self._raise_if_failed()
-        if self._closing:
-            raise KVPipeClosedError("send_tensor on a closed pipe")
+        self._failure.raise_if_unusable("send_tensor on a closed pipe")
         if self._final_frame_queued or self._peer_finished:
             raise KVPipeClosedError("the peer closed the pipe; nothing more can be sent")
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            self._error_raised = True
-            raise self._error
 
     # ------------------------------------------------------------------ sender thread
 
@@ -567,17 +538,17 @@ class TorchDistributedPipe(KVPipeBase):
                 return
             with self._send_role:  # a caller may be sending: the work may be gone once it is done
                 prepared = self._run(self._prepare_next_unit, action="sending")
-                if prepared is False:
+                if prepared is _Step.FAILED:
                     return
                 if prepared is None:
                     continue
-                headers, unit = prepared
-                if not self._send_unit(headers, unit):
+                laid_out, unit = prepared
+                if not self._send_unit(laid_out, unit):
                     return
             if unit[0].kind in _FINAL_KINDS:
                 return
 
-    def _prepare_next_unit(self) -> tuple[list[FrameHeader], list[_Outgoing]] | None:
+    def _prepare_next_unit(self) -> tuple[list[tuple[int, FrameHeader]], list[_Outgoing]] | None:
         """The next unit the sender thread sends, with its headers; None if nothing is due."""
         with self._lock:
             found = self._next_unit()
@@ -586,9 +557,9 @@ class TorchDistributedPipe(KVPipeBase):
             unit, freed = found
             return self._frame_headers(unit, freed), unit
 
-    def _send_unit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> bool:
+    def _send_unit(self, laid_out: list[tuple[int, FrameHeader]], unit: list[_Outgoing]) -> bool:
         """Transmit a unit (hold the send role); False if the pipe failed."""
-        if not self._run(self._transmit, headers, unit, action="sending"):
+        if self._run(self._transmit, laid_out, unit, action="sending") is _Step.FAILED:
             return False
         counted = sum(message.kind in _COUNTED_KINDS for message in unit)
         with self._lock:
@@ -602,7 +573,7 @@ class TorchDistributedPipe(KVPipeBase):
         """Wait until something is to be sent; False once the pipe failed."""
         while True:
             with self._lock:
-                if self._error is not None:
+                if self._failure.error is not None:
                     return False
                 if self._send_queue or self._credit.report_urgent():
                     return True
@@ -685,44 +656,32 @@ class TorchDistributedPipe(KVPipeBase):
             self._return_due = time.monotonic() + self._return_delay
             self._sender_doorbell.put(None)
 
-    def _frame_headers(self, unit: list[_Outgoing], freed: int = 0) -> list[FrameHeader]:
-        """The records' headers of ``unit``, the first giving back region ``freed`` (hold ``_lock``).
-
-        Records share a frame while the next one's header fits after the last one's inline bytes;
-        whether a tensor is inline depends on where its record starts.
-        """
+    def _frame_headers(self, unit: list[_Outgoing], freed: int = 0) -> list[tuple[int, FrameHeader]]:
+        """Where each record of ``unit`` starts in its frame and its header, the first giving back
+        region ``freed`` (hold ``_lock``): payloads from SHARED_MIN_BYTES take a region of this
+        side's shared-memory segment first."""
         consumed, want_credit = self._credit.report()
-        frame_bytes = self._wire.frame_bytes
-        headers = []
-        offset = 0  # where the current record starts in its frame
-        for index, message in enumerate(unit):
-            header = FrameHeader(kind=message.kind, seq=self._next_send_seq, consumed=consumed,
-                                 want_credit=want_credit, nbytes=message.nbytes, freed=0 if index else freed)
+        records = []
+        for message in unit:
+            record = Record(message.kind, nbytes=message.nbytes)
             if message.data is not None:
-                header.dtype, header.shape = message.data.dtype, tuple(message.data.shape)
-                header.inline = message.nbytes <= self._inline_capacity(offset)
+                record.dtype, record.shape = message.data.dtype, tuple(message.data.shape)
                 if (message.kind is FrameKind.TENSOR and message.nbytes >= SHARED_MIN_BYTES
                         and self._shared is not None):
-                    header.place = self._shared.take_lent(message.data)
-                    message.in_place = bool(header.place)
-                    header.place = header.place or self._shared.place(message.nbytes)
-                    header.inline = header.inline and not header.place
-            if message.kind in ITEM_KINDS:
-                self._next_send_seq += 1
-            if index < len(unit) - 1:
-                offset = next_record_offset(offset, message.nbytes if header.inline else 0)
-                header.more = offset + HEADER_BYTES <= frame_bytes
-                if not header.more:
-                    offset = 0
-            headers.append(header)
-        return headers
+                    record.place = self._shared.take_lent(message.data)
+                    message.in_place = bool(record.place)
+                    record.place = record.place or self._shared.place(message.nbytes)
+            records.append(record)
+        laid_out = lay_out_records(records, self._wire.frame_bytes, self._inline_payloads, self._next_send_seq,
+                                   consumed, want_credit, freed)
+        self._next_send_seq += sum(message.kind in ITEM_KINDS for message in unit)
+        return laid_out
 
-    def _transmit(self, headers: list[FrameHeader], unit: list[_Outgoing]) -> bool:
+    def _transmit(self, laid_out: list[tuple[int, FrameHeader]], unit: list[_Outgoing]) -> None:
         """Send the unit's frames and payloads: each frame with its payloads posted together, then
         waited for (the frame is written again next)."""
-        offset = 0
         payloads = []  # tensors of this frame's records that do not fit inside it
-        for header, message in zip(headers, unit, strict=True):
+        for (offset, header), message in zip(laid_out, unit, strict=True):
             if message.ready is not None:  # CUDA: the caller's stream made the data; this stream waits for it
                 self._streams.wait_ready(message.ready)
                 message.ready = None
@@ -734,11 +693,9 @@ class TorchDistributedPipe(KVPipeBase):
                 payloads.append(flat_bytes(message.data))
             message.data = None  # the caller's tensor is released as soon as it is on the wire
             if header.more:
-                offset = next_record_offset(offset, header.nbytes if header.inline else 0)
                 continue
-            used = offset + HEADER_BYTES + (header.nbytes if header.inline else 0)
             try:  # torch.distributed's errors derive from RuntimeError
-                posted = [self._channel.post(self._wire.frame_to_send(used), TAG_FRAME)]
+                posted = [self._channel.post(self._wire.frame_to_send(frame_length(offset, header)), TAG_FRAME)]
                 for flat in payloads:
                     posted += [self._channel.post(flat[start:end], TAG_PAYLOAD)
                                for start, end in chunk_bounds(flat.numel())]
@@ -747,9 +704,7 @@ class TorchDistributedPipe(KVPipeBase):
                         self._channel.finish(handle)
             except (RuntimeError, OSError) as exc:
                 raise _TransportError(exc) from exc
-            offset = 0
             payloads.clear()
-        return True
 
     def _queue_final_frame(self, kind: FrameKind) -> None:
         """Queue CLOSE or CLOSE_ACK, after which this side sends nothing (hold ``_lock``)."""
@@ -768,80 +723,59 @@ class TorchDistributedPipe(KVPipeBase):
     def _receive_frames(self) -> None:
         while True:
             with self._lock:
-                while not self._peer_finished and self._error is None:
-                    pause = self._callers_keep_the_channel()
+                while not self._peer_finished and self._failure.error is None:
+                    pause = self._turns.receiver_pause()
                     if not pause:
                         break
                     self._receiver_parked.wait(pause)
-                if self._peer_finished or self._error is not None:
+                if self._peer_finished or self._failure.error is not None:
                     return
             self._channel.readable(min(self._keepalive_interval, self._last_received + self.config.kv_timeout
                                        - time.monotonic()))
-            if self._callers_receiving or not self._recv_role.acquire(blocking=False):
+            if self._turns.receiving or not self._recv_role.acquire(blocking=False):
                 continue
             try:
-                if self._peer_finished or self._error is not None:
+                if self._peer_finished or self._failure.error is not None:
                     return
-                while (self._run(self._receive_frame, time.monotonic(), action="receiving") is True
-                       and not (self._role_wanted and not self._channel.interruptible)):
+                while (self._run(self._receive_frame, time.monotonic(), action="receiving") is Frame.TAKEN
+                       and not self._turns.receiver_yields()):
                     pass
             finally:
                 self._recv_role.release()
                 with self._lock:
-                    if self._role_wanted:  # a caller waited for the role meanwhile: it is the callers' now
-                        self._role_wanted = False
-                        self._last_caller_received = time.monotonic()
+                    if self._turns.receiver_left_role():  # a caller waited for the role meanwhile
                         self._items.notify_all()
 
-    def _callers_keep_the_channel(self) -> float:
-        """How long the receiver thread leaves receiving to callers before it looks again; 0 to
-        receive now (hold ``_lock``).
-
-        A receive on the groups cannot be abandoned, so there the thread also stays away for
-        CALLERS_RETURN_SECONDS after a caller received, or after it handed the role to a caller
-        that waited for it: a caller that receives again soon (a ping-pong) then finds the role free
-        rather than the thread inside a receive.
-        """
-        if self._callers_receiving:
-            return RECEIVER_PARK_SECONDS
-        if self._channel.interruptible or self._waiting_for_thread:
-            return 0.0
-        return max(0.0, self._last_caller_received + CALLERS_RETURN_SECONDS - time.monotonic())
-
-    def _receive_until_an_item(self, deadline: float | None) -> bool | None:
+    def _receive_until_an_item(self, deadline: float | None) -> CallerReceive:
         """Receive frames here (hold the receive role) until an item, the end of the stream or a
-        failure is queued, or until ``deadline``. False if nothing of the sort came by then; None
-        if the caller must leave the receiving to the receiver thread (its deadline is near).
+        failure is queued, or until ``deadline``.
 
         It looks at the pipe's state at least every RECEIVER_PARK_SECONDS, so that a failure
         elsewhere (which cannot wake a poll) reaches it soon."""
         wait_until = math.inf if deadline is None else deadline
         started = time.monotonic()
-        spin = self._spin
+        spin = self._turns.spin
         while True:
             with self._lock:
-                if self._recv_queue or self._peer_finished or self._error is not None:
-                    return True
-                if not self._may_receive_here(deadline):
-                    return None
+                if self._recv_queue or self._peer_finished or self._failure.error is not None:
+                    return CallerReceive.READY
+                if not self._turns.may_receive_here(deadline):
+                    return CallerReceive.LEAVE_TO_THREAD
             outcome = self._run(self._receive_frame, min(wait_until, time.monotonic() + RECEIVER_PARK_SECONDS),
                                 spin, action="receiving")
-            if outcome is None:
+            if outcome is Frame.NONE_YET:
                 if time.monotonic() >= wait_until:
-                    return False
+                    return CallerReceive.TIMED_OUT
                 spin = 0.0  # the poll was spun once already
                 continue
-            waited = self._last_received - started
-            shortest, longest = SPIN_SECONDS
-            self._spin = spin = max(shortest, 1.5 * waited) if waited * 1.5 < longest else shortest
+            spin = self._turns.frame_waited(self._last_received - started)
             started = time.monotonic()
 
-    def _receive_frame(self, wait_until: float, spin: float = 0.0) -> bool | None:
-        """Receive one frame and queue what it carries. False once nothing more will come; None if
-        no frame started by the monotonic time ``wait_until`` (a local socket only: a receive on the
-        groups lasts until a frame comes)."""
+    def _receive_frame(self, wait_until: float, spin: float = 0.0) -> Frame:
+        """Receive one frame, if one starts by the monotonic time ``wait_until`` (a receive on the
+        groups lasts until a frame comes), and queue what it carries."""
         if not self._recv_frame_by(wait_until, spin):
-            return None
+            return Frame.NONE_YET
         first, items = self._receive_records()
         self._streams.synchronize()  # CUDA: the items are complete before any caller sees them
         with self._lock:
@@ -850,7 +784,7 @@ class TorchDistributedPipe(KVPipeBase):
             self._recv_queue.extend(items)
             if first.kind is FrameKind.CLOSE:
                 self._peer_finished = True
-                if not self._final_frame_queued and self._error is None:
+                if not self._final_frame_queued and self._failure.error is None:
                     self._queue_final_frame(FrameKind.CLOSE_ACK)
             elif first.kind is FrameKind.CLOSE_ACK:
                 self._peer_finished = True
@@ -859,47 +793,26 @@ class TorchDistributedPipe(KVPipeBase):
             elif items:
                 self._items.notify_all()
             self._report_credit()
-            return not self._peer_finished
+            return Frame.ENDED if self._peer_finished else Frame.TAKEN
 
     def _receive_records(self) -> tuple[FrameHeader, list[tuple[torch.Tensor | None, int]]]:
-        """Parse the received frame's records and take in their items, payloads included.
+        """Validate the received frame's records and take in their items, payloads included.
 
         Returns the first record's header (credit, and the frame kind for control frames) and the
         items with their costs, in order.
         """
-        frame_bytes = self._wire.frame_bytes
-        max_nbytes = self._credit.budget
-        shared_bytes = self._shared.peer_bytes if self._shared is not None else 0
-        offset = 0
+        records = decode_frame(self._wire.received_frame(), self._inline_payloads, self._credit.budget,
+                               self._shared.peer_bytes if self._shared is not None else 0, self._next_recv_seq)
         items = []
-        while True:
-            header = decode_header(self._wire.read_header(offset), max_nbytes=max_nbytes,
-                                   inline_capacity=self._inline_capacity(offset),
-                                   shared_bytes=shared_bytes)
-            if not offset:
-                first = header
-            elif header.consumed != first.consumed or header.want_credit != first.want_credit:
-                raise KVProtocolError("peer sent a frame whose records disagree on credit")
-            elif header.kind not in ITEM_KINDS:
-                raise KVProtocolError(f"peer sent a {header.kind.name} record after another record in one frame")
-            elif header.freed:
-                raise KVProtocolError("peer gave a region back in a record other than its frame's first")
-            if (header.freed or header.kind is FrameKind.FREED) and self._shared is None:
-                raise KVProtocolError("peer freed shared-memory regions, but this side gave it none")
+        for offset, header in records:
             if header.freed:
                 self._shared.release([header.freed])
             if header.kind is FrameKind.FREED:
                 self._shared.release(self._wire.read_inline(offset + HEADER_BYTES, header).tolist())
             elif header.kind in ITEM_KINDS:
-                if header.seq != self._next_recv_seq:
-                    raise KVProtocolError(f"peer's message {header.seq} arrived where {self._next_recv_seq} was due")
-                self._next_recv_seq += 1
                 items.append((self._receive_item(header, offset), message_cost(header.nbytes)))
-            if not header.more:
-                return first, items
-            offset = next_record_offset(offset, header.nbytes if header.inline else 0)
-            if offset + HEADER_BYTES > frame_bytes:
-                raise KVProtocolError(f"peer announced a record at byte {offset}, past the end of its frame")
+        self._next_recv_seq += len(items)
+        return records[0][1], items
 
     def _receive_item(self, header: FrameHeader, offset: int) -> torch.Tensor | None:
         if header.kind is FrameKind.NONE:
@@ -918,11 +831,6 @@ class TorchDistributedPipe(KVPipeBase):
             self._recv(data[start:end], TAG_PAYLOAD)
             self._last_received = time.monotonic()  # a long payload is the peer's sign of life too
         return data.view(header.dtype).reshape(header.shape)
-
-    def _inline_capacity(self, offset: int) -> int:
-        """How many tensor bytes a record at ``offset`` carries inside its frame (none when split:
-        a header alone, so that a record with bytes always announces a payload)."""
-        return record_inline_capacity(self._wire.frame_bytes, offset) if self._inline_payloads else 0
 
     def _recv(self, tensor: torch.Tensor, tag: int) -> None:
         try:
@@ -949,7 +857,7 @@ class TorchDistributedPipe(KVPipeBase):
     # ------------------------------------------------------------------ both threads
 
     def _run(self, step, *args, action: str):
-        """Run one step of a transfer; its result, or False once it failed the pipe."""
+        """Run one step of a transfer; its result, or _Step.FAILED once it failed the pipe."""
         try:
             return step(*args)
         except _TransportError as exc:
@@ -962,13 +870,13 @@ class TorchDistributedPipe(KVPipeBase):
         except BaseException as exc:  # a bug in the pipe: it surfaces as itself, the pipe fails cleanly
             logger.exception("pipe rank %d: internal error while %s", self.rank, action)
             self._fail(exc)
-        return False
+        return _Step.FAILED
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
-            first = self._error is None and not (self._closing and self._peer_finished)
+            # Closing, the pipe still fails until the peer answered CLOSE (messages may be unsent).
+            first = self._failure.fail(error, after_close=not self._peer_finished)
             if first:
-                self._error = error
                 if isinstance(error, KVTransferError):
                     logger.error("%s", error)
             self._wake_callers()

@@ -65,8 +65,8 @@ class Wire(abc.ABC):
         """The part of the send frame to send when its records fill ``used_bytes``."""
 
     @abc.abstractmethod
-    def read_header(self, offset: int) -> memoryview:
-        """The HEADER_BYTES of the received record at ``offset``, byte-addressed on the host."""
+    def received_frame(self) -> memoryview:
+        """The last frame received, byte-addressed on the host (its records' headers and inline bytes)."""
 
     def frame_to_receive(self) -> torch.Tensor:
         """The buffer the next frame is received into (read the last frame's records before)."""
@@ -124,8 +124,8 @@ class HostWire(Wire):
             return frame
         return self.send_frame[:used_bytes]
 
-    def read_header(self, offset: int) -> memoryview:
-        return self._recv_bytes[offset : offset + HEADER_BYTES]
+    def received_frame(self) -> memoryview:
+        return self._recv_bytes
 
     def read_inline(self, start: int, header: FrameHeader) -> torch.Tensor:
         if header.nbytes >= INLINE_VIEW_MIN_BYTES:

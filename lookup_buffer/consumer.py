@@ -42,9 +42,10 @@ import zmq
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError, KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
+from kv_pipe.failure import FailureLatch, fresh_error
 from lookup_buffer.base import BufferStats, SelectResult
 from lookup_buffer.control import HIGH_WATER_MARK, Endpoint
-from lookup_buffer.errors import KVInvalidRequestError, fresh_error
+from lookup_buffer.errors import KVInvalidRequestError
 from lookup_buffer.loans import BorrowedTensor, Borrowing
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
@@ -97,9 +98,7 @@ class BufferConsumer:
         self._signer = ControlSigner(config.kv_secret)
         self._lock = threading.Lock()  # guards everything below but the control thread's own state
         self._calls: dict[int, _Call] = {}
-        self._closed = False
-        self._failure: KVTransferError | None = None
-        self._failure_reported = False
+        self._failure = FailureLatch()
         self._received_tensors = 0  # the data pipe's progress
         self._hits = self._misses = self._waits = self._received_bytes = 0
         self._session: bytes | None = None  # set once by the reader thread
@@ -184,9 +183,7 @@ class BufferConsumer:
     @property
     def failure(self) -> KVTransferError | None:
         with self._lock:
-            if self._failure is None and self._closed:
-                return KVPipeClosedError("the lookup buffer was closed")
-            return self._failure
+            return self._failure.reason("the lookup buffer was closed")
 
     def stats(self) -> BufferStats:
         with self._lock:
@@ -202,9 +199,8 @@ class BufferConsumer:
 
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if not self._failure.close():
                 return
-            self._closed = True
             calls = list(self._calls.values())
         for call in calls:
             call.done.set()  # each raises KVPipeClosedError unless its outcome is in
@@ -225,8 +221,7 @@ class BufferConsumer:
         if self._reader.is_alive():
             logger.error("lookup buffer pipe reader did not stop within %.1f s after the pipe closed", bound)
         with self._lock:
-            failure = None if self._failure_reported else self._failure
-            self._failure_reported = True
+            failure = self._failure.unreported()
         if pipe_error is not None:
             raise pipe_error
         if failure is not None and not isinstance(failure, KVPipeClosedError):
@@ -291,18 +286,13 @@ class BufferConsumer:
 
     def _raise_if_stopped(self) -> None:
         """Raise the failure or the closed state (hold ``_lock``)."""
-        if self._failure is not None:
-            self._failure_reported = True
-            raise fresh_error(self._failure)
-        if self._closed:
-            raise KVPipeClosedError("lookup buffer closed (drop_select woken or called after close)")
+        self._failure.raise_if_unusable("lookup buffer closed (drop_select woken or called after close)")
 
     def _fail(self, error: KVTransferError) -> None:
         """The buffer cannot serve selects any more: wake every call, refuse new ones."""
         with self._lock:
-            if self._closed or self._failure is not None:
+            if not self._failure.fail(error):
                 return  # a closing pipe ends the reader: not a failure
-            self._failure = error
             calls = list(self._calls.values())
         if isinstance(error, KVPipeClosedError):
             logger.info("lookup buffer: the producer closed its side (%s)", error)
@@ -315,7 +305,7 @@ class BufferConsumer:
 
     def _run_control(self) -> None:
         try:
-            while not self._closed:
+            while not self._failure.closed:
                 self._endpoint.wait(_MAX_POLL_MS)
                 self._send_queued()
                 self._take_refusals()

@@ -35,10 +35,11 @@ from kv_pipe import auth
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPipeClosedError, KVTransferError
+from kv_pipe.failure import FailureLatch, fresh_error
 from lookup_buffer.base import BufferStats
 from lookup_buffer.config import BufferConfig
 from lookup_buffer.control import Endpoint
-from lookup_buffer.errors import KVInvalidRequestError, fresh_error
+from lookup_buffer.errors import KVInvalidRequestError
 from lookup_buffer.loans import DROPPED, RECLAIMED, RETURNED, SENT, LentTensor, Loan, loan_table
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.protocol import (
@@ -144,9 +145,7 @@ class BufferProducer:
         self._store = store
         self._lock = threading.Lock()  # guards the counters and the failure state below
         self._hits = self._misses = self._waits = self._bad_messages = self._sent_bytes = 0
-        self._failure: KVTransferError | None = None
-        self._failure_reported = False
-        self._closed = False
+        self._failure = FailureLatch()
 
         # Owned by the server thread.
         self._waiters: dict[MatchKey, collections.deque[_Waiter]] = {}
@@ -225,9 +224,7 @@ class BufferProducer:
     def failure(self) -> KVTransferError | None:
         """Why this producer stopped serving (its consumer died or closed, or it was closed), or None."""
         with self._lock:
-            if self._failure is None and self._closed:
-                return KVPipeClosedError("the lookup buffer was closed")
-            return self._failure
+            return self._failure.reason("the lookup buffer was closed")
 
     def stats(self) -> BufferStats:
         store = self._store.counters()
@@ -245,9 +242,8 @@ class BufferProducer:
 
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if not self._failure.close():
                 return
-            self._closed = True
         self._stopping.set()
         self._store.unwatch(self._on_removed)
         if self._owns_store:
@@ -272,8 +268,7 @@ class BufferProducer:
         if pipe_error is not None:
             raise pipe_error
         with self._lock:
-            failure = None if self._failure_reported else self._failure
-            self._failure_reported = True
+            failure = self._failure.unreported()
         if failure is not None and not isinstance(failure, KVPipeClosedError):
             raise fresh_error(failure)
 
@@ -281,11 +276,7 @@ class BufferProducer:
 
     def _raise_if_unusable(self) -> None:
         with self._lock:
-            if self._failure is not None:
-                self._failure_reported = True
-                raise fresh_error(self._failure)
-            if self._closed:
-                raise KVPipeClosedError("insert on a closed lookup buffer")
+            self._failure.raise_if_unusable("insert on a closed lookup buffer")
 
     def _end_loans(self, outcome: str) -> None:
         """End every loan lent out on this connection."""
@@ -298,9 +289,8 @@ class BufferProducer:
         """The data pipe is unusable: refuse inserts and selects from now on."""
         self._end_loans(DROPPED)  # its consumer can no longer be told that its copy is good
         with self._lock:
-            if self._failure is not None or self._closed:
+            if not self._failure.fail(error):
                 return
-            self._failure = error
         if not self._owns_store:
             logger.info("lookup buffer: the connection to a consumer ends (%s); its entries stay for others", error)
             self._endpoint.doorbell.ring()
@@ -334,8 +324,8 @@ class BufferProducer:
                 self._expire(time.monotonic())
                 if self._owns_store:
                     log_expired(*self._store.expire())
-                if self._failure is not None:
-                    self._refuse_all(f"the producer's data pipe failed: {self._failure}")
+                if self._failure.error is not None:
+                    self._refuse_all(f"the producer's data pipe failed: {self._failure.error}")
         except Exception as exc:  # a bug; answer everyone rather than leave them waiting
             logger.exception("lookup buffer server thread failed")
             self._fail(KVTransferError(f"lookup buffer server thread failed: {exc!r}"))
@@ -390,8 +380,8 @@ class BufferProducer:
         self._last_counter = request.counter
 
     def _on_select(self, waiter: _Waiter, wait_ms: int) -> None:
-        if self._failure is not None:
-            message = f"the producer's data pipe failed: {self._failure}"
+        if self._failure.error is not None:
+            message = f"the producer's data pipe failed: {self._failure.error}"
             self._refuse(waiter.identity, waiter.request_id, "failed", message)
             return
         key = waiter.key
@@ -439,7 +429,7 @@ class BufferProducer:
         queue = self._waiters[key]
         unserved: collections.deque[_Waiter] = collections.deque()
         whole_left = True  # until a whole select finds none, none will
-        while queue and self._failure is None:
+        while queue and self._failure.error is None:
             waiter = queue[0]
             try:
                 if waiter.part is None:
@@ -579,7 +569,7 @@ class BufferProducer:
     def _answer(self, waiter: _Waiter, outcome: OutcomeStatus, message: str = "") -> None:
         """Answer a select that did not hit, on the data pipe; with a refusal if the pipe is broken
         (``message`` says what the outcome was)."""
-        if self._failure is None:
+        if self._failure.error is None:
             try:
                 # Waits for pipe credit as long as the consumer is alive, like a hit.
                 self._pipe.send_tensor(torch.from_numpy(make_outcome(waiter.request_id, outcome, waiter.waited)))
@@ -590,7 +580,7 @@ class BufferProducer:
             waiter.identity,
             waiter.request_id,
             "failed",
-            f"{message or outcome.name.lower()}; the producer's data pipe failed: {self._failure}",
+            f"{message or outcome.name.lower()}; the producer's data pipe failed: {self._failure.error}",
         )
 
     def _refuse(self, identity: bytes, request_id: int, reason: Reason, message: str) -> None:

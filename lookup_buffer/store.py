@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kv_pipe.errors import KVBufferFullError, KVTransferError
-from lookup_buffer.errors import KVInvalidRequestError, fresh_error
+from kv_pipe.failure import fresh_error
+from lookup_buffer.errors import KVInvalidRequestError
 from lookup_buffer.loans import COPIED, DROPPED, EVICTED, EXPIRED, LentTensor, Loan
 from lookup_buffer.matching import MatchKey
 

@@ -914,7 +914,7 @@ def body_bug_while_sending(rank: int, port: int, where: str) -> str:
     time.sleep(0.2)  # the receiving caller waits
     pipe._frame_headers = broken_frame_headers
     if where == "sender thread":
-        pipe._may_send_here = lambda unit, deadline: False  # the unit goes through the queue
+        pipe._turns.may_send_here = lambda tensors, deadline: False  # the unit goes through the queue
         pipe.send_tensor(torch.ones(2))
         with pytest.raises(TypeError, match="a bug in the pipe"):
             pipe.flush(timeout=30)

@@ -9,11 +9,13 @@ instance stored::
         "kv_connector_extra_config": {"kv_store": {"tiers": "memory,disk:/var/cache/kv", "chunk_size": 256}}}'
 
 Scheduler side (:class:`StoreScheduler`): a new request's prompt is cut into chunks
-(:func:`kv_store.chunk_keys`), one :meth:`kv_store.TieredStore.lookup` says how many leading
-chunks are stored, and the stored prefix beyond vLLM's own prefix cache is claimed as an
-asynchronous load, never past the whole blocks before the prompt's last token (vLLM computes that
-one: :func:`connector.transfer_plan.transfer_prefix_len`). Once a prompt is computed, its full
-chunks that the lookup did not find are handed to the workers to save.
+(:func:`kv_store.chunk_keys`), one :meth:`kv_store.TieredStore.lookup` of every TP rank's keys
+says how many leading chunks are stored for all ranks (each rank stores its own object of a
+chunk, and vLLM fails a block any rank fails to load), and the stored prefix beyond vLLM's own
+prefix cache is claimed as an asynchronous load, never past the whole blocks before the prompt's
+last token (vLLM computes that one: :func:`connector.transfer_plan.transfer_prefix_len`). Once a
+prompt is computed, its full chunks from the first one the lookup did not find for every rank are
+handed to the workers to save (a rank that holds one already writes nothing).
 
 Worker side (:class:`StoreWorker`): a load reads its chunks in one :meth:`~kv_store.TieredStore.get_many`
 in a load thread (:class:`connector.vllm_loads.LoadTracker`), or within the step when the step
@@ -28,11 +30,14 @@ blocks in ``wait_for_save``, before vLLM may reuse them (one gather per chunk, i
 for the next saves: :class:`StagingPool`), then encodes and puts them from a background thread
 (bounded: a save that finds it full is dropped and counted).
 
-Keys: the namespace digests the identity of :mod:`connector.compat` that both processes of an
-instance can know from vLLM's configuration (model, KV dtype, block size, layers, KV heads per
-rank, head size, vLLM's KV cache layout, format version, TP rank and size); each object also
-carries a digest of the worker's full layout (block shape, attention backend and its interior
-variant), checked on load, so an instance with another interior layout never reads wrong KV.
+Keys: the namespace digests the identity of :mod:`connector.compat` from vLLM's configuration
+(model, KV dtype, block size, layers, KV heads per rank, head size, vLLM's KV cache layout, format
+version, TP rank and size) and the worker's full layout (block shape, attention backend and its
+interior variant), which only the worker knows once its caches are registered: each worker tells
+the scheduler its namespace (:class:`StoreHandshake`, through vLLM's handshake metadata, before
+the first request), so instances of one model with other attention layouts keep apart on one
+store. Each object also carries a digest of that layout, checked on load (with ``layout_keys``
+off, as P/D with the store runs, it is what keeps another layout's objects from being loaded).
 
 Tiers: ``memory`` lives in each worker process (a cache in front of the shared tiers, filled by
 saves and by reads); the scheduler's lookups ask the shared tiers (``disk:PATH``, ``redis://``,

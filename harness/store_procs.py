@@ -18,13 +18,9 @@ CHUNK_SIZE = 2 * vp.BLOCK_SIZE
 def store_transfer_config(tiers: str, failure_policy: str = "recompute", **options: Any) -> dict[str, Any]:
     """A storage-tier instance: ``kv_both`` over a store of ``tiers`` with the tests' chunk size, no
     pipe; a load that fails is recomputed (``failure_policy``)."""
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_connector_module_path": "connector.vllm_v1",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": failure_policy,
-        "kv_connector_extra_config": {"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE, **options}},
-    }
+    return {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "connector.vllm_v1",
+            "kv_role": "kv_both", "kv_load_failure_policy": failure_policy,
+            "kv_connector_extra_config": {"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE, **options}}}
 
 
 def store_body(
@@ -52,9 +48,8 @@ def store_body(
 def pd_store_transfer_config(role: str, port: int, tiers: str, failure_policy: str = "recompute") -> dict[str, Any]:
     """A prefill (``kv_producer``) or decode (``kv_consumer``) instance of the tests' pairs with a store
     of ``tiers`` (chunks of :data:`CHUNK_SIZE` tokens)."""
-    return vp.kv_transfer_config(
-        role, port, failure_policy=failure_policy, kv_store={"tiers": tiers, "chunk_size": CHUNK_SIZE}
-    )
+    return vp.kv_transfer_config(role, port, failure_policy=failure_policy,
+                                 kv_store={"tiers": tiers, "chunk_size": CHUNK_SIZE})
 
 
 def _counters() -> dict[str, Any]:
@@ -69,15 +64,8 @@ def _counters() -> dict[str, Any]:
     return {"stats": dict(connector.total_stats().data), "store": dataclasses.asdict(connector.store_stats())}
 
 
-def pd_store_producer_body(
-    model: str,
-    transfer: dict[str, Any],
-    batches: list[list[list[int]]],
-    prefilled: vp.Flag,
-    consumer_done: vp.Flag,
-    timeout: float,
-    announce: Any,
-) -> dict[str, Any]:
+def pd_store_producer_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]], prefilled: vp.Flag,
+                           consumer_done: vp.Flag, timeout: float, announce: Any) -> dict[str, Any]:
     """Prefill each batch (max_tokens=1) once the saves of the batch before are in the store (vLLM's
     prefix cache off: what a batch reuses comes from the store); put the outputs' kv_transfer_params
     into ``announce``, set ``prefilled``, stay up until the consumer is done."""
@@ -100,15 +88,9 @@ def pd_store_producer_body(
         vp._shutdown(llm)
 
 
-def pd_store_consumer_body(
-    model: str,
-    transfer: dict[str, Any],
-    batches: list[list[list[int]]],
-    prefilled: vp.Flag,
-    consumer_done: vp.Flag,
-    timeout: float,
-    announced: Any,
-) -> dict[str, Any]:
+def pd_store_consumer_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]],
+                           prefilled: vp.Flag, consumer_done: vp.Flag, timeout: float,
+                           announced: Any) -> dict[str, Any]:
     """Once the producer prefilled, decode each batch with its kv_transfer_params (vLLM's prefix
     cache off: every reused block comes from the store or the pipe)."""
     kwargs = vp.engine_kwargs(model, transfer)
@@ -136,9 +118,8 @@ def worker_store_stats(worker: Any) -> dict[str, Any]:
     return {"tp_rank": get_tensor_model_parallel_rank(), **dataclasses.asdict(connector.store_stats())}
 
 
-def tp_store_body(
-    model: str, transfer: dict[str, Any], batches: list[list[list[int]]], tp: int, prefix_caching: bool = True
-) -> dict[str, Any]:
+def tp_store_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]], tp: int,
+                  prefix_caching: bool = True) -> dict[str, Any]:
     """Serve ``batches`` one after the other at TP size ``tp`` (each rank a worker process, the
     scheduler in this one); return their outputs, each rank's store counters (by rank) and the
     namespaces the scheduler looks up (hex, by rank)."""

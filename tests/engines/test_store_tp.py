@@ -48,7 +48,8 @@ def _claimed(prompt: list[int], chunks: int) -> int:
 
 @pytest.mark.timeout(900)
 def test_tp2_instances_store_each_ranks_objects_and_a_new_instance_claims_only_chunks_every_rank_has(
-        tiny_model: str, tmp_path: Path) -> None:
+    tiny_model: str, tmp_path: Path
+) -> None:
     rng = np.random.default_rng(11)
     prompts = [rng.integers(5, vp.VOCAB, n).tolist() for n in (200, 241, 4 * CHUNK)]
     shared = prompts[0][:CHUNK] + rng.integers(5, vp.VOCAB, 150).tolist()  # shares chunk 0 with prompts[0]
@@ -56,8 +57,15 @@ def test_tp2_instances_store_each_ranks_objects_and_a_new_instance_claims_only_c
     spec = f"disk:{store}"
     with vp.Engines() as engines:
         engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts + [shared])
-        engines.start("a", sp.tp_store_body, _env(), model=tiny_model, transfer=sp.store_transfer_config(spec),
-                      batches=[prompts], tp=TP)
+        engines.start(
+            "a",
+            sp.tp_store_body,
+            _env(),
+            model=tiny_model,
+            transfer=sp.store_transfer_config(spec),
+            batches=[prompts],
+            tp=TP,
+        )
         results = engines.wait(["reference", "a"], timeout=840)
     reference = [o["tokens"] for o in results["reference"]]
     a = results["a"]
@@ -66,12 +74,16 @@ def test_tp2_instances_store_each_ranks_objects_and_a_new_instance_claims_only_c
     # Both ranks stored every full chunk, each under the namespace the scheduler looks up.
     spaces = [bytes.fromhex(space) for space in a["namespaces"]]
     assert len(set(spaces)) == TP
-    expected = {rank: [k.key.hex() for p in prompts for k in chunk_keys(spaces[rank], p[:len(p) // CHUNK * CHUNK],
-                                                                         CHUNK)] for rank in range(TP)}
+    expected = {
+        rank: [k.key.hex() for p in prompts for k in chunk_keys(spaces[rank], p[: len(p) // CHUNK * CHUNK], CHUNK)]
+        for rank in range(TP)
+    }
     assert _stored_files(store) == set(expected[0]) | set(expected[1])
     chunks = sum(len(p) // CHUNK for p in prompts)
-    assert [(s["tp_rank"], s["chunks_saved"], s["chunks_loaded"]) for s in a["stats"]] == [(0, chunks, 0),
-                                                                                           (1, chunks, 0)]
+    assert [(s["tp_rank"], s["chunks_saved"], s["chunks_loaded"]) for s in a["stats"]] == [
+        (0, chunks, 0),
+        (1, chunks, 0),
+    ]
 
     # Rank 1's object of chunk 1 of the second prompt is lost (evicted, or its write dropped).
     lost = chunk_keys(spaces[1], prompts[1], CHUNK)[1].key.hex()
@@ -80,9 +92,16 @@ def test_tp2_instances_store_each_ranks_objects_and_a_new_instance_claims_only_c
     # B: a new instance, vLLM's prefix cache off (all it reuses comes from the store), "fail".
     repeat = list(prompts[0])
     with vp.Engines() as engines:
-        engines.start("b", sp.tp_store_body, _env(), model=tiny_model,
-                      transfer=sp.store_transfer_config(spec, failure_policy="fail"),
-                      batches=[prompts, [repeat, shared]], tp=TP, prefix_caching=False)
+        engines.start(
+            "b",
+            sp.tp_store_body,
+            _env(),
+            model=tiny_model,
+            transfer=sp.store_transfer_config(spec, failure_policy="fail"),
+            batches=[prompts, [repeat, shared]],
+            tp=TP,
+            prefix_caching=False,
+        )
         b = engines.wait(["b"], timeout=840)["b"]
     assert b["namespaces"] == a["namespaces"]  # derived from the same layout by both instances' workers
     outputs = b["outputs"][0] + b["outputs"][1]
@@ -99,6 +118,8 @@ def test_tp2_instances_store_each_ranks_objects_and_a_new_instance_claims_only_c
     # The second prompt is saved again from chunk 1: rank 0 finds its objects, rank 1 writes the lost
     # one; the shared prompt's chunks after the first are new for both.
     new_of_shared = len(shared) // CHUNK - 1
-    assert [(s["chunks_saved"], s["chunks_present"]) for s in b["stats"]] == [(new_of_shared, 2),
-                                                                              (new_of_shared + 1, 1)]
+    assert [(s["chunks_saved"], s["chunks_present"]) for s in b["stats"]] == [
+        (new_of_shared, 2),
+        (new_of_shared + 1, 1),
+    ]
     assert lost in _stored_files(store)

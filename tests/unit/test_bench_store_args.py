@@ -9,24 +9,35 @@ import pytest
 
 from benchmarks import bench_store as bs
 
-LMCACHE = ('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", '
-           '"kv_connector_extra_config": {"url": "{redis}"}}')
+LMCACHE = (
+    '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both", "kv_connector_extra_config": {"url": "{redis}"}}'
+)
 OFFLOAD = '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}'
 
 
 def test_peers_become_instances_after_kvbridges_with_the_runs_redis_url_filled_in(tmp_path: Path) -> None:
     peers = bs.parse_peers([f"lmcache={LMCACHE}", f"offload={OFFLOAD}"], ["lmcache"])
-    assert [(p.name, p.new_instance, p.needs_redis) for p in peers] == [("lmcache", True, True),
-                                                                        ("offload", False, False)]
+    assert [(p.name, p.new_instance, p.needs_redis) for p in peers] == [
+        ("lmcache", True, True),
+        ("offload", False, False),
+    ]
     workload = bs.Workload(rounds=3)
     instances = bs.plan(workload, ["disk"], tmp_path, "redis://127.0.0.1:7001", peers)
     assert [(i.name, i.tiers is not None, i.rounds) for i in instances] == [
-        ("plain", False, [0, 1, 2]), ("plain + prefix cache", False, [0, 1, 2]), ("disk", True, [0, 1, 2]),
-        ("disk, new instance", True, [1, 2]), ("lmcache", False, [0, 1, 2]), ("lmcache, new instance", False, [1, 2]),
-        ("offload", False, [0, 1, 2])]
+        ("plain", False, [0, 1, 2]),
+        ("plain + prefix cache", False, [0, 1, 2]),
+        ("disk", True, [0, 1, 2]),
+        ("disk, new instance", True, [1, 2]),
+        ("lmcache", False, [0, 1, 2]),
+        ("lmcache, new instance", False, [1, 2]),
+        ("offload", False, [0, 1, 2]),
+    ]
     lmcache = instances[4].peer
-    assert lmcache == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"url": "redis://127.0.0.1:7001"}}
+    assert lmcache == {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"url": "redis://127.0.0.1:7001"},
+    }
     assert instances[6].peer == {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
     assert all(i.peer is None for i in instances[:4]) and all(i.prefix_caching for i in instances[1:])
 
@@ -42,17 +53,20 @@ def test_a_peers_rows_carry_no_target_of_kvbridges() -> None:
     assert ours[0].target == ("warm", bs.WARM_SHARED)
 
 
-@pytest.mark.parametrize(("configs", "new", "named"), [
-    (["lmcache"], [], "takes NAME=JSON"),
-    (["=" + OFFLOAD], [], "takes NAME=JSON"),
-    (["redis=" + OFFLOAD], [], "name 'redis' is taken"),
-    (["a=" + OFFLOAD, "a=" + OFFLOAD], [], "name 'a' is taken"),
-    (["a={not json"], [], "a: not JSON"),
-    (['a=["OffloadingConnector"]'], [], "kv_transfer_config object with kv_connector"),
-    (['a={"kv_role": "kv_both"}'], [], "kv_transfer_config object with kv_connector"),
-    (['a={"kv_connector": "X", "kv_role": "kv_producer"}'], [], "kv_role must be kv_both"),
-    (["a=" + OFFLOAD], ["b"], "--new-instance names no --connector-config: ['b']"),
-])
+@pytest.mark.parametrize(
+    ("configs", "new", "named"),
+    [
+        (["lmcache"], [], "takes NAME=JSON"),
+        (["=" + OFFLOAD], [], "takes NAME=JSON"),
+        (["redis=" + OFFLOAD], [], "name 'redis' is taken"),
+        (["a=" + OFFLOAD, "a=" + OFFLOAD], [], "name 'a' is taken"),
+        (["a={not json"], [], "a: not JSON"),
+        (['a=["OffloadingConnector"]'], [], "kv_transfer_config object with kv_connector"),
+        (['a={"kv_role": "kv_both"}'], [], "kv_transfer_config object with kv_connector"),
+        (['a={"kv_connector": "X", "kv_role": "kv_producer"}'], [], "kv_role must be kv_both"),
+        (["a=" + OFFLOAD], ["b"], "--new-instance names no --connector-config: ['b']"),
+    ],
+)
 def test_bad_peer_options_are_refused_naming_the_option(configs: list[str], new: list[str], named: str) -> None:
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
         bs.parse_peers(configs, new)

@@ -42,9 +42,20 @@ FAKE_CHUNK = 2 * FB
 
 
 def identity(tp_rank: int, tp_size: int, model: str = "m") -> compat.KVLayoutInfo:
-    return compat.KVLayoutInfo(version=compat.VERSION, role="kv_both", model=model, dtype="float32", block_size=B,
-                               num_layers=2, block_shape=(), layout="FullAttentionSpec/LBHNC", tp_size=tp_size,
-                               tp_rank=tp_rank, total_kv_heads=2, head_size=64)
+    return compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role="kv_both",
+        model=model,
+        dtype="float32",
+        block_size=B,
+        num_layers=2,
+        block_shape=(),
+        layout="FullAttentionSpec/LBHNC",
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        total_kv_heads=2,
+        head_size=64,
+    )
 
 
 SPACES = [identity_namespace(identity(rank, 2)) for rank in range(2)]
@@ -106,7 +117,8 @@ def test_a_chunk_whose_rank_1_object_is_missing_is_not_claimed(tmp_path: Path) -
 
 
 def test_rank_0s_objects_alone_claim_nothing_and_are_saved_again_from_the_first_incomplete_chunk(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     side, _ = tp_scheduler(tmp_path)
     tokens = prompt(2, 3 * CHUNK)
     store_objects(side, tokens, 0, range(3))
@@ -138,10 +150,10 @@ def _cached(req_id: str, computed: int):
 # ---------------------------------------------------------------------- the workers' layout in the keys
 
 
-def worker(path: Path, layout_name: str, tp_rank: int = 0, layout_keys: bool = True,
-           caches: list[torch.Tensor] | None = None) -> StoreWorker:
-    settings = StoreSettings.from_extra({"kv_store": {"tiers": f"disk:{path}", "chunk_size": FAKE_CHUNK}},
-                                        environ={})
+def worker(
+    path: Path, layout_name: str, tp_rank: int = 0, layout_keys: bool = True, caches: list[torch.Tensor] | None = None
+) -> StoreWorker:
+    settings = StoreSettings.from_extra({"kv_store": {"tiers": f"disk:{path}", "chunk_size": FAKE_CHUNK}}, environ={})
     caches = caches if caches is not None else vp.fake_caches(tp_rank + 1)
     side = StoreWorker(settings, identity(tp_rank, 2), layout_keys)
     side.register(caches, find_layout(caches[0], vp.FAKE_BLOCKS, FB, layout_name), layout_name)
@@ -207,14 +219,18 @@ def test_the_scheduler_looks_up_the_namespaces_the_workers_tell(tmp_path: Path) 
     side.store.close()
 
 
-@pytest.mark.parametrize(("handshakes", "named"), [
-    ({0: StoreHandshake(0, bytes(32), "x")}, "each of 2 TP ranks"),
-    ({0: StoreHandshake(0, bytes(32), "x"), 1: StoreHandshake(0, bytes(32), "x")}, "each of 2 TP ranks"),
-    ({0: StoreHandshake(0, bytes(32), "x"), 1: None}, "each of 2 TP ranks"),
-    ({0: StoreHandshake(0, bytes(32), "x"), 1: StoreHandshake(1, bytes(31), "x")}, "32-byte namespace"),
-])
-def test_handshakes_that_do_not_give_every_rank_one_namespace_are_refused(tmp_path: Path, handshakes: dict,
-                                                                          named: str) -> None:
+@pytest.mark.parametrize(
+    ("handshakes", "named"),
+    [
+        ({0: StoreHandshake(0, bytes(32), "x")}, "each of 2 TP ranks"),
+        ({0: StoreHandshake(0, bytes(32), "x"), 1: StoreHandshake(0, bytes(32), "x")}, "each of 2 TP ranks"),
+        ({0: StoreHandshake(0, bytes(32), "x"), 1: None}, "each of 2 TP ranks"),
+        ({0: StoreHandshake(0, bytes(32), "x"), 1: StoreHandshake(1, bytes(31), "x")}, "32-byte namespace"),
+    ],
+)
+def test_handshakes_that_do_not_give_every_rank_one_namespace_are_refused(
+    tmp_path: Path, handshakes: dict, named: str
+) -> None:
     side, _ = tp_scheduler(tmp_path, None)
     with pytest.raises(KVConfigError, match=named):
         side.adopt_handshakes(handshakes, tp_size=2)
@@ -227,12 +243,14 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
     return ModelConfig(model=path, dtype="float32", seed=0, max_model_len=512, skip_tokenizer_init=True)
 
 
-def test_vllms_handshake_hook_gives_the_connectors_scheduler_the_workers_namespace(model_config: ModelConfig,
-                                                                                   tmp_path: Path) -> None:
+def test_vllms_handshake_hook_gives_the_connectors_scheduler_the_workers_namespace(
+    model_config: ModelConfig, tmp_path: Path
+) -> None:
     """vLLM's scheduler with the store connector: it waits for the workers' namespaces, which vLLM
     hands over through the connector's ``set_xfer_handshake_metadata_pp_aware``."""
-    scheduler: Scheduler = make_scheduler(model_config, "kv_both",
-                                          extra={"kv_store": {"tiers": f"disk:{tmp_path}", "chunk_size": CHUNK}})
+    scheduler: Scheduler = make_scheduler(
+        model_config, "kv_both", extra={"kv_store": {"tiers": f"disk:{tmp_path}", "chunk_size": CHUNK}}
+    )
     connector = scheduler.connector
     assert isinstance(connector, KVBridgeStoreConnector)
     assert connector._store_scheduler.namespaces is None

@@ -15,12 +15,18 @@ Instances, one after another, each in its own process:
   the store empty (``cold``), its later rounds (``warm``); for ``disk`` and ``redis`` also a new
   instance, which never saw the documents, on the same store (``new instance``). ``memory`` is the
   worker's memory tier over a disk tier (the scheduler finds chunks in the shared tiers only);
-  ``redis`` is a redis-server started for the run.
+  ``redis`` is a redis-server started for the run;
+* for each ``--connector-config NAME=JSON``, an instance of another connector (a peer: its
+  ``kv_transfer_config`` as JSON, ``kv_role`` ``kv_both``), its cold and warm rounds, and with
+  ``--new-instance NAME`` also a new instance. ``{redis}`` in the JSON stands for the URL of the
+  run's redis-server, which ``--tiers`` then starts even without ``redis``. Peers read their other
+  settings from the environment (LMCache: ``LMCACHE_*``): the instances inherit it.
 
 Measured per row: TTFT p50/p99 (sequential requests; the time from adding a request to the engine
 step that returns its first token), requests per second (each request generates 8 tokens, 4 with
 ``--quick``), the hit rate (prompt tokens loaded from the store, from the connector's
-``store_stats()``, over the prompt tokens), the load rate (bytes loaded over the row's summed
+``store_stats()``, over the prompt tokens; for a peer, the prompt tokens vLLM reports as cached,
+``num_cached_tokens``), the load rate (bytes loaded over the row's summed
 TTFT: a lower bound, since a TTFT also computes the question), and every answer's tokens against
 the plain instance's (mismatches).
 Ratios are to the plain instance's TTFT p50; the targets column holds the product's: a warm round
@@ -28,26 +34,30 @@ at most 0.25x from the memory tier and 0.35x from Redis or a new instance, a col
 Exits 1 when an answer differs.
 
     python -m benchmarks.bench_store [--quick] [--documents N] [--doc-tokens T] [--rounds R]
-        [--tiers memory,disk,redis]
+        [--tiers memory,disk,redis] [--dtype float32|bfloat16|float16]
+        [--connector-config NAME=JSON [--new-instance NAME]]...
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from harness import redis_servers
 from harness import vllm_procs as vp
 
-#: make_heavy_kv_llama's KV per token: 8 layers x 16 KV heads x 128 dims x (K, V) x 4 bytes.
-KV_BYTES_PER_TOKEN = 8 * 16 * 128 * 2 * 4
+#: make_heavy_kv_llama's KV values per token: 8 layers x 16 KV heads x 128 dims x (K, V).
+KV_VALUES_PER_TOKEN = 8 * 16 * 128 * 2
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: vLLM's own KV cache holds this many of the longest prompts.
 CACHED_PROMPTS = 1.5
 QUESTION_TOKENS = 16
@@ -64,6 +74,11 @@ class Workload:
     doc_tokens: int = 2000
     rounds: int = 3
     answer_tokens: int = 8
+    dtype: str = "float32"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return KV_VALUES_PER_TOKEN * DTYPE_BYTES[self.dtype]
 
     @property
     def max_model_len(self) -> int:
@@ -72,12 +87,12 @@ class Workload:
     @property
     def kv_cache_bytes(self) -> int:
         blocks = int(CACHED_PROMPTS * self.max_model_len) // vp.BLOCK_SIZE
-        return blocks * vp.BLOCK_SIZE * KV_BYTES_PER_TOKEN
+        return blocks * vp.BLOCK_SIZE * self.kv_bytes_per_token
 
     @property
     def store_bytes(self) -> int:
         """Room for every document's chunks, twice over."""
-        return 2 * self.documents * self.doc_tokens * KV_BYTES_PER_TOKEN
+        return 2 * self.documents * self.doc_tokens * self.kv_bytes_per_token
 
 
 QUICK = Workload(documents=3, doc_tokens=512, rounds=2, answer_tokens=4)
@@ -98,25 +113,27 @@ def prompts(workload: Workload, seed: int = 0) -> list[list[list[int]]]:
 
 
 def _ask(engine: Any, request_id: str, prompt: list[int], answer_tokens: int,
-         timeout: float = 600) -> tuple[float, list[int]]:
-    """One request alone in the engine: (seconds to its first token, its tokens)."""
+         timeout: float = 600) -> tuple[float, list[int], int]:
+    """One request alone in the engine: (seconds to its first token, its tokens, the prompt tokens
+    vLLM did not compute)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=answer_tokens, ignore_eos=True, detokenize=False)
     start = time.perf_counter()
     engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
-    ttft, tokens = None, []
+    ttft, tokens, cached = None, [], 0
     while engine.has_unfinished_requests():
         if time.perf_counter() - start > timeout:
             raise TimeoutError(f"request {request_id} not finished within {timeout} s")
         for output in engine.step():
             tokens = list(output.outputs[0].token_ids)
+            cached = output.num_cached_tokens or 0
             if ttft is None and tokens:
                 ttft = time.perf_counter() - start
     if ttft is None:
         raise RuntimeError(f"request {request_id} generated no token")
-    return ttft, tokens
+    return ttft, tokens, cached
 
 
 def _settle(connector: Any, timeout: float = 120) -> None:
@@ -135,12 +152,13 @@ def _settle(connector: Any, timeout: float = 120) -> None:
 
 
 def engine_body(model: str, workload: Workload, rounds: list[list[list[int]]], tiers: str | None,
-                prefix_caching: bool) -> list[dict[str, Any]]:
+                prefix_caching: bool, peer: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Serve ``rounds`` one after the other, each prompt alone; per round its TTFTs, wall time,
-    answers and the store's counters it added."""
+    answers and the store's counters it added (``peer``: another connector's kv_transfer_config,
+    whose loads are the tokens vLLM reports as cached)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    transfer = None
+    transfer = peer
     if tiers is not None:
         transfer = {"kv_connector": vp.KVBRIDGE_CONNECTOR[0], "kv_connector_module_path": vp.KVBRIDGE_CONNECTOR[1],
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -148,7 +166,7 @@ def engine_body(model: str, workload: Workload, rounds: list[list[list[int]]], t
                                                                "memory_bytes": workload.store_bytes,
                                                                "disk_bytes": workload.store_bytes}}}
     kwargs = vp.engine_kwargs(model, transfer)
-    kwargs.update(enable_prefix_caching=prefix_caching, max_model_len=workload.max_model_len,
+    kwargs.update(enable_prefix_caching=prefix_caching, max_model_len=workload.max_model_len, dtype=workload.dtype,
                   kv_cache_memory_bytes=workload.kv_cache_bytes, max_num_batched_tokens=workload.max_model_len)
     llm = vp._llm(kwargs)
     try:
@@ -163,15 +181,14 @@ def engine_body(model: str, workload: Workload, rounds: list[list[list[int]]], t
             asked = [_ask(engine, f"r{index}-d{doc}", prompt, workload.answer_tokens)
                      for doc, prompt in enumerate(batch)]
             wall = time.perf_counter() - start
-            loaded = chunks = 0
+            loaded, tokens_loaded = 0, sum(cached for _, _, cached in asked)
             if connector is not None:
                 after = connector.store_stats()
                 loaded = after.bytes_loaded - before.bytes_loaded
-                chunks = after.chunks_loaded - before.chunks_loaded
+                tokens_loaded = (after.chunks_loaded - before.chunks_loaded) * CHUNK_SIZE
                 _settle(connector)
-            results.append({"ttft": [ttft for ttft, _ in asked], "tokens": [tokens for _, tokens in asked],
-                            "wall": wall, "bytes_loaded": loaded,
-                            "tokens_loaded": chunks * CHUNK_SIZE})
+            results.append({"ttft": [ttft for ttft, _, _ in asked], "tokens": [tokens for _, tokens, _ in asked],
+                            "wall": wall, "bytes_loaded": loaded, "tokens_loaded": tokens_loaded})
         return results
     finally:
         vp._shutdown(llm)
@@ -231,18 +248,72 @@ def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple
     return "\n".join(lines), wrong
 
 
-def plan(workload: Workload, tiers: list[str], directory: Path, redis_url: str | None
-         ) -> list[tuple[str, str | None, bool, list[int]]]:
-    """Instances in order: (name, store tiers or None, prefix caching, rounds it serves)."""
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    name: str
+    tiers: str | None  # kvbridge's store
+    prefix_caching: bool
+    rounds: list[int]
+    peer: dict[str, Any] | None = None  # another connector's kv_transfer_config
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """``--connector-config NAME=JSON``: another connector's kv_transfer_config, ``{redis}`` in it
+    standing for the run's redis-server."""
+
+    name: str
+    config: str
+    new_instance: bool = False
+
+    def transfer(self, redis_url: str | None) -> dict[str, Any]:
+        text = self.config.replace("{redis}", redis_url) if redis_url is not None else self.config
+        return json.loads(text)
+
+    @property
+    def needs_redis(self) -> bool:
+        return "{redis}" in self.config
+
+
+def parse_peers(configs: list[str], new_instances: list[str]) -> list[Peer]:
+    """The peers of ``--connector-config`` and ``--new-instance``; ValueError naming what is wrong."""
+    peers: list[Peer] = []
+    for item in configs:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"--connector-config takes NAME=JSON, got {item!r}")
+        if name in {"plain", "plain + prefix cache", "memory", "disk", "redis"} or name in {p.name for p in peers}:
+            raise ValueError(f"--connector-config name {name!r} is taken")
+        try:
+            config = json.loads(text.replace("{redis}", "redis://127.0.0.1:0"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--connector-config {name}: not JSON ({exc})") from exc
+        if not isinstance(config, dict) or not isinstance(config.get("kv_connector"), str):
+            raise ValueError(f"--connector-config {name}: a kv_transfer_config object with kv_connector, got {text!r}")
+        if config.get("kv_role", "kv_both") != "kv_both":
+            raise ValueError(f"--connector-config {name}: kv_role must be kv_both, got {config['kv_role']!r}")
+        peers.append(Peer(name, text, new_instance=name in new_instances))
+    if unknown := sorted(set(new_instances) - {peer.name for peer in peers}):
+        raise ValueError(f"--new-instance names no --connector-config: {unknown}")
+    return peers
+
+
+def plan(workload: Workload, tiers: list[str], directory: Path, redis_url: str | None,
+         peers: Sequence[Peer] = ()) -> list[Instance]:
+    """Instances in order: kvbridge's, then the peers'."""
     every, later = list(range(workload.rounds)), list(range(1, workload.rounds))
-    instances: list[tuple[str, str | None, bool, list[int]]] = [("plain", None, False, every),
-                                                                 ("plain + prefix cache", None, True, every)]
+    instances = [Instance("plain", None, False, every), Instance("plain + prefix cache", None, True, every)]
     for tier in tiers:
         spec = {"memory": f"memory,disk:{directory / 'memory'}", "disk": f"disk:{directory / 'disk'}",
                 "redis": redis_url}[tier]
-        instances.append((tier, spec, True, every))
+        instances.append(Instance(tier, spec, True, every))
         if tier != "memory":
-            instances.append((f"{tier}, new instance", spec, True, later))
+            instances.append(Instance(f"{tier}, new instance", spec, True, later))
+    for peer in peers:
+        instances.append(Instance(peer.name, None, True, every, peer.transfer(redis_url)))
+        if peer.new_instance:
+            instances.append(Instance(f"{peer.name}, new instance", None, True, later, peer.transfer(redis_url)))
     return instances
 
 
@@ -257,17 +328,19 @@ def rows_of(name: str, served: list[int], results: list[dict[str, Any]], rounds:
     if name == "plain + prefix cache":
         return [Row("plain + prefix cache, later rounds", [by_round[i] for i in later], [rounds[i] for i in later])]
     out = []
+    ours = name.split(",")[0] in ("memory", "disk", "redis")  # the targets are kvbridge's
     if 0 in served:
-        out.append(Row(f"{name}, cold", [by_round[0]], [rounds[0]], ("cold", COLD)))
+        out.append(Row(f"{name}, cold", [by_round[0]], [rounds[0]], ("cold", COLD) if ours else None))
     if later:
         new_instance = name.endswith("new instance")
         limit = WARM_MEMORY if name == "memory" else WARM_SHARED if new_instance or name == "redis" else None
+        limit = limit if ours else None
         out.append(Row(name if new_instance else f"{name}, warm", [by_round[i] for i in later],
                        [rounds[i] for i in later], ("warm", limit) if limit is not None else None))
     return out
 
 
-def run(workload: Workload, tiers: list[str]) -> tuple[str, int]:
+def run(workload: Workload, tiers: list[str], peers: Sequence[Peer] = ()) -> tuple[str, int]:
     """The table of every instance's rows, and the mismatches in all."""
     from tqdm import tqdm
 
@@ -275,16 +348,17 @@ def run(workload: Workload, tiers: list[str]) -> tuple[str, int]:
     with tempfile.TemporaryDirectory(prefix="bench-store-") as scratch, vp.Engines() as engines:
         directory = Path(scratch)
         model = vp.make_heavy_kv_llama(directory / "model", max_positions=max(2048, workload.max_model_len))
-        redis = redis_servers.start_server(directory / "redis") if "redis" in tiers else None
+        wants_redis = "redis" in tiers or any(peer.needs_redis for peer in peers)
+        redis = redis_servers.start_server(directory / "redis") if wants_redis else None
         try:
             rows: list[Row] = []
-            instances = plan(workload, tiers, directory, redis.url if redis else None)
-            for index, (name, spec, caching, served) in enumerate(tqdm(instances, desc="instances",
-                                                                        file=sys.stderr)):
+            instances = plan(workload, tiers, directory, redis.url if redis else None, peers)
+            for index, instance in enumerate(tqdm(instances, desc="instances", file=sys.stderr)):
                 engines.start(f"{index}", engine_body, vp.engine_env(0), model=model, workload=workload,
-                              rounds=[rounds[i] for i in served], tiers=spec, prefix_caching=caching)
+                              rounds=[rounds[i] for i in instance.rounds], tiers=instance.tiers,
+                              prefix_caching=instance.prefix_caching, peer=instance.peer)
                 results = engines.wait([f"{index}"], ENGINE_TIMEOUT)[f"{index}"]
-                rows.extend(rows_of(name, served, results, rounds))
+                rows.extend(rows_of(instance.name, instance.rounds, results, rounds))
         finally:
             if redis is not None:
                 redis.kill()
@@ -300,25 +374,38 @@ def main(argv: list[str] | None = None) -> int:
                                                       f"{QUICK.documents})")
     parser.add_argument("--doc-tokens", type=int, help=f"tokens per document (default {Workload.doc_tokens})")
     parser.add_argument("--rounds", type=int, help=f"times each document is asked (default {Workload.rounds})")
-    parser.add_argument("--tiers", default="memory,disk,redis", help="store tiers to measure, of memory,disk,redis")
+    parser.add_argument("--tiers", default="memory,disk,redis",
+                        help="store tiers to measure, of memory,disk,redis (empty: none)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
+                        help="model and KV dtype (default float32: on CPU, bfloat16 is far slower)")
+    parser.add_argument("--connector-config", action="append", default=[], metavar="NAME=JSON",
+                        help="also measure another connector: its kv_transfer_config as JSON ({redis}: the run's "
+                             "redis-server URL); repeatable")
+    parser.add_argument("--new-instance", action="append", default=[], metavar="NAME",
+                        help="also a new instance of that --connector-config on the same store")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else Workload()
-    workload = dataclasses.replace(base, **{key: value for key, value in (
+    workload = dataclasses.replace(base, dtype=args.dtype, **{key: value for key, value in (
         ("documents", args.documents), ("doc_tokens", args.doc_tokens), ("rounds", args.rounds)) if value is not None})
     tiers = [tier.strip() for tier in args.tiers.split(",") if tier.strip()]
     if unknown := set(tiers) - {"memory", "disk", "redis"}:
         parser.error(f"unknown tiers {sorted(unknown)}: choose from memory, disk, redis")
+    try:
+        peers = parse_peers(args.connector_config, args.new_instance)
+    except ValueError as exc:
+        parser.error(str(exc))
     if workload.rounds < 2 or workload.documents * workload.doc_tokens <= CACHED_PROMPTS * workload.max_model_len:
         parser.error("need at least 2 rounds and more documents than vLLM's KV cache holds "
                      f"({CACHED_PROMPTS:g} documents)")
     print(f"{workload.documents} documents of {workload.doc_tokens} tokens, {workload.rounds} rounds, "
           f"{QUESTION_TOKENS}-token questions, {workload.answer_tokens}-token answers; vLLM's KV cache: "
-          f"{workload.kv_cache_bytes >> 20} MiB; store chunks of {CHUNK_SIZE} tokens; one core, vLLM CPU fp32.")
-    text, wrong = run(workload, tiers)
+          f"{workload.kv_cache_bytes >> 20} MiB; store chunks of {CHUNK_SIZE} tokens; {workload.dtype}.")
+    text, wrong = run(workload, tiers, peers)
     print(text)
     print("TTFT: sequential requests, from adding one to the engine step that returns its first token. "
           "Targets: warm from memory <= 0.25x of recompute, from Redis or a new instance <= 0.35x, "
-          "cold within 5% of recompute.")
+          "cold within 5% of recompute." + (" A peer's hit rate: the prompt tokens vLLM reports as cached."
+                                             if peers else ""))
     if wrong:
         print(f"{wrong} answers differ from the plain instance's", file=sys.stderr)
     return 1 if wrong else 0

@@ -9,11 +9,13 @@ instance stored::
         "kv_connector_extra_config": {"kv_store": {"tiers": "memory,disk:/var/cache/kv", "chunk_size": 256}}}'
 
 Scheduler side (:class:`StoreScheduler`): a new request's prompt is cut into chunks
-(:func:`kv_store.chunk_keys`), one :meth:`kv_store.TieredStore.lookup` says how many leading
-chunks are stored, and the stored prefix beyond vLLM's own prefix cache is claimed as an
-asynchronous load, never past the whole blocks before the prompt's last token (vLLM computes that
-one: :func:`connector.transfer_plan.transfer_prefix_len`). Once a prompt is computed, its full
-chunks that the lookup did not find are handed to the workers to save.
+(:func:`kv_store.chunk_keys`), one :meth:`kv_store.TieredStore.lookup` of every TP rank's keys
+says how many leading chunks are stored for all ranks (each rank stores its own object of a
+chunk, and vLLM fails a block any rank fails to load), and the stored prefix beyond vLLM's own
+prefix cache is claimed as an asynchronous load, never past the whole blocks before the prompt's
+last token (vLLM computes that one: :func:`connector.transfer_plan.transfer_prefix_len`). Once a
+prompt is computed, its full chunks from the first one the lookup did not find for every rank are
+handed to the workers to save (a rank that holds one already writes nothing).
 
 Worker side (:class:`StoreWorker`): a load reads its chunks in one :meth:`~kv_store.TieredStore.get_many`
 in a load thread (:class:`connector.vllm_loads.LoadTracker`), or within the step when the step
@@ -28,11 +30,14 @@ blocks in ``wait_for_save``, before vLLM may reuse them (one gather per chunk, i
 for the next saves: :class:`StagingPool`), then encodes and puts them from a background thread
 (bounded: a save that finds it full is dropped and counted).
 
-Keys: the namespace digests the identity of :mod:`connector.compat` that both processes of an
-instance can know from vLLM's configuration (model, KV dtype, block size, layers, KV heads per
-rank, head size, vLLM's KV cache layout, format version, TP rank and size); each object also
-carries a digest of the worker's full layout (block shape, attention backend and its interior
-variant), checked on load, so an instance with another interior layout never reads wrong KV.
+Keys: the namespace digests the identity of :mod:`connector.compat` from vLLM's configuration
+(model, KV dtype, block size, layers, KV heads per rank, head size, vLLM's KV cache layout, format
+version, TP rank and size) and the worker's full layout (block shape, attention backend and its
+interior variant), which only the worker knows once its caches are registered: each worker tells
+the scheduler its namespace (:class:`StoreHandshake`, through vLLM's handshake metadata, before
+the first request), so instances of one model with other attention layouts keep apart on one
+store. Each object also carries a digest of that layout, checked on load (with ``layout_keys``
+off, as P/D with the store runs, it is what keeps another layout's objects from being loaded).
 
 Tiers: ``memory`` lives in each worker process (a cache in front of the shared tiers, filled by
 saves and by reads); the scheduler's lookups ask the shared tiers (``disk:PATH``, ``redis://``,
@@ -53,7 +58,7 @@ from typing import Any, cast
 
 import msgspec
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from connector import compat
 from connector.paged import PagedKVCaches, PagedKVLayout, gather_blocks, scatter_blocks
@@ -76,6 +81,7 @@ from kv_store import (
     namespace,
     open_store,
 )
+from kv_store.keys import KEY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -283,29 +289,66 @@ class StoreMetadata(KVConnectorMetadata):
     load_inline: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler at start: the namespace of its objects, which digests its
+    caches' real layout (attention backend, interior variant, block shape), known only to it."""
+
+    tp_rank: int
+    namespace: bytes
+    layout: str  # for the log
+
+
 @dataclasses.dataclass
 class _Prompt:
     tokens: list[int]
-    keys: list[bytes]  # of the full chunks
-    stored: int = 0  # leading chunks the last lookup found
+    chunks: int  # full chunks
+    keys: list[bytes]  # of the full chunks, every TP rank's object of chunk 0, then of chunk 1, ...
+    stored: int = 0  # leading chunks whose objects the last lookup found for every TP rank
     claim: tuple[int, int] | None = None  # (tokens claimed, vLLM's computed tokens), until allocated
 
 
 class StoreScheduler:
-    """Claims stored prefixes and plans saves. Not thread-safe: vLLM calls it from one thread."""
+    """Claims stored prefixes and plans saves. Not thread-safe: vLLM calls it from one thread.
 
-    def __init__(self, settings: StoreSettings, block_size: int, space: bytes, store: TieredStore) -> None:
+    ``spaces`` holds the namespace of each TP rank, in rank order: each rank stores its own object
+    of a chunk, and a chunk is claimed only when every rank's object is there, since a rank that
+    finds its part missing fails the whole load."""
+
+    def __init__(self, settings: StoreSettings, block_size: int, spaces: Sequence[bytes] | None,
+                 store: TieredStore) -> None:
         if settings.chunk_size % block_size:
             raise KVConfigError(f"kv_store.chunk_size ({settings.chunk_size}) must be a multiple of vLLM's block size "
                                 f"({block_size}): chunks are made of whole blocks")
         self.settings = settings
         self.block_size = block_size
-        self.namespace = space
+        #: None until the workers tell theirs (:meth:`adopt_handshakes`).
+        self.namespaces: tuple[bytes, ...] | None = None
+        if spaces is not None:
+            self.set_namespaces(spaces)
         self.store = store
         self._prompts: dict[str, _Prompt] = {}  # until the request finishes or its prompt is saved
         self._loads: list[StoreLoad] = []
         self._refused: dict[str, list[int]] = {}
         self._loaded: set[str] = set()  # one load attempt per request
+
+    def set_namespaces(self, spaces: Sequence[bytes]) -> None:
+        """Look up the objects of the namespaces ``spaces``, one per TP rank in rank order."""
+        if not spaces or any(not isinstance(space, bytes) or len(space) != KEY_BYTES for space in spaces):
+            raise KVConfigError(f"kvbridge store: expected one {KEY_BYTES}-byte namespace per TP rank, got {spaces!r}")
+        self.namespaces = tuple(spaces)
+
+    def adopt_handshakes(self, handshakes: Mapping[int, Any], tp_size: int) -> None:
+        """Take the namespaces the workers derived from their caches (vLLM hands the scheduler
+        every worker's :meth:`StoreWorker.handshake`, by TP rank, before the first request)."""
+        ranks = sorted(handshakes)
+        if ranks != list(range(tp_size)) or not all(isinstance(handshakes[rank], StoreHandshake)
+                                                    and handshakes[rank].tp_rank == rank for rank in ranks):
+            raise KVConfigError(f"kvbridge store: expected the store layout of each of {tp_size} TP ranks from the "
+                                f"workers, got {dict(handshakes)!r}")
+        self.set_namespaces([handshakes[rank].namespace for rank in ranks])
+        logger.info("kvbridge store: keys of %d TP ranks, layouts %s", tp_size,
+                    sorted({handshakes[rank].layout for rank in ranks}))
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Stored tokens of ``request``'s prompt beyond the ``num_computed_tokens`` vLLM holds: one
@@ -313,14 +356,19 @@ class StoreScheduler:
         tokens = request.prompt_token_ids
         if tokens is None:  # prompt embeddings: no token key
             return 0
+        if self.namespaces is None:
+            raise KVConfigError("kvbridge store: a lookup before the workers told their store layouts "
+                                "(vLLM passes them to set_xfer_handshake_metadata at start)")
         prompt = self._prompts.get(request.request_id)
         if prompt is None:
             chunk = self.settings.chunk_size
-            full = len(tokens) // chunk * chunk
-            keys = [k.key for k in chunk_keys(self.namespace, tokens[:full], chunk)] if full else []
-            prompt = self._prompts[request.request_id] = _Prompt(list(tokens), keys)
+            chunks = len(tokens) // chunk
+            ranks = [chunk_keys(space, tokens[: chunks * chunk], chunk) for space in self.namespaces] if chunks else []
+            keys = [rank_keys[index].key for index in range(chunks) for rank_keys in ranks]
+            prompt = self._prompts[request.request_id] = _Prompt(list(tokens), chunks, keys)
         try:
-            prompt.stored = self.store.lookup(prompt.keys) if prompt.keys else 0
+            # One lookup of every rank's objects: a chunk counts once all of them are found.
+            prompt.stored = self.store.lookup(prompt.keys) // len(self.namespaces) if prompt.keys else 0
         except KVStoreError as exc:
             logger.warning("kvbridge store: lookup of request %s failed: %s", request.request_id, exc)
             prompt.stored = 0
@@ -363,11 +411,11 @@ class StoreScheduler:
             prompt = self._prompts.get(req_id)
             if prompt is None or req_id not in computed:
                 continue
-            end = len(prompt.keys) * chunk
+            end = prompt.chunks * chunk
             if computed[req_id] + scheduled < end:
                 continue  # not all full chunks computed yet (chunked prefill)
             del self._prompts[req_id]
-            if prompt.stored < len(prompt.keys):
+            if prompt.stored < prompt.chunks:
                 meta.saves.append(StoreSave(req_id=req_id, token_ids=prompt.tokens[:end],
                                             block_ids=list(block_ids_of(req_id)[: end // self.block_size]),
                                             first_chunk=prompt.stored))
@@ -428,15 +476,19 @@ class StagingPool:
 class StoreWorker:
     """One TP rank's loads and saves. Hooks are called from vLLM's model-runner thread."""
 
-    def __init__(self, settings: StoreSettings, identity: compat.KVLayoutInfo) -> None:
+    def __init__(self, settings: StoreSettings, identity: compat.KVLayoutInfo, layout_keys: bool = True) -> None:
         self.settings = settings
         self.identity = identity
+        #: Whether the namespace digests the caches' real layout (from :meth:`register` on), or only
+        #: ``identity``, which the scheduler derives from vLLM's configuration by itself.
+        self.layout_keys = layout_keys
         self.namespace = identity_namespace(identity)
         self.mac_key = mac_key_from_secret(settings.secret)
         self.store = settings.open()
         self._tiers = [cast(CountedTier, tier) for tier in self.store.tiers]
         self._caches: PagedKVCaches | None = None
         self._layout_tag = torch.zeros(0, dtype=torch.uint8)
+        self._layout = ""
         self._tracker = LoadTracker()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-store-save")
         self._saves_pending = threading.BoundedSemaphore(SAVE_QUEUE_DEPTH)
@@ -455,8 +507,16 @@ class StoreWorker:
                                        layout=f"{self.identity.layout}/{layout_name}/{layout.name}")
         digest = hashlib.sha256(msgspec.msgpack.encode(full)).digest()
         self._layout_tag = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        self._layout = full.layout
+        if self.layout_keys:
+            self.namespace = identity_namespace(full)
         logger.info("kvbridge store ready (TP rank %d of %d): tiers %s, chunks of %d tokens",
                     self.identity.tp_rank, self.identity.tp_size, self.settings.tiers, self.settings.chunk_size)
+
+    def handshake(self) -> StoreHandshake:
+        """This rank's namespace for the scheduler's lookups (after :meth:`register`)."""
+        self._require_caches()
+        return StoreHandshake(tp_rank=self.identity.tp_rank, namespace=self.namespace, layout=self._layout)
 
     # ------------------------------------------------------------------ loads
 

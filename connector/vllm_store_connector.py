@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from connector.vllm_stats import KVBridgeStats
 from connector.vllm_store import (
+    StoreHandshake,
     StoreMetadata,
     StoreScheduler,
     StoreSettings,
@@ -37,26 +38,51 @@ if TYPE_CHECKING:
 
 
 def open_store_sides(settings: StoreSettings, vllm_config: VllmConfig, role: KVConnectorRole,
-                     kv_cache_config: KVCacheConfig) -> tuple[StoreScheduler | None, StoreWorker | None]:
+                     kv_cache_config: KVCacheConfig,
+                     layout_keys: bool = False) -> tuple[StoreScheduler | None, StoreWorker | None]:
     """The store's side of an instance in ``role``: (its scheduler side, None) in vLLM's scheduler,
-    (None, its worker side) in a worker."""
+    (None, its worker side) in a worker.
+
+    The scheduler looks up every TP rank's object of a chunk, in the shared tiers only (each
+    worker's memory tier is out of its reach). With ``layout_keys`` the namespaces digest the
+    workers' real cache layout, which only they know: the connector must pass the workers'
+    :meth:`StoreWorker.handshake` to :meth:`StoreScheduler.adopt_handshakes` (vLLM's handshake
+    metadata, :class:`StoreLayoutHandshake`); without, they digest what vLLM's configuration says,
+    and an object of another layout is refused on load (a miss)."""
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     if role == KVConnectorRole.SCHEDULER:
-        # The keys a lookup asks for are those TP rank 0 stores; the scheduler sees the shared tiers only.
-        space = identity_namespace(config_identity(vllm_config, kv_cache_config, 0, tp_size))
+        spaces = None if layout_keys else [identity_namespace(config_identity(vllm_config, kv_cache_config, rank,
+                                                                              tp_size)) for rank in range(tp_size)]
         store = settings.open(shared_tiers(settings.tiers))
         try:
-            return StoreScheduler(settings, vllm_config.cache_config.block_size, space, store), None
+            return StoreScheduler(settings, vllm_config.cache_config.block_size, spaces, store), None
         except BaseException:
             store.close()
             raise
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-    return None, StoreWorker(settings, config_identity(vllm_config, kv_cache_config,
-                                                       get_tensor_model_parallel_rank(), tp_size))
+    identity = config_identity(vllm_config, kv_cache_config, get_tensor_model_parallel_rank(), tp_size)
+    return None, StoreWorker(settings, identity, layout_keys)
 
 
-class KVBridgeStoreConnector(KVBridgeConnector):
+class StoreLayoutHandshake:
+    """vLLM's handshake hooks for a connector with store sides (``_store_worker``,
+    ``_store_scheduler``) opened with ``layout_keys``: each worker tells its namespace, vLLM hands
+    them all to the scheduler before the first request."""
+
+    _store_worker: StoreWorker | None
+    _store_scheduler: StoreScheduler | None
+    _vllm_config: VllmConfig
+
+    def get_handshake_metadata(self) -> StoreHandshake | None:
+        return self._store_worker.handshake() if self._store_worker is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._store_scheduler is not None:
+            self._store_scheduler.adopt_handshakes(metadata, self._vllm_config.parallel_config.tensor_parallel_size)
+
+
+class KVBridgeStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
     """Stores what the instance computes and loads what any instance stored; see :mod:`connector.vllm_store`."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -68,7 +94,8 @@ class KVBridgeStoreConnector(KVBridgeConnector):
         settings = StoreSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler, self._worker = None, None  # the transfer sides: none here
-        self._store_scheduler, self._store_worker = open_store_sides(settings, vllm_config, role, kv_cache_config)
+        self._store_scheduler, self._store_worker = open_store_sides(settings, vllm_config, role, kv_cache_config,
+                                                                            layout_keys=True)
 
     # ------------------------------------------------------------------ worker side
 

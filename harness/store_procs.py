@@ -105,3 +105,36 @@ def pd_store_consumer_body(model: str, transfer: dict[str, Any], batches: list[l
     finally:
         consumer_done.set()
         vp._shutdown(llm)
+
+
+def worker_store_stats(worker: Any) -> dict[str, Any]:
+    """Run in each vLLM worker (``LLM.collective_rpc``): its TP rank and store counters, once every
+    save it was handed is in the store's fastest tier."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    connector = get_kv_transfer_group()
+    connector.flush_saves()
+    return {"tp_rank": get_tensor_model_parallel_rank(), **dataclasses.asdict(connector.store_stats())}
+
+
+def tp_store_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]], tp: int,
+                  prefix_caching: bool = True) -> dict[str, Any]:
+    """Serve ``batches`` one after the other at TP size ``tp`` (each rank a worker process, the
+    scheduler in this one); return their outputs, each rank's store counters (by rank) and the
+    namespaces the scheduler looks up (hex, by rank)."""
+    kwargs = vp.engine_kwargs(model, transfer)
+    kwargs["enable_prefix_caching"] = prefix_caching
+    kwargs["tensor_parallel_size"] = tp
+    llm = vp._llm(kwargs)
+    try:
+        outputs = []
+        for batch in batches:
+            outputs.append(vp._generate(llm, batch, vp.MAX_TOKENS))
+            llm.collective_rpc(worker_store_stats, timeout=60)  # the next batch finds this one's chunks
+        stats = sorted(llm.collective_rpc(worker_store_stats, timeout=60), key=lambda ranked: ranked["tp_rank"])
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        spaces = [space.hex() for space in scheduler.connector._store_scheduler.namespaces]
+        return {"outputs": outputs, "stats": stats, "namespaces": spaces}
+    finally:
+        vp._shutdown(llm)

@@ -84,13 +84,13 @@ SPACE = identity_namespace(compat.KVLayoutInfo(version=compat.VERSION, role="kv_
 
 def _scheduler(tmp_path: Path) -> StoreScheduler:
     settings = StoreSettings.from_extra({"kv_store": {"tiers": f"disk:{tmp_path}", "chunk_size": CHUNK}}, environ={})
-    return StoreScheduler(settings, B, SPACE, settings.open())
+    return StoreScheduler(settings, B, [SPACE], settings.open())
 
 
 def test_chunks_must_be_whole_blocks(tmp_path: Path) -> None:
     settings = StoreSettings.from_extra({"kv_store": {"tiers": f"disk:{tmp_path}", "chunk_size": B + 16}}, environ={})
     with pytest.raises(KVConfigError, match="multiple of vLLM's block size"):
-        StoreScheduler(settings, B, SPACE, settings.open())
+        StoreScheduler(settings, B, [SPACE], settings.open())
 
 
 def test_scheduler_claims_stored_chunks_up_to_the_blocks_before_the_last_token(tmp_path: Path) -> None:

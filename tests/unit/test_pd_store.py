@@ -76,8 +76,9 @@ def announced(prefix_tokens: int) -> dict[str, Any]:
 def put_chunks(scheduler: Scheduler, tokens: list[int], count: int) -> None:
     """Mark the first ``count`` chunks of ``tokens`` stored (a lookup asks only whether they are there)."""
     side = scheduler.connector._store_scheduler
-    for key in chunk_keys(side.namespace, tokens, CHUNK)[:count]:
-        side.store.put(key.key, b"stored")
+    for space in side.namespaces:
+        for key in chunk_keys(space, tokens, CHUNK)[:count]:
+            side.store.put(key.key, b"stored")
 
 
 def meta(step: SchedulerOutput) -> PDStoreMetadata:

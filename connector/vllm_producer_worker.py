@@ -74,6 +74,7 @@ class ProducerWorker(WorkerSide):
         self._withdrawing: dict[bytes, int] = {}
         self._gone: set[str] = set()
         self._released: dict[str, None] = {}  # requests taken back, until held or saved again (in order)
+        self._ended_early: set[str] = set()  # requests in _kept whose loan ended before they were held, reported
         self._held: dict[str, float] = {}  # finished requests whose blocks vLLM keeps, and since when
 
     def _open(self) -> None:
@@ -123,6 +124,7 @@ class ProducerWorker(WorkerSide):
                 # holds the same prefix's KV. A second entry would wait for nobody.
                 return True
         self._kept[spec.req_id] = None  # vLLM keeps its blocks once finished: see take_finished_sending
+        self._ended_early.discard(spec.req_id)
         self._released.pop(spec.req_id, None)
         if self._buffer is None:
             self._add(save_failures=1)
@@ -180,6 +182,7 @@ class ProducerWorker(WorkerSide):
             if key is not None and self._withdraw_copy(req_id, key):
                 self._add(taken_back=1)
             loan = self._kept.pop(req_id, None)
+            self._ended_early.discard(req_id)
             self._lent_blocks.pop(req_id, None)
             remember(self._released, req_id)
             if loan is None or loan.outcome is not None:
@@ -222,6 +225,7 @@ class ProducerWorker(WorkerSide):
             req_id in self._kept and (self._kept[req_id] is None or self._kept[req_id].outcome is not None))}
         for req_id in done:
             self._kept.pop(req_id, None)
+            self._ended_early.discard(req_id)
             del self._held[req_id]
             with self._copies_lock:
                 self._copied.pop(req_id, None)
@@ -292,12 +296,17 @@ class ProducerWorker(WorkerSide):
                 self._gone.add(req_id)
 
     def take_gone(self) -> set[str]:
-        """Requests saved by a copy whose copy left the buffer (taken by a select, evicted, expired)
-        before the request was reported finished, since the last call, each once: announcing them
-        would send a decode instance after an entry that is no longer there."""
+        """Saved requests whose entry left the buffer (taken by a select, evicted, expired) before the
+        request finished, since the last call, each once: a copy that left before the request was
+        reported finished, or a loan that ended before vLLM finished the request (a prefill request
+        that keeps generating outlives ``kv_entry_timeout``). Announcing them would send a decode
+        instance after an entry that is no longer there."""
+        ended = {req_id for req_id, loan in self._kept.items() if loan is not None and loan.outcome is not None
+                 and req_id not in self._held and req_id not in self._ended_early}
+        self._ended_early |= ended
         with self._copies_lock:
             gone, self._gone = self._gone, set()
-            return gone
+        return gone | ended
 
     def take_save_outcomes(self) -> tuple[set[str], set[str]]:
         """Request ids saved, and not saved, since the last call (vLLM asks once per step)."""

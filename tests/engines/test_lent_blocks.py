@@ -43,7 +43,7 @@ from harness.vllm_fakes import (
 )
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVBufferFullError, KVConfigError
-from lookup_buffer.loans import TAKEN_BACK, Loan
+from lookup_buffer.loans import EVICTED, EXPIRED, RETURNED, TAKEN_BACK, Loan
 
 # ====================================================================== scheduler side
 
@@ -480,5 +480,32 @@ def test_a_worker_of_both_roles_loads_bit_exact_what_it_saved_over_its_own_liste
             assert torch.equal(cache[[0, 3, 4, 6, 8]], others[[0, 2, 3, 4, 5]])  # block 2 was written
         assert worker.take_gone() == {"r"}  # its copy was taken, before "r" finished
         assert worker.gauges()["connections"] == 2  # one each way: accepted and dialed
+    finally:
+        worker.close()
+
+
+def test_a_loan_that_ends_before_its_request_finishes_is_reported_gone_once() -> None:
+    # A prefill request that keeps generating may outlive its entry (kv_entry_timeout counts from the
+    # save): announced, it would send its decode request after an entry that is gone.
+    lending = _LendingInserts()
+    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
+                            listener_factory=lambda settings, offset, on_connect: lending)
+    try:
+        worker.save(SAVES)
+        assert worker.take_gone() == set()
+        lending.loans[0].end(EXPIRED)  # "stored" expired while its request still runs
+        assert worker.take_gone() == {"stored"}
+        assert worker.take_gone() == set()  # once
+        worker.hold(["stored", "borrowed"])
+        lending.loans[1].end(RETURNED)  # "borrowed" finished, then its decode instance took it: not gone
+        assert worker.take_gone() == set()
+        assert worker.take_finished_sending() == {"stored", "borrowed"}
+        lending.loans[2].end(EXPIRED)
+        assert worker.take_gone() == {"kept"}
+        worker.take_back(["kept"])  # preempted, then saved again from its new blocks: a new entry
+        worker.save([SaveSpec("kept", SAVES[2].token_ids, [5])])
+        assert worker.take_gone() == set()
+        lending.loans[3].end(EVICTED)
+        assert worker.take_gone() == {"kept"}
     finally:
         worker.close()

@@ -9,15 +9,16 @@ before vLLM writes its blocks, and that of a request that will not be announced 
 saved it) leaves the buffer, copy or loan.
 
 A copy that leaves the buffer before its request finished (evicted, expired, taken by a select for
-the same tokens) is reported by :meth:`ProducerWorker.take_gone`: the scheduler then announces 0
-tokens for it instead of sending a decode instance after it. The buffer's store tells this worker
-each copy's departure (:meth:`lookup_buffer.store.EntryStore.watch_departures`), by key: the copies
-under one key leave in the order they were stored, so the oldest request saved under that key is
-the one whose copy left. A copy withdrawn (:meth:`lookup_buffer.store.EntryStore.withdraw_copy`)
-leaves in that order too, whichever request under its key is withdrawn: the copies are alike, so
-the withdrawn request gives up its place in the key's order instead, and the departure that the
-withdrawal causes is not reported (the first one under that key after it, which may be a select's
-that came in between: the copy the withdrawal then removes is the oldest request's).
+the same tokens), or a loan that ends before it, is reported by :meth:`ProducerWorker.take_gone`:
+the scheduler then announces 0 tokens for it instead of sending a decode instance after it. The
+buffer's store tells this worker each copy's departure
+(:meth:`lookup_buffer.store.EntryStore.watch_departures`), by key: the copies under one key leave in
+the order they were stored, so the oldest request saved under that key is the one whose copy left.
+A copy withdrawn (:meth:`lookup_buffer.store.EntryStore.withdraw_copy`) leaves in that order too,
+whichever request under its key is withdrawn: the copies are alike, so the withdrawn request gives
+up its place in the key's order instead, and the departure that the withdrawal causes is not
+reported (the first one under that key after it, which may be a select's that came in between: the
+copy the withdrawal then removes is the oldest request's).
 """
 
 from __future__ import annotations

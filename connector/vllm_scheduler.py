@@ -15,11 +15,12 @@ share. An outcome that comes later than that (vLLM defers ``wait_for_save`` past
 output only for draft-model speculative decoding) leaves the announcement at 0: the decode
 instance then computes the prompt itself rather than wait for KV that may not exist.
 
-Announcing nothing for a copy known gone: a request saved by a copy may lose it before it finishes
-(evicted from a full buffer, expired, or taken by a select for the same tokens). Its workers report
-it gone (:attr:`KVBridgeWorkerMetadata.gone`), and the request is then announced with 0 tokens:
-the decode instance computes the prompt at once instead of claiming blocks for a certain miss. A
-report that comes in the step the request finishes still changes its announcement in place.
+Announcing nothing for an entry known gone: a saved request may lose its entry, copy or loan,
+before it finishes (evicted from a full buffer, expired: ``kv_entry_timeout`` counts from the save,
+or taken by a select for the same tokens). Its workers report it gone
+(:attr:`KVBridgeWorkerMetadata.gone`), and the request is then announced with 0 tokens: the decode
+instance computes the prompt at once instead of claiming blocks for a certain miss. A report that
+comes in the step the request finishes still changes its announcement in place.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
     """The workers' save outcomes of one step; vLLM aggregates those of all TP ranks.
 
     ``saved`` counts, per request id, the ranks that saved their share; ``failed`` holds the ids
-    that at least one rank could not save; ``gone`` those whose saved copy left at least one rank's
+    that at least one rank could not save; ``gone`` those whose saved entry left at least one rank's
     buffer before the request finished. Pickled by vLLM between its processes (never networked).
     """
 

@@ -163,7 +163,7 @@ class ProducerWorker(WorkerSide):
         """Take back the entries of saved requests before vLLM writes their blocks (from vLLM's
         ``handle_preemptions``, which runs before the step zeroes, copies or computes into any
         block): ``req_ids`` vLLM preempted, ``withdraw`` will not be announced (not every TP rank
-        saved its share, or a rank's copy is gone).
+        saved its share, or a rank's entry is gone).
 
         A lent entry still stored leaves the buffer; one lent out has its stamp cleared (its
         borrower's load fails and nothing it copied is used); one being copied out for a consumer

@@ -58,7 +58,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
     #: copies for the request's next save.
     take_back: list[str] = dataclasses.field(default_factory=list)
     #: Saved requests that will not be announced (announced with 0 tokens: not every TP rank saved
-    #: its share, or a rank's copy is gone): nobody asks for them, so the workers take back their
+    #: its share, or a rank's entry is gone): nobody asks for them, so the workers take back their
     #: entries, lent or copied, in the same hook.
     withdraw: list[str] = dataclasses.field(default_factory=list)
 

@@ -14,6 +14,7 @@ gives vLLM a model configuration to read.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,7 +40,9 @@ from harness import vllm_procs as vp
 from harness import vllm_scheduler
 from harness.procs import free_port
 from harness.vllm_fakes import bare_connector
+from kv_pipe.exported_memory import page_aligned_empty
 from lookup_buffer import BufferListener
+from lookup_buffer.loans import EXPIRED
 from lookup_buffer.matching import MatchKey
 
 B = vp.BLOCK_SIZE
@@ -482,13 +485,16 @@ def test_prefix_in_the_local_cache_is_drained_not_loaded(model_config: ModelConf
 # ---------------------------------------------------------------------- producer worker and scheduler
 
 
-def producer_worker(num_blocks: int, budget: int) -> tuple[WorkerSide, list[torch.Tensor]]:
+def producer_worker(num_blocks: int, budget: int, lend: bool = False) -> tuple[WorkerSide, list[torch.Tensor]]:
     """A producer's worker over random caches of ``num_blocks`` blocks, its listener on a free port,
-    copying its saves into a lookup buffer of ``budget`` bytes (evicting the oldest when full)."""
+    copying its saves into a lookup buffer of ``budget`` bytes (evicting the oldest when full), or
+    with ``lend`` lending them where they lie."""
     generator = torch.Generator().manual_seed(3)
     caches = [torch.randn((num_blocks, 4, B, 128), generator=generator) for _ in range(2)]
+    if lend:
+        caches = [page_aligned_empty(cache.shape, cache.dtype).copy_(cache) for cache in caches]
     settings = ConnectorSettings.from_vllm("kv_producer", free_port(), "cpu", {
-        "kv_ip": "127.0.0.1", "kv_buffer_size": budget, "kv_lend_blocks": False})
+        "kv_ip": "127.0.0.1", "kv_buffer_size": budget, "kv_lend_blocks": lend})
     identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_producer", model="fake", dtype="", block_size=B,
                                    num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
     worker = WorkerSide(settings, identity, port_offset=0)
@@ -563,6 +569,34 @@ def test_producer_announces_nothing_for_a_copy_evicted_before_its_request_finish
             if not scheduler.requests:
                 break
         assert finished == {"p-early": 0}, "the decode instance must not be sent to an entry that is gone"
+        assert_all_freed(scheduler)
+        assert worker.take_gone() == set()
+    finally:
+        worker.close()
+
+
+def test_a_lent_entry_that_expires_while_its_request_still_generates_is_announced_as_nothing(
+    model_config: ModelConfig,
+) -> None:
+    scheduler = make_scheduler(model_config, "kv_producer", num_blocks=16)
+    worker, _ = producer_worker(num_blocks=16, budget=1 << 20, lend=True)
+    try:
+        scheduler.add_request(make_request("p-long", num_tokens=2 * B + 5, max_tokens=4, seed=41))
+        step, _, _ = step_with_workers(scheduler, worker)
+        assert [save.req_id for save in metadata(step).saves] == ["p-long"]
+        (loan,) = worker._kept.values()
+        assert loan is not None and loan.outcome is None  # lent where it lies
+        # kv_entry_timeout counts from the save: it runs out while the request still generates.
+        assert worker._buffer._store.expire(now=time.monotonic() + 10 * 480.0)[0] == 1
+        assert loan.outcome == EXPIRED
+        finished: dict[str, int] = {}
+        for _ in range(8):
+            _, outputs, _ = step_with_workers(scheduler, worker)
+            finished |= {out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
+                         for out in outputs if out.finished}
+            if not scheduler.requests:
+                break
+        assert finished == {"p-long": 0}, "the decode instance must not be sent to an entry that is gone"
         assert_all_freed(scheduler)
         assert worker.take_gone() == set()
     finally:

@@ -540,6 +540,18 @@ def step_with_workers(scheduler: Scheduler, *workers: WorkerSide) -> tuple[Sched
     return step, [out for engine in outputs.values() for out in engine.outputs], sending
 
 
+def announced_until_done(scheduler: Scheduler, *workers: WorkerSide, max_steps: int = 8) -> dict[str, int]:
+    """Step with the workers until no request is left; the prefix each finished request announced."""
+    finished: dict[str, int] = {}
+    for _ in range(max_steps):
+        _, outputs, _ = step_with_workers(scheduler, *workers)
+        finished |= {out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
+                     for out in outputs if out.finished}
+        if not scheduler.requests:
+            return finished
+    raise AssertionError(f"requests left after {max_steps} steps: {list(scheduler.requests)}")
+
+
 def test_producer_announces_nothing_for_a_copy_evicted_before_its_request_finished(
         model_config: ModelConfig) -> None:
     # An entry of 2 blocks is 2 layers x 2 blocks x 64 KiB: the buffer holds one, not two.
@@ -561,13 +573,7 @@ def test_producer_announces_nothing_for_a_copy_evicted_before_its_request_finish
                      for out in outputs if out.finished}
         assert announced == {"p-late": 2 * B}
 
-        finished: dict[str, int] = {}
-        for _ in range(8):
-            _, outputs, _ = step_with_workers(scheduler, worker)
-            finished.update({out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
-                             for out in outputs if out.finished})
-            if not scheduler.requests:
-                break
+        finished = announced_until_done(scheduler, worker)
         assert finished == {"p-early": 0}, "the decode instance must not be sent to an entry that is gone"
         assert_all_freed(scheduler)
         assert worker.take_gone() == set()
@@ -589,13 +595,7 @@ def test_a_lent_entry_that_expires_while_its_request_still_generates_is_announce
         # kv_entry_timeout counts from the save: it runs out while the request still generates.
         assert worker._buffer._store.expire(now=time.monotonic() + 10 * 480.0)[0] == 1
         assert loan.outcome == EXPIRED
-        finished: dict[str, int] = {}
-        for _ in range(8):
-            _, outputs, _ = step_with_workers(scheduler, worker)
-            finished |= {out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
-                         for out in outputs if out.finished}
-            if not scheduler.requests:
-                break
+        finished = announced_until_done(scheduler, worker)
         assert finished == {"p-long": 0}, "the decode instance must not be sent to an entry that is gone"
         assert_all_freed(scheduler)
         assert worker.take_gone() == set()

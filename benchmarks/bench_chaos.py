@@ -898,7 +898,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("answers wrong (must be 0)", requests["wrong"]),
         (f"hangs, no answer within {report['settings']['bound']:g} s (must be 0)", requests["hangs"]),
         ("errors", requests["errors"]),
-        ("errors not explained by a kill (must be 0)", requests["unexpected_errors"]),
+        ("errors not explained by a kill or kv_entry_timeout (must be 0)", requests["unexpected_errors"]),
     ]
     for cause, counts in sorted(report["errors_by_cause"].items()):
         rows.append((f"  {cause}: explained / not", f"{counts['expected']} / {counts['unexpected']}"))

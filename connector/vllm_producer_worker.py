@@ -173,8 +173,8 @@ class ProducerWorker(WorkerSide):
         already taken, evicted or expired is not replaced by another). A request taken back is no
         longer kept: held by vLLM (finished), in this step or a later one, it is reported finished
         sending."""
-        withdrawn = set(withdraw)
-        for req_id in dict.fromkeys([*req_ids, *withdraw]):
+        withdrawn = dict.fromkeys(withdraw)
+        for req_id in dict.fromkeys([*req_ids, *withdrawn]):
             with self._copies_lock:
                 saved_here = req_id in self._kept or req_id in self._copied
                 key = self._give_up_copy(req_id) if req_id in withdrawn else None

@@ -6,8 +6,8 @@ Setup (one host, the instances pinned to cores 0 and 1):
 * a tiny random Llama (1024 positions); a pool of prompts of 400-650 tokens (chunked: 128-token
   steps), reused all along the run, and a second pool for abandoned prefills;
 * one plain ``vllm serve`` (no connector) answers the pool first, then stops: the reference;
-* prefill instances get a 33-block KV cache (one 1024-token request) and a short
-  ``kv_entry_timeout``; decode instances fail a request whose load failed
+* prefill instances get a 33-block KV cache (one 1024-token request) and ``kv_entry_timeout``
+  ``--entry-timeout`` (default: the request bound); decode instances fail a request whose load failed
   (``kv_load_failure_policy: fail``), so no answer can come from a load that silently failed.
 
 Load, for ``--duration`` seconds, from ``--clients`` client threads, each prompt picked at random:
@@ -49,7 +49,13 @@ killed while the request was in flight; after a rank kill, an error of a request
 * ``prefill killed``: the prefill instance's connection broke or it answered 500 (P/D flow by hand
   only: the proxy sends such a request to the other prefill instance);
 * ``load failed``: the decode instance answered 500 (its load failed and ``fail`` failed the
-  request): expected only when a prefill instance was killed meanwhile;
+  request): expected when a prefill instance was killed meanwhile, or when the request took longer
+  than ``--entry-timeout`` from its start to the decode instance's answer. An entry's
+  ``kv_entry_timeout`` counts from its save, which comes after the request was sent, and an entry
+  that leaves before its prefill request finished is announced with 0 tokens (the decode instance
+  computes the prompt, no load): so an entry can have expired under a load only if the load's
+  select came more than ``kv_entry_timeout`` after the request was sent. The P/D flow by hand also
+  records when its prefill answered, to tell the prefill's own generation from the decode's wait;
 * ``hang``: no answer within ``--bound`` seconds; anything else is ``other``.
 
 After the load, the gauges of every live instance (``vllm:kvbridge_entries_held``,
@@ -143,7 +149,9 @@ class Settings:
     long_share: float = 0.34
     long_tokens: int = 64
     stream_share: float = 0.25
-    entry_timeout: float = 20.0
+    #: kv_entry_timeout of every instance: at least the bound, so that an entry expires under a load
+    #: only when its request is slower than a request may be.
+    entry_timeout: float = xp.REQUEST_TIMEOUT
     bound: float = xp.REQUEST_TIMEOUT
     #: Roles of the victims in turn (e.g. ("prefill", "decode")); empty: any instance at random. A role
     #: with ``-rank`` (``prefill-rank``, ``decode-rank``) kills one TP worker of such an instance, not
@@ -185,7 +193,7 @@ def reference_answers(
 
 
 def chaos_cluster(model: str, logs: Path, settings: Settings) -> xp.TwoByTwo:
-    """Two prefill instances (pressed KV cache, short ``kv_entry_timeout``) and two decode instances
+    """Two prefill instances (pressed KV cache, ``kv_entry_timeout`` of the settings) and two decode instances
     (roomy, ``fail`` on a failed load), each pinned to one of the two cores (its ranks on both)."""
     kv_extra: dict[str, Any] = {"kv_entry_timeout": settings.entry_timeout}
     if settings.kv_timeout is not None:
@@ -318,11 +326,13 @@ class Outcome:
     end: float
     prefill: str | None = None  # the instances of the P/D flow by hand
     decode: str | None = None
+    answered: float | None = None  # the P/D flow by hand: when its prefill request answered
     cached: int | None = None
     wrong: bool = False
     cause: str | None = None  # None: served
     detail: str = ""
     expected: bool = False
+    explained_by: str = ""  # what explains an expected error: "kill", "dead rank", "entry timeout"
 
     @property
     def seconds(self) -> float:
@@ -526,6 +536,7 @@ class Chaos:
             else:
                 long_prefill = {**proxy.prefill_body(body), "max_tokens": self.settings.long_tokens}
                 answered = xp.post(prefill.url + "/v1/completions", long_prefill, timeout=self.settings.bound)
+                outcome.answered = self.now()
                 params = answered.get("kv_transfer_params")
                 if not isinstance(params, dict):
                     raise _ProtocolProblem(f"{prefill.name} answered without kv_transfer_params: {answered}")
@@ -674,21 +685,25 @@ class Chaos:
     # ------------------------------------------------------------------ the figures
 
     def judge(self) -> None:
-        """Mark each error expected or not (see the module docstring)."""
+        """Mark each error expected or not, and by what (see the module docstring)."""
         for outcome in self.outcomes:
             role = CAUSE_ROLE.get(outcome.cause or "")
             if role is None:
                 continue
             named = outcome.prefill if role == "prefill" else outcome.decode  # None through the proxy
-            outcome.expected = any(
-                (
-                    kill.role == role
-                    and (named is None or kill.victim == named)
-                    and outcome.start <= kill.at <= outcome.end
-                )
-                or self._failed_by_rank(outcome, kill)
+            at_a_kill = (
+                kill.role == role and named in (None, kill.victim) and outcome.start <= kill.at <= outcome.end
                 for kill in self.kills
             )
+            if any(at_a_kill):
+                outcome.explained_by = "kill"
+            elif any(self._failed_by_rank(outcome, kill) for kill in self.kills):
+                outcome.explained_by = "dead rank"
+            elif outcome.cause == LOAD_FAILED and outcome.seconds > self.settings.entry_timeout:
+                outcome.explained_by = "entry timeout"
+            else:
+                outcome.explained_by = ""
+            outcome.expected = bool(outcome.explained_by)
             if not outcome.expected:
                 logger.error(
                     "UNEXPECTED error (%s flow, %.1f-%.1f s, %s -> %s): %s: %s",
@@ -727,8 +742,9 @@ class Chaos:
         errors = [o for o in outcomes if o.cause is not None and o.cause != HANG]
         by_cause: dict[str, dict[str, int]] = {}
         for outcome in errors:
-            entry = by_cause.setdefault(outcome.cause or "", {"expected": 0, "unexpected": 0})
+            entry = by_cause.setdefault(outcome.cause or "", {"expected": 0, "unexpected": 0, "entry_timeout": 0})
             entry["expected" if outcome.expected else "unexpected"] += 1
+            entry["entry_timeout"] += outcome.explained_by == "entry timeout"
         latency = {}
         for flow in ("proxy", "long"):
             seconds = sorted(o.seconds for o in served if o.flow == flow)
@@ -882,10 +898,17 @@ def format_report(report: dict[str, Any]) -> str:
         ("answers wrong (must be 0)", requests["wrong"]),
         (f"hangs, no answer within {report['settings']['bound']:g} s (must be 0)", requests["hangs"]),
         ("errors", requests["errors"]),
-        ("errors not explained by a kill (must be 0)", requests["unexpected_errors"]),
+        ("errors not explained by a kill or kv_entry_timeout (must be 0)", requests["unexpected_errors"]),
     ]
     for cause, counts in sorted(report["errors_by_cause"].items()):
-        rows.append((f"  {cause}: in flight at a kill / not", f"{counts['expected']} / {counts['unexpected']}"))
+        rows.append((f"  {cause}: explained / not", f"{counts['expected']} / {counts['unexpected']}"))
+        if counts["entry_timeout"]:
+            rows.append(
+                (
+                    f"    of which slower than kv_entry_timeout {report['settings']['entry_timeout']:g} s",
+                    counts["entry_timeout"],
+                )
+            )
     rows += [
         ("kills (restarted on the same ports)", len(faults["kills"])),
         ("  by instance", _per_instance(faults["kills_by_instance"])),

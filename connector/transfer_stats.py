@@ -18,7 +18,7 @@ COUNTERS = (
     "lent_requests",  # saved requests whose blocks were lent, not copied (a subset of saved_requests)
     "returned_requests",  # saved requests whose blocks vLLM was told it may free (finished sending)
     "unlent_requests",  # lent entries copied into the buffer when nobody took them within kv_lend_lease
-    "taken_back",  # saved requests whose entry was taken back: vLLM preempted the request, or a TP rank failed
+    "taken_back",  # saved requests whose entry was taken back (vLLM preempted the request) or withdrawn, loan or copy
     "load_hits",  # requests whose KV was loaded
     "load_misses",  # no entry within kv_load_timeout, or an entry that failed the checks
     "load_errors",  # transport errors (peer lost, pipe closed, protocol)

@@ -5,14 +5,20 @@ and serves every consumer that connects, all from one set of entries. Each save 
 transfer-prefix blocks: lent where they lie when its caches are exported (``kv_lend_blocks``),
 else copied into the buffer. vLLM keeps a saved request's blocks once it finishes until
 :meth:`ProducerWorker.take_finished_sending` reports them; a preempted request's entry is taken back
-before vLLM writes its blocks.
+before vLLM writes its blocks, and that of a request that will not be announced (not every TP rank
+saved it) leaves the buffer, copy or loan.
 
 A copy that leaves the buffer before its request finished (evicted, expired, taken by a select for
-the same tokens) is reported by :meth:`ProducerWorker.take_gone`: the scheduler then announces 0
-tokens for it instead of sending a decode instance after it. The buffer's store tells this worker
-each copy's departure (:meth:`lookup_buffer.store.EntryStore.watch_departures`), by key: the copies
-under one key leave in the order they were stored, so the oldest request saved under that key is
-the one whose copy left.
+the same tokens), or a loan that ends before it, is reported by :meth:`ProducerWorker.take_gone`:
+the scheduler then announces 0 tokens for it instead of sending a decode instance after it. The
+buffer's store tells this worker each copy's departure
+(:meth:`lookup_buffer.store.EntryStore.watch_departures`), by key: the copies under one key leave in
+the order they were stored, so the oldest request saved under that key is the one whose copy left.
+A copy withdrawn (:meth:`lookup_buffer.store.EntryStore.withdraw_copy`) leaves in that order too,
+whichever request under its key is withdrawn: the copies are alike, so the withdrawn request gives
+up its place in the key's order instead, and the departure that the withdrawal causes is not
+reported (the first one under that key after it, which may be a select's that came in between: the
+copy the withdrawal then removes is the oldest request's).
 """
 
 from __future__ import annotations
@@ -57,16 +63,19 @@ class ProducerWorker(WorkerSide):
         self._lends = False  # its caches are exported, and saves lend their blocks
         self._kept: dict[str, Loan | None] = {}  # every request saved, with its loan if lent
         self._lent_blocks: dict[str, int] = {}  # blocks of each request in _kept
-        self._copied: dict[str, None] = {}  # requests saved by a copy, until finished (in order)
-        # Under _copies_lock (the buffer's threads report departures): the requests whose copies are
-        # stored under each key's digest, in the order they were stored; departures of copies not
-        # registered yet (a select took one before its insert returned); copies of requests in
-        # _copied that left before the request was reported, to report.
+        # Under _copies_lock (the buffer's threads report departures): requests saved by a copy, with
+        # its match key, until finished (in order); the requests whose copies are stored under each
+        # key's digest, in the order they were stored; departures of copies not registered yet (a
+        # select took one before its insert returned); departures that withdrawals cause, not yet
+        # told; copies of requests in _copied that left before the request was reported, to report.
         self._copies_lock = threading.Lock()
+        self._copied: dict[str, MatchKey] = {}
         self._copy_keys: dict[bytes, collections.deque[str]] = {}
         self._early_departures: dict[bytes, int] = {}
+        self._withdrawing: dict[bytes, int] = {}
         self._gone: set[str] = set()
         self._released: dict[str, None] = {}  # requests taken back, until held or saved again (in order)
+        self._ended_early: set[str] = set()  # requests in _kept whose loan ended before they were held, reported
         self._held: dict[str, float] = {}  # finished requests whose blocks vLLM keeps, and since when
 
     def _open(self) -> None:
@@ -116,6 +125,7 @@ class ProducerWorker(WorkerSide):
                 # holds the same prefix's KV. A second entry would wait for nobody.
                 return True
         self._kept[spec.req_id] = None  # vLLM keeps its blocks once finished: see take_finished_sending
+        self._ended_early.discard(spec.req_id)
         self._released.pop(spec.req_id, None)
         if self._buffer is None:
             self._add(save_failures=1)
@@ -149,21 +159,31 @@ class ProducerWorker(WorkerSide):
         now = time.monotonic()
         self._held.update(dict.fromkeys(req_ids, now))
 
-    def take_back(self, req_ids: Iterable[str]) -> None:
-        """Take back the entries of these saved requests before vLLM writes their blocks (from vLLM's
+    def take_back(self, req_ids: Iterable[str], withdraw: Iterable[str] = ()) -> None:
+        """Take back the entries of saved requests before vLLM writes their blocks (from vLLM's
         ``handle_preemptions``, which runs before the step zeroes, copies or computes into any
-        block): an entry still stored leaves the buffer; one lent out has its stamp cleared (its
+        block): ``req_ids`` vLLM preempted, ``withdraw`` will not be announced (not every TP rank
+        saved its share, or a rank's entry is gone).
+
+        A lent entry still stored leaves the buffer; one lent out has its stamp cleared (its
         borrower's load fails and nothing it copied is used); one being copied out for a consumer
         that does not borrow is waited for at most ``kv_timeout``, and answered as a miss if it
-        takes longer. Entries copied into the buffer hold no blocks and stay: the request's next
-        save, after a preemption, keeps them. A request taken back is no longer kept: held by vLLM
-        (finished), in this step or a later one, it is reported finished sending."""
-        for req_id in req_ids:
+        takes longer. An entry copied into the buffer holds no blocks: a preempted request's stays,
+        and its next save keeps it; one of a request in ``withdraw`` leaves the buffer (a copy
+        already taken, evicted or expired is not replaced by another). A request taken back is no
+        longer kept: held by vLLM (finished), in this step or a later one, it is reported finished
+        sending."""
+        withdrawn = dict.fromkeys(withdraw)
+        for req_id in dict.fromkeys([*req_ids, *withdrawn]):
             with self._copies_lock:
                 saved_here = req_id in self._kept or req_id in self._copied
+                key = self._give_up_copy(req_id) if req_id in withdrawn else None
             if not saved_here:
                 continue
+            if key is not None and self._withdraw_copy(req_id, key):
+                self._add(taken_back=1)
             loan = self._kept.pop(req_id, None)
+            self._ended_early.discard(req_id)
             self._lent_blocks.pop(req_id, None)
             remember(self._released, req_id)
             if loan is None or loan.outcome is not None:
@@ -172,6 +192,29 @@ class ProducerWorker(WorkerSide):
             if not loan.take_back(self.settings.bridge.kv_timeout):
                 logger.warning("kvbridge: the entry of request %s was still being copied out after %g s; that copy "
                                "is answered as a miss", req_id, self.settings.bridge.kv_timeout)
+
+    def _give_up_copy(self, req_id: str) -> MatchKey | None:
+        """Under _copies_lock: forget ``req_id``'s copy, if it is still stored, and expect the departure
+        of its withdrawal; its match key, or None if there is no copy to withdraw."""
+        key = self._copied.pop(req_id, None)
+        queue = self._copy_keys.get(key.digest) if key is not None else None
+        if queue is None or req_id not in queue or entry_store(self._buffer) is None:
+            return None
+        queue.remove(req_id)
+        if not queue:
+            del self._copy_keys[key.digest]
+        self._withdrawing[key.digest] = self._withdrawing.get(key.digest, 0) + 1
+        return key
+
+    def _withdraw_copy(self, req_id: str, key: MatchKey) -> bool:
+        """Take a copy under ``key`` out of the buffer for ``req_id`` (given up); whether one was."""
+        store = entry_store(self._buffer)
+        if store is not None and store.withdraw_copy(key):
+            return True
+        # Another departure under the key came first and was counted as this withdrawal's; a buffer
+        # closed meanwhile has dropped every copy.
+        logger.debug("kvbridge: the copy of request %s had already left the buffer", req_id)
+        return False
 
     def take_finished_sending(self) -> set[str]:
         """Held requests whose blocks this worker no longer needs, each once: saved by a copy, taken
@@ -183,6 +226,7 @@ class ProducerWorker(WorkerSide):
             req_id in self._kept and (self._kept[req_id] is None or self._kept[req_id].outcome is not None))}
         for req_id in done:
             self._kept.pop(req_id, None)
+            self._ended_early.discard(req_id)
             del self._held[req_id]
             with self._copies_lock:
                 self._copied.pop(req_id, None)
@@ -216,7 +260,8 @@ class ProducerWorker(WorkerSide):
         """``req_id`` was saved by a copy, stored under the match key of ``token_ids``: remember it
         until it is finished, and report it gone if its copy leaves the buffer before that."""
         tokens = np.asarray(token_ids, dtype=np.int64)
-        digest = MatchKey(tokens, np.ones(len(tokens), dtype=bool)).digest
+        key = MatchKey(tokens, np.ones(len(tokens), dtype=bool))
+        digest = key.digest
         with self._copies_lock:
             early = self._early_departures.pop(digest, 0)
             if early:
@@ -225,7 +270,7 @@ class ProducerWorker(WorkerSide):
                 self._gone.add(req_id)
                 return
             self._copy_keys.setdefault(digest, collections.deque()).append(req_id)
-            remember(self._copied, req_id)
+            remember(self._copied, req_id, key)
 
     def _on_departed(self, key: MatchKey) -> None:
         """A copy under ``key`` left the buffer (a buffer thread, under its store's lock): the oldest
@@ -233,6 +278,11 @@ class ProducerWorker(WorkerSide):
         (:meth:`take_gone`), and its next save after a preemption makes a new copy."""
         digest = key.digest
         with self._copies_lock:
+            withdrawing = self._withdrawing.pop(digest, 0)
+            if withdrawing:
+                if withdrawing > 1:
+                    self._withdrawing[digest] = withdrawing - 1
+                return
             queue = self._copy_keys.get(digest)
             if not queue:
                 self._early_departures[digest] = self._early_departures.get(digest, 0) + 1
@@ -247,12 +297,17 @@ class ProducerWorker(WorkerSide):
                 self._gone.add(req_id)
 
     def take_gone(self) -> set[str]:
-        """Requests saved by a copy whose copy left the buffer (taken by a select, evicted, expired)
-        before the request was reported finished, since the last call, each once: announcing them
-        would send a decode instance after an entry that is no longer there."""
+        """Saved requests whose entry left the buffer (taken by a select, evicted, expired) before the
+        request finished, since the last call, each once: a copy that left before the request was
+        reported finished, or a loan that ended before vLLM finished the request (a prefill request
+        that keeps generating outlives ``kv_entry_timeout``). Announcing them would send a decode
+        instance after an entry that is no longer there."""
+        ended = {req_id for req_id, loan in self._kept.items() if loan is not None and loan.outcome is not None
+                 and req_id not in self._held and req_id not in self._ended_early}
+        self._ended_early |= ended
         with self._copies_lock:
             gone, self._gone = self._gone, set()
-            return gone
+        return gone | ended
 
     def take_save_outcomes(self) -> tuple[set[str], set[str]]:
         """Request ids saved, and not saved, since the last call (vLLM asks once per step)."""

@@ -41,8 +41,8 @@ _COUNTER_HELP = {
     "returned_requests": "Saved requests whose KV blocks the prefill instance handed back to vLLM.",
     "unlent_requests": "Lent entries the prefill instance copied into its buffer, nobody having taken them "
                        "within kv_lend_lease, to hand their blocks back to vLLM.",
-    "taken_back": "Saved requests whose entry the prefill instance took back (preempted, or a TP rank's save "
-                  "failed).",
+    "taken_back": "Saved requests whose entry the prefill instance took back (preempted, or not announced: a TP "
+                  "rank's save failed or its entry left).",
     "load_hits": "Requests whose KV the decode instance loaded.",
     "load_misses": "Loads without a usable entry within kv_load_timeout.",
     "load_errors": "Loads failed by a transport error (peer lost, protocol).",

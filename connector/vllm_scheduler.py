@@ -15,11 +15,12 @@ share. An outcome that comes later than that (vLLM defers ``wait_for_save`` past
 output only for draft-model speculative decoding) leaves the announcement at 0: the decode
 instance then computes the prompt itself rather than wait for KV that may not exist.
 
-Announcing nothing for a copy known gone: a request saved by a copy may lose it before it finishes
-(evicted from a full buffer, expired, or taken by a select for the same tokens). Its workers report
-it gone (:attr:`KVBridgeWorkerMetadata.gone`), and the request is then announced with 0 tokens:
-the decode instance computes the prompt at once instead of claiming blocks for a certain miss. A
-report that comes in the step the request finishes still changes its announcement in place.
+Announcing nothing for an entry known gone: a saved request may lose its entry, copy or loan,
+before it finishes (evicted from a full buffer, expired: ``kv_entry_timeout`` counts from the save,
+or taken by a select for the same tokens). Its workers report it gone
+(:attr:`KVBridgeWorkerMetadata.gone`), and the request is then announced with 0 tokens: the decode
+instance computes the prompt at once instead of claiming blocks for a certain miss. A report that
+comes in the step the request finishes still changes its announcement in place.
 """
 
 from __future__ import annotations
@@ -52,10 +53,14 @@ class KVBridgeMetadata(KVConnectorMetadata):
     #: Finished requests whose blocks vLLM keeps until the workers report them finished sending:
     #: every request that was handed to them to save (its blocks may be lent).
     held: list[str] = dataclasses.field(default_factory=list)
-    #: Saved requests whose entries the workers take back before this step writes a block: vLLM preempted
-    #: them (their blocks are freed, and may be written by this very step) or not every TP rank
-    #: saved its share (the request was announced with 0 tokens, so nobody asks for it).
+    #: Saved requests vLLM preempted (their blocks are freed, and may be written by this very step):
+    #: the workers take their lent entries back before this step writes a block, and keep their
+    #: copies for the request's next save.
     take_back: list[str] = dataclasses.field(default_factory=list)
+    #: Saved requests that will not be announced (announced with 0 tokens: not every TP rank saved
+    #: its share, or a rank's entry is gone): nobody asks for them, so the workers take back their
+    #: entries, lent or copied, in the same hook.
+    withdraw: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -63,7 +68,7 @@ class KVBridgeWorkerMetadata(KVConnectorWorkerMetadata):
     """The workers' save outcomes of one step; vLLM aggregates those of all TP ranks.
 
     ``saved`` counts, per request id, the ranks that saved their share; ``failed`` holds the ids
-    that at least one rank could not save; ``gone`` those whose saved copy left at least one rank's
+    that at least one rank could not save; ``gone`` those whose saved entry left at least one rank's
     buffer before the request finished. Pickled by vLLM between its processes (never networked).
     """
 
@@ -119,7 +124,8 @@ class SchedulerSide:
         self._covered: dict[str, tuple[tuple[str, int] | None, int | None]] = {}
         self._held: list[str] = []  # producer: finished requests whose blocks vLLM keeps, not yet told
         self._abandoned: list[LoadSpec] = []  # consumer: entries of requests finished before their load, to drain
-        self._take_back: list[str] = []  # producer: saved requests whose entries must go, not yet told
+        self._take_back: list[str] = []  # producer: preempted saved requests, not yet told
+        self._withdraw: list[str] = []  # producer: saved requests announced with 0 tokens, not yet told
 
     # ------------------------------------------------------------------ consumer
 
@@ -206,6 +212,7 @@ class SchedulerSide:
             for req_id in scheduler_output.preempted_req_ids or ():
                 self._preempted(req_id)
         meta.take_back, self._take_back = self._take_back, []
+        meta.withdraw, self._withdraw = self._withdraw, []
         for new_req in scheduler_output.scheduled_new_reqs:
             if new_req.req_id in self._covered and new_req.req_id not in self._loaded:
                 prompt = new_req.prompt_token_ids or []
@@ -261,7 +268,7 @@ class SchedulerSide:
             else:
                 continue  # a late outcome of a request already announced (see build_meta), preempted or aborted
             if not saved and outcomes.saved.get(req_id, 0) > 0:
-                self._take_back.append(req_id)  # announced with 0 tokens: the ranks that saved hold it for nobody
+                self._withdraw.append(req_id)  # announced with 0 tokens: the ranks that saved hold it for nobody
         for req_id in outcomes.gone - outcomes.failed - outcomes.saved.keys():
             if self._saved.get(req_id):
                 self._saved[req_id] = 0
@@ -269,7 +276,7 @@ class SchedulerSide:
                 self._finishing.pop(req_id)["prefix_tokens"] = 0
             else:
                 continue  # announced already, or with 0 tokens
-            self._take_back.append(req_id)  # the ranks whose share is still there hold it for nobody
+            self._withdraw.append(req_id)  # the ranks whose share is still there hold it for nobody
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """Forget a finished or aborted request. The producer announces the prefix it saved, and

@@ -179,7 +179,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         # (before it binds the metadata), and the forward pass computes into them, so the blocks of
         # a preempted request, freed and perhaps given to another, are taken back here.
         if (producer := self._producer()) is not None:
-            producer.take_back(_bridge_metadata(kv_connector_metadata).take_back)
+            meta = _bridge_metadata(kv_connector_metadata)
+            producer.take_back(meta.take_back, meta.withdraw)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._metadata()

@@ -307,10 +307,11 @@ class WorkerSide:
         return self._caches
 
 
-def remember(requests: dict[str, None], req_id: str) -> None:
-    """Add ``req_id`` to ``requests`` as the newest, forgetting the oldest beyond :data:`MAX_REMEMBERED`."""
+def remember(requests: dict[str, Any], req_id: str, value: Any = None) -> None:
+    """Add ``req_id`` (with ``value``) to ``requests`` as the newest, forgetting the oldest beyond
+    :data:`MAX_REMEMBERED`."""
     requests.pop(req_id, None)
-    requests[req_id] = None
+    requests[req_id] = value
     while len(requests) > MAX_REMEMBERED:
         requests.pop(next(iter(requests)))
 

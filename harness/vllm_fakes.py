@@ -1,6 +1,6 @@
 """vLLM's scheduler objects built by hand, and fakes of the connector worker's surroundings, for the
 connector's tests without an engine: requests and scheduler outputs, token runs, random KV blocks, a
-buffer whose inserts fail on cue, and polling a worker as vLLM does each step."""
+buffer whose inserts fail on cue, a connector over a worker, and polling a worker as vLLM does each step."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from vllm import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
+from connector.vllm_v1 import KVBridgeConnector
 from harness import vllm_procs as vp
 
 B = vp.BLOCK_SIZE
@@ -46,6 +47,14 @@ def cached_data(req_ids: list[str], num_computed: list[int]) -> CachedRequestDat
     data.new_block_ids = [None] * len(req_ids)
     data.num_output_tokens = [0] * len(req_ids)
     return data
+
+
+def bare_connector(worker: Any) -> KVBridgeConnector:
+    """A worker-side KVBridgeConnector over ``worker``, without a vLLM config: its hooks, called as
+    vLLM's model runner calls them, reach the worker."""
+    connector = object.__new__(KVBridgeConnector)
+    connector._worker, connector._scheduler, connector._connector_metadata = worker, None, None
+    return connector
 
 
 FAKE_TOKENS = {

@@ -6,16 +6,17 @@ is atomic, so an entry goes to exactly one select.
 When the byte budget is full, a store made with ``evict_unclaimed`` makes room for a new entry by
 evicting the oldest entries nobody has selected yet; one without it makes the insert wait.
 
-An entry that leaves unselected (evicted, expired, taken back by its owner) leaves a tombstone of its
+An entry that leaves unselected (evicted, expired, taken back or withdrawn by its owner) leaves a tombstone of its
 match key for :data:`TOMBSTONE_SECONDS`: a select waiting for that key, or coming soon after, is
 answered a miss at once (:meth:`EntryStore.gone`) instead of holding its consumer for its whole wait.
 Watchers (:meth:`EntryStore.watch`) are told each such key.
 
 An entry inserted with bytes of its own (not lent) is *tracked*: its inserter may need to know once it
 is no longer there to be selected, whatever took it (a select, eviction, expiry, the store's end), so
-that it does not send a consumer after it. Departure watchers (:meth:`EntryStore.watch_departures`)
-are told the key of each tracked entry that leaves; a store's tracked entries under one key leave in
-the order they were stored.
+that it does not send a consumer after it, and may withdraw it once it will send none
+(:meth:`EntryStore.withdraw_copy`). Departure watchers (:meth:`EntryStore.watch_departures`) are told
+the key of each tracked entry that leaves; a store's tracked entries under one key leave in the order
+they were stored.
 """
 
 from __future__ import annotations
@@ -282,12 +283,31 @@ class EntryStore:
             key = self._stored.get(entry)
             if key is None:
                 return False
-            queue = self._entries[key]
-            queue.remove(entry)
-            self._forget(key, queue, entry)
-            self._departed(key, entry)
-            self._bury(key)
+            self._take_out(key, entry)
             return True
+
+    def withdraw_copy(self, key: MatchKey) -> bool:
+        """Remove the oldest tracked entry stored whole under ``key`` (its inserter will send no
+        consumer after it); whether there was one. Lent entries and the parts of split ones stay.
+
+        Tracked entries under one key are alike to a select, and leave in the order they were
+        stored: the one removed is the oldest, whichever request the inserter withdraws, and its
+        departure is told as any other. It leaves a tombstone, as an entry taken back does.
+        """
+        with self._cond:
+            entry = next((entry for entry in self._entries.get(key, ()) if entry.tracked), None)
+            if entry is None:
+                return False
+            self._take_out(key, entry)
+            return True
+
+    def _take_out(self, key: MatchKey | tuple[MatchKey, Part], entry: Entry) -> None:
+        """Remove ``entry``, stored under ``key``, for its owner (under the lock)."""
+        queue = self._entries[key]
+        queue.remove(entry)
+        self._forget(key, queue, entry)
+        self._departed(key, entry)
+        self._bury(key)
 
     def watch(self, watcher: Callable[[MatchKey], object]) -> None:
         """Call ``watcher`` with the match key of every entry that leaves unselected (evicted, expired,

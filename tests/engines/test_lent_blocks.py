@@ -35,6 +35,7 @@ from harness.vllm_fakes import (
     FAKE_TOKENS,
     B,
     FailingInserts,
+    bare_connector,
     cached_data,
     make_request,
     new_req_data,
@@ -42,7 +43,7 @@ from harness.vllm_fakes import (
 )
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVBufferFullError, KVConfigError
-from lookup_buffer.loans import TAKEN_BACK, Loan
+from lookup_buffer.loans import EVICTED, EXPIRED, RETURNED, TAKEN_BACK, Loan
 
 # ====================================================================== scheduler side
 
@@ -65,7 +66,7 @@ def test_a_preempted_saved_request_is_taken_back_and_saved_again_from_its_new_bl
     assert decoding.saves == [] and decoding.take_back == []
     # vLLM preempts "r" to make room: blocks 1-4 are freed and may be written by this very step.
     preempted = side.build_meta(_preempted(scheduler_output([], {}), "r"), {}.__getitem__)
-    assert preempted.take_back == ["r"] and preempted.saves == []
+    assert (preempted.take_back, preempted.withdraw, preempted.saves) == (["r"], [], [])  # its copy is kept
     # Resumed, it recomputes its prompt in new blocks, in two chunks: saved again once its prefix is.
     new_blocks = {"r": [7, 8, 9, 5]}.__getitem__
     chunk = side.build_meta(scheduler_output([], {"r": 64}, cached_data(["r"], [0])), new_blocks)
@@ -110,8 +111,10 @@ def test_entries_of_a_request_some_tp_ranks_failed_to_save_are_taken_back() -> N
     side.record_saves(rank0.aggregate(rank1))
     assert {name: params[PARAMS_KEY]["prefix_tokens"] for name, (_, params) in finished.items()} == {
         "both": 64, "one": 0, "none": 0}
-    # Rank 0 holds an entry of "one" that nobody will ask for: it goes at once, not when it expires.
-    assert side.build_meta(scheduler_output([], {}), {}.__getitem__).take_back == ["one"]
+    # Rank 0 holds an entry of "one" that nobody will ask for: it goes at once, copy or loan, not when
+    # it expires.
+    after = side.build_meta(scheduler_output([], {}), {}.__getitem__)
+    assert (after.withdraw, after.take_back) == (["one"], [])
 
 
 def test_a_decode_request_aborted_before_its_load_has_its_announced_entry_drained() -> None:
@@ -190,14 +193,14 @@ def test_a_request_only_some_tp_ranks_saved_is_finished_sending_on_every_rank(ta
         for worker in workers:
             worker.save([SAVES[1]])
         assert [worker.take_save_outcomes() for worker in workers] == [({req_id}, set())] * 2 + [(set(), {req_id})]
-        # The next step's metadata holds it (finished) and takes it back (not every rank saved it).
+        # The next step's metadata holds it (finished) and withdraws it (not every rank saved it).
         for worker in workers:
             if take_back_first:
-                worker.take_back([req_id])
+                worker.take_back([], withdraw=[req_id])
                 worker.hold([req_id])
             else:
                 worker.hold([req_id])
-                worker.take_back([req_id])
+                worker.take_back([], withdraw=[req_id])
         assert [worker.take_finished_sending() for worker in workers] == [{req_id}] * 3
         assert lending.loans[0].outcome == TAKEN_BACK
         assert [worker.take_finished_sending() for worker in workers] == [set()] * 3  # once
@@ -207,23 +210,17 @@ def test_a_request_only_some_tp_ranks_saved_is_finished_sending_on_every_rank(ta
             worker.close()
 
 
-def _bare_connector(worker: Any) -> KVBridgeConnector:
-    """A worker-side KVBridgeConnector over ``worker``, without a vLLM config."""
-    connector = object.__new__(KVBridgeConnector)
-    connector._worker, connector._scheduler, connector._connector_metadata = worker, None, None
-    return connector
-
-
-def test_entries_are_taken_back_in_handle_preemptions_before_vllm_writes_any_block() -> None:
+@pytest.mark.parametrize("reason", ["take_back", "withdraw"])
+def test_entries_are_taken_back_in_handle_preemptions_before_vllm_writes_any_block(reason: str) -> None:
     # vLLM's execute_model calls handle_preemptions first; only then does it zero newly allocated
     # blocks and apply block copies (_update_states), and binds the metadata later still.
     source = inspect.getsource(GPUModelRunner.execute_model)
     assert source.index(".handle_preemptions(") < source.index("self._update_states(")
     workers, lending = _tp_ranks()
-    connector = _bare_connector(workers[0])
+    connector = bare_connector(workers[0])
     try:
         workers[0].save([SAVES[1]])
-        meta = KVBridgeMetadata(take_back=[SAVES[1].req_id])
+        meta = KVBridgeMetadata(**{reason: [SAVES[1].req_id]})  # preempted, or never to be announced
         connector.handle_preemptions(meta)
         assert lending.loans[0].outcome == TAKEN_BACK  # before any block of this step is written
         connector.bind_connector_metadata(meta)
@@ -429,13 +426,15 @@ def test_a_copy_gone_in_the_step_its_request_finishes_is_announced_as_nothing_an
     # The same step's worker outcomes: its copy was evicted (vLLM hands them over after request_finished).
     side.record_saves(KVBridgeWorkerMetadata.of_one_worker(set(), set(), {"r"}))
     assert params[PARAMS_KEY]["prefix_tokens"] == 0
-    assert side.build_meta(scheduler_output([], {"s": 1}), {}.__getitem__).take_back == ["r"]
+    after = side.build_meta(scheduler_output([], {"s": 1}), {}.__getitem__)
+    assert (after.withdraw, after.take_back) == (["r"], [])
     # Once its announcement left the engine, a report about "s" changes only what is still to come.
     _, later = side.request_finished(requests["s"])
     side.build_meta(scheduler_output([], {}), {}.__getitem__)
     side.record_saves(KVBridgeWorkerMetadata.of_one_worker(set(), set(), {"s"}))
     assert later[PARAMS_KEY]["prefix_tokens"] == 64
-    assert side.build_meta(scheduler_output([], {}), {}.__getitem__).take_back == []
+    last = side.build_meta(scheduler_output([], {}), {}.__getitem__)
+    assert (last.withdraw, last.take_back) == ([], [])
 
 
 # ====================================================================== the worker of each role
@@ -481,5 +480,32 @@ def test_a_worker_of_both_roles_loads_bit_exact_what_it_saved_over_its_own_liste
             assert torch.equal(cache[[0, 3, 4, 6, 8]], others[[0, 2, 3, 4, 5]])  # block 2 was written
         assert worker.take_gone() == {"r"}  # its copy was taken, before "r" finished
         assert worker.gauges()["connections"] == 2  # one each way: accepted and dialed
+    finally:
+        worker.close()
+
+
+def test_a_loan_that_ends_before_its_request_finishes_is_reported_gone_once() -> None:
+    # A prefill request that keeps generating may outlive its entry (kv_entry_timeout counts from the
+    # save): announced, it would send its decode request after an entry that is gone.
+    lending = _LendingInserts()
+    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
+                            listener_factory=lambda settings, offset, on_connect: lending)
+    try:
+        worker.save(SAVES)
+        assert worker.take_gone() == set()
+        lending.loans[0].end(EXPIRED)  # "stored" expired while its request still runs
+        assert worker.take_gone() == {"stored"}
+        assert worker.take_gone() == set()  # once
+        worker.hold(["stored", "borrowed"])
+        lending.loans[1].end(RETURNED)  # "borrowed" finished, then its decode instance took it: not gone
+        assert worker.take_gone() == set()
+        assert worker.take_finished_sending() == {"stored", "borrowed"}
+        lending.loans[2].end(EXPIRED)
+        assert worker.take_gone() == {"kept"}
+        worker.take_back(["kept"])  # preempted, then saved again from its new blocks: a new entry
+        worker.save([SaveSpec("kept", SAVES[2].token_ids, [5])])
+        assert worker.take_gone() == set()
+        lending.loans[3].end(EVICTED)
+        assert worker.take_gone() == {"kept"}
     finally:
         worker.close()

@@ -409,3 +409,38 @@ def test_departures_of_copied_entries_are_told_in_order_and_lent_ones_never() ->
     store.put(last_key, last, timeout=0)
     store.stop(KVBufferFullError("closed"))
     assert told[5:] == [last_key] and len(told) == 6
+
+
+def test_a_withdrawn_copy_is_the_oldest_copy_under_its_key_and_lent_entries_and_parts_stay() -> None:
+    """``withdraw_copy`` takes the oldest tracked whole entry under its key, told as a departure and
+    leaving a tombstone; an older lent entry under the same key, its loan, the parts of a split copy
+    and other keys' copies stay."""
+    store = EntryStore(capacity_bytes=1 << 20, max_item_bytes=1 << 20, entry_timeout=100.0)
+    told: list[MatchKey] = []
+    buried: list[MatchKey] = []
+    store.watch_departures(told.append)
+    store.watch(buried.append)
+    lent_key, lent, _ = stored(0, 2048)
+    lent.tracked = False  # what make_entry makes of lent tensors
+    first_key, first = make_entry(*request(0, 2048))  # the same tokens: copies under the lent entry's key
+    second_key, second = make_entry(*request(0, 2048))
+    other_key, other = make_entry(*request(1, 2048))
+    for key, entry in ((lent_key, lent), (first_key, first), (second_key, second), (other_key, other)):
+        store.put(key, entry, timeout=0)
+    before = store.counters()
+    assert not store.gone(first_key)
+    assert store.withdraw_copy(second_key)  # whichever request is withdrawn, the oldest copy leaves
+    assert (told, buried) == ([first_key], [first_key]) and store.gone(first_key)
+    after = store.counters()
+    assert (after.entries, after.bytes) == (before.entries - 1, before.bytes - first.nbytes)
+    assert (after.expired, after.evicted) == (before.expired, before.evicted)
+    assert lent.loan.outcome is None
+    assert store.pop(first_key) is lent and store.pop(first_key) is second  # first in, first out as before
+    assert not store.withdraw_copy(first_key)  # none left under it
+    assert store.withdraw_copy(other_key) and not store.withdraw_copy(other_key)
+    assert told == [first_key, second_key, other_key]
+    whole_key, whole = make_entry(*_splittable(0))
+    store.put(whole_key, whole, timeout=0)
+    store.pop_part(whole_key, (1, 0, 1))
+    assert not store.withdraw_copy(whole_key) and store.counters().entries == 3  # the parts stay
+    assert not store.withdraw_copy(make_entry(*request(9, 2048))[0])  # a key never stored

@@ -84,9 +84,10 @@ def test_the_kv_cache_usage_is_compared_with_the_start_of_the_instances_life() -
     assert not chaos.gauges_idle(IDLE | {chaos.USAGE: 0.0}, usage_at_start=0.25)
 
 
-def _judged(outcomes: list[chaos.Outcome], kills: list[chaos.Kill]) -> list[bool]:
-    run = object.__new__(chaos.Chaos)  # judge reads only the outcomes and the kills
+def _judged(outcomes: list[chaos.Outcome], kills: list[chaos.Kill], entry_timeout: float = 120.0) -> list[bool]:
+    run = object.__new__(chaos.Chaos)  # judge reads only the outcomes, the kills and the settings
     run.outcomes, run.kills = outcomes, kills
+    run.settings = chaos.Settings(entry_timeout=entry_timeout)
     run.judge()
     return [o.expected for o in outcomes]
 
@@ -124,3 +125,45 @@ def test_an_idle_instance_keeps_one_connection_per_pair_of_ranks_sharing_heads(
     assert chaos.most_connections(prefill_tp, decode_tp) == most
     assert chaos.gauges_idle(IDLE | {"connections": float(most)}, 0.0, most)
     assert not chaos.gauges_idle(IDLE | {"connections": float(most + 1)}, 0.0, most)
+
+
+def test_a_failed_load_is_explained_by_the_entry_timeout_only_when_its_request_outlasted_it() -> None:
+    # An entry's kv_entry_timeout counts from its save, after the request was sent; one that left
+    # before its prefill answered was announced with 0 tokens. So a load can miss an expired entry
+    # only when the request took longer than the timeout from its start to the decode's answer.
+    outcomes = [
+        chaos.Outcome("long", 0, 10.0, 31.0, "prefill0", "decode0", answered=28.0, cause=chaos.LOAD_FAILED),
+        chaos.Outcome("long", 1, 10.0, 29.5, "prefill0", "decode0", answered=12.0, cause=chaos.LOAD_FAILED),
+        chaos.Outcome("proxy", 2, 40.0, 60.5, cause=chaos.LOAD_FAILED),
+        chaos.Outcome("long", 3, 10.0, 40.0, "prefill0", "decode0", cause=chaos.PREFILL_KILLED),  # not a load
+        chaos.Outcome("long", 4, 10.0, 40.0, "prefill0", "decode0", answered=11.0, cause=chaos.HANG),
+        chaos.Outcome("long", 5, 10.0, 30.0, "prefill0", "decode0", answered=11.0, cause=chaos.LOAD_FAILED),
+    ]
+    assert _judged(outcomes, [], entry_timeout=20.0) == [True, False, True, False, False, False]
+    assert [o.explained_by for o in outcomes] == ["entry timeout", "", "entry timeout", "", "", ""]
+    # A kill in flight explains it first; the default timeout (the request bound) explains none here.
+    kill = chaos.Kill("prefill0", "prefill", at=20.0)
+    assert _judged(outcomes, [kill]) == [True, True, False, True, False, True]
+    assert {o.explained_by for o in outcomes} == {"kill", ""}
+    assert chaos.Settings().entry_timeout >= chaos.Settings().bound
+
+
+def test_the_report_counts_the_errors_the_entry_timeout_explains() -> None:
+    outcomes = [
+        chaos.Outcome("long", 0, 10.0, 31.0, "prefill0", "decode0", answered=28.0, cause=chaos.LOAD_FAILED),
+        chaos.Outcome("long", 1, 10.0, 12.0, "prefill0", "decode0", answered=11.0, cause=chaos.LOAD_FAILED),
+    ]
+    _judged(outcomes, [], entry_timeout=20.0)
+    run = object.__new__(chaos.Chaos)
+    run.outcomes, run.kills, run.settings = outcomes, [], chaos.Settings(entry_timeout=20.0)
+    run.prompts, run.cluster, run.counters, run.last_life, run.failure = [], _NoInstances(), {}, {}, None
+    run.abandoned, run.abandon_failures = Counter(), []
+    report = run.report(60.0, {})
+    assert report["errors_by_cause"] == {chaos.LOAD_FAILED: {"expected": 1, "unexpected": 1, "entry_timeout": 1}}
+    assert report["requests"]["unexpected_errors"] == 1
+    assert report["error_details"][0]["answered"] == 28.0
+
+
+class _NoInstances:
+    prefills: list = []
+    decodes: list = []

@@ -14,6 +14,7 @@ gives vLLM a model configuration to read.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -38,7 +39,10 @@ from connector.vllm_worker import WorkerSide, find_layout
 from harness import vllm_procs as vp
 from harness import vllm_scheduler
 from harness.procs import free_port
+from harness.vllm_fakes import bare_connector
+from kv_pipe.exported_memory import page_aligned_empty
 from lookup_buffer import BufferListener
+from lookup_buffer.loans import EXPIRED
 from lookup_buffer.matching import MatchKey
 
 B = vp.BLOCK_SIZE
@@ -481,13 +485,16 @@ def test_prefix_in_the_local_cache_is_drained_not_loaded(model_config: ModelConf
 # ---------------------------------------------------------------------- producer worker and scheduler
 
 
-def producer_worker(num_blocks: int, budget: int) -> tuple[WorkerSide, list[torch.Tensor]]:
+def producer_worker(num_blocks: int, budget: int, lend: bool = False) -> tuple[WorkerSide, list[torch.Tensor]]:
     """A producer's worker over random caches of ``num_blocks`` blocks, its listener on a free port,
-    copying its saves into a lookup buffer of ``budget`` bytes (evicting the oldest when full)."""
+    copying its saves into a lookup buffer of ``budget`` bytes (evicting the oldest when full), or
+    with ``lend`` lending them where they lie."""
     generator = torch.Generator().manual_seed(3)
     caches = [torch.randn((num_blocks, 4, B, 128), generator=generator) for _ in range(2)]
+    if lend:
+        caches = [page_aligned_empty(cache.shape, cache.dtype).copy_(cache) for cache in caches]
     settings = ConnectorSettings.from_vllm("kv_producer", free_port(), "cpu", {
-        "kv_ip": "127.0.0.1", "kv_buffer_size": budget, "kv_lend_blocks": False})
+        "kv_ip": "127.0.0.1", "kv_buffer_size": budget, "kv_lend_blocks": lend})
     identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_producer", model="fake", dtype="", block_size=B,
                                    num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
     worker = WorkerSide(settings, identity, port_offset=0)
@@ -495,26 +502,54 @@ def producer_worker(num_blocks: int, budget: int) -> tuple[WorkerSide, list[torc
     return worker, caches
 
 
-def step_with_worker(scheduler: Scheduler, worker: WorkerSide) -> tuple[SchedulerOutput, list[Any]]:
-    """One engine step whose connector outcomes come from a real producer worker, hooked as vLLM's
-    model runner calls it; returns the step and its request outputs."""
+def step_with_workers(scheduler: Scheduler, *workers: WorkerSide) -> tuple[SchedulerOutput, list[Any], list[set[str]]]:
+    """One engine step whose connector outcomes come from real producer workers, one per TP rank,
+    each through the connector's worker hooks as vLLM's model runner calls them; returns the step,
+    its request outputs and the requests each rank reported finished sending. vLLM takes a request
+    as finished sending once every rank has reported it; here every rank is expected to in one step."""
     step = scheduler.schedule()
     meta = metadata(step)
-    worker.take_back(meta.take_back)
-    worker.hold(meta.held)
-    worker.save(meta.saves)
-    saved, failed = worker.take_save_outcomes()
-    gone = worker.take_gone()
+    sending: list[set[str]] = []
+    outcomes: KVBridgeWorkerMetadata | None = None
+    for worker in workers:
+        connector = bare_connector(worker)
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        sending.append(connector.get_finished(set())[0] or set())
+        rank = connector.build_connector_worker_meta()
+        if rank is not None:
+            outcomes = rank if outcomes is None else outcomes.aggregate(rank)
+        connector.clear_connector_metadata()
     req_ids = list(step.num_scheduled_tokens)
-    sampled = [[TOKEN] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
-               for r in req_ids]
-    kv_output = KVConnectorOutput(finished_sending=worker.take_finished_sending() or None,
-                                  kv_connector_worker_meta=KVBridgeWorkerMetadata.of_one_worker(saved, failed, gone)
-                                  if saved or failed or gone else None)
-    output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                               sampled_token_ids=sampled, kv_connector_output=kv_output)
+    sampled = [
+        [TOKEN] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
+        for r in req_ids
+    ]
+    kv_output = KVConnectorOutput(
+        finished_sending=set.intersection(*sending) or None, kv_connector_worker_meta=outcomes
+    )
+    output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_output,
+    )
     outputs = scheduler.update_from_output(step, output)
-    return step, [out for engine in outputs.values() for out in engine.outputs]
+    return step, [out for engine in outputs.values() for out in engine.outputs], sending
+
+
+def announced_until_done(scheduler: Scheduler, *workers: WorkerSide, max_steps: int = 8) -> dict[str, int]:
+    """Step with the workers until no request is left; the prefix each finished request announced."""
+    finished: dict[str, int] = {}
+    for _ in range(max_steps):
+        _, outputs, _ = step_with_workers(scheduler, *workers)
+        finished |= {out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
+                     for out in outputs if out.finished}
+        if not scheduler.requests:
+            return finished
+    raise AssertionError(f"requests left after {max_steps} steps: {list(scheduler.requests)}")
 
 
 def test_producer_announces_nothing_for_a_copy_evicted_before_its_request_finished(
@@ -526,26 +561,42 @@ def test_producer_announces_nothing_for_a_copy_evicted_before_its_request_finish
         early = make_request("p-early", num_tokens=2 * B + 5, max_tokens=3, seed=21)  # decodes two more steps
         late = make_request("p-late", num_tokens=2 * B + 9, max_tokens=1, seed=22)
         scheduler.add_request(early)
-        step, _ = step_with_worker(scheduler, worker)
+        step, _, _ = step_with_workers(scheduler, worker)
         assert [save.req_id for save in metadata(step).saves] == ["p-early"]
         assert worker.buffer_stats().entries == 1
 
         scheduler.add_request(late)
-        step, outputs = step_with_worker(scheduler, worker)  # saving p-late evicts p-early's copy
+        step, outputs, _ = step_with_workers(scheduler, worker)  # saving p-late evicts p-early's copy
         assert [save.req_id for save in metadata(step).saves] == ["p-late"]
         assert (worker.buffer_stats().entries, worker.buffer_stats().evicted) == (1, 1)
         announced = {out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
                      for out in outputs if out.finished}
         assert announced == {"p-late": 2 * B}
 
-        finished: dict[str, int] = {}
-        for _ in range(8):
-            _, outputs = step_with_worker(scheduler, worker)
-            finished.update({out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
-                             for out in outputs if out.finished})
-            if not scheduler.requests:
-                break
+        finished = announced_until_done(scheduler, worker)
         assert finished == {"p-early": 0}, "the decode instance must not be sent to an entry that is gone"
+        assert_all_freed(scheduler)
+        assert worker.take_gone() == set()
+    finally:
+        worker.close()
+
+
+def test_a_lent_entry_that_expires_while_its_request_still_generates_is_announced_as_nothing(
+    model_config: ModelConfig,
+) -> None:
+    scheduler = make_scheduler(model_config, "kv_producer", num_blocks=16)
+    worker, _ = producer_worker(num_blocks=16, budget=1 << 20, lend=True)
+    try:
+        scheduler.add_request(make_request("p-long", num_tokens=2 * B + 5, max_tokens=4, seed=41))
+        step, _, _ = step_with_workers(scheduler, worker)
+        assert [save.req_id for save in metadata(step).saves] == ["p-long"]
+        (loan,) = worker._kept.values()
+        assert loan is not None and loan.outcome is None  # lent where it lies
+        # kv_entry_timeout counts from the save: it runs out while the request still generates.
+        assert worker._buffer._store.expire(now=time.monotonic() + 10 * 480.0)[0] == 1
+        assert loan.outcome == EXPIRED
+        finished = announced_until_done(scheduler, worker)
+        assert finished == {"p-long": 0}, "the decode instance must not be sent to an entry that is gone"
         assert_all_freed(scheduler)
         assert worker.take_gone() == set()
     finally:
@@ -578,5 +629,77 @@ def test_a_copy_taken_before_its_request_finished_is_reported_gone_once_and_save
         assert again is not None
         assert torch.equal(again.items[1][0, 0], caches[0][6]) and torch.equal(again.items[1][1, 1], caches[1][2])
         assert worker.take_gone() == {"r"}
+    finally:
+        worker.close()
+
+
+def prefix_key(token_ids: list[int]) -> MatchKey:
+    """The match key a producer worker stores a copy of these tokens under."""
+    return MatchKey(np.asarray(token_ids, dtype=np.int64), np.ones(len(token_ids), dtype=bool))
+
+
+def test_a_request_one_of_two_tp_ranks_saved_by_a_copy_leaves_no_copy_behind(model_config: ModelConfig) -> None:
+    scheduler = make_scheduler(model_config, "kv_producer", num_blocks=16)
+    scheduler_side(scheduler).num_workers = 2  # two TP ranks: saved only once both saved their share
+    copying, _ = producer_worker(num_blocks=16, budget=1 << 20)
+    full, _ = producer_worker(num_blocks=16, budget=1 << 16)  # less than one entry: its save fails at once
+    try:
+        request = make_request("p", num_tokens=2 * B + 5, max_tokens=1, seed=31)
+        scheduler.add_request(request)
+        step, outputs, sending = step_with_workers(scheduler, copying, full)
+        assert [save.req_id for save in metadata(step).saves] == ["p"]
+        assert (copying.buffer_stats().entries, full.buffer_stats().rejected) == (1, 1)
+        assert [(out.request_id, out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]) for out in outputs] == [("p", 0)]
+        assert sending == [set(), set()]
+
+        step, _, sending = step_with_workers(scheduler, copying, full)
+        meta = metadata(step)
+        assert (meta.withdraw, meta.take_back, meta.held) == (["p"], [], ["p"])
+        assert sending == [{"p"}, {"p"}]
+        buffer = copying.buffer_stats()
+        assert (buffer.entries, buffer.bytes, buffer.expired, buffer.evicted) == (0, 0, 0, 0)
+        store = copying._buffer._store
+        key = prefix_key(request.prompt_token_ids[: 2 * B])
+        assert store.pop(key) is None and store.gone(key)  # a select for it would miss at once
+        assert (copying.take_gone(), full.take_gone()) == (set(), set())  # withdrawn, not lost
+        assert [worker.total_stats().data["taken_back"] for worker in (copying, full)] == [1, 0]
+        assert not copying._copied and not copying._copy_keys and not copying._withdrawing
+        assert_all_freed(scheduler)
+    finally:
+        copying.close()
+        full.close()
+
+
+def test_a_withdrawn_request_gives_up_its_place_among_copies_of_the_same_prompt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    worker, _ = producer_worker(num_blocks=16, budget=4 << 20)
+    try:
+        tokens = list(range(300, 300 + 2 * B))
+        names = ["a", "b", "c", "d"]  # the same prompt four times: four copies under one key
+        worker.save([SaveSpec(name, tokens, [2 * index + 1, 2 * index + 2]) for index, name in enumerate(names)])
+        assert worker.take_save_outcomes() == (set(names), set())
+        store, key = worker._buffer._store, prefix_key(tokens)
+        worker.take_back([], withdraw=["b"])
+        assert worker.buffer_stats().entries == 3 and worker.take_gone() == set()
+        worker.take_back(["d"])  # preempted: its copy stays for its next save
+        assert worker.buffer_stats().entries == 3
+
+        withdraw_copy = store.withdraw_copy
+
+        def select_comes_first(at: MatchKey) -> bool:
+            assert store.pop(at) is not None  # a select takes the oldest copy between the two steps
+            return withdraw_copy(at)
+
+        monkeypatch.setattr(store, "withdraw_copy", select_comes_first)
+        worker.take_back([], withdraw=["a"])
+        # Two copies left: the select's departure stood for the withdrawal, the withdrawal's for the
+        # oldest request still there.
+        assert worker.buffer_stats().entries == 1 and worker.take_gone() == {"c"}
+        worker.hold(names)
+        assert worker.take_finished_sending() == set(names)
+        assert store.pop(key) is not None and worker.take_gone() == set()  # "d", finished: nothing to report
+        assert worker.total_stats().data["taken_back"] == 2
+        assert not worker._copied and not worker._copy_keys and not worker._withdrawing
     finally:
         worker.close()

@@ -202,9 +202,11 @@ class KVBridgePDStoreConnector(KVBridgeConnector):
         self._store_side().register(caches, layout, layout_name)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The pipe takes back the entries of preempted requests; the store's saves copied their blocks out already.
+        # The pipe takes back the entries of preempted requests and withdraws those never announced; the store's
+        # saves copied their blocks out already.
         if (producer := self._producer()) is not None:
-            producer.take_back(_pd_metadata(kv_connector_metadata).pipe.take_back)
+            pipe_meta = _pd_metadata(kv_connector_metadata).pipe
+            producer.take_back(pipe_meta.take_back, pipe_meta.withdraw)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._pd_meta()

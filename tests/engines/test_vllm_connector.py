@@ -531,7 +531,7 @@ class _ScriptedSelects:
         self.failure: Exception | None = None  # a live connection
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> list:
+                    borrow: bool = False, span: tuple[int, int, int] | None = None) -> list:
         first = int(input_tokens[0])
         self.selected.append(first)
         gate = self.gates.get(first)
@@ -542,6 +542,8 @@ class _ScriptedSelects:
         blocks = self.hits.pop(first, None)  # taken: a second select misses
         if blocks is None:
             return [None] * 5
+        if span is not None:  # as a producer does: only that range of the entry
+            blocks = blocks.narrow(span[0], span[1], span[2] - span[1])
         return [input_tokens.clone(), roi.clone(), blocks, None, None]
 
     def close(self) -> None:

@@ -486,7 +486,10 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> N
     assert consumer["failed"] == [[], [], [3], [], []]
     stats = consumer["stats"]
     assert (stats["load_hits"], stats["load_misses"], stats["load_errors"], stats["drained"]) == (3, 1, 0, 1)
-    assert stats["loaded_blocks"] == 5 and stats["loaded_bytes"] > 0
+    # Only the blocks not held locally travel ("b": 2 of its 3), with each entry's int64 tokens and bool roi.
+    block_bytes = vp.FAKE_LAYERS * vp.FAKE_HEADS * vp.FAKE_BLOCK_SIZE * 2 * vp.FAKE_HEAD_SIZE * 4
+    assert stats["loaded_blocks"] == 5 and stats["loaded_bytes"] == sum(
+        9 * len(FAKE_TOKENS[req_id]) + blocks * block_bytes for req_id, blocks in (("a", 2), ("b", 2), ("d", 1)))
     assert producer["stats"]["saved_requests"] == 4 and producer["stats"]["saved_blocks"] == 7
     assert producer["outcomes"] == ({"a", "b", "c", "d"}, set())
     assert producer["entries_left"] == 0

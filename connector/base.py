@@ -106,6 +106,13 @@ class KVStorage(abc.ABC):
         :meth:`mismatch_prefix` returned ``None``, into those tokens' places; the rest is left as is."""
         raise NotImplementedError
 
+    @property
+    def span(self) -> tuple[int, int, int] | None:
+        """Consumer: the span of an entry this storage takes (``drop_select``'s ``span``: a range
+        along one dimension, e.g. only some of its blocks), or None for all of it. :meth:`mismatch`
+        and the loads then see only that span. None here."""
+        return None
+
     def lend(self) -> tuple[LentTensor, LentTensor | None] | None:
         """The request's KV lent where it lies (:mod:`lookup_buffer.loans`), or None if it cannot be
         (then :meth:`pack` copies it). None here."""

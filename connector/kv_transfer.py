@@ -96,7 +96,9 @@ def recv_kv_caches_and_hidden_states(
     prefixes = getattr(buffer, "returns_prefixes", False) is True
     for index, request in enumerate(requests):
         start = time.perf_counter()
-        entry = buffer.drop_select(request.input_tokens, request.roi, timeout=timeout, borrow=True)
+        # A span only where the storage names one: buffers that do not take spans keep working.
+        spanned = {} if request.kv.span is None else {"span": request.kv.span}
+        entry = buffer.drop_select(request.input_tokens, request.roi, timeout=timeout, borrow=True, **spanned)
         selected = time.perf_counter()
         try:
             result = _receive_one(index, request, prefixes, *entry)

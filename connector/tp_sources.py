@@ -254,10 +254,11 @@ class _Shared(KVLookupBufferBase):
 class HeadGather(KVLookupBufferBase):
     """The consumer end of one decode rank's :class:`Sources`: ``drop_select`` selects the entry
     from each prefill rank of the plan (naming the part of one rank's heads where it takes only
-    some), and returns them as one entry of this rank's heads. A miss at any rank is a miss (the
-    entries taken at the others are given back unread); a source's entry of another shape than
-    planned raises :class:`~lookup_buffer.errors.KVInvalidRequestError` naming the rank. Consumer
-    only; closing it closes nothing (the connections are :class:`SourceConnections`')."""
+    some; of each, the span its caller names), and returns them as one entry of this rank's
+    heads. A miss at any rank is a miss (the entries taken at the others are given back unread); a
+    source's entry of another shape than planned raises
+    :class:`~lookup_buffer.errors.KVInvalidRequestError` naming the rank. Consumer only; closing it
+    closes nothing (the connections are :class:`SourceConnections`')."""
 
     def __init__(self, sources: Sources, buffers: Sequence[KVLookupBufferBase]) -> None:
         self.sources = sources
@@ -268,12 +269,17 @@ class HeadGather(KVLookupBufferBase):
         raise KVConfigError("kvbridge: a gather of prefill ranks only selects")
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> SelectResult:
+                    borrow: bool = False, part: tuple[int, int, int] | None = None,
+                    span: tuple[int, int, int] | None = None) -> SelectResult:
         if part is not None:
             raise KVInvalidRequestError("kvbridge: a gather of prefill ranks selects its own parts")
+        # A span (e.g. some blocks) is taken of each rank's entry, or of its part of the heads: the
+        # producer narrows what it selects, so the two compose.
+        spanned = {} if span is None else {"span": span}
+
         def select(index: int) -> SelectResult:
             source = self.sources.plan[index]
-            named = {} if source.part is None else {"part": (self.sources.head_dim, *source.part)}
+            named = spanned if source.part is None else {"part": (self.sources.head_dim, *source.part), **spanned}
             return self.buffers[index].drop_select(input_tokens, roi, timeout=timeout, borrow=borrow, **named)
 
         if len(self.buffers) == 1:

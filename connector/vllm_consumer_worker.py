@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,13 +22,12 @@ import torch
 
 from connector import tp_layout
 from connector.kv_transfer import recv_kv_caches_and_hidden_states
-from connector.paged import PagedKV, scatter_blocks
+from connector.paged import PagedKV
 from connector.tp_sources import SourceConnections, Sources
 from connector.transfer_plan import LoadSpec
 from connector.vllm_loads import LoadTicket, LoadTracker
 from connector.vllm_worker import WorkerSide, kv_request
 from kv_pipe.errors import KVBufferFullError, KVConfigError, KVTimeoutError, KVTransferError
-from kv_pipe.parallel_copy import copy_pieces
 from lookup_buffer import ProducerConnections
 from lookup_buffer.base import KVLookupBufferBase
 from lookup_buffer.connections import Address
@@ -44,34 +42,33 @@ _MAX_PLANS = 1024
 
 @dataclasses.dataclass(frozen=True)
 class _LoadTarget(PagedKV):
-    """A request's transfer-prefix blocks, of which only those from ``skip_blocks`` on are written."""
+    """A request's transfer-prefix blocks, of which only those from ``skip_blocks`` on are selected
+    (the entry's span of them: the rest never travels) and written."""
 
     skip_blocks: int = 0
     cancelled: threading.Event | None = None  # set once vLLM no longer holds the blocks: write nothing
 
+    @property
+    def span(self) -> tuple[int, int, int] | None:
+        if not self.skip_blocks:
+            return None
+        return 1 + self.caches.layout.block_dim, self.skip_blocks, len(self.block_ids)
+
+    def _written(self) -> PagedKV:
+        return PagedKV(self.caches, self.block_ids[self.skip_blocks:])
+
+    def mismatch(self, key: torch.Tensor | None, value: torch.Tensor | None) -> str | None:
+        return self._written().mismatch(key, value)
+
     def load(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
         # vLLM keeps a waiting request's blocks until its load is reported finished, so a write
         # that started before the abort became known still lands in blocks the request owns.
-        if self.cancelled is not None and self.cancelled.is_set():
-            return
-        block_dim = self.caches.layout.block_dim
-        blocks = key.narrow(1 + block_dim, self.skip_blocks, len(self.block_ids) - self.skip_blocks)
-        scatter_blocks(self.caches.caches, self.caches.layout, self.block_ids[self.skip_blocks:], blocks)
+        if self.cancelled is None or not self.cancelled.is_set():
+            self._written().load(key, value)
 
     def load_borrowed(self, key: BorrowedTensor, value: torch.Tensor | None) -> None:
-        if self.cancelled is not None and self.cancelled.is_set():
-            return
-        targets = PagedKV(self.caches, self.block_ids[self.skip_blocks:]).pieces()
-        if targets is None:
-            self.load(key.to_tensor(), value)
-            return
-        # The key's bytes run layer by layer (and by each index before the block dimension) through
-        # all the request's blocks: leave out the first skip_blocks blocks of each such row.
-        rows = math.prod(key.shape[: 1 + self.caches.layout.block_dim])
-        row_bytes = key.nbytes // rows
-        skipped = self.skip_blocks * row_bytes // len(self.block_ids)
-        copy_pieces(targets, [piece for row in range(rows)
-                              for piece in key.slice_pieces(row * row_bytes + skipped, row_bytes - skipped)])
+        if self.cancelled is None or not self.cancelled.is_set():
+            self._written().load_borrowed(key, value)
 
 
 class ConsumerWorker(WorkerSide):
@@ -250,16 +247,20 @@ class ConsumerWorker(WorkerSide):
         address = self.producer_address(spec.producer, spec.producer_tp)
         if producers is None or producers.connected(address) is None:
             return
+        layout = self._require_caches().layout
 
         def drain() -> None:
             buffer = producers.connected(address)
             if buffer is None:  # dropped meanwhile
                 return
             tokens = torch.tensor(spec.token_ids, dtype=torch.int64)
+            blocks = len(spec.block_ids)
             try:
-                # Borrowed, a lent entry is given back unread: nobody copies what is dropped. The
-                # select does not wait for an entry, only (at most kv_timeout) for the answer.
-                entry = buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0, borrow=True)
+                # Borrowed, a lent entry is given back unread: nobody copies what is dropped; a copied
+                # one sends only its last block (a span). The select does not wait for an entry, only
+                # (at most kv_timeout) for the answer.
+                entry = buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0, borrow=True,
+                                           span=(1 + layout.block_dim, blocks - 1, blocks))
             except KVTransferError as exc:
                 self._drop(address, buffer, exc)
                 return

@@ -27,7 +27,8 @@ after it finished; the store's save copies them out in the step that computed th
 Decode (``kv_consumer``): the claim is the longer of the stored prefix ``s`` and the transfer prefix
 ``n`` the prefill instance announced (:class:`PDStoreScheduler`). The store loads the blocks from
 vLLM's prefix cache up to ``s``, the pipe the blocks from ``s`` to ``n``: its entry holds the whole
-prefix, and only the blocks beyond ``s`` are written. A request waits until both parts are loaded
+prefix, and the select names only the blocks beyond ``s`` (a span of the entry), so only those
+travel; the producer drops the rest with the entry. A request waits until both parts are loaded
 (:class:`LoadJoin`); the blocks of a part that failed are reported as load errors (vLLM recomputes
 them or fails the request, ``kv_load_failure_policy``). A request with no announcement loads the
 stored prefix alone, as a storage tier does. When the store holds the whole transfer prefix, the

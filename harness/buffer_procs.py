@@ -23,7 +23,7 @@ import zmq
 
 from harness.tensors import random_tensor, same_bits
 from kv_pipe import KVTransferConfig, TorchDistributedPipe
-from kv_pipe.errors import KVBufferFullError, KVPipeClosedError, KVTransferError
+from kv_pipe.errors import KVBufferFullError, KVPipeClosedError, KVProtocolError, KVTransferError
 from lookup_buffer import SimpleBuffer
 from lookup_buffer.config import BufferConfig
 from lookup_buffer.matching import token_arrays
@@ -162,6 +162,59 @@ def consumer_basic(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> d
         except KVTransferError as exc:
             refused[name] = type(exc).__name__
     return {"selected": len(order), "second_select": again, "refused": refused}
+
+
+# ---------------------------------------------------------------- spans
+
+_SPAN_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.int8)
+
+
+def span_request(seed: int, index: int) -> tuple[list[torch.Tensor | None], tuple[int, int, int]]:
+    """Request ``index`` of a span test: paged-like blocks ``[layers, blocks, heads, block size,
+    width]`` of random bits in an odd shape and one of several dtypes, and the span of blocks
+    ``[start, stop)`` (along dimension 1) a consumer that holds the first ``start`` selects."""
+    rng = random.Random(seed * 1_000_003 + index)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    blocks = rng.randint(2, 9)
+    shape = (rng.choice((1, 3)), blocks, rng.choice((1, 2)), rng.choice((3, 5)), rng.choice((7, 16)))
+    key = random_tensor(generator, _SPAN_DTYPES[index % len(_SPAN_DTYPES)], shape)
+    tokens = torch.randint(1, 1 << 40, (blocks * shape[3],), generator=generator)
+    tokens[0] = index  # the requests of one test differ
+    start = rng.randrange(1, blocks)
+    span = (1, start, rng.randint(start + 1, blocks))
+    return [tokens, torch.ones(len(tokens), dtype=torch.bool), key, None, None], span
+
+
+def producer_spans(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> int:
+    for index in range(count):
+        insert(buffer, span_request(seed, index)[0])
+    return count
+
+
+def consumer_spans(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> dict:
+    """Select each entry's span, newest first, and check it bit for bit; the bytes received are
+    counted (a select of a span that does not fit an entry is refused, and a whole select then
+    takes the entry, which the refusal left)."""
+    received = []
+    for index in reversed(range(count)):
+        request, span = span_request(seed, index)
+        if index == 0:
+            blocks = request[2].shape[1]
+            try:
+                buffer.drop_select(request[0], request[1], timeout=BOUND, span=(1, 1, blocks + 1))
+                raise AssertionError("a span past the entry's end was accepted")
+            except KVProtocolError as exc:
+                refusal = str(exc)
+            got = buffer.drop_select(request[0], request[1], timeout=BOUND)
+            check_entry(got, request, "the entry a refused span left")
+            received.append(sum(item.nbytes for item in got if item is not None))
+            continue
+        got = buffer.drop_select(request[0], request[1], timeout=BOUND, span=span)
+        dim, start, stop = span
+        want = [request[0], request[1], request[2].narrow(dim, start, stop - start), None, None]
+        check_entry(got, want, f"span {span} of request {index}")
+        received.append(sum(item.nbytes for item in got if item is not None))
+    return {"received": received[::-1], "refusal": refusal}
 
 
 def _raw_dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:

@@ -47,9 +47,10 @@ class _Wrapper(KVLookupBufferBase):
         return self.inner.insert(input_tokens, roi, key, value, hidden, timeout)
 
     def drop_select(
-        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False
+        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False,
+        span: tuple[int, int, int] | None = None,
     ) -> SelectResult:
-        return self.inner.drop_select(input_tokens, roi, timeout, borrow)
+        return self.inner.drop_select(input_tokens, roi, timeout, borrow, span=span)
 
     @property
     def failure(self) -> Exception | None:
@@ -71,9 +72,10 @@ class CorruptingBuffer(_Wrapper):
         self._generator = torch.Generator().manual_seed(seed)
 
     def drop_select(
-        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False
+        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False,
+        span: tuple[int, int, int] | None = None,
     ) -> SelectResult:
-        entry = super().drop_select(input_tokens, roi, timeout)  # never borrowed: the key is replaced
+        entry = super().drop_select(input_tokens, roi, timeout, span=span)  # never borrowed: the key is replaced
         key = entry[2]
         if self.enabled and key is not None:
             entry[2] = (torch.randn(key.shape, generator=self._generator) * 3 + 0.5).to(key.dtype)

@@ -163,7 +163,8 @@ class KVLookupBufferBase(abc.ABC):
 
     @abc.abstractmethod
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> SelectResult:
+                    borrow: bool = False, part: tuple[int, int, int] | None = None,
+                    span: tuple[int, int, int] | None = None) -> SelectResult:
         """Consumer: take the entry matching ``(input_tokens, roi)`` out of the producer's buffer.
 
         With ``borrow=True`` a lent item may come as a :class:`~lookup_buffer.loans.BorrowedTensor`:
@@ -177,6 +178,12 @@ class KVLookupBufferBase(abc.ABC):
         a whole entry's place, nor a whole select a part. The width must divide the tensors' size
         there and ``start`` be a multiple of it, else the producer refuses the select.
 
+        With ``span=(dim, start, stop)`` only that range of the entry (of its part, with ``part``)
+        travels, each tensor narrowed to ``[start, stop)`` along ``dim`` (e.g. the blocks of a
+        transfer prefix that the consumer does not hold yet); the rest of the entry is dropped
+        with it. The producer refuses a span that some tensor of the entry does not have, and
+        keeps the entry.
+
         Returns ``[input_tokens, roi, key, value, hidden]`` of the entry (the producer's tensors,
         bit-exact, on the pipe's device; the entry is removed from the producer: "drop"), or five
         ``None`` on a miss. If no entry matches yet, the producer holds the request up to
@@ -186,7 +193,7 @@ class KVLookupBufferBase(abc.ABC):
 
         Raises:
             KVInvalidRequestError: the arguments break the contract of :meth:`insert`, or ``part``
-                is not ``(dim, start, stop)`` with ``0 <= start < stop``.
+                or ``span`` is not ``(dim, start, stop)`` with ``0 <= start < stop``.
             KVPeerLostError: the producer died or did not answer within ``timeout + kv_timeout``.
             KVPipeClosedError: this buffer was closed (also wakes a waiting call), or the
                 producer closed its side.

@@ -120,12 +120,12 @@ class BufferConsumer:
     # ------------------------------------------------------------------ caller API
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, wait: float, borrow: bool = False,
-                    part: tuple[int, int, int] | None = None) -> SelectResult:
+                    part: tuple[int, int, int] | None = None, span: tuple[int, int, int] | None = None) -> SelectResult:
         tokens, roi_array = token_arrays(input_tokens, roi)
         try:
             # A copy of the tokens (the caller's tensors are theirs again once this call returns), and
-            # the part checked before anything is sent.
-            request = select_request(0, tokens, roi_array, 0, part=part)
+            # the part and span checked before anything is sent.
+            request = select_request(0, tokens, roi_array, 0, part=part, span=span)
         except ValueError as exc:
             raise KVInvalidRequestError(f"drop_select: {exc}") from None
         wait_ms = math.ceil(wait * 1000)

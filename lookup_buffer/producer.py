@@ -90,6 +90,7 @@ class _Waiter:
     waited: bool = False
     done: bool = False
     part: Part | None = None  # the part of the entry it takes (None: all of it)
+    span: Part | None = None  # the span of that it takes, the rest dropped (None: all of it)
 
 
 Item = torch.Tensor | LentTensor
@@ -359,7 +360,8 @@ class BufferProducer:
                 self._refuse(identity, exc.request_id, exc.reason, str(exc))
                 continue
             waiter = _Waiter(identity, request.request_id, MatchKey(tokens, roi),
-                             time.monotonic() + request.wait_ms / 1000, borrow=request.borrow, part=request.part)
+                             time.monotonic() + request.wait_ms / 1000, borrow=request.borrow, part=request.part,
+                             span=request.span)
             self._on_select(waiter, request.wait_ms)
 
     def _check_fresh(self, request: SelectRequest) -> None:
@@ -425,7 +427,8 @@ class BufferProducer:
     def _match(self, key: MatchKey) -> None:
         """Serve the waiters of ``key`` in order while entries for it are stored: a select of the whole
         entry takes a whole one, a select of a part takes that part (splitting a whole entry if
-        need be); one that finds nothing leaves the next ones their chance."""
+        need be), each only its span if it names one; one that finds nothing leaves the next ones
+        their chance."""
         queue = self._waiters[key]
         unserved: collections.deque[_Waiter] = collections.deque()
         whole_left = True  # until a whole select finds none, none will
@@ -433,11 +436,11 @@ class BufferProducer:
             waiter = queue[0]
             try:
                 if waiter.part is None:
-                    entry = self._store.pop(key) if whole_left else None
+                    entry = self._store.pop(key, waiter.span) if whole_left else None
                     whole_left = entry is not None
                 else:
-                    entry = self._store.pop_part(key, waiter.part)
-            except KVInvalidRequestError as exc:  # the entry cannot be divided as that select asks
+                    entry = self._store.pop_part(key, waiter.part, waiter.span)
+            except KVInvalidRequestError as exc:  # the entry cannot be divided or narrowed as that select asks
                 queue.popleft()
                 self._unpark(waiter)
                 self._refuse(waiter.identity, waiter.request_id, "config", str(exc))

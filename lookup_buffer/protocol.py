@@ -23,6 +23,10 @@ Exchange:
 * A select may name a part of the entry (``part``: a range along one dimension of its tensors,
   e.g. some KV heads); the producer then splits the entry into equal parts, sends that one and
   keeps the others for the selects that name them (:meth:`lookup_buffer.store.EntryStore.pop_part`).
+* A select may name a span of the entry (``span``: a range along one dimension, e.g. the blocks a
+  decode instance lacks); the producer then sends only that range of the entry (of the part, if one
+  is named) and drops the rest, which nobody else asks for. A producer of another version refuses
+  such a select as it refuses every other one ("version"): it never sends the whole entry instead.
 * Lent entries (:mod:`lookup_buffer.loans`): a select that may borrow says so. If the producer lends
   it the entry, each lent item of the hit is a loan descriptor (:func:`make_loan_descriptor`): where
   the bytes lie in the producer's exported memory. Once the consumer has copied them it sends a
@@ -56,7 +60,7 @@ from kv_pipe.exported_memory import ExportDescriptor
 from kv_pipe.protocol import CODE_TO_DTYPE, DTYPE_TO_CODE, MAX_NDIM
 from lookup_buffer.matching import MAX_TOKENS, TOKEN_DTYPES, TOKEN_WIRE_DTYPE, MatchKey
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 #: Longest a producer holds a select waiting for an insert.
 MAX_WAIT_MS = 3_600_000
 MAX_MESSAGE_CHARS = 1000
@@ -121,6 +125,9 @@ class SelectRequest(msgspec.Struct, tag="select", tag_field="type", frozen=True)
     #: Take only this part of the entry (:data:`lookup_buffer.store.Part`): ``[dim, start, stop]``,
     #: every tensor narrowed to ``[start, stop)`` along dimension ``dim``; absent: the whole entry.
     part: tuple[int, int, int] | None = None
+    #: Send only this span of the entry (of the part, if ``part`` is given), ``[dim, start, stop]``
+    #: as ``part``; the rest of it is dropped. Absent: all of it.
+    span: tuple[int, int, int] | None = None
 
 
 class Refusal(msgspec.Struct, tag="refusal", tag_field="type", frozen=True):
@@ -247,10 +254,11 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
 
 def select_request(
     request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int, session: bytes = b"", counter: int = 0,
-    borrow: bool = False, part: tuple[int, int, int] | None = None,
+    borrow: bool = False, part: tuple[int, int, int] | None = None, span: tuple[int, int, int] | None = None,
 ) -> SelectRequest:
     """A select of ``tokens``/``roi`` (as returned by :func:`lookup_buffer.matching.token_arrays`; copied),
-    of the whole entry or only ``part`` of it (checked as :func:`decode_request` does: ValueError).
+    of the whole entry or only ``part`` of it, all of that or only ``span`` of it (both checked as
+    :func:`decode_request` does: ValueError).
 
     The consumer fills in ``session`` and ``counter`` just before sending
     (``msgspec.structs.replace``): until then the request is not valid on the wire.
@@ -265,6 +273,7 @@ def select_request(
         wait_ms=wait_ms,
         borrow=borrow,
         part=_checked_part(part),
+        span=_checked_part(span, "span"),
     )
 
 
@@ -272,8 +281,8 @@ def select_request(
 MAX_PART_INDEX = 1 << 31
 
 
-def _checked_part(part: Sequence[int] | None) -> tuple[int, int, int] | None:
-    """``part`` as a tuple; ValueError unless it is None or ``(dim, start, stop)`` with
+def _checked_part(part: Sequence[int] | None, name: str = "part") -> tuple[int, int, int] | None:
+    """``part`` (a part or a span) as a tuple; ValueError unless it is None or ``(dim, start, stop)`` with
     ``0 <= dim <= MAX_NDIM`` (tensors of an entry carry at most MAX_NDIM dimensions, a paged key
     one more) and ``0 <= start < stop <= MAX_PART_INDEX``."""
     if part is None:
@@ -281,7 +290,7 @@ def _checked_part(part: Sequence[int] | None) -> tuple[int, int, int] | None:
     values = tuple(part)
     if (len(values) != 3 or any(isinstance(v, bool) or not isinstance(v, int) for v in values)
             or not 0 <= values[0] <= MAX_NDIM or not 0 <= values[1] < values[2] <= MAX_PART_INDEX):
-        raise ValueError(f"a part must be [dim, start, stop] with 0 <= dim <= {MAX_NDIM} and "
+        raise ValueError(f"a {name} must be [dim, start, stop] with 0 <= dim <= {MAX_NDIM} and "
                          f"0 <= start < stop <= {MAX_PART_INDEX}, got {list(values)[:3]}")
     return values
 
@@ -314,6 +323,7 @@ def decode_request(signer: ControlSigner, frame: bytes) -> tuple[SelectRequest, 
         )
     try:
         _checked_part(request.part)
+        _checked_part(request.span, "span")
     except ValueError as exc:
         raise MessageError(f"select request: {exc}", "malformed", request.request_id) from None
     return request, np.frombuffer(request.tokens, dtype=TOKEN_WIRE_DTYPE), roi.view(np.bool_)

@@ -116,7 +116,8 @@ class SimpleProducerBuffer(SimpleBuffer):
         return self._side.unlend(loan)
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> SelectResult:
+                    borrow: bool = False, part: tuple[int, int, int] | None = None,
+                    span: tuple[int, int, int] | None = None) -> SelectResult:
         raise KVConfigError("drop_select() needs kv_role='kv_consumer'; this buffer is the producer's")
 
 
@@ -141,9 +142,10 @@ class SimpleConsumerBuffer(SimpleBuffer):
         raise KVConfigError("insert() needs kv_role='kv_producer'; this buffer is the consumer's")
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> SelectResult:
+                    borrow: bool = False, part: tuple[int, int, int] | None = None,
+                    span: tuple[int, int, int] | None = None) -> SelectResult:
         seconds = 0.0 if timeout is None else _seconds(timeout)
-        return self._side.drop_select(input_tokens, roi, seconds, borrow, part)
+        return self._side.drop_select(input_tokens, roi, seconds, borrow, part, span)
 
 
 def _seconds(timeout: float) -> float:

@@ -201,21 +201,29 @@ class EntryStore:
             self._inserts += 1
             self._insert_waits += waited
 
-    def pop(self, key: MatchKey) -> Entry | None:
-        """Remove and return the oldest entry under ``key``, or None; frees its bytes."""
+    def pop(self, key: MatchKey, span: Part | None = None) -> Entry | None:
+        """Remove and return the oldest entry under ``key``, or None; frees its bytes. With ``span``,
+        only that span of it is returned (:func:`narrow_entry`): the rest is nobody's.
+
+        Raises:
+            KVInvalidRequestError: the oldest entry has no such span (nothing changed).
+        """
         with self._cond:
             queue = self._entries.get(key)
             if not queue:
                 return None
+            if span is not None:
+                check_span([item.shape for item in queue[0].items[1:]], span)
             entry = queue.popleft()
             self._forget(key, queue, entry)
             self._departed(key, entry)
             if entry.stored is not None:
                 self._waits.append(time.monotonic() - entry.stored)
-            return entry
+            return entry if span is None else narrow_entry(entry, span)
 
-    def pop_part(self, key: MatchKey, part: Part) -> Entry | None:
-        """Remove and return ``part`` of an entry under ``key``, or None; frees its bytes.
+    def pop_part(self, key: MatchKey, part: Part, span: Part | None = None) -> Entry | None:
+        """Remove and return ``part`` of an entry under ``key`` (with ``span``, only that span of the
+        part, as :meth:`pop`), or None; frees its bytes.
 
         A part left by an earlier split comes first. Else the oldest whole entry under ``key`` is
         split (:func:`split_entry`) into equal parts of ``part``'s width: this one is returned, the
@@ -225,13 +233,16 @@ class EntryStore:
         selects never take a part, nor part selects of another width.
 
         Raises:
-            KVInvalidRequestError: the oldest entry cannot be split so (nothing changed).
+            KVInvalidRequestError: the oldest entry cannot be split so, or its part has no such
+                span (nothing changed).
         """
         part = tuple(part)
         with self._cond:
             sub = (key, part)
             queue = self._entries.get(sub)
             if queue:
+                if span is not None:
+                    check_span([item.shape for item in queue[0].items[1:]], span)
                 entry = queue.popleft()
                 self._forget(sub, queue, entry)
             else:
@@ -239,6 +250,10 @@ class EntryStore:
                 if not queue:
                     return None
                 whole = queue[0]
+                if span is not None:
+                    dim, start, stop = _check_split(whole, part)
+                    check_span([(*item.shape[:dim], stop - start, *item.shape[dim + 1:])
+                                for item in whole.items[1:]], span)
                 parts = split_entry(whole, part)
                 if parts is None:  # its owner is taking it back: it leaves the store
                     return None
@@ -254,7 +269,7 @@ class EntryStore:
                         self._keep((key, piece_part), piece)
             if entry.stored is not None:
                 self._waits.append(time.monotonic() - entry.stored)
-            return entry
+            return entry if span is None else narrow_entry(entry, span)
 
     def _keep(self, key: MatchKey | tuple[MatchKey, Part], entry: Entry) -> None:
         """Store ``entry`` under ``key``, charged its bytes (under the lock): a whole entry under its
@@ -523,17 +538,10 @@ def split_entry(entry: Entry, part: Part) -> list[tuple[Part, Entry]] | None:
         KVInvalidRequestError: no such split: a tensor without that dimension or of another size
             there than the key, a width that does not divide it, a start not at a multiple of it.
     """
-    dim, start, stop = part
+    dim, start, stop = _check_split(entry, part)
     header, *items = entry.items
     width = stop - start
-    size = items[0].shape[dim] if dim < len(items[0].shape) else 0
-    if width < 1 or size == 0 or size % width or start % width or stop > size or any(
-            dim >= len(item.shape) or item.shape[dim] != size for item in items):
-        shapes = ", ".join(str(tuple(item.shape)) for item in items)
-        raise KVInvalidRequestError(f"a select of [{start}, {stop}) along dimension {dim} cannot take part of an "
-                                    f"entry of tensors {shapes}: it must divide every one of them there into "
-                                    f"equal parts")
-    count = size // width
+    count = items[0].shape[dim] // width
     loans: list[Loan | None] = [None] * count
     if entry.loan is not None:
         divided = entry.loan.divide(count)
@@ -548,3 +556,38 @@ def split_entry(entry: Entry, part: Part) -> list[tuple[Part, Entry]] | None:
         parts.append(((dim, index * width, index * width + width),
                       Entry((header.clone(), *narrowed), nbytes, loan=loan, lent=entry.lent)))
     return parts
+
+
+def _check_split(entry: Entry, part: Part) -> Part:
+    """``part``, if :func:`split_entry` can divide ``entry`` by it; else KVInvalidRequestError."""
+    dim, start, stop = part
+    items = entry.items[1:]
+    width = stop - start
+    size = items[0].shape[dim] if dim < len(items[0].shape) else 0
+    if width < 1 or size == 0 or size % width or start % width or stop > size or any(
+            dim >= len(item.shape) or item.shape[dim] != size for item in items):
+        shapes = ", ".join(str(tuple(item.shape)) for item in items)
+        raise KVInvalidRequestError(f"a select of [{start}, {stop}) along dimension {dim} cannot take part of an "
+                                    f"entry of tensors {shapes}: it must divide every one of them there into "
+                                    f"equal parts")
+    return part
+
+
+def check_span(shapes: Sequence[Sequence[int]], span: Part) -> None:
+    """KVInvalidRequestError unless every tensor of an entry (of these ``shapes``) has ``span``'s
+    range ``[start, stop)`` along its dimension."""
+    dim, start, stop = span
+    if not 0 <= start < stop or any(dim >= len(shape) or stop > shape[dim] for shape in shapes):
+        raise KVInvalidRequestError(f"a select of the span [{start}, {stop}) along dimension {dim} does not fit an "
+                                    f"entry of tensors {', '.join(str(tuple(shape)) for shape in shapes)}")
+
+
+def narrow_entry(entry: Entry, span: Part) -> Entry:
+    """What a select of ``span`` of ``entry`` (out of the store, checked by :func:`check_span`) is
+    sent: every tensor narrowed to that range (lent ones over the same memory, under the same loan),
+    charged only those bytes (and the tokens')."""
+    dim, start, stop = span
+    header, *items = entry.items
+    narrowed = tuple(item.narrow(dim, start, stop - start) for item in items)
+    nbytes = entry.nbytes - sum(item.nbytes for item in items) + sum(item.nbytes for item in narrowed)
+    return Entry((header, *narrowed), nbytes, loan=entry.loan, lent=entry.lent)

@@ -150,14 +150,15 @@ class StoreBuffer(KVLookupBufferBase):
     # --- consumer ------------------------------------------------------------------------------
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> SelectResult:
+                    borrow: bool = False, part: tuple[int, int, int] | None = None,
+                    span: tuple[int, int, int] | None = None) -> SelectResult:
         """The longest stored prefix of the query's selected tokens, or five None when not even its
         first chunk is stored. Not consumed. The store answers at once: what is stored is there, so
-        ``timeout`` is not waited. ``borrow`` is ignored (nothing is lent); ``part`` is refused."""
+        ``timeout`` is not waited. ``borrow`` is ignored (nothing is lent); ``part`` and ``span`` are refused."""
         if self.role == "kv_producer":
             raise KVConfigError("drop_select() needs kv_role 'kv_consumer' or 'kv_both'; this buffer is 'kv_producer'")
-        if part is not None:
-            raise KVInvalidRequestError("a StoreBuffer does not select parts of entries")
+        if part is not None or span is not None:
+            raise KVInvalidRequestError("a StoreBuffer does not select parts or spans of entries")
         tokens = self._prefix_tokens(input_tokens, roi)
         keys = self._keys(tokens)
         found = self._store.lookup([chunk.key for chunk in keys])

@@ -291,8 +291,8 @@ class _PausingBuffer:
         self._borrowed, self._taken_back = borrowed, taken_back
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> list[Any]:
-        entry = self._buffer.drop_select(input_tokens, roi, timeout=timeout, borrow=borrow)
+                    borrow: bool = False, span: tuple[int, int, int] | None = None) -> list[Any]:
+        entry = self._buffer.drop_select(input_tokens, roi, timeout=timeout, borrow=borrow, span=span)
         if int(input_tokens[0]) == self._pause_token:
             self._borrowed.set()
             if not self._taken_back.wait(60):

@@ -247,6 +247,49 @@ def test_a_split_lent_entry_past_its_lease_has_its_parts_copied_into_the_buffer(
     assert rest.loan is None and torch.equal(rest.items[1], key[:, :, 2:4])
 
 
+def test_a_span_of_a_part_is_taken_after_the_split_and_the_other_parts_stay_whole() -> None:
+    store = EntryStore(1 << 20, 1 << 20)
+    key = _key()
+    match_key, entry = _entry(key)
+    store.put(match_key, entry, 0)
+    # Blocks [1, 3) of heads [0, 2): the other half of the heads stays stored with all its blocks.
+    first = store.pop_part(match_key, (2, 0, 2), span=(1, 1, 3))
+    assert torch.equal(first.items[1], key[:, 1:3, 0:2])
+    assert first.nbytes < entry.nbytes // 2 and store.counters().entries == 1
+    with pytest.raises(KVInvalidRequestError, match="does not fit"):
+        store.pop_part(match_key, (2, 2, 4), span=(1, 2, 4))  # past the last block: refused, left
+    second = store.pop_part(match_key, (2, 2, 4))
+    assert torch.equal(second.items[1], key[:, :, 2:4]) and store.counters().entries == 0
+
+
+@pytest.mark.parametrize("span", [(1, 0, 4), (5, 0, 1), (1, 2, 2)])
+def test_a_span_that_does_not_fit_the_entry_is_refused_and_leaves_it(span: tuple[int, int, int]) -> None:
+    store = EntryStore(1 << 20, 1 << 20)
+    match_key, entry = _entry(_key())
+    store.put(match_key, entry, 0)
+    with pytest.raises(KVInvalidRequestError, match="does not fit"):
+        store.pop(match_key, span)
+    with pytest.raises(KVInvalidRequestError, match="does not fit"):
+        store.pop_part(match_key, (2, 0, 2), span)
+    assert store.counters().entries == 1 and store.pop(match_key) is entry
+
+
+def test_a_span_of_a_lent_entry_is_lent_under_its_loan_which_ends_with_it() -> None:
+    key = _key()
+    lent, memory = _lent_key(key)
+    store = EntryStore(1 << 20, 1 << 20)
+    match_key, entry = _entry(lent)
+    store.put(match_key, entry, 0)
+    taken = store.pop(match_key, (1, 2, 3))
+    assert isinstance(taken.items[1], LentTensor) and taken.loan is entry.loan
+    assert taken.items[1].nbytes == key[:, 2:3].nbytes
+    copy = taken.items[1].materialize(lambda shape, dtype: torch.empty(tuple(shape), dtype=dtype))
+    assert torch.equal(copy, key[:, 2:3])
+    taken.loan.end(RETURNED)
+    assert entry.loan.outcome == RETURNED and store.counters().entries == 0  # nothing of it stays lent
+    del memory
+
+
 def test_lent_tensors_narrow_like_torch_over_any_pieces() -> None:
     rng = np.random.default_rng(0)
     for _ in range(100):
@@ -275,7 +318,7 @@ def test_a_part_select_travels_in_a_versioned_checked_select_request() -> None:
     request = protocol.select_request(7, tokens, roi, 0, session=b"s" * protocol.SESSION_BYTES, counter=1,
                                       part=(2, 4, 8))
     decoded, _, _ = protocol.decode_request(signer, protocol.encode_request(signer, request))
-    assert decoded.part == (2, 4, 8) and protocol.PROTOCOL_VERSION == 7
+    assert decoded.part == (2, 4, 8) and protocol.PROTOCOL_VERSION == 8
     whole = protocol.select_request(7, tokens, roi, 0, session=b"s" * protocol.SESSION_BYTES, counter=1)
     assert protocol.decode_request(signer, protocol.encode_request(signer, whole))[0].part is None
     for bad in ((2, 4, 4), (2, -1, 3), (99, 0, 1), (2, 0, 1 << 40)):
@@ -295,12 +338,14 @@ class _Scripted:
     """A connection to one prefill rank that answers with ``key`` (None: a miss)."""
 
     def __init__(self, key: torch.Tensor | None) -> None:
-        self.key, self.parts = key, []
+        self.key, self.parts, self.spans = key, [], []
         self.failure = None
 
     def drop_select(self, tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> list[Any]:
+                    borrow: bool = False, part: tuple[int, int, int] | None = None,
+                    span: tuple[int, int, int] | None = None) -> list[Any]:
         self.parts.append(part)
+        self.spans.append(span)
         return [None] * 5 if self.key is None else [tokens, roi, self.key, None, None]
 
 
@@ -335,7 +380,10 @@ def test_a_decode_rank_with_a_part_of_one_rank_names_it_in_its_select() -> None:
     part = _key((2, 3, 1, 3, 10))
     gather, (buffer,) = _gather([part], (Source(0, (1, 2), (0, 1)),))
     entry = gather.drop_select(torch.arange(5), torch.ones(5, dtype=torch.bool))
-    assert entry[2] is part and buffer.parts == [(2, 1, 2)]
+    assert entry[2] is part and buffer.parts == [(2, 1, 2)] and buffer.spans == [None]
+    # A span the caller names is asked of each rank, with the part of its heads: they compose.
+    gather.drop_select(torch.arange(5), torch.ones(5, dtype=torch.bool), span=(1, 1, 3))
+    assert buffer.parts[-1] == (2, 1, 2) and buffer.spans[-1] == (1, 1, 3)
 
 
 # ====================================================================== fake TP workers over real pipes
@@ -451,8 +499,9 @@ def _bits(array: np.ndarray) -> np.ndarray:
     return array.view(np.uint32)
 
 
-def _key_bytes(spec: SaveSpec, heads: int) -> int:
-    return LAYERS * len(spec.block_ids) * heads * BLOCK * 2 * HEAD_SIZE * 4
+def _key_bytes(spec: SaveSpec, heads: int, skip: int = 0) -> int:
+    """Bytes of ``heads`` KV heads of the request's blocks, but its first ``skip``."""
+    return LAYERS * (len(spec.block_ids) - skip) * heads * BLOCK * 2 * HEAD_SIZE * 4
 
 
 @pytest.mark.timeout(150)
@@ -473,8 +522,10 @@ def test_decode_ranks_get_exactly_their_heads_of_the_single_rank_cache_bit_exact
                 targets, skip = TARGETS[spec.req_id]
                 expected[targets[skip:]] = source[layer][spec.block_ids[skip:], start:stop].numpy()
             assert np.array_equal(_bits(got), _bits(expected)), (rank, layer)
-        # Only its heads moved: each request's tokens and roi, and its heads' share of the blocks.
-        moved = sum(9 * len(spec.token_ids) + _key_bytes(spec, decode_heads) for spec in SAVES)
+        # Only its heads moved: each request's tokens and roi, and its heads' share of the blocks it
+        # did not hold.
+        moved = sum(9 * len(spec.token_ids) + _key_bytes(spec, decode_heads, TARGETS[spec.req_id][1])
+                    for spec in SAVES)
         assert decode["stats"]["loaded_bytes"] == moved and decode["stats"]["load_hits"] == len(SAVES)
         sources = max(prefill_tp // decode_tp, 1)
         assert decode["connections"] == sources
@@ -487,7 +538,10 @@ def test_decode_ranks_get_exactly_their_heads_of_the_single_rank_cache_bit_exact
         assert set(prefill["loans"].values()) == ({RETURNED} if lend else {None})
         assert prefill["hits"] == len(SAVES) * max(decode_tp // prefill_tp, 1)
         saved = sum(9 * len(spec.token_ids) + _key_bytes(spec, prefill_heads) for spec in SAVES)
-        assert prefill["stats"]["saved_bytes"] == saved and prefill["sent_bytes"] == saved  # each byte sent once
+        # Each byte a decode rank lacked sent once, and none of the blocks it held.
+        sent = sum(9 * len(spec.token_ids) + _key_bytes(spec, prefill_heads, TARGETS[spec.req_id][1])
+                   for spec in SAVES)
+        assert prefill["stats"]["saved_bytes"] == saved and prefill["sent_bytes"] == sent < saved
 
 
 @pytest.mark.timeout(120)

@@ -486,7 +486,10 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> N
     assert consumer["failed"] == [[], [], [3], [], []]
     stats = consumer["stats"]
     assert (stats["load_hits"], stats["load_misses"], stats["load_errors"], stats["drained"]) == (3, 1, 0, 1)
-    assert stats["loaded_blocks"] == 5 and stats["loaded_bytes"] > 0
+    # Only the blocks not held locally travel ("b": 2 of its 3), with each entry's int64 tokens and bool roi.
+    block_bytes = vp.FAKE_LAYERS * vp.FAKE_HEADS * vp.FAKE_BLOCK_SIZE * 2 * vp.FAKE_HEAD_SIZE * 4
+    assert stats["loaded_blocks"] == 5 and stats["loaded_bytes"] == sum(
+        9 * len(FAKE_TOKENS[req_id]) + blocks * block_bytes for req_id, blocks in (("a", 2), ("b", 2), ("d", 1)))
     assert producer["stats"]["saved_requests"] == 4 and producer["stats"]["saved_blocks"] == 7
     assert producer["outcomes"] == ({"a", "b", "c", "d"}, set())
     assert producer["entries_left"] == 0
@@ -531,7 +534,7 @@ class _ScriptedSelects:
         self.failure: Exception | None = None  # a live connection
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> list:
+                    borrow: bool = False, span: tuple[int, int, int] | None = None) -> list:
         first = int(input_tokens[0])
         self.selected.append(first)
         gate = self.gates.get(first)
@@ -542,6 +545,8 @@ class _ScriptedSelects:
         blocks = self.hits.pop(first, None)  # taken: a second select misses
         if blocks is None:
             return [None] * 5
+        if span is not None:  # as a producer does: only that range of the entry
+            blocks = blocks.narrow(span[0], span[1], span[2] - span[1])
         return [input_tokens.clone(), roi.clone(), blocks, None, None]
 
     def close(self) -> None:

@@ -255,11 +255,13 @@ def expected_reason(frame: bytes) -> str:
         return "malformed"
     if any(byte > 1 for byte in roi) or not any(roi):
         return "malformed"
-    part = message.get("part")  # optional: [dim, start, stop] of the entry (a part select)
-    if part is not None and not (isinstance(part, list) and len(part) == 3 and is_int(part[0], 0, MAX_NDIM)
-                                 and is_int(part[1], 0, MAX_PART_INDEX - 1)
-                                 and is_int(part[2], part[1] + 1, MAX_PART_INDEX)):
-        return "malformed"
+    # Optional, each [dim, start, stop]: the part of the entry a select takes, and the span of that.
+    for name in ("part", "span"):
+        found = message.get(name)
+        if found is not None and not (isinstance(found, list) and len(found) == 3 and is_int(found[0], 0, MAX_NDIM)
+                                      and is_int(found[1], 0, MAX_PART_INDEX - 1)
+                                      and is_int(found[2], found[1] + 1, MAX_PART_INDEX)):
+            return "malformed"
     return "stale"
 
 
@@ -272,6 +274,15 @@ _ANY_VALUE = st.one_of(
 )
 _EDGE_INTS = st.sampled_from([-(2**63), -1, 0, 1, 2, PROTOCOL_VERSION + 1, 99, MAX_WAIT_MS, MAX_WAIT_MS + 1,
                               2**63 - 1, 2**63, 2**64 - 1])
+
+
+#: A part's or a span's ``[dim, start, stop]``: well-formed, at and past its bounds, or not three integers.
+_RANGES = st.one_of(
+    st.tuples(st.integers(0, MAX_NDIM), st.integers(0, 9)).map(lambda pair: [pair[0], pair[1], pair[1] + 3]),
+    st.lists(st.sampled_from([-1, 0, 1, MAX_NDIM, MAX_NDIM + 1, MAX_PART_INDEX - 1, MAX_PART_INDEX,
+                              MAX_PART_INDEX + 1, 2**63 - 1]), min_size=3, max_size=3),
+    st.lists(st.integers(0, 4), max_size=5), _ANY_VALUE,
+)
 
 
 @st.composite
@@ -292,6 +303,8 @@ def mutated_selects(draw: Any) -> bytes:
                                   session=draw(st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)),
                                   counter=draw(st.integers(1, MAX_COUNTER)), tokens=tokens, roi=roi,
                                   wait_ms=draw(st.integers(0, 20)))
+    for name in draw(st.sets(st.sampled_from(["part", "span"]))):
+        fields[name] = draw(_RANGES)
     for name in draw(st.sets(st.sampled_from(sorted(fields)), max_size=3)):
         fields[name] = draw(st.one_of(_ANY_VALUE, _EDGE_INTS, st.sampled_from(["refusal", "select", "", "SELECT"]),
                                       st.binary(min_size=SESSION_BYTES - 1, max_size=SESSION_BYTES + 1)))

@@ -131,6 +131,20 @@ def test_request_round_trip() -> None:
     assert (request.session, request.counter) == (session, 2**63 - 1)
     assert got_tokens.tolist() == [5, -3, 1 << 40] and got_roi.tolist() == [True, False, True]
     assert MatchKey(got_tokens, got_roi) == MatchKey(tokens, roi)
+    assert (request.part, request.span) == (None, None)
+    spanned = select_request(7, tokens, roi, 0, session=session, counter=1, part=(2, 0, 4), span=(1, 3, 9))
+    decoded = decode_request(UNSIGNED, encode_request(UNSIGNED, spanned))[0]
+    assert (decoded.part, decoded.span) == ((2, 0, 4), (1, 3, 9))
+    for bad in ((1, 4, 4), (1, -1, 3), (99, 0, 1), (1, 0, 1 << 40)):
+        with pytest.raises(ValueError, match="span"):
+            select_request(7, tokens, roi, 0, span=bad)
+        forged = msgspec.structs.replace(spanned, span=bad)
+        with pytest.raises(MessageError, match="span"):
+            decode_request(UNSIGNED, encode_request(UNSIGNED, forged))
+    # A peer of the protocol before spans is answered "version", whatever its select holds.
+    with pytest.raises(MessageError, match="version") as caught:
+        decode_request(UNSIGNED, encode_request(UNSIGNED, msgspec.structs.replace(spanned, v=PROTOCOL_VERSION - 1)))
+    assert caught.value.reason == "version"
     refusal = decode_refusal(UNSIGNED, encode_refusal(UNSIGNED, 99, "stale", message="x" * 5000))
     assert (refusal.request_id, refusal.reason, len(refusal.message)) == (99, "stale", 1000)
     # Every outcome but a refusal goes on the data pipe: a refusal for any other reason is refused.
@@ -549,6 +563,25 @@ def test_insert_then_select_bit_exact() -> None:
     assert (p["inserts"], p["hits"], p["misses"], p["entries"], p["bytes"]) == (count, count, 1, 0, 0)
     assert (c["hits"], c["misses"], c["waits"]) == (count, 1, p["waits"])
     assert p["transferred_bytes"] == c["transferred_bytes"] == sum(entry_bytes(seed, count))
+    assert_clean(producer, consumer)
+
+
+@pytest.mark.timeout(120)
+def test_a_span_select_moves_exactly_the_bytes_of_its_blocks_bit_exact() -> None:
+    seed, count = 5, 12
+    producer, consumer = run_buffer_pair(bodies.producer_spans, bodies.consumer_spans, (seed, count), (seed, count))
+    expected = []
+    for index in range(count):
+        (tokens, roi, key, _, _), (dim, start, stop) = bodies.span_request(seed, index)
+        spanned = key if index == 0 else key.narrow(dim, start, stop - start)
+        assert index == 0 or spanned.nbytes < key.nbytes
+        expected.append(tokens.nbytes + roi.nbytes + spanned.nbytes)
+    assert consumer["result"]["received"] == expected
+    assert "(config)" in consumer["result"]["refusal"] and "does not fit" in consumer["result"]["refusal"]
+    p, c = producer["stats"], consumer["stats"]
+    # Both sides count only what travelled; nothing of the entries is left at the producer.
+    assert p["transferred_bytes"] == c["transferred_bytes"] == sum(expected)
+    assert (p["hits"], c["hits"], p["entries"], p["bytes"]) == (count, count, 0, 0)
     assert_clean(producer, consumer)
 
 

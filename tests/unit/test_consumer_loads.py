@@ -46,7 +46,7 @@ class Buffer:
         self.closed = threading.Event()
 
     def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> list:
+                    borrow: bool = False, span: tuple[int, int, int] | None = None) -> list:
         first = int(input_tokens[0])
         self.selected.append(first)
         self.entered.set()
@@ -56,6 +56,8 @@ class Buffer:
         blocks = self.hits.pop(first, None)
         if blocks is None:
             return [None] * 5
+        if span is not None:  # as a producer does: only that range of the entry
+            blocks = blocks.narrow(span[0], span[1], span[2] - span[1])
         return [input_tokens.clone(), roi.clone(), blocks, None, None]
 
     def close(self) -> None:

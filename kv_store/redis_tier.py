@@ -5,6 +5,9 @@ writer wins and an object is never overwritten. Because an object is a single va
 eviction (``maxmemory`` with ``allkeys-lru``) removes whole objects, never half of one. Reads and
 existence checks of many keys are pipelined: one round trip (one per node on a cluster).
 
+Reads from one server (not a cluster, not TLS) go through :class:`kv_store.redis_reads.BulkReader`,
+which receives each value straight into the buffer it returns; everything else through redis-py.
+
 Every call is bounded by ``timeout`` and never retried inside redis-py. A server that cannot be
 reached makes the call raise :class:`KVStoreUnavailableError` and marks the tier down; for
 ``backoff`` seconds calls fail at once without touching the network, then one call tries again.
@@ -19,7 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kv_store.base import KVStoreConfigError, KVStoreError, KVStoreUnavailableError, StoreTier, TierStats
+from kv_store.base import Blob, KVStoreConfigError, KVStoreError, KVStoreUnavailableError, StoreTier, TierStats
+from kv_store.redis_reads import BulkReader
 
 try:
     import redis
@@ -37,9 +41,12 @@ KEY_PREFIX = b"kvbridge/"
 #: redis-py's own parser (without hiredis) goes through Python once per read: fewer, larger reads
 #: make a read of a 128 MiB object set about twice as fast.
 SOCKET_READ_BYTES = 1 << 20
-#: What an unreachable or unusable server raises through redis-py.
-_UNAVAILABLE = () if redis is None else (redis.ConnectionError, redis.TimeoutError, ClusterError,
-                                         RedisClusterException)
+#: What an unreachable or unusable server raises through redis-py, or through the BulkReader's sockets.
+_UNAVAILABLE = (
+    (OSError,)
+    if redis is None
+    else (OSError, redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException)
+)
 
 
 class RedisTier(StoreTier):
@@ -49,8 +56,9 @@ class RedisTier(StoreTier):
 
     name = "redis"
 
-    def __init__(self, url: str, password: str | None = None, cluster: bool = False, timeout: float = 2.0,
-                 backoff: float = 1.0) -> None:
+    def __init__(
+        self, url: str, password: str | None = None, cluster: bool = False, timeout: float = 2.0, backoff: float = 1.0
+    ) -> None:
         if redis is None:
             raise KVStoreConfigError("the Redis tier needs redis-py: pip install 'kvbridge[store]'")
         if timeout <= 0 or backoff < 0:
@@ -61,9 +69,13 @@ class RedisTier(StoreTier):
         self._lock = threading.Lock()
         self._hits = self._misses = self._failed_writes = self._bytes = 0
         self._retry_at: float | None = None  # set while down
-        options: dict[str, Any] = {"password": password, "socket_timeout": timeout,
-                                   "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0),
-                                   "socket_read_size": SOCKET_READ_BYTES}
+        options: dict[str, Any] = {
+            "password": password,
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "retry": Retry(NoBackoff(), 0),
+            "socket_read_size": SOCKET_READ_BYTES,
+        }
         try:
             if cluster:
                 self._client = redis.cluster.RedisCluster.from_url(url, **options)
@@ -71,6 +83,7 @@ class RedisTier(StoreTier):
                 self._client = redis.Redis.from_url(url, **options)
             self._client.ping()
             self.max_object_bytes = self._read_max_bulk_len()
+            self._reader = None if cluster else self._bulk_reader(timeout)
         except redis.AuthenticationError as exc:
             raise KVStoreConfigError(f"redis at {url} refused the password: {exc}") from exc
         except ValueError as exc:
@@ -78,12 +91,28 @@ class RedisTier(StoreTier):
         except _UNAVAILABLE as exc:
             raise KVStoreUnavailableError(f"cannot reach redis at {url}: {exc}") from exc
 
+    def _bulk_reader(self, timeout: float) -> BulkReader | None:
+        """A reader of this server's values over a plain socket; None over TLS or a Unix socket."""
+        pool = self._client.connection_pool
+        if pool.connection_class is not redis.connection.Connection:
+            return None
+        options = pool.connection_kwargs
+        return BulkReader(
+            options["host"],
+            options["port"],
+            options.get("db") or 0,
+            options.get("username"),
+            options.get("password"),
+            timeout,
+        )
+
     def _read_max_bulk_len(self) -> int:
         """The server's largest value (``proto-max-bulk-len``; the smallest over a cluster's nodes)."""
         try:
             if self.cluster:
-                answers = self._client.config_get("proto-max-bulk-len",
-                                                  target_nodes=redis.cluster.RedisCluster.ALL_NODES)
+                answers = self._client.config_get(
+                    "proto-max-bulk-len", target_nodes=redis.cluster.RedisCluster.ALL_NODES
+                )
                 values = [int(answer["proto-max-bulk-len"]) for answer in answers.values()]
                 return min(values)
             return int(self._client.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
@@ -96,13 +125,15 @@ class RedisTier(StoreTier):
         if nbytes > self.max_object_bytes:
             raise KVStoreConfigError(
                 f"an object of {nbytes} bytes is larger than proto-max-bulk-len ({self.max_object_bytes}) of "
-                f"redis at {self.url}: raise proto-max-bulk-len or store smaller chunks")
+                f"redis at {self.url}: raise proto-max-bulk-len or store smaller chunks"
+            )
 
     def _call(self, action: Callable[[], Any]) -> Any:
         with self._lock:
             if self._retry_at is not None and time.monotonic() < self._retry_at:
-                raise KVStoreUnavailableError(f"redis at {self.url} is down; next try in "
-                                              f"{self._retry_at - time.monotonic():.1f} s")
+                raise KVStoreUnavailableError(
+                    f"redis at {self.url} is down; next try in {self._retry_at - time.monotonic():.1f} s"
+                )
         try:
             result = action()
         except _UNAVAILABLE as exc:
@@ -129,8 +160,12 @@ class RedisTier(StoreTier):
 
         return self._call(run) if keys else []
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        found = self._pipelined("get", keys)
+    def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
+        if self._reader is None or not keys:
+            found = self._pipelined("get", keys)
+        else:
+            reader = self._reader
+            found = self._call(lambda: reader.get_many([KEY_PREFIX + key for key in keys], self.max_object_bytes))
         hits = sum(blob is not None for blob in found)
         with self._lock:
             self._hits += hits
@@ -165,8 +200,16 @@ class RedisTier(StoreTier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            return TierStats(hits=self._hits, misses=self._misses, bytes_stored=self._bytes, evictions=0,
-                             up=self._retry_at is None, failed_writes=self._failed_writes)
+            return TierStats(
+                hits=self._hits,
+                misses=self._misses,
+                bytes_stored=self._bytes,
+                evictions=0,
+                up=self._retry_at is None,
+                failed_writes=self._failed_writes,
+            )
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
         self._client.close()

@@ -26,9 +26,9 @@ from typing import TypeAlias
 
 from kv_pipe.errors import KVConfigError, KVTransferError
 
-#: A stored object's bytes as a tier returns them: ``bytes``, or a ``bytearray`` that a tier received
-#: the object into (the Redis tier), to spare a copy of tens of MiB. Nobody writes into a returned blob.
-Blob: TypeAlias = bytes | bytearray
+#: A stored object's bytes as a tier returns them: ``bytes``, or a read-only ``memoryview`` of the
+#: memory a tier received the object into (the Redis tier), which spares a copy of tens of MiB.
+Blob: TypeAlias = bytes | memoryview
 
 
 class KVStoreError(KVTransferError):

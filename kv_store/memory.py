@@ -41,7 +41,7 @@ class MemoryTier(StoreTier):
             return [key in self._blobs for key in keys]
 
     def put(self, key: bytes, blob: Blob) -> bool:
-        blob = bytes(blob)  # its own immutable copy: a bytearray given here may be the caller's
+        blob = bytes(blob)  # its own copy: a memoryview given here may view memory the caller reuses
         with self._lock:
             if key in self._blobs:
                 return False

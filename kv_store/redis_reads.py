@@ -4,7 +4,10 @@ buffer of its announced length.
 redis-py's own parser (without hiredis) receives a bulk reply in pieces, joins them and slices the
 result, copying a value of tens of MiB several times in Python; hiredis still copies it from its
 buffer into a new ``bytes``. Here the socket writes each value once, with ``recv_into``, into the
-``bytearray`` that is returned: the least any client can do. Only replies to ``GET`` are parsed (RESP2
+memory that is returned (as a read-only ``memoryview``): the least any client can do. The memory is
+a NumPy array, not a ``bytearray``: it is not zeroed first, and NumPy asks for huge pages for large
+arrays, so the kernel maps a value of tens of MiB with far fewer page faults (a ``bytearray`` made
+these reads about half again as slow). Only replies to ``GET`` are parsed (RESP2
 bulk strings, the nil bulk string, and error replies, which are raised).
 
 Every receive waits at most the connection's timeout. A connection is used by one call at a time and
@@ -19,6 +22,8 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Sequence
+
+import numpy
 
 from kv_store.base import KVStoreError
 
@@ -69,10 +74,9 @@ class _Connection:
         self._start = stop + 2
         return line
 
-    def _value(self, length: int) -> bytearray:
+    def _value(self, length: int) -> memoryview:
         """The next ``length`` bytes and the CRLF after them."""
-        value = bytearray(length)
-        view = memoryview(value)
+        view = memoryview(numpy.empty(length, numpy.uint8))
         have = min(length, self._end - self._start)
         view[:have] = self._view[self._start : self._start + have]
         self._start += have
@@ -83,7 +87,7 @@ class _Connection:
         if self._view[self._start : self._start + 2] != b"\r\n":
             raise KVStoreError(f"redis at {self.where} sent a value longer than it announced")
         self._start += 2
-        return value
+        return view.toreadonly()
 
     def simple(self, *parts: bytes) -> bytes:
         """Send the command ``parts`` and return its status reply (``+OK``: ``b"OK"``)."""
@@ -93,9 +97,9 @@ class _Connection:
             return line[1:]
         raise KVStoreError(f"redis at {self.where} refused {parts[0].decode()}: {line.decode(errors='replace')}")
 
-    def get_many(self, keys: Sequence[bytes], max_bytes: int) -> list[bytearray | None]:
+    def get_many(self, keys: Sequence[bytes], max_bytes: int) -> list[memoryview | None]:
         self.sock.sendall(b"".join(_command(b"GET", key) for key in keys))
-        values: list[bytearray | None] = []
+        values: list[memoryview | None] = []
         for _ in keys:
             line = self._line()
             kind, rest = line[:1], line[1:]
@@ -150,7 +154,7 @@ class BulkReader:
             raise
         return connection
 
-    def get_many(self, keys: Sequence[bytes], max_bytes: int) -> list[bytearray | None]:
+    def get_many(self, keys: Sequence[bytes], max_bytes: int) -> list[memoryview | None]:
         """The value of each key, ``None`` where there is none. A value longer than ``max_bytes`` is
         refused (:class:`KVStoreError`), not received."""
         with self._lock:

@@ -296,7 +296,7 @@ def test_values_of_odd_sizes_and_misses_between_are_read_whole(server, pieces):
         watch_reader(tier, piece=lambda: rng.choice([1, 2, 3, 7, 4093, 65_536]))
     found = tier.get_many(wanted)
     assert found == [stored.get(k) for k in wanted]
-    assert all(isinstance(blob, bytearray) for blob in found if blob is not None)
+    assert all(isinstance(blob, memoryview) and blob.readonly for blob in found if blob is not None)
     assert (tier.stats().hits, tier.stats().misses) == (len(stored), len(stored))
     assert tier.get_many(wanted[:3]) == [stored.get(k) for k in wanted[:3]]  # the connection is reused intact
 

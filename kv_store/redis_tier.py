@@ -49,15 +49,46 @@ _UNAVAILABLE = (
 )
 
 
+#: ``proto-max-bulk-len`` of a server that does not say its own, or has not answered yet.
+DEFAULT_MAX_BULK_LEN = 512 * 1024 * 1024
+#: Servers some tier of this process found down and not yet up again: each change is logged once per
+#: process, though an instance's scheduler and worker each keep a tier of the same server.
+_down: set[str] = set()
+_down_lock = threading.Lock()
+
+
+def _say_down(url: str, cause: BaseException) -> None:
+    with _down_lock:
+        first = url not in _down
+        _down.add(url)
+    if first:
+        logger.warning("redis at %s is down (%s): its tier misses until it answers again", url, cause)
+
+
+def _say_up(url: str) -> None:
+    with _down_lock:
+        was_down = url in _down
+        _down.discard(url)
+    if was_down:
+        logger.info("redis at %s answers again", url)
+
+
 class RedisTier(StoreTier):
     """A Redis server at ``url`` (``redis://HOST:PORT[/DB]``), or a Redis Cluster reached through
     any of its nodes when ``cluster``. Connects at construction: an unreachable server raises
-    :class:`KVStoreUnavailableError`, a refused password or a bad URL :class:`KVStoreConfigError`."""
+    :class:`KVStoreUnavailableError` (with ``start_down`` the tier starts down instead, logs so, and
+    connects on the first call after it), a refused password or a bad URL :class:`KVStoreConfigError`."""
 
     name = "redis"
 
     def __init__(
-        self, url: str, password: str | None = None, cluster: bool = False, timeout: float = 2.0, backoff: float = 1.0
+        self,
+        url: str,
+        password: str | None = None,
+        cluster: bool = False,
+        timeout: float = 2.0,
+        backoff: float = 1.0,
+        start_down: bool = False,
     ) -> None:
         if redis is None:
             raise KVStoreConfigError("the Redis tier needs redis-py: pip install 'kvbridge[store]'")
@@ -67,33 +98,51 @@ class RedisTier(StoreTier):
         self.cluster = cluster
         self.backoff = backoff
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
         self._hits = self._misses = self._failed_writes = self._bytes = 0
         self._retry_at: float | None = None  # set while down
-        options: dict[str, Any] = {
+        self._options: dict[str, Any] = {
             "password": password,
             "socket_timeout": timeout,
             "socket_connect_timeout": timeout,
             "retry": Retry(NoBackoff(), 0),
             "socket_read_size": SOCKET_READ_BYTES,
         }
+        self._client: Any = None  # until a server answered
+        self._reader: BulkReader | None = None
+        #: Until the server says its own: Redis's default.
+        self.max_object_bytes = DEFAULT_MAX_BULK_LEN
         try:
-            if cluster:
-                self._client = redis.cluster.RedisCluster.from_url(url, **options)
-            else:
-                self._client = redis.Redis.from_url(url, **options)
-            self._client.ping()
-            self.max_object_bytes = self._read_max_bulk_len()
-            self._reader = None if cluster else self._bulk_reader(timeout)
+            self._connect()
         except redis.AuthenticationError as exc:
             raise KVStoreConfigError(f"redis at {url} refused the password: {exc}") from exc
         except ValueError as exc:
             raise KVStoreConfigError(f"bad redis URL {url!r}: {exc}") from exc
         except _UNAVAILABLE as exc:
-            raise KVStoreUnavailableError(f"cannot reach redis at {url}: {exc}") from exc
+            if not start_down:
+                raise KVStoreUnavailableError(f"cannot reach redis at {url}: {exc}") from exc
+            self._retry_at = time.monotonic()  # down; the first call tries again
+            _say_down(self.url, exc)
 
-    def _bulk_reader(self, timeout: float) -> BulkReader | None:
+    def _connect(self) -> None:
+        """Build the client and the reader and ask the server its largest value; raises redis-py's
+        errors. The client is kept only once all of that worked."""
+        if self.cluster:
+            client = redis.cluster.RedisCluster.from_url(self.url, **self._options)
+        else:
+            client = redis.Redis.from_url(self.url, **self._options)
+        try:
+            client.ping()
+            self.max_object_bytes = self._read_max_bulk_len(client)
+        except BaseException:
+            client.close()
+            raise
+        self._reader = None if self.cluster else self._bulk_reader(client)
+        self._client = client
+
+    def _bulk_reader(self, client: Any) -> BulkReader | None:
         """A reader of this server's values over a plain socket; None over TLS or a Unix socket."""
-        pool = self._client.connection_pool
+        pool = client.connection_pool
         if pool.connection_class is not redis.connection.Connection:
             return None
         options = pool.connection_kwargs
@@ -103,22 +152,20 @@ class RedisTier(StoreTier):
             options.get("db") or 0,
             options.get("username"),
             options.get("password"),
-            timeout,
+            self._options["socket_timeout"],
         )
 
-    def _read_max_bulk_len(self) -> int:
+    def _read_max_bulk_len(self, client: Any) -> int:
         """The server's largest value (``proto-max-bulk-len``; the smallest over a cluster's nodes)."""
         try:
             if self.cluster:
-                answers = self._client.config_get(
-                    "proto-max-bulk-len", target_nodes=redis.cluster.RedisCluster.ALL_NODES
-                )
+                answers = client.config_get("proto-max-bulk-len", target_nodes=redis.cluster.RedisCluster.ALL_NODES)
                 values = [int(answer["proto-max-bulk-len"]) for answer in answers.values()]
                 return min(values)
-            return int(self._client.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
+            return int(client.config_get("proto-max-bulk-len")["proto-max-bulk-len"])
         except redis.ResponseError as exc:  # CONFIG disabled (a managed Redis): Redis's default
             logger.info("redis at %s does not say its proto-max-bulk-len (%s); assuming 512 MB", self.url, exc)
-            return 512 * 1024 * 1024
+            return DEFAULT_MAX_BULK_LEN
 
     def check_object_size(self, nbytes: int) -> None:
         """Raise :class:`KVStoreConfigError` if an object of ``nbytes`` cannot be stored."""
@@ -135,37 +182,39 @@ class RedisTier(StoreTier):
                     f"redis at {self.url} is down; next try in {self._retry_at - time.monotonic():.1f} s"
                 )
         try:
+            if self._client is None:
+                with self._connect_lock:
+                    if self._client is None:
+                        self._connect()
             result = action()
         except _UNAVAILABLE as exc:
             with self._lock:
                 was_up = self._retry_at is None
                 self._retry_at = time.monotonic() + self.backoff
             if was_up:
-                logger.warning("redis at %s is down (%s): its tier misses until it answers again", self.url, exc)
+                _say_down(self.url, exc)
             raise KVStoreUnavailableError(f"redis at {self.url} is down: {exc}") from exc
         except RedisError as exc:
             raise KVStoreError(f"redis at {self.url} refused a request: {exc}") from exc
         with self._lock:
             was_down, self._retry_at = self._retry_at is not None, None
         if was_down:
-            logger.info("redis at %s answers again", self.url)
+            _say_up(self.url)
         return result
 
     def _pipelined(self, command: str, keys: Sequence[bytes]) -> list[Any]:
-        def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                getattr(pipe, command)(KEY_PREFIX + key)
-            return pipe.execute()
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            getattr(pipe, command)(KEY_PREFIX + key)
+        return pipe.execute()
 
-        return self._call(run) if keys else []
+    def _get(self, keys: Sequence[bytes]) -> list[Blob | None]:
+        if self._reader is None:
+            return self._pipelined("get", keys)
+        return self._reader.get_many([KEY_PREFIX + key for key in keys], self.max_object_bytes)
 
     def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
-        if self._reader is None or not keys:
-            found = self._pipelined("get", keys)
-        else:
-            reader = self._reader
-            found = self._call(lambda: reader.get_many([KEY_PREFIX + key for key in keys], self.max_object_bytes))
+        found = self._call(lambda: self._get(keys)) if keys else []
         hits = sum(blob is not None for blob in found)
         with self._lock:
             self._hits += hits
@@ -173,7 +222,7 @@ class RedisTier(StoreTier):
         return found
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return [bool(count) for count in self._pipelined("exists", keys)]
+        return [bool(count) for count in self._call(lambda: self._pipelined("exists", keys))] if keys else []
 
     def put(self, key: bytes, blob: bytes) -> bool:
         if len(blob) > self.max_object_bytes:
@@ -212,4 +261,5 @@ class RedisTier(StoreTier):
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
-        self._client.close()
+        if self._client is not None:
+            self._client.close()

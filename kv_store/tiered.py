@@ -243,9 +243,12 @@ def open_store(
     redis_password: str | None = None,
     redis_timeout: float = 2.0,
     queue_depth: int = 64,
+    redis_start_down: bool = False,
 ) -> TieredStore:
     """A store from a comma-separated list of tiers, fastest first: ``memory``, ``disk:PATH``,
-    ``redis://HOST:PORT[/DB]`` and ``redis+cluster://HOST:PORT`` (any node of a cluster)."""
+    ``redis://HOST:PORT[/DB]`` and ``redis+cluster://HOST:PORT`` (any node of a cluster). With
+    ``redis_start_down`` a Redis that cannot be reached now is a tier that starts down (see
+    :class:`RedisTier`), not an error."""
     tiers: list[StoreTier] = []
     try:
         for part in (item.strip() for item in spec.split(",")):
@@ -254,7 +257,9 @@ def open_store(
             elif part.startswith("disk:") and part[len("disk:") :]:
                 tiers.append(DiskTier(part[len("disk:") :], disk_bytes))
             elif part.startswith(("redis://", "rediss://")):
-                tiers.append(RedisTier(part, password=redis_password, timeout=redis_timeout))
+                tiers.append(
+                    RedisTier(part, password=redis_password, timeout=redis_timeout, start_down=redis_start_down)
+                )
             elif part.startswith("redis+cluster://"):
                 tiers.append(
                     RedisTier(
@@ -262,6 +267,7 @@ def open_store(
                         password=redis_password,
                         cluster=True,
                         timeout=redis_timeout,
+                        start_down=redis_start_down,
                     )
                 )
             else:

@@ -6,6 +6,7 @@ removes whole objects, and settings that cannot work are refused at start."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import random
 import time
@@ -431,3 +432,31 @@ def test_a_reply_that_is_not_a_get_reply_is_refused_by_name(server, reply, named
         with pytest.raises(KVStoreError, match=named) as refused:
             tier.get_many([key(0)])
     assert not isinstance(refused.value, KVStoreUnavailableError) and tier.stats().up
+
+
+def test_a_server_down_at_start_is_a_tier_that_starts_down_and_is_used_once_it_answers(tmp_path, caplog):
+    port = procs.free_port(1)
+    url = f"redis://127.0.0.1:{port}"
+    caplog.set_level(logging.INFO, logger="kv_store.redis_tier")
+    # The scheduler's and the worker's tier of one instance: one line per change, not one per tier.
+    tiers = [RedisTier(url, timeout=1.0, backoff=0.0, start_down=True) for _ in range(2)]
+    assert not any(tier.stats().up for tier in tiers)
+    for tier in tiers:
+        with pytest.raises(KVStoreUnavailableError, match="is down"):
+            tier.get_many([key(0)])
+        with pytest.raises(KVStoreUnavailableError, match="is down"):
+            tier.put(key(0), b"v")
+    server = redis_servers.RedisServer(port, tmp_path / "redis", ["--proto-max-bulk-len", "2mb"])
+    server.directory.mkdir()
+    server.start()
+    try:
+        assert tiers[0].put(key(0), b"v") and tiers[1].get_many([key(0), key(1)]) == [b"v", None]
+        assert all(tier.stats().up for tier in tiers)
+        assert tiers[1].max_object_bytes == 2 << 20  # asked once the server answered
+        messages = [record.getMessage() for record in caplog.records]
+        assert sum(" is down (" in message for message in messages) == 1, messages
+        assert messages.count(f"redis at {url} answers again") == 1, messages
+    finally:
+        server.kill()
+    with pytest.raises(KVStoreUnavailableError, match="cannot reach redis"):
+        RedisTier(url, timeout=1.0)  # without start_down: an error at start

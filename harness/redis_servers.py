@@ -180,6 +180,9 @@ class WatchedSocket:
     def close(self) -> None:
         self.sock.close()
 
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
 
 class CannedServer:
     """A TCP listener that answers every request on its first connection with ``reply`` (not Redis:

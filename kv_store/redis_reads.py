@@ -19,6 +19,7 @@ to ``GET`` raises :class:`KVStoreError` naming it.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from collections.abc import Sequence
@@ -50,6 +51,12 @@ class _Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+    def stale(self) -> bool:
+        """Whether an idle connection has something to read: the server closed it (a restart, its
+        ``timeout``) or sent what nobody asked for. Either way it cannot carry a request."""
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable)
 
     def _receive(self, into: memoryview) -> int:
         count = self.sock.recv_into(into)
@@ -161,6 +168,9 @@ class BulkReader:
             if self._closed:
                 raise KVStoreError(f"the reader of redis at {self.where} is closed")
             connection = self._idle.pop() if self._idle else None
+        if connection is not None and connection.stale():
+            connection.close()
+            connection = None
         if connection is None:
             connection = self._open()
         try:

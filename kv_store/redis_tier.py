@@ -10,7 +10,8 @@ which receives each value straight into the buffer it returns; everything else t
 
 Every call is bounded by ``timeout`` and never retried inside redis-py. A server that cannot be
 reached makes the call raise :class:`KVStoreUnavailableError` and marks the tier down; for
-``backoff`` seconds calls fail at once without touching the network, then one call tries again.
+``backoff`` seconds existence checks and writes fail at once without touching the network, then one
+call tries again. Reads always try (they follow a lookup that found the keys).
 Down and up are logged once each.
 """
 
@@ -175,9 +176,9 @@ class RedisTier(StoreTier):
                 f"redis at {self.url}: raise proto-max-bulk-len or store smaller chunks"
             )
 
-    def _call(self, action: Callable[[], Any]) -> Any:
+    def _call(self, action: Callable[[], Any], wait_backoff: bool = True) -> Any:
         with self._lock:
-            if self._retry_at is not None and time.monotonic() < self._retry_at:
+            if wait_backoff and self._retry_at is not None and time.monotonic() < self._retry_at:
                 raise KVStoreUnavailableError(
                     f"redis at {self.url} is down; next try in {self._retry_at - time.monotonic():.1f} s"
                 )
@@ -214,7 +215,10 @@ class RedisTier(StoreTier):
         return self._reader.get_many([KEY_PREFIX + key for key in keys], self.max_object_bytes)
 
     def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
-        found = self._call(lambda: self._get(keys)) if keys else []
+        # Tried even within the back-off: a read follows a lookup that found the keys (here, or in
+        # another process of the instance), so the server answered a moment ago, and a read that
+        # failed without trying would fail a load that was promised.
+        found = self._call(lambda: self._get(keys), wait_backoff=False) if keys else []
         hits = sum(blob is not None for blob in found)
         with self._lock:
             self._hits += hits

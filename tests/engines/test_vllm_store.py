@@ -494,3 +494,74 @@ def test_instances_split_into_scheduler_and_worker_processes_share_the_store(tin
     # No prefix cache on B: what vLLM counts as cached came from the store.
     assert [o["cached"] for o in outputs] == [
         _loaded_blocks(p, len(p) // CHUNK) * vp.BLOCK_SIZE for p in prompts] + [CHUNK]
+
+
+def test_an_instance_outlives_its_redis_down_at_start_killed_and_restarted(tiny_model: str, tmp_path: Path) -> None:
+    """One instance on a Redis of its own, under "fail": any chunk claimed and then not loaded would
+    fail a request, so a store that is down must be a miss at lookup. Redis is down at start, then
+    up (stored, then hit), killed (every request still served, recomputed; "down" said once, the
+    tier down), restarted on the same port, empty (stored and hit again, the tier up)."""
+    from harness import procs, redis_servers
+
+    prompts, _ = _prompts()
+    server = redis_servers.RedisServer(procs.free_port(1), tmp_path / "redis", [])
+    server.directory.mkdir()
+    stored_chunks = sum(len(p) // CHUNK for p in prompts)
+    claimed_chunks = sum(-(-_loaded_blocks(p, len(p) // CHUNK) // 2) for p in prompts)
+    with vp.Engines() as engines:
+        rounds, answers = engines.queue(), engines.queue()
+        engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts)
+        engines.start("instance", sp.store_rounds_body, vp.engine_env(1), model=tiny_model,
+                      transfer=sp.store_transfer_config(server.url, failure_policy="fail"), prompts=prompts,
+                      rounds=rounds, answers=answers, timeout=600)
+        reference = [o["tokens"] for o in engines.wait(["reference"], timeout=300)["reference"]]
+
+        def serve() -> dict:
+            rounds.put(True)
+            answer = answers.get(timeout=300)
+            assert answer["tokens"] == reference and set(answer["finish"]) == {"length"}
+            return answer
+
+        def downs(answer: dict) -> int:
+            return sum(f"redis at {server.url} is down (" in line for line in answer["log"])
+
+        def ups(answer: dict) -> int:
+            return answer["log"].count(f"redis at {server.url} answers again")
+
+        def serve_until_stored() -> dict:
+            """Rounds until the tier's back-off let it try again and it stored every chunk."""
+            for _ in range(20):
+                answer = serve()
+                if server.client().dbsize() == stored_chunks:
+                    return answer
+            raise AssertionError(f"redis holds {server.client().dbsize()} of {stored_chunks} chunks")
+
+        try:
+            started_down = serve()
+            assert not started_down["up"] and downs(started_down) == 1 and ups(started_down) == 0
+            assert started_down["stats"]["chunks_loaded"] == 0
+
+            server.start()
+            stored = serve_until_stored()
+            assert stored["up"] and downs(stored) == 1 and ups(stored) == 1
+            hit = serve()
+            assert hit["stats"]["chunks_loaded"] == stored["stats"]["chunks_loaded"] + claimed_chunks
+            assert hit["stats"]["chunks_failed"] == 0
+
+            server.kill()
+            for _ in range(2):
+                dead = serve()
+                assert not dead["up"] and downs(dead) == 2 and ups(dead) == 1  # one line for the outage
+                assert dead["stats"]["chunks_loaded"] == hit["stats"]["chunks_loaded"]
+                assert dead["stats"]["chunks_failed"] == 0  # never claimed, so never failed
+
+            server.start()  # the same port, empty
+            back = serve_until_stored()
+            assert back["up"] and ups(back) == 2 and downs(back) == 2
+            again = serve()
+            assert again["stats"]["chunks_loaded"] == back["stats"]["chunks_loaded"] + claimed_chunks
+            assert again["stats"]["chunks_failed"] == 0
+        finally:
+            rounds.put(False)
+            server.kill()
+        engines.wait(["instance"], timeout=300)

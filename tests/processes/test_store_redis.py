@@ -460,3 +460,30 @@ def test_a_server_down_at_start_is_a_tier_that_starts_down_and_is_used_once_it_a
         server.kill()
     with pytest.raises(KVStoreUnavailableError, match="cannot reach redis"):
         RedisTier(url, timeout=1.0)  # without start_down: an error at start
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_not_failed(server):
+    tier = RedisTier(server.url, timeout=1.0)
+    sockets = watch_reader(tier)
+    assert tier.get_many([key(0)]) == [None]  # one connection, kept
+    server.kill()
+    server.start()  # the same port, empty: the kept connection is closed at the other end
+    assert tier.put(key(0), b"after a restart")
+    assert tier.get_many([key(0)]) == [b"after a restart"]
+    assert len(sockets) == 2 and tier.stats().up
+
+
+def test_a_read_tries_the_server_even_within_the_back_off(server):
+    """A read follows a lookup that found the keys: it must not fail a promised load unasked."""
+    tier = RedisTier(server.url, timeout=0.5, backoff=3600.0)
+    assert tier.put(key(0), b"v")
+    server.pause()
+    try:
+        with pytest.raises(KVStoreUnavailableError, match="is down"):
+            tier.contains_many([key(0)])
+    finally:
+        server.resume()
+    with pytest.raises(KVStoreUnavailableError, match="next try in"):
+        tier.contains_many([key(0)])
+    assert tier.get_many([key(0)]) == [b"v"] and tier.stats().up
+    assert tier.contains_many([key(0)]) == [True]  # up again: no back-off left

@@ -319,6 +319,34 @@ def test_workers_share_chunks_through_redis_with_the_password_from_the_environme
         server.kill()
 
 
+def test_redis_killed_between_the_lookup_and_the_load_fails_the_claimed_blocks(tmp_path: Path) -> None:
+    """The one window a dead store costs a promised load: vLLM then recomputes those blocks under
+    "recompute" and fails the request under "fail". Once the tier is down, lookups miss."""
+    from harness import redis_servers
+
+    server = redis_servers.start_server(tmp_path / "redis")
+    try:
+        tokens = list(range(30, 30 + 2 * FAKE_CHUNK))
+        saver = _worker(server.url, vp.fake_caches(1))
+        saver.save([StoreSave("s", tokens, [8, 2, 6, 0], first_chunk=0)])
+        saver.flush()
+        saver.close()
+        target = vp.fake_caches(2)
+        before = [cache.clone() for cache in target]
+        loader = _worker(server.url, target)
+        keys = [key.key for key in chunk_keys(loader.namespace, tokens, FAKE_CHUNK)]
+        assert loader.store.lookup(keys) == 2  # what the scheduler's lookup found: both chunks claimed
+        server.kill()
+        assert _load(loader, StoreLoad("l", tokens, [1, 3, 5, 7], skip_blocks=0, stop_blocks=4)) == {1, 3, 5, 7}
+        assert all(torch.equal(cache, old) for cache, old in zip(target, before, strict=True))
+        data = loader.take_stats().data
+        assert data["store_load_errors"] == {"missing": 2} and data["store_tier_up"] == {"redis": 0}
+        assert loader.store.lookup(keys) == 0  # down: a miss, nothing more is claimed
+        loader.close()
+    finally:
+        server.kill()
+
+
 @pytest.mark.parametrize("change", ["other secret", "other layout", "missing", "corrupted"])
 def test_a_chunk_that_fails_a_check_is_a_load_error_and_writes_nothing(tmp_path: Path, change: str) -> None:
     tokens = list(range(9, 9 + 2 * FAKE_CHUNK))

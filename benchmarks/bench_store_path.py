@@ -17,7 +17,7 @@ and without a secret, and times, per load:
 With ``redis``, two more reads of the same objects frame the tier's ``get_many``: the floor, one
 ``recv_into`` loop of the pipelined ``GET`` replies from the same redis-server into one preallocated
 buffer (no client at all: the least any client can do), and redis-py's own pipelined ``GET`` (its
-parser, with the tier's socket read size), which the tier used before it received values itself.
+parser, with the tier's socket read size), which the tier's reader (``kv_store/redis_reads.py``) avoids.
 
 And per save: ``save (engine thread)`` (the gather in ``wait_for_save``) and ``save (to the fastest
 tier)`` (until :meth:`StoreWorker.flush`). The baseline, measured in the same run, is one copy of the

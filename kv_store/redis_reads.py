@@ -55,8 +55,9 @@ class _Connection:
     def stale(self) -> bool:
         """Whether an idle connection has something to read: the server closed it (a restart, its
         ``timeout``) or sent what nobody asked for. Either way it cannot carry a request."""
-        readable, _, _ = select.select([self.sock], [], [], 0)
-        return bool(readable)
+        poller = select.poll()  # not select(): a process may have more than 1024 descriptors
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def _receive(self, into: memoryview) -> int:
         count = self.sock.recv_into(into)

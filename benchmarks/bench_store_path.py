@@ -14,7 +14,12 @@ and without a secret, and times, per load:
 * ``whole load``: ``StoreWorker.start_loads(inline=True)`` of the same chunks into other blocks,
   reported complete when it returns (what vLLM gets in a step that computes nothing else);
 
-and per save: ``save (engine thread)`` (the gather in ``wait_for_save``) and ``save (to the fastest
+With ``redis``, two more reads of the same objects frame the tier's ``get_many``: the floor, one
+``recv_into`` loop of the pipelined ``GET`` replies from the same redis-server into one preallocated
+buffer (no client at all: the least any client can do), and redis-py's own pipelined ``GET`` (its
+parser, with the tier's socket read size), which the tier's reader (``kv_store/redis_reads.py``) avoids.
+
+And per save: ``save (engine thread)`` (the gather in ``wait_for_save``) and ``save (to the fastest
 tier)`` (until :meth:`StoreWorker.flush`). The baseline, measured in the same run, is one copy of the
 same bytes between two warm tensors: the least a load that writes every byte once can cost. Ratios
 are to it (medians of ``--repeat`` runs).
@@ -25,6 +30,7 @@ are to it (medians of ``--repeat`` runs).
 from __future__ import annotations
 
 import argparse
+import socket
 import statistics
 import sys
 import tempfile
@@ -39,6 +45,7 @@ from connector.paged import scatter_blocks
 from connector.vllm_store import StoreLoad, StoreSave, StoreSettings, StoreWorker
 from connector.vllm_worker import find_layout
 from kv_store import chunk_keys, decode_chunk
+from kv_store.redis_tier import KEY_PREFIX, SOCKET_READ_BYTES
 
 LAYERS, HEADS, BLOCK_SIZE, HEAD_SIZE = 8, 16, 32, 128
 CHUNK_SIZE = 256
@@ -48,12 +55,22 @@ LAYOUT_NAME = "CPU_ATTN/bench"
 
 def worker(tiers: str, caches: list[torch.Tensor], secret: str | None) -> StoreWorker:
     environ = {"KVBRIDGE_KV_SECRET": secret} if secret else {}
-    settings = StoreSettings.from_extra({"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE,
-                                                      "memory_bytes": 4 << 30, "disk_bytes": 16 << 30}},
-                                        environ=environ)
-    identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_both", model="bench", dtype="float32",
-                                   block_size=BLOCK_SIZE, num_layers=LAYERS, block_shape=(), layout="bench",
-                                   tp_size=1, tp_rank=0)
+    settings = StoreSettings.from_extra(
+        {"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE, "memory_bytes": 4 << 30, "disk_bytes": 16 << 30}},
+        environ=environ,
+    )
+    identity = compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role="kv_both",
+        model="bench",
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_layers=LAYERS,
+        block_shape=(),
+        layout="bench",
+        tp_size=1,
+        tp_rank=0,
+    )
     side = StoreWorker(settings, identity)
     side.register(caches, find_layout(caches[0], caches[0].shape[0], BLOCK_SIZE, LAYOUT_NAME), LAYOUT_NAME)
     return side
@@ -80,13 +97,17 @@ def load_stages(side: StoreWorker, tokens: list[int], chunks: int, repeat: int, 
         raise RuntimeError("a saved chunk was not found in the store")
 
     def decode_all() -> list[torch.Tensor]:
-        return [decode_chunk(blob, key.key, tokens[key.start:key.stop], side.mac_key, copy=False)[0]
-                for key, blob in zip(keys, blobs, strict=True)]
+        return [
+            decode_chunk(blob, key.key, tokens[key.start : key.stop], side.mac_key, copy=False)[0]
+            for key, blob in zip(keys, blobs, strict=True)
+        ]
 
     stages["verify + decode"] = median_ms(decode_all, repeat)
     decoded = decode_all()
-    targets = [torch.arange(chunks * PER_CHUNK + 2 * c * PER_CHUNK, chunks * PER_CHUNK + (2 * c + 1) * PER_CHUNK)
-               for c in range(chunks)]  # every other chunk's worth of blocks: not one run
+    targets = [
+        torch.arange(chunks * PER_CHUNK + 2 * c * PER_CHUNK, chunks * PER_CHUNK + (2 * c + 1) * PER_CHUNK)
+        for c in range(chunks)
+    ]  # every other chunk's worth of blocks: not one run
 
     def scatter_all() -> None:
         for blocks, ids in zip(decoded, targets, strict=True):
@@ -106,25 +127,75 @@ def load_stages(side: StoreWorker, tokens: list[int], chunks: int, repeat: int, 
     return stages
 
 
-def tier_rows(tier: str, side: StoreWorker, tokens: list[int], source: list[torch.Tensor], chunks: int,
-              repeat: int, round_: list[int], label: str) -> list[tuple[str, str, float]]:
+def redis_read_rows(url: str, keys: list[bytes], repeat: int) -> list[tuple[str, str, float]]:
+    """The floor and redis-py's pipelined GET of ``keys`` (the tier's names) from the server at ``url``."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_read_size=SOCKET_READ_BYTES, socket_timeout=60)
+    names = [KEY_PREFIX + key for key in keys]
+    sizes = [client.strlen(name) for name in names]
+    if not all(sizes):
+        raise RuntimeError("a saved chunk is not in redis")
+    request = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name in names)
+    total = sum(len(b"$%d\r\n" % size) + size + 2 for size in sizes)
+    into = memoryview(bytearray(total))
+    options = client.connection_pool.connection_kwargs
+    with socket.create_connection((options["host"], options["port"]), timeout=60) as sock:
+
+        def floor() -> None:
+            sock.sendall(request)
+            got = 0
+            while got < total:
+                got += sock.recv_into(into[got:])
+
+        floor_ms = median_ms(floor, repeat)
+
+    def redis_py() -> list[bytes]:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        return pipe.execute()
+
+    if [len(value) for value in redis_py()] != sizes:
+        raise RuntimeError("redis-py read other values")
+    redis_py_ms = median_ms(redis_py, repeat)
+    client.close()
+    return [
+        ("redis floor: recv_into of the replies, no client", f"{total / floor_ms / 1e6:.2f}", floor_ms),
+        ("get_many, redis through redis-py's parser", f"{sum(sizes) / redis_py_ms / 1e6:.2f}", redis_py_ms),
+    ]
+
+
+def tier_rows(
+    tier: str,
+    side: StoreWorker,
+    tokens: list[int],
+    source: list[torch.Tensor],
+    chunks: int,
+    repeat: int,
+    round_: list[int],
+    label: str,
+) -> list[tuple[str, str, float]]:
     """The load stages' rows of ``tier``, after checking the loaded blocks against ``source``'s."""
     stages = load_stages(side, tokens, chunks, repeat, round_)
     for layer, cache in enumerate(side._require_caches().caches):
-        if not torch.equal(cache[-chunks * PER_CHUNK:], source[layer][:chunks * PER_CHUNK]):
+        if not torch.equal(cache[-chunks * PER_CHUNK :], source[layer][: chunks * PER_CHUNK]):
             raise RuntimeError(f"a load from {tier} differs from what was saved")
     nbytes = chunks * PER_CHUNK * LAYERS * source[0][0].numel() * source[0].element_size()
     return [(f"{stage}, {tier}, {label}", f"{nbytes / ms / 1e6:.2f}", ms) for stage, ms in stages.items()]
 
 
-def save_rows(saver: StoreWorker, tokens: list[int], chunks: int, when: str, label: str
-              ) -> list[tuple[str, str, float]]:
+def save_rows(
+    saver: StoreWorker, tokens: list[int], chunks: int, when: str, label: str
+) -> list[tuple[str, str, float]]:
     start = time.perf_counter()
     saver.save([StoreSave(f"save-{when}", tokens, list(range(chunks * PER_CHUNK)), first_chunk=0)])
     engine = time.perf_counter() - start
     saver.flush()
-    return [(f"save (engine thread), {when}, {label}", "-", engine * 1e3),
-            (f"save (to the fastest tier), {when}, {label}", "-", (time.perf_counter() - start) * 1e3)]
+    return [
+        (f"save (engine thread), {when}, {label}", "-", engine * 1e3),
+        (f"save (to the fastest tier), {when}, {label}", "-", (time.perf_counter() - start) * 1e3),
+    ]
 
 
 def run(chunks: int, repeat: int, tiers: list[str]) -> str:
@@ -145,14 +216,19 @@ def run(chunks: int, repeat: int, tiers: list[str]) -> str:
             for secret in (None, "bench secret"):
                 label = "with a secret" if secret else "no secret"
                 shared = {"disk": f"disk:{Path(scratch) / label}", "redis": redis.url if redis else ""}
-                saver = worker(",".join(["memory", shared["disk"]] + ([shared["redis"]] if redis else [])),
-                               source, secret)
+                saver = worker(
+                    ",".join(["memory", shared["disk"]] + ([shared["redis"]] if redis else [])), source, secret
+                )
                 tokens = [5 + (index * 7919 + len(label)) % 30000 for index in range(chunks * CHUNK_SIZE)]
                 rows += save_rows(saver, tokens, chunks, "first", label)  # new staging buffers
                 later = [5 + (index * 104729 + len(label)) % 30000 for index in range(chunks * CHUNK_SIZE)]
                 rows += save_rows(saver, later, chunks, "later", label)  # kept staging buffers
                 saver.close()  # writes what its slower tiers have queued: no writes run while loads are timed
                 shared["memory"] = f"memory,{shared['disk']}"
+                if redis is not None and secret is None:
+                    rows += redis_read_rows(
+                        redis.url, [key.key for key in chunk_keys(saver.namespace, tokens, CHUNK_SIZE)], repeat
+                    )
                 for tier in tiers:
                     # A worker on this tier alone (memory: over disk, and filled from it first), so
                     # that every timed read reaches it.
@@ -166,8 +242,11 @@ def run(chunks: int, repeat: int, tiers: list[str]) -> str:
         finally:
             if redis is not None:
                 redis.kill()
-    lines = [f"{chunks} chunks of {CHUNK_SIZE} tokens, {chunk_bytes >> 20} MiB each; medians of {repeat} runs",
-             "| stage | GB/s | ms | x baseline |", "|---|---|---|---|"]
+    lines = [
+        f"{chunks} chunks of {CHUNK_SIZE} tokens, {chunk_bytes >> 20} MiB each; medians of {repeat} runs",
+        "| stage | GB/s | ms | x baseline |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {name} | {rate} | {ms:.1f} | {ms / floor:.1f}x |" for name, rate, ms in rows]
     return "\n".join(lines)
 

@@ -176,8 +176,10 @@ class StoreSettings:
         try:
             for part in (self.tiers if spec is None else spec).split(","):
                 # A store of one tier starts no writer thread: only its tier is kept.
+                # A Redis down at start is a tier that starts down: the instance serves, recomputing.
                 single = open_store(part, memory_bytes=self.memory_bytes, disk_bytes=self.disk_bytes,
-                                    redis_password=self.redis_password, redis_timeout=self.redis_timeout)
+                                    redis_password=self.redis_password, redis_timeout=self.redis_timeout,
+                                    redis_start_down=True)
                 tiers.append(CountedTier(single.tiers[0]))
             return TieredStore(tiers, queue_depth=self.queue_depth)
         except BaseException:

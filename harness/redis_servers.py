@@ -3,11 +3,14 @@ loopback ports, in a temporary directory, nothing persisted, reaped at the end."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -144,3 +147,66 @@ def wait_cluster_ok(servers: list[RedisServer]) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("the redis cluster did not become ok")
         time.sleep(0.1)
+
+
+class WatchedSocket:
+    """A client socket whose receives are cut into pieces of at most ``piece()`` bytes, with a hook
+    called after each receive with the bytes received so far; sends are counted."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        piece: Callable[[], int] | None = None,
+        after_receive: Callable[[int], None] | None = None,
+    ) -> None:
+        self.sock = sock
+        self.piece = piece
+        self.after_receive = after_receive
+        self.received = 0
+        self.sends = 0
+
+    def recv_into(self, buffer: memoryview) -> int:
+        limit = len(buffer) if self.piece is None else min(len(buffer), self.piece())
+        count = self.sock.recv_into(buffer[:limit])
+        self.received += count
+        if self.after_receive is not None:
+            self.after_receive(self.received)
+        return count
+
+    def sendall(self, data: bytes) -> None:
+        self.sends += 1
+        self.sock.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+
+class CannedServer:
+    """A TCP listener that answers every request on its first connection with ``reply`` (not Redis:
+    the client's view of a server that breaks the protocol). Use as a context manager."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(START_TIMEOUT)
+        self.port = self.listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            connection, _ = self.listener.accept()
+            with connection:
+                connection.settimeout(START_TIMEOUT)
+                while connection.recv(1 << 16):
+                    connection.sendall(self.reply)
+
+    def __enter__(self) -> CannedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(START_TIMEOUT)
+        self.listener.close()

@@ -7,6 +7,7 @@ that the worker-side connector (its store counters) is reachable from the body.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from harness import vllm_procs as vp
@@ -18,9 +19,13 @@ CHUNK_SIZE = 2 * vp.BLOCK_SIZE
 def store_transfer_config(tiers: str, failure_policy: str = "recompute", **options: Any) -> dict[str, Any]:
     """A storage-tier instance: ``kv_both`` over a store of ``tiers`` with the tests' chunk size, no
     pipe; a load that fails is recomputed (``failure_policy``)."""
-    return {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "connector.vllm_v1",
-            "kv_role": "kv_both", "kv_load_failure_policy": failure_policy,
-            "kv_connector_extra_config": {"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE, **options}}}
+    return {
+        "kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "connector.vllm_v1",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": {"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE, **options}},
+    }
 
 
 def store_body(
@@ -48,8 +53,9 @@ def store_body(
 def pd_store_transfer_config(role: str, port: int, tiers: str, failure_policy: str = "recompute") -> dict[str, Any]:
     """A prefill (``kv_producer``) or decode (``kv_consumer``) instance of the tests' pairs with a store
     of ``tiers`` (chunks of :data:`CHUNK_SIZE` tokens)."""
-    return vp.kv_transfer_config(role, port, failure_policy=failure_policy,
-                                 kv_store={"tiers": tiers, "chunk_size": CHUNK_SIZE})
+    return vp.kv_transfer_config(
+        role, port, failure_policy=failure_policy, kv_store={"tiers": tiers, "chunk_size": CHUNK_SIZE}
+    )
 
 
 def _counters() -> dict[str, Any]:
@@ -64,8 +70,15 @@ def _counters() -> dict[str, Any]:
     return {"stats": dict(connector.total_stats().data), "store": dataclasses.asdict(connector.store_stats())}
 
 
-def pd_store_producer_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]], prefilled: vp.Flag,
-                           consumer_done: vp.Flag, timeout: float, announce: Any) -> dict[str, Any]:
+def pd_store_producer_body(
+    model: str,
+    transfer: dict[str, Any],
+    batches: list[list[list[int]]],
+    prefilled: vp.Flag,
+    consumer_done: vp.Flag,
+    timeout: float,
+    announce: Any,
+) -> dict[str, Any]:
     """Prefill each batch (max_tokens=1) once the saves of the batch before are in the store (vLLM's
     prefix cache off: what a batch reuses comes from the store); put the outputs' kv_transfer_params
     into ``announce``, set ``prefilled``, stay up until the consumer is done."""
@@ -88,9 +101,15 @@ def pd_store_producer_body(model: str, transfer: dict[str, Any], batches: list[l
         vp._shutdown(llm)
 
 
-def pd_store_consumer_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]],
-                           prefilled: vp.Flag, consumer_done: vp.Flag, timeout: float,
-                           announced: Any) -> dict[str, Any]:
+def pd_store_consumer_body(
+    model: str,
+    transfer: dict[str, Any],
+    batches: list[list[list[int]]],
+    prefilled: vp.Flag,
+    consumer_done: vp.Flag,
+    timeout: float,
+    announced: Any,
+) -> dict[str, Any]:
     """Once the producer prefilled, decode each batch with its kv_transfer_params (vLLM's prefix
     cache off: every reused block comes from the store or the pipe)."""
     kwargs = vp.engine_kwargs(model, transfer)
@@ -136,5 +155,51 @@ def tp_store_body(model: str, transfer: dict[str, Any], batches: list[list[list[
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         spaces = [space.hex() for space in scheduler.connector._store_scheduler.namespaces]
         return {"outputs": outputs, "stats": stats, "namespaces": spaces}
+    finally:
+        vp._shutdown(llm)
+
+
+class _Lines(logging.Handler):
+    """Keeps the messages of the records it handles."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def store_rounds_body(
+    model: str, transfer: dict[str, Any], prompts: list[list[int]], rounds: Any, answers: Any, timeout: float
+) -> dict[str, Any]:
+    """Serve ``prompts`` once for every ``True`` taken from the queue ``rounds`` (``False``: stop), vLLM's
+    prefix cache off; after each round put into ``answers`` its tokens, the store counters, whether the
+    worker's Redis tier is up (what the ``store_tier_up`` gauge reports) and the Redis tier's log lines
+    so far (the scheduler's and the worker's tier alike)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    lines = _Lines()
+    redis_log = logging.getLogger("kv_store.redis_tier")
+    redis_log.setLevel(logging.INFO)
+    redis_log.addHandler(lines)
+    kwargs = vp.engine_kwargs(model, transfer)
+    kwargs["enable_prefix_caching"] = False
+    llm = vp._llm(kwargs)
+    try:
+        connector = get_kv_transfer_group()
+        while rounds.get(timeout=timeout):
+            outputs = vp._generate(llm, prompts, vp.MAX_TOKENS)
+            connector.flush_saves()
+            answers.put(
+                {
+                    "tokens": [o["tokens"] for o in outputs],
+                    "finish": [o["finish"] for o in outputs],
+                    "stats": dataclasses.asdict(connector.store_stats()),
+                    "up": connector._store_worker.store.stats().tiers["redis"].up,
+                    "log": list(lines.messages),
+                }
+            )
+        return {}
     finally:
         vp._shutdown(llm)

@@ -5,6 +5,7 @@ keys), :mod:`kv_store.objects` (the stored format), the tiers, :mod:`kv_store.ti
 """
 
 from kv_store.base import (
+    Blob,
     KVStoreConfigError,
     KVStoreError,
     KVStoreObjectError,
@@ -20,6 +21,7 @@ from kv_store.redis_tier import RedisTier
 from kv_store.tiered import PutResult, StoreStats, TieredStore, open_store
 
 __all__ = [
+    "Blob",
     "ChunkKey",
     "DiskTier",
     "KVStoreConfigError",

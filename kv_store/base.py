@@ -22,8 +22,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
+from typing import TypeAlias
 
 from kv_pipe.errors import KVConfigError, KVTransferError
+
+#: A stored object's bytes as a tier returns them: ``bytes``, or a read-only ``memoryview`` of the
+#: memory a tier received the object into (the Redis tier), which spares a copy of tens of MiB.
+Blob: TypeAlias = bytes | memoryview
 
 
 class KVStoreError(KVTransferError):
@@ -66,7 +71,7 @@ class StoreTier(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
         """The blob of each key, ``None`` where missing; one round trip for all keys."""
 
     @abc.abstractmethod
@@ -74,7 +79,7 @@ class StoreTier(abc.ABC):
         """Whether each key is stored now; one round trip for all keys."""
 
     @abc.abstractmethod
-    def put(self, key: bytes, blob: bytes) -> bool:
+    def put(self, key: bytes, blob: Blob) -> bool:
         """Store ``blob`` under ``key`` once, atomically (readers see all of it or nothing).
         ``False`` if the key was already there or the tier could not store it (counted)."""
 

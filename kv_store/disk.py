@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kv_store.base import KVStoreConfigError, KVStoreUnavailableError, StoreTier, TierStats
+from kv_store.base import Blob, KVStoreConfigError, KVStoreUnavailableError, StoreTier, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class DiskTier(StoreTier):
                 present.append(True)
         return present
 
-    def put(self, key: bytes, blob: bytes) -> bool:
+    def put(self, key: bytes, blob: Blob) -> bool:
         file = self._file(key)
         if len(blob) > self.capacity_bytes:
             self._write_failed(f"an object of {len(blob)} bytes is larger than capacity_bytes")
@@ -186,8 +186,14 @@ class DiskTier(StoreTier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            return TierStats(hits=self._hits, misses=self._misses, bytes_stored=self._bytes,
-                             evictions=self._evictions, up=True, failed_writes=self._failed_writes)
+            return TierStats(
+                hits=self._hits,
+                misses=self._misses,
+                bytes_stored=self._bytes,
+                evictions=self._evictions,
+                up=True,
+                failed_writes=self._failed_writes,
+            )
 
     def close(self) -> None:
         """Nothing to release: every call opens and closes its own files."""

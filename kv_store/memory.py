@@ -6,7 +6,7 @@ import collections
 import threading
 from collections.abc import Sequence
 
-from kv_store.base import KVStoreConfigError, StoreTier, TierStats
+from kv_store.base import Blob, KVStoreConfigError, StoreTier, TierStats
 
 
 class MemoryTier(StoreTier):
@@ -23,8 +23,8 @@ class MemoryTier(StoreTier):
         self._lock = threading.Lock()
         self._bytes = self._hits = self._misses = self._evictions = self._failed_writes = 0
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        found: list[bytes | None] = []
+    def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
+        found: list[Blob | None] = []
         with self._lock:
             for key in keys:
                 blob = self._blobs.get(key)
@@ -40,8 +40,8 @@ class MemoryTier(StoreTier):
         with self._lock:
             return [key in self._blobs for key in keys]
 
-    def put(self, key: bytes, blob: bytes) -> bool:
-        blob = bytes(blob)
+    def put(self, key: bytes, blob: Blob) -> bool:
+        blob = bytes(blob)  # its own copy: a memoryview given here may view memory the caller reuses
         with self._lock:
             if key in self._blobs:
                 return False
@@ -58,8 +58,14 @@ class MemoryTier(StoreTier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            return TierStats(hits=self._hits, misses=self._misses, bytes_stored=self._bytes,
-                             evictions=self._evictions, up=True, failed_writes=self._failed_writes)
+            return TierStats(
+                hits=self._hits,
+                misses=self._misses,
+                bytes_stored=self._bytes,
+                evictions=self._evictions,
+                up=True,
+                failed_writes=self._failed_writes,
+            )
 
     def close(self) -> None:
         with self._lock:

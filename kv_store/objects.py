@@ -38,7 +38,7 @@ from blake3 import blake3
 
 from kv_pipe.auth import derive_key
 from kv_pipe.protocol import CODE_TO_DTYPE, DTYPE_TO_CODE
-from kv_store.base import KVStoreError, KVStoreObjectError
+from kv_store.base import Blob, KVStoreError, KVStoreObjectError
 from kv_store.keys import token_bytes
 
 FORMAT_VERSION = 2
@@ -83,8 +83,9 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def encode_chunk(key: bytes, token_ids: Sequence[int], tensors: Sequence[torch.Tensor | None],
-                 mac_key: bytes | None) -> bytes:
+def encode_chunk(
+    key: bytes, token_ids: Sequence[int], tensors: Sequence[torch.Tensor | None], mac_key: bytes | None
+) -> bytes:
     """The object holding ``tensors`` for the chunk ``key`` of ``token_ids``."""
     tokens = token_bytes(token_ids)
     parts: list[bytes | memoryview] = [_COUNTS.pack(len(key), len(token_ids), len(tensors)), key, tokens]
@@ -105,8 +106,9 @@ def encode_chunk(key: bytes, token_ids: Sequence[int], tensors: Sequence[torch.T
     return b"".join([preamble, *digests, *body])
 
 
-def decode_chunk(blob: bytes, key: bytes, token_ids: Sequence[int], mac_key: bytes | None, *,
-                 copy: bool = True) -> list[torch.Tensor | None]:
+def decode_chunk(
+    blob: Blob, key: bytes, token_ids: Sequence[int], mac_key: bytes | None, *, copy: bool = True
+) -> list[torch.Tensor | None]:
     """The tensors of the object ``blob``, which must be chunk ``key`` of exactly ``token_ids``
     (and carry a valid tag when ``mac_key`` is given); else :class:`KVStoreObjectError`.
 

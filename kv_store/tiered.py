@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kv_store.base import KVStoreConfigError, KVStoreUnavailableError, StoreTier, TierStats
+from kv_store.base import Blob, KVStoreConfigError, KVStoreUnavailableError, StoreTier, TierStats
 from kv_store.disk import DiskTier
 from kv_store.memory import MemoryTier
 from kv_store.redis_tier import RedisTier
@@ -56,7 +56,7 @@ class _Writer:
 
     def __init__(self, tier: StoreTier, depth: int) -> None:
         self.tier = tier
-        self.queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(maxsize=depth)
+        self.queue: queue.Queue[tuple[bytes, Blob] | None] = queue.Queue(maxsize=depth)
         # Keys queued or being written: the same key is not queued twice.
         self.pending: set[bytes] = set()
         self.lock = threading.Lock()
@@ -64,7 +64,7 @@ class _Writer:
         self.closing = False
         self.thread = threading.Thread(target=self._run, name=f"kv_store-{tier.name}-writer", daemon=True)
 
-    def offer(self, key: bytes, blob: bytes) -> bool:
+    def offer(self, key: bytes, blob: Blob) -> bool:
         """Queue ``blob``; ``False`` if it was dropped instead (counted)."""
         with self.lock:
             if key in self.pending:
@@ -167,10 +167,10 @@ class TieredStore:
                 present[index] = found
         return next((index for index, found in enumerate(present) if not found), len(keys))
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
         """The blob of each key from the fastest tier that has it, ``None`` where none has it;
         a blob found in a slower tier is copied into the faster ones."""
-        blobs: list[bytes | None] = [None] * len(keys)
+        blobs: list[Blob | None] = [None] * len(keys)
         for level, tier in enumerate(self.tiers):
             missing = [index for index, blob in enumerate(blobs) if blob is None]
             if not missing:
@@ -183,14 +183,14 @@ class TieredStore:
                         self._promote(level, keys[index], blob)
         return blobs
 
-    def _promote(self, level: int, key: bytes, blob: bytes) -> None:
+    def _promote(self, level: int, key: bytes, blob: Blob) -> None:
         with self._lock:
             self._promotions += 1
         self._write_fastest(key, blob)
         for writer in self._writers[: level - 1]:
             writer.offer(key, blob)
 
-    def _write_fastest(self, key: bytes, blob: bytes) -> PutResult:
+    def _write_fastest(self, key: bytes, blob: Blob) -> PutResult:
         """Write the fastest tier: STORED, PRESENT (so the slower ones hold it too, or have it queued:
         nothing more to write) or DROPPED (full or unreachable: the slower ones still take it)."""
         fastest = self.tiers[0]
@@ -218,9 +218,12 @@ class TieredStore:
         with self._lock:
             unavailable = dict(self._unavailable)
             promotions = self._promotions
-        return StoreStats(tiers={tier.name: tier.stats() for tier in self.tiers},
-                          dropped_writes={writer.tier.name: writer.dropped for writer in self._writers},
-                          unavailable=unavailable, promotions=promotions)
+        return StoreStats(
+            tiers={tier.name: tier.stats() for tier in self.tiers},
+            dropped_writes={writer.tier.name: writer.dropped for writer in self._writers},
+            unavailable=unavailable,
+            promotions=promotions,
+        )
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued (for at most ``timeout`` seconds in all; the rest is dropped, counted
@@ -232,26 +235,46 @@ class TieredStore:
             tier.close()
 
 
-def open_store(spec: str, *, memory_bytes: int = 1 << 30, disk_bytes: int = 16 << 30,
-               redis_password: str | None = None, redis_timeout: float = 2.0,
-               queue_depth: int = 64) -> TieredStore:
+def open_store(
+    spec: str,
+    *,
+    memory_bytes: int = 1 << 30,
+    disk_bytes: int = 16 << 30,
+    redis_password: str | None = None,
+    redis_timeout: float = 2.0,
+    queue_depth: int = 64,
+    redis_start_down: bool = False,
+) -> TieredStore:
     """A store from a comma-separated list of tiers, fastest first: ``memory``, ``disk:PATH``,
-    ``redis://HOST:PORT[/DB]`` and ``redis+cluster://HOST:PORT`` (any node of a cluster)."""
+    ``redis://HOST:PORT[/DB]`` and ``redis+cluster://HOST:PORT`` (any node of a cluster). With
+    ``redis_start_down`` a Redis that cannot be reached now is a tier that starts down (see
+    :class:`RedisTier`), not an error."""
     tiers: list[StoreTier] = []
     try:
         for part in (item.strip() for item in spec.split(",")):
             if part == "memory":
                 tiers.append(MemoryTier(memory_bytes))
-            elif part.startswith("disk:") and part[len("disk:"):]:
-                tiers.append(DiskTier(part[len("disk:"):], disk_bytes))
+            elif part.startswith("disk:") and part[len("disk:") :]:
+                tiers.append(DiskTier(part[len("disk:") :], disk_bytes))
             elif part.startswith(("redis://", "rediss://")):
-                tiers.append(RedisTier(part, password=redis_password, timeout=redis_timeout))
+                tiers.append(
+                    RedisTier(part, password=redis_password, timeout=redis_timeout, start_down=redis_start_down)
+                )
             elif part.startswith("redis+cluster://"):
-                tiers.append(RedisTier("redis://" + part[len("redis+cluster://"):], password=redis_password,
-                                       cluster=True, timeout=redis_timeout))
+                tiers.append(
+                    RedisTier(
+                        "redis://" + part[len("redis+cluster://") :],
+                        password=redis_password,
+                        cluster=True,
+                        timeout=redis_timeout,
+                        start_down=redis_start_down,
+                    )
+                )
             else:
-                raise KVStoreConfigError(f"store tier {part!r} in {spec!r} is not one of: memory, disk:PATH, "
-                                         "redis://HOST:PORT, redis+cluster://HOST:PORT")
+                raise KVStoreConfigError(
+                    f"store tier {part!r} in {spec!r} is not one of: memory, disk:PATH, "
+                    "redis://HOST:PORT, redis+cluster://HOST:PORT"
+                )
         return TieredStore(tiers, queue_depth=queue_depth)
     except BaseException:
         for tier in tiers:

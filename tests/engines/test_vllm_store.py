@@ -47,23 +47,34 @@ def test_settings_from_a_spec_string_or_a_mapping(tmp_path: Path) -> None:
     password = tmp_path / "password"
     password.write_text("hunter2\n")
     password.chmod(0o600)
-    full = StoreSettings.from_extra({"kv_store": {"tiers": f"memory,disk:{tmp_path}", "chunk_size": 64,
-                                                  "memory_bytes": 5 << 20, "redis_password_file": str(password)}},
-                                    environ={"KVBRIDGE_KV_SECRET": "s3"})
+    full = StoreSettings.from_extra(
+        {
+            "kv_store": {
+                "tiers": f"memory,disk:{tmp_path}",
+                "chunk_size": 64,
+                "memory_bytes": 5 << 20,
+                "redis_password_file": str(password),
+            }
+        },
+        environ={"KVBRIDGE_KV_SECRET": "s3"},
+    )
     assert (full.chunk_size, full.memory_bytes, full.redis_password, full.secret) == (64, 5 << 20, "hunter2", "s3")
     from_env = StoreSettings.from_extra({"kv_store": "redis://127.0.0.1:1"}, environ={"KVBRIDGE_STORE_PASSWORD": "pw"})
     assert from_env.redis_password == "pw"
     assert "pw" not in repr(from_env)
 
 
-@pytest.mark.parametrize(("store", "named"), [
-    ({"tiers": "disk:/x", "redis_password": "pw"}, "redis_password"),
-    ("redis://:pw@127.0.0.1:6379", "credentials"),
-    ("memory", "disk or Redis"),
-    ({"tiers": "disk:/x", "chunk_size": 0}, "chunk_size"),
-    ({"tiers": "disk:/x", "chunk": 64}, "unknown kv_store keys"),
-    (["disk:/x"], "spec string or a mapping"),
-])
+@pytest.mark.parametrize(
+    ("store", "named"),
+    [
+        ({"tiers": "disk:/x", "redis_password": "pw"}, "redis_password"),
+        ("redis://:pw@127.0.0.1:6379", "credentials"),
+        ("memory", "disk or Redis"),
+        ({"tiers": "disk:/x", "chunk_size": 0}, "chunk_size"),
+        ({"tiers": "disk:/x", "chunk": 64}, "unknown kv_store keys"),
+        (["disk:/x"], "spec string or a mapping"),
+    ],
+)
 def test_settings_errors_name_the_setting(store: object, named: str) -> None:
     with pytest.raises(KVConfigError, match=named):
         StoreSettings.from_extra({"kv_store": store}, environ={})
@@ -77,9 +88,20 @@ def test_store_settings_take_no_transfer_options() -> None:
 # ---------------------------------------------------------------------- scheduler side
 
 B = vp.BLOCK_SIZE
-SPACE = identity_namespace(compat.KVLayoutInfo(version=compat.VERSION, role="kv_both", model="m", dtype="float32",
-                                               block_size=B, num_layers=2, block_shape=(), layout="x", tp_size=1,
-                                               tp_rank=0))
+SPACE = identity_namespace(
+    compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role="kv_both",
+        model="m",
+        dtype="float32",
+        block_size=B,
+        num_layers=2,
+        block_shape=(),
+        layout="x",
+        tp_size=1,
+        tp_rank=0,
+    )
+)
 
 
 def _scheduler(tmp_path: Path) -> StoreScheduler:
@@ -141,7 +163,7 @@ def test_scheduler_saves_the_unstored_full_chunks_once_the_prompt_is_computed(tm
     first = side.build_meta(scheduler_output([new_req_data(request, blocks, CHUNK)], {"r": 96}), lambda r: blocks)
     assert first.saves == []  # chunked prefill: the third chunk is not computed yet
     second = side.build_meta(scheduler_output([], {"r": 101}, cached=_cached("r", CHUNK + 96)), lambda r: blocks)
-    assert second.saves == [StoreSave("r", tokens[:3 * CHUNK], blocks[:6], first_chunk=1)]
+    assert second.saves == [StoreSave("r", tokens[: 3 * CHUNK], blocks[:6], first_chunk=1)]
     third = side.build_meta(scheduler_output([], {"r": 1}, cached=_cached("r", len(tokens))), lambda r: blocks)
     assert third.saves == []  # saved once
     side.store.close()
@@ -174,14 +196,23 @@ FB = vp.FAKE_BLOCK_SIZE
 FAKE_CHUNK = 2 * FB
 
 
-def _worker(path: Path | str, caches: list[torch.Tensor], layout_name: str = "CPU_ATTN/vec",
-            environ: dict | None = None) -> StoreWorker:
+def _worker(
+    path: Path | str, caches: list[torch.Tensor], layout_name: str = "CPU_ATTN/vec", environ: dict | None = None
+) -> StoreWorker:
     tiers = path if isinstance(path, str) else f"memory,disk:{path}"
-    settings = StoreSettings.from_extra({"kv_store": {"tiers": tiers, "chunk_size": FAKE_CHUNK}},
-                                        environ=environ or {})
-    identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_both", model="fake", dtype="float32",
-                                   block_size=FB, num_layers=len(caches), block_shape=(), layout="x", tp_size=1,
-                                   tp_rank=0)
+    settings = StoreSettings.from_extra({"kv_store": {"tiers": tiers, "chunk_size": FAKE_CHUNK}}, environ=environ or {})
+    identity = compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role="kv_both",
+        model="fake",
+        dtype="float32",
+        block_size=FB,
+        num_layers=len(caches),
+        block_shape=(),
+        layout="x",
+        tp_size=1,
+        tp_rank=0,
+    )
     worker = StoreWorker(settings, identity)
     worker.register(caches, find_layout(caches[0], vp.FAKE_BLOCKS, FB, layout_name), layout_name)
     return worker
@@ -197,7 +228,7 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
     tokens = list(range(50, 50 + 3 * FAKE_CHUNK + 1))
     source = vp.fake_caches(1)
     saver = _worker(tmp_path, source)
-    saver.save([StoreSave("s", tokens[:3 * FAKE_CHUNK], [3, 7, 1, 5, 0, 8], first_chunk=0)])
+    saver.save([StoreSave("s", tokens[: 3 * FAKE_CHUNK], [3, 7, 1, 5, 0, 8], first_chunk=0)])
     saver.flush()
     saver.close()
     assert saver.stats().chunks_saved == 3
@@ -205,7 +236,7 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
     before = [cache.clone() for cache in target]
     loader = _worker(tmp_path, target)  # a new worker: reads the disk tier
     # Blocks 0 (vLLM's prefix cache) and 5 (past the claim) are not written.
-    load = StoreLoad("l", tokens[:3 * FAKE_CHUNK], [2, 4, 6, 8, 0, 1], skip_blocks=1, stop_blocks=5)
+    load = StoreLoad("l", tokens[: 3 * FAKE_CHUNK], [2, 4, 6, 8, 0, 1], skip_blocks=1, stop_blocks=5)
     assert _load(loader, load) == set()
     for layer, cache in enumerate(target):
         for src, dst in zip([7, 1, 5, 0], [4, 6, 8, 0], strict=True):
@@ -319,6 +350,34 @@ def test_workers_share_chunks_through_redis_with_the_password_from_the_environme
         server.kill()
 
 
+def test_redis_killed_between_the_lookup_and_the_load_fails_the_claimed_blocks(tmp_path: Path) -> None:
+    """The one window a dead store costs a promised load: vLLM then recomputes those blocks under
+    "recompute" and fails the request under "fail". Once the tier is down, lookups miss."""
+    from harness import redis_servers
+
+    server = redis_servers.start_server(tmp_path / "redis")
+    try:
+        tokens = list(range(30, 30 + 2 * FAKE_CHUNK))
+        saver = _worker(server.url, vp.fake_caches(1))
+        saver.save([StoreSave("s", tokens, [8, 2, 6, 0], first_chunk=0)])
+        saver.flush()
+        saver.close()
+        target = vp.fake_caches(2)
+        before = [cache.clone() for cache in target]
+        loader = _worker(server.url, target)
+        keys = [key.key for key in chunk_keys(loader.namespace, tokens, FAKE_CHUNK)]
+        assert loader.store.lookup(keys) == 2  # what the scheduler's lookup found: both chunks claimed
+        server.kill()
+        assert _load(loader, StoreLoad("l", tokens, [1, 3, 5, 7], skip_blocks=0, stop_blocks=4)) == {1, 3, 5, 7}
+        assert all(torch.equal(cache, old) for cache, old in zip(target, before, strict=True))
+        data = loader.take_stats().data
+        assert data["store_load_errors"] == {"missing": 2} and data["store_tier_up"] == {"redis": 0}
+        assert loader.store.lookup(keys) == 0  # down: a miss, nothing more is claimed
+        loader.close()
+    finally:
+        server.kill()
+
+
 @pytest.mark.parametrize("change", ["other secret", "other layout", "missing", "corrupted"])
 def test_a_chunk_that_fails_a_check_is_a_load_error_and_writes_nothing(tmp_path: Path, change: str) -> None:
     tokens = list(range(9, 9 + 2 * FAKE_CHUNK))
@@ -354,7 +413,7 @@ def test_worker_stats_carry_each_tier_the_latencies_and_load_errors_per_interval
     source = vp.fake_caches(1)
     chunk_bytes = 2 * len(source) * source[0][0].numel() * 4  # two blocks of every layer, float32
     saver = _worker(tmp_path, source)
-    saver.save([StoreSave("s", tokens[:2 * FAKE_CHUNK], [3, 7, 1, 5], first_chunk=0)])
+    saver.save([StoreSave("s", tokens[: 2 * FAKE_CHUNK], [3, 7, 1, 5], first_chunk=0)])
     saver.flush()
     saved = saver.take_stats().data
     saver.close()  # writes the disk tier
@@ -376,7 +435,7 @@ def test_worker_stats_carry_each_tier_the_latencies_and_load_errors_per_interval
     assert len(data["store_load_seconds"]) == 1 and data["store_save_seconds"] == []
     assert data["store_tier_up"] == {}  # unchanged since the last interval
     # Again: the memory tier serves now.
-    assert _load(loader, StoreLoad("m", tokens[:2 * FAKE_CHUNK], [8, 3, 5, 7], skip_blocks=0, stop_blocks=4)) == set()
+    assert _load(loader, StoreLoad("m", tokens[: 2 * FAKE_CHUNK], [8, 3, 5, 7], skip_blocks=0, stop_blocks=4)) == set()
     again = loader.take_stats()
     assert again.data["store_hit_chunks"] == {"memory": 2} and again.data["store_miss_chunks"] == {}
     assert again.data["store_read_bytes"] == {"memory": data["store_read_bytes"]["disk"]}
@@ -388,11 +447,28 @@ def test_a_full_memory_tier_reports_its_evictions(tmp_path: Path) -> None:
     tokens = list(range(5, 5 + 3 * FAKE_CHUNK))
     source = vp.fake_caches(3)
     chunk_bytes = 2 * len(source) * source[0][0].numel() * 4
-    settings = StoreSettings.from_extra({"kv_store": {"tiers": f"memory,disk:{tmp_path}", "chunk_size": FAKE_CHUNK,
-                                                      "memory_bytes": chunk_bytes * 3 // 2}}, environ={})
-    identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_both", model="fake", dtype="float32",
-                                   block_size=FB, num_layers=len(source), block_shape=(), layout="x", tp_size=1,
-                                   tp_rank=0)
+    settings = StoreSettings.from_extra(
+        {
+            "kv_store": {
+                "tiers": f"memory,disk:{tmp_path}",
+                "chunk_size": FAKE_CHUNK,
+                "memory_bytes": chunk_bytes * 3 // 2,
+            }
+        },
+        environ={},
+    )
+    identity = compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role="kv_both",
+        model="fake",
+        dtype="float32",
+        block_size=FB,
+        num_layers=len(source),
+        block_shape=(),
+        layout="x",
+        tp_size=1,
+        tp_rank=0,
+    )
     worker = StoreWorker(settings, identity)
     worker.register(source, find_layout(source[0], vp.FAKE_BLOCKS, FB, "CPU_ATTN/vec"), "CPU_ATTN/vec")
     worker.save([StoreSave("s", tokens, [3, 7, 1, 5, 0, 8], first_chunk=0)])
@@ -423,14 +499,21 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return vp.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _reference_and_a_storing_instance(tiny_model: str, spec: str, prompts: list[list[int]],
-                                      shared: list[int]) -> tuple[list[list[int]], dict]:
+def _reference_and_a_storing_instance(
+    tiny_model: str, spec: str, prompts: list[list[int]], shared: list[int]
+) -> tuple[list[list[int]], dict]:
     """One plain engine's tokens for ``prompts`` and ``shared``, and the results of instance "a",
     which serves ``prompts`` and stores them in ``spec``; both engines side by side."""
     with vp.Engines() as engines:
         engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts + [shared])
-        engines.start("a", sp.store_body, vp.engine_env(1), model=tiny_model,
-                      transfer=sp.store_transfer_config(spec), batches=[prompts])
+        engines.start(
+            "a",
+            sp.store_body,
+            vp.engine_env(1),
+            model=tiny_model,
+            transfer=sp.store_transfer_config(spec),
+            batches=[prompts],
+        )
         results = engines.wait(["reference", "a"], timeout=300)
     return [o["tokens"] for o in results["reference"]], results
 
@@ -448,9 +531,15 @@ def test_a_new_instance_loads_what_another_stored(tiny_model: str, tmp_path: Pat
     # B: a new instance on the same directory; "fail" turns any load error into a failed request.
     # vLLM's own prefix cache is off, so every reused block comes from the store.
     with vp.Engines() as engines:
-        engines.start("b", sp.store_body, vp.engine_env(0), model=tiny_model,
-                      transfer=sp.store_transfer_config(spec, failure_policy="fail"),
-                      batches=[prompts, [shared]], prefix_caching=False)
+        engines.start(
+            "b",
+            sp.store_body,
+            vp.engine_env(0),
+            model=tiny_model,
+            transfer=sp.store_transfer_config(spec, failure_policy="fail"),
+            batches=[prompts, [shared]],
+            prefix_caching=False,
+        )
         b = engines.wait(["b"], timeout=300)["b"]
     assert [o["tokens"] for o in b["outputs"][0] + b["outputs"][1]] == reference
     assert all(o["finish"] == "length" for o in b["outputs"][0] + b["outputs"][1])
@@ -467,8 +556,15 @@ def test_a_new_instance_loads_what_another_stored(tiny_model: str, tmp_path: Pat
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     with vp.Engines() as engines:
-        engines.start("c", sp.store_body, vp.engine_env(0), model=tiny_model,
-                      transfer=sp.store_transfer_config(spec), batches=[prompts + [shared]], prefix_caching=False)
+        engines.start(
+            "c",
+            sp.store_body,
+            vp.engine_env(0),
+            model=tiny_model,
+            transfer=sp.store_transfer_config(spec),
+            batches=[prompts + [shared]],
+            prefix_caching=False,
+        )
         c = engines.wait(["c"], timeout=300)["c"]
     assert [o["tokens"] for o in c["outputs"][0]] == reference
     # Every prompt's stored chunks are claimed; the first chunk is the first and the last prompt's
@@ -486,11 +582,97 @@ def test_instances_split_into_scheduler_and_worker_processes_share_the_store(tin
     spec = f"disk:{tmp_path / 'store'}"
     reference, _ = _reference_and_a_storing_instance(tiny_model, spec, prompts, shared)
     with vp.Engines() as engines:
-        engines.start("b", sp.store_body, vp.engine_env(0, multiprocess=True), model=tiny_model,
-                      transfer=sp.store_transfer_config(spec, failure_policy="fail"),
-                      batches=[prompts + [shared]], prefix_caching=False)
+        engines.start(
+            "b",
+            sp.store_body,
+            vp.engine_env(0, multiprocess=True),
+            model=tiny_model,
+            transfer=sp.store_transfer_config(spec, failure_policy="fail"),
+            batches=[prompts + [shared]],
+            prefix_caching=False,
+        )
         (outputs,) = engines.wait(["b"], timeout=300)["b"]["outputs"]
     assert [o["tokens"] for o in outputs] == reference
     # No prefix cache on B: what vLLM counts as cached came from the store.
-    assert [o["cached"] for o in outputs] == [
-        _loaded_blocks(p, len(p) // CHUNK) * vp.BLOCK_SIZE for p in prompts] + [CHUNK]
+    assert [o["cached"] for o in outputs] == [_loaded_blocks(p, len(p) // CHUNK) * vp.BLOCK_SIZE for p in prompts] + [
+        CHUNK
+    ]
+
+
+def test_an_instance_outlives_its_redis_down_at_start_killed_and_restarted(tiny_model: str, tmp_path: Path) -> None:
+    """One instance on a Redis of its own, under "fail": any chunk claimed and then not loaded would
+    fail a request, so a store that is down must be a miss at lookup. Redis is down at start, then
+    up (stored, then hit), killed (every request still served, recomputed; "down" said once, the
+    tier down), restarted on the same port, empty (stored and hit again, the tier up)."""
+    from harness import procs, redis_servers
+
+    prompts, _ = _prompts()
+    server = redis_servers.RedisServer(procs.free_port(1), tmp_path / "redis", [])
+    server.directory.mkdir()
+    stored_chunks = sum(len(p) // CHUNK for p in prompts)
+    claimed_chunks = sum(-(-_loaded_blocks(p, len(p) // CHUNK) // 2) for p in prompts)
+    with vp.Engines() as engines:
+        rounds, answers = engines.queue(), engines.queue()
+        engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts)
+        engines.start(
+            "instance",
+            sp.store_rounds_body,
+            vp.engine_env(1),
+            model=tiny_model,
+            transfer=sp.store_transfer_config(server.url, failure_policy="fail"),
+            prompts=prompts,
+            rounds=rounds,
+            answers=answers,
+            timeout=600,
+        )
+        reference = [o["tokens"] for o in engines.wait(["reference"], timeout=300)["reference"]]
+
+        def serve() -> dict:
+            rounds.put(True)
+            answer = answers.get(timeout=300)
+            assert answer["tokens"] == reference and set(answer["finish"]) == {"length"}
+            return answer
+
+        def downs(answer: dict) -> int:
+            return sum(f"redis at {server.url} is down (" in line for line in answer["log"])
+
+        def ups(answer: dict) -> int:
+            return answer["log"].count(f"redis at {server.url} answers again")
+
+        def serve_until_stored() -> dict:
+            """Rounds until the tier's back-off let it try again and it stored every chunk."""
+            for _ in range(20):
+                answer = serve()
+                if server.client().dbsize() == stored_chunks:
+                    return answer
+            raise AssertionError(f"redis holds {server.client().dbsize()} of {stored_chunks} chunks")
+
+        try:
+            started_down = serve()
+            assert not started_down["up"] and downs(started_down) == 1 and ups(started_down) == 0
+            assert started_down["stats"]["chunks_loaded"] == 0
+
+            server.start()
+            stored = serve_until_stored()
+            assert stored["up"] and downs(stored) == 1 and ups(stored) == 1
+            hit = serve()
+            assert hit["stats"]["chunks_loaded"] == stored["stats"]["chunks_loaded"] + claimed_chunks
+            assert hit["stats"]["chunks_failed"] == 0
+
+            server.kill()
+            for _ in range(2):
+                dead = serve()
+                assert not dead["up"] and downs(dead) == 2 and ups(dead) == 1  # one line for the outage
+                assert dead["stats"]["chunks_loaded"] == hit["stats"]["chunks_loaded"]
+                assert dead["stats"]["chunks_failed"] == 0  # never claimed, so never failed
+
+            server.start()  # the same port, empty
+            back = serve_until_stored()
+            assert back["up"] and ups(back) == 2 and downs(back) == 2
+            again = serve()
+            assert again["stats"]["chunks_loaded"] == back["stats"]["chunks_loaded"] + claimed_chunks
+            assert again["stats"]["chunks_failed"] == 0
+        finally:
+            rounds.put(False)
+            server.kill()
+        engines.wait(["instance"], timeout=300)

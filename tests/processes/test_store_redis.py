@@ -5,7 +5,10 @@ removes whole objects, and settings that cannot work are refused at start."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import os
+import random
 import time
 
 import pytest
@@ -15,6 +18,7 @@ from harness import procs, redis_servers
 from harness.tensors import random_tensor, same_bits
 from kv_store import (
     KVStoreConfigError,
+    KVStoreError,
     KVStoreUnavailableError,
     MemoryTier,
     TieredStore,
@@ -40,6 +44,19 @@ def key(index: int) -> bytes:
     return index.to_bytes(32, "little")
 
 
+def watch_reader(tier: RedisTier, piece=None, after_receive=None) -> list[redis_servers.WatchedSocket]:
+    """Every socket the tier's reader opens from now on, wrapped (see WatchedSocket)."""
+    opened: list[redis_servers.WatchedSocket] = []
+    dial = tier._reader._dial
+
+    def watched_dial():
+        opened.append(redis_servers.WatchedSocket(dial(), piece, after_receive))
+        return opened[-1]
+
+    tier._reader._dial = watched_dial
+    return opened
+
+
 def wait_until(predicate, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -60,6 +77,7 @@ def test_many_keys_are_read_and_checked_in_one_round_trip(server):
     blobs = {key(i): os.urandom(100 + i) for i in range(0, 500, 2)}  # every other key
     for k, blob in blobs.items():
         tier.put(k, blob)
+    sockets = watch_reader(tier)
     executed = []
     pipeline = tier._client.pipeline
 
@@ -73,7 +91,8 @@ def test_many_keys_are_read_and_checked_in_one_round_trip(server):
     wanted = [key(i) for i in range(500)]
     assert tier.get_many(wanted) == [blobs.get(k) for k in wanted]
     assert tier.contains_many(wanted) == [k in blobs for k in wanted]
-    assert len(executed) == 2
+    assert len(sockets) == 1 and sockets[0].sends == 1  # the reads
+    assert len(executed) == 1  # the existence checks
     stats = tier.stats()
     assert (stats.hits, stats.misses) == (250, 250)
 
@@ -225,7 +244,7 @@ def test_a_dead_cluster_node_makes_the_tier_unavailable_until_it_is_back(tmp_pat
         keys = [key(i) for i in range(60)]
         for k in keys:
             tier.put(k, b"v")
-        on_third = {stored[len(KEY_PREFIX):] for stored in nodes[2].client().keys()}
+        on_third = {stored[len(KEY_PREFIX) :] for stored in nodes[2].client().keys()}
         assert on_third and len(on_third) < len(keys)
         nodes[2].kill()
         with pytest.raises(KVStoreUnavailableError, match="is down"):
@@ -258,3 +277,213 @@ def test_a_full_redis_refuses_writes_counted_and_stays_up(tmp_path):
         assert tier.get_many([key(0)])[0] is not None
     finally:
         server.kill()
+
+
+# Reads of one server receive each value into a buffer of its announced length (kv_store.redis_reads).
+
+ODD_SIZES = [0, 1, 2, 13, 65_535, 65_536, 65_537, (1 << 20) + 3, 3 * (1 << 20) + 7]
+
+
+@pytest.mark.parametrize("pieces", ["whole", "cut up"])
+def test_values_of_odd_sizes_and_misses_between_are_read_whole(server, pieces):
+    tier = RedisTier(server.url)
+    rng = random.Random(len(pieces))
+    stored = {key(i): os.urandom(size) for i, size in enumerate(ODD_SIZES)}
+    for k, blob in stored.items():
+        assert tier.put(k, blob)
+    wanted = [k for pair in zip(stored, [key(100 + i) for i in range(len(stored))], strict=True) for k in pair]
+    rng.shuffle(wanted)
+    if pieces == "cut up":  # replies split at arbitrary points, headers and CRLFs included
+        watch_reader(tier, piece=lambda: rng.choice([1, 2, 3, 7, 4093, 65_536]))
+    found = tier.get_many(wanted)
+    assert found == [stored.get(k) for k in wanted]
+    assert all(isinstance(blob, memoryview) and blob.readonly for blob in found if blob is not None)
+    assert (tier.stats().hits, tier.stats().misses) == (len(stored), len(stored))
+    assert tier.get_many(wanted[:3]) == [stored.get(k) for k in wanted[:3]]  # the connection is reused intact
+
+
+def test_a_stored_object_read_into_a_buffer_decodes_bit_for_bit(server):
+    tier = RedisTier(server.url)
+    generator = torch.Generator().manual_seed(7)
+    tokens = list(range(3, 67))
+    chunk_key = chunk_keys(namespace({"model": "odd"}), tokens, 64)[0].key
+    tensors = [
+        random_tensor(generator, torch.bfloat16, (3, 5, 7, 129)),
+        None,
+        random_tensor(generator, torch.float32, (2, 1031)),
+    ]
+    assert tier.put(chunk_key, encode_chunk(chunk_key, tokens, tensors, b"k" * 32))
+    (blob,) = tier.get_many([chunk_key])
+    for copy in (False, True):
+        got = decode_chunk(blob, chunk_key, tokens, b"k" * 32, copy=copy)
+        assert all(same_bits(a, b) for a, b in zip(got, tensors, strict=True))
+
+
+def test_a_database_other_than_0_and_a_password_reach_the_reader(tmp_path):
+    server = redis_servers.start_server(tmp_path / "redis", password="pw")
+    try:
+        tier = RedisTier(server.url + "/3", password="pw")
+        assert tier.put(key(0), b"in three")
+        assert tier.get_many([key(0), key(1)]) == [b"in three", None]
+        assert server.client().get(KEY_PREFIX + key(0)) is None  # not in database 0
+    finally:
+        server.kill()
+
+
+def test_reads_from_many_threads_at_once_each_get_their_values(server):
+    tier = RedisTier(server.url)
+    stored = {key(i): os.urandom(50_000 + 4099 * i) for i in range(40)}
+    for k, blob in stored.items():
+        tier.put(k, blob)
+    sockets = watch_reader(tier)
+
+    def read(seed: int) -> bool:
+        wanted = random.Random(seed).sample([*stored, key(999)], 12)
+        return all(tier.get_many(wanted) == [stored.get(k) for k in wanted] for _ in range(5))
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(read, range(24)))
+    assert 1 <= len(sockets) <= 6  # connections are kept and shared, one call at a time each
+
+
+def test_a_server_killed_in_the_middle_of_a_value_is_unavailable_then_used_after_restart(server):
+    tier = RedisTier(server.url, timeout=5.0, backoff=0.0)
+    big = os.urandom(64 << 20)  # far more than the socket buffers hold: most of it dies with the server
+    assert tier.put(key(0), big) and tier.put(key(1), b"small")
+
+    def kill_once(received: int) -> None:
+        if server.process.poll() is None:
+            server.kill()
+
+    sockets = watch_reader(tier, after_receive=kill_once)
+    with pytest.raises(KVStoreUnavailableError, match="closed the connection in the middle of a reply|reset"):
+        tier.get_many([key(1), key(0)])
+    assert 0 < sockets[0].received < len(big) and not tier.stats().up
+    with pytest.raises(KVStoreUnavailableError):
+        tier.get_many([key(1)])  # nothing listens on the port
+    del tier._reader._dial  # unwatched: the hook would kill the new server too
+    server.start()  # empty
+    assert tier.put(key(2), b"after")
+    assert tier.get_many([key(2), key(0)]) == [b"after", None]
+    assert tier.stats().up
+
+
+def test_a_server_frozen_in_the_middle_of_a_value_times_out_and_is_read_again_when_it_thaws(server):
+    tier = RedisTier(server.url, timeout=0.5, backoff=0.0)
+    big = os.urandom(32 << 20)
+    assert tier.put(key(0), big)
+    paused = []
+
+    def freeze_once(received: int) -> None:
+        if not paused:
+            server.pause()
+            paused.append(received)
+
+    watch_reader(tier, after_receive=freeze_once)
+    try:
+        with pytest.raises(KVStoreUnavailableError, match="is down.*timed out"):
+            tier.get_many([key(0)])
+        assert not tier.stats().up
+    finally:
+        server.resume()
+    assert tier.get_many([key(0)]) == [big]  # on a new connection: the broken one was closed
+    assert tier.stats().up
+
+
+def test_a_value_longer_than_an_object_may_be_is_refused_and_the_connection_dropped(server):
+    tier = RedisTier(server.url)
+    tier.max_object_bytes = 1000
+    server.client().set(KEY_PREFIX + key(0), os.urandom(1000))
+    server.client().set(KEY_PREFIX + key(1), os.urandom(4 << 20))
+    sockets = watch_reader(tier)
+    with pytest.raises(KVStoreError, match=f"announced a value of {4 << 20} bytes, more than the 1000") as refused:
+        tier.get_many([key(0), key(1)])
+    assert not isinstance(refused.value, KVStoreUnavailableError) and tier.stats().up
+    assert sockets[0].received < 1 << 20  # the long value was not received
+    assert tier.get_many([key(0)]) == [server.client().get(KEY_PREFIX + key(0))]
+    assert len(sockets) == 2
+
+
+def test_an_error_reply_names_the_error(server):
+    tier = RedisTier(server.url)
+    server.client().rpush(KEY_PREFIX + key(0), b"a list, not an object")
+    tier.put(key(1), b"v")
+    with pytest.raises(KVStoreError, match="answered a GET with an error: WRONGTYPE"):
+        tier.get_many([key(1), key(0)])
+    assert tier.stats().up and tier.get_many([key(1)]) == [b"v"]
+
+
+@pytest.mark.parametrize(
+    ("reply", "named"),
+    [
+        (b"+OK\r\n", "sent b'\\+OK' where a GET's reply belongs"),
+        (b":12\r\n", "where a GET's reply belongs"),
+        (b"$abc\r\n", "sent b'\\$abc' where"),
+        (b"$-2\r\n", "where a GET's reply belongs"),
+        (b"$3\r\nabcdef\r\n", "longer than it announced"),
+        (b"$1\r\na\r\n$1\r\nb\r\n", "bytes after the last reply"),
+        (b"$" + b"9" * 5000, "a line of more than 4096 bytes"),
+    ],
+)
+def test_a_reply_that_is_not_a_get_reply_is_refused_by_name(server, reply, named):
+    tier = RedisTier(server.url)
+    with redis_servers.CannedServer(reply) as canned:
+        tier._reader.port = canned.port
+        with pytest.raises(KVStoreError, match=named) as refused:
+            tier.get_many([key(0)])
+    assert not isinstance(refused.value, KVStoreUnavailableError) and tier.stats().up
+
+
+def test_a_server_down_at_start_is_a_tier_that_starts_down_and_is_used_once_it_answers(tmp_path, caplog):
+    port = procs.free_port(1)
+    url = f"redis://127.0.0.1:{port}"
+    caplog.set_level(logging.INFO, logger="kv_store.redis_tier")
+    # The scheduler's and the worker's tier of one instance: one line per change, not one per tier.
+    tiers = [RedisTier(url, timeout=1.0, backoff=0.0, start_down=True) for _ in range(2)]
+    assert not any(tier.stats().up for tier in tiers)
+    for tier in tiers:
+        with pytest.raises(KVStoreUnavailableError, match="is down"):
+            tier.get_many([key(0)])
+        with pytest.raises(KVStoreUnavailableError, match="is down"):
+            tier.put(key(0), b"v")
+    server = redis_servers.RedisServer(port, tmp_path / "redis", ["--proto-max-bulk-len", "2mb"])
+    server.directory.mkdir()
+    server.start()
+    try:
+        assert tiers[0].put(key(0), b"v") and tiers[1].get_many([key(0), key(1)]) == [b"v", None]
+        assert all(tier.stats().up for tier in tiers)
+        assert tiers[1].max_object_bytes == 2 << 20  # asked once the server answered
+        messages = [record.getMessage() for record in caplog.records]
+        assert sum(" is down (" in message for message in messages) == 1, messages
+        assert messages.count(f"redis at {url} answers again") == 1, messages
+    finally:
+        server.kill()
+    with pytest.raises(KVStoreUnavailableError, match="cannot reach redis"):
+        RedisTier(url, timeout=1.0)  # without start_down: an error at start
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_not_failed(server):
+    tier = RedisTier(server.url, timeout=1.0)
+    sockets = watch_reader(tier)
+    assert tier.get_many([key(0)]) == [None]  # one connection, kept
+    server.kill()
+    server.start()  # the same port, empty: the kept connection is closed at the other end
+    assert tier.put(key(0), b"after a restart")
+    assert tier.get_many([key(0)]) == [b"after a restart"]
+    assert len(sockets) == 2 and tier.stats().up
+
+
+def test_a_read_tries_the_server_even_within_the_back_off(server):
+    """A read follows a lookup that found the keys: it must not fail a promised load unasked."""
+    tier = RedisTier(server.url, timeout=0.5, backoff=3600.0)
+    assert tier.put(key(0), b"v")
+    server.pause()
+    try:
+        with pytest.raises(KVStoreUnavailableError, match="is down"):
+            tier.contains_many([key(0)])
+    finally:
+        server.resume()
+    with pytest.raises(KVStoreUnavailableError, match="next try in"):
+        tier.contains_many([key(0)])
+    assert tier.get_many([key(0)]) == [b"v"] and tier.stats().up
+    assert tier.contains_many([key(0)]) == [True]  # up again: no back-off left

@@ -46,8 +46,6 @@
 
 from __future__ import annotations
 
-import collections
-import enum
 import logging
 import math
 import socket
@@ -60,46 +58,25 @@ import torch
 from kv_pipe import device as devices
 from kv_pipe import rendezvous, shared_memory
 from kv_pipe.base import KVPipeBase
-from kv_pipe.channel import TAG_PAYLOAD, GroupChannel, SocketChannel
+from kv_pipe.channel import GroupChannel, SocketChannel
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.credit import CreditLedger
-from kv_pipe.errors import KVConfigError, KVPeerLostError, KVPipeClosedError, KVTimeoutError, KVTransferError
+from kv_pipe.errors import KVConfigError, KVPeerLostError, KVTransferError
 from kv_pipe.exported_memory import ExportDescriptor, PeerMemory
 from kv_pipe.failure import fresh_error
-from kv_pipe.pipe_state import PipeState, TransportError, deadline_after, wait_on
+from kv_pipe.pipe_state import PipeState, deadline_after
 from kv_pipe.protocol import (
-    HEADER_BYTES,
-    ITEM_KINDS,
     SHARED_MIN_BYTES,
-    FrameHeader,
     FrameKind,
     Hello,
     check_sendable,
-    chunk_bounds,
-    decode_frame,
     message_cost,
 )
+from kv_pipe.receiver import Receiver
 from kv_pipe.sender import Outgoing, Sender
-from kv_pipe.turns import RECEIVER_PARK_SECONDS
 from kv_pipe.wire import HostWire
 
 logger = logging.getLogger(__name__)
-
-
-class Frame(enum.Enum):
-    """What one receive of a frame came to."""
-
-    TAKEN = enum.auto()  # a frame arrived and what it carries is queued; more may come
-    NONE_YET = enum.auto()  # no frame started by the deadline (a local socket only)
-    ENDED = enum.auto()  # the peer finished: nothing more will come
-
-
-class CallerReceive(enum.Enum):
-    """How a caller's turn at receiving frames ended."""
-
-    READY = enum.auto()  # an item, the end of the stream or a failure is queued
-    TIMED_OUT = enum.auto()  # nothing of the sort came by the caller's deadline
-    LEAVE_TO_THREAD = enum.auto()  # the caller's deadline is near: the receiver thread receives for it
 
 
 class TorchDistributedPipe(KVPipeBase):
@@ -198,18 +175,11 @@ class TorchDistributedPipe(KVPipeBase):
         self._pinned = self._pin_segments()
         self._peer_exports: dict[ExportDescriptor, PeerMemory] = {}  # mapped once, kept while the pipe lives
         self._sender = Sender(self._state)
-        self._receiver_parked = self._state.condition()  # the receiver thread, while callers receive
-        self._items = self._state.condition()  # recv_tensor: an item, or the end of the stream
-        self._recv_queue: collections.deque[tuple[torch.Tensor | None, int]] = collections.deque()
-        self._next_recv_seq = 0
-        self._last_received = time.monotonic()
-        # On a local socket a caller receives frames itself when nobody else is: whoever holds the
-        # role is the only one using that direction of the channel.
-        self._recv_role = threading.Lock()
+        self._receiver = Receiver(self._state, self._sender, self.device)
 
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
         self._sender_thread = threading.Thread(target=self._sender.run, name=f"{name}-send", daemon=True)
-        self._receiver_thread = threading.Thread(target=self._recv_loop, name=f"{name}-recv", daemon=True)
+        self._receiver_thread = threading.Thread(target=self._receiver.run, name=f"{name}-recv", daemon=True)
         self._sender_thread.start()
         self._receiver_thread.start()
         logger.info(
@@ -302,50 +272,7 @@ class TorchDistributedPipe(KVPipeBase):
             self._sender.queue_unit([message], timeout, deadline)
 
     def recv_tensor(self, timeout: float | None = None) -> torch.Tensor | None:
-        deadline = deadline_after(timeout)
-        while True:
-            with self._state.lock:
-                if self._recv_queue:
-                    tensor, cost = self._recv_queue.popleft()
-                    self._state.credit.take(cost)
-                    self._sender.report_credit()
-                    self._state.streams.hand_over(tensor)
-                    return tensor
-                self._state.failure.raise_if_failed()
-                if self._state.peer_finished:
-                    raise KVPipeClosedError("the peer closed the pipe; nothing more will arrive")
-                if self._state.failure.closed:
-                    raise KVPipeClosedError("recv_tensor on a closed pipe")
-                may_receive_here = self._state.turns.may_receive_here(deadline)
-                receive_here = may_receive_here and self._recv_role.acquire(blocking=False)
-                if not receive_here and not self._wait_for_an_item(may_receive_here, deadline):
-                    raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
-                if receive_here:
-                    self._state.turns.caller_took_role()
-            if receive_here:
-                try:
-                    arrived = self._receive_until_an_item(deadline)
-                finally:
-                    self._recv_role.release()
-                    with self._state.lock:
-                        if self._state.turns.caller_left_role():
-                            self._receiver_parked.notify()
-                if arrived is CallerReceive.TIMED_OUT:
-                    with self._state.lock:
-                        if not self._recv_queue:
-                            self._state.failure.raise_if_failed()
-                            raise KVTimeoutError(f"recv_tensor: nothing arrived within {timeout:g} s")
-
-    def _wait_for_an_item(self, may_receive_here: bool, deadline: float | None) -> bool:
-        """Wait for an item, the end of the stream, or (``may_receive_here``) the receive role to
-        come free; False once ``deadline`` passed (hold the lock)."""
-        self._state.turns.caller_waits(for_role=may_receive_here)
-        if not may_receive_here:
-            self._receiver_parked.notify()  # this caller waits for the receiver thread
-        try:
-            return wait_on(self._items, deadline)
-        finally:
-            self._state.turns.caller_stops_waiting(for_role=may_receive_here)
+        return self._receiver.recv_tensor(timeout)
 
     def flush(self, timeout: float | None = None) -> None:
         self._sender.flush(timeout)
@@ -405,154 +332,3 @@ class TorchDistributedPipe(KVPipeBase):
             return Outgoing(FrameKind.TENSOR, data)
         data = tensor.to(self.device).contiguous()
         return Outgoing(FrameKind.TENSOR, data, self._state.streams.ready_event(data))
-
-    # ------------------------------------------------------------------ receiver thread
-
-    def _recv_loop(self) -> None:
-        """Take in what arrives while no caller is receiving it."""
-        with self._state.streams.context("recv"):
-            self._receive_frames()
-
-    def _receive_frames(self) -> None:
-        while True:
-            with self._state.lock:
-                while not self._state.peer_finished and self._state.failure.error is None:
-                    pause = self._state.turns.receiver_pause()
-                    if not pause:
-                        break
-                    self._receiver_parked.wait(pause)
-                if self._state.peer_finished or self._state.failure.error is not None:
-                    return
-            self._state.channel.readable(
-                min(self._state.keepalive_interval, self._last_received + self.config.kv_timeout - time.monotonic())
-            )
-            if self._state.turns.receiving or not self._recv_role.acquire(blocking=False):
-                continue
-            try:
-                if self._state.peer_finished or self._state.failure.error is not None:
-                    return
-                while (
-                    self._state.run(self._receive_frame, time.monotonic(), action="receiving") is Frame.TAKEN
-                    and not self._state.turns.receiver_yields()
-                ):
-                    pass
-            finally:
-                self._recv_role.release()
-                with self._state.lock:
-                    if self._state.turns.receiver_left_role():  # a caller waited for the role meanwhile
-                        self._items.notify_all()
-
-    def _receive_until_an_item(self, deadline: float | None) -> CallerReceive:
-        """Receive frames here (hold the receive role) until an item, the end of the stream or a
-        failure is queued, or until ``deadline``.
-
-        It looks at the pipe's state at least every RECEIVER_PARK_SECONDS, so that a failure
-        elsewhere (which cannot wake a poll) reaches it soon."""
-        wait_until = math.inf if deadline is None else deadline
-        started = time.monotonic()
-        spin = self._state.turns.spin
-        while True:
-            with self._state.lock:
-                if self._recv_queue or self._state.peer_finished or self._state.failure.error is not None:
-                    return CallerReceive.READY
-                if not self._state.turns.may_receive_here(deadline):
-                    return CallerReceive.LEAVE_TO_THREAD
-            outcome = self._state.run(
-                self._receive_frame, min(wait_until, time.monotonic() + RECEIVER_PARK_SECONDS), spin, action="receiving"
-            )
-            if outcome is Frame.NONE_YET:
-                if time.monotonic() >= wait_until:
-                    return CallerReceive.TIMED_OUT
-                spin = 0.0  # the poll was spun once already
-                continue
-            spin = self._state.turns.frame_waited(self._last_received - started)
-            started = time.monotonic()
-
-    def _receive_frame(self, wait_until: float, spin: float = 0.0) -> Frame:
-        """Receive one frame, if one starts by the monotonic time ``wait_until`` (a receive on the
-        groups lasts until a frame comes), and queue what it carries."""
-        if not self._recv_frame_by(wait_until, spin):
-            return Frame.NONE_YET
-        first, items = self._receive_records()
-        self._state.streams.synchronize()  # CUDA: the items are complete before any caller sees them
-        with self._state.lock:
-            self._sender.on_peer_credit(first.consumed, first.want_credit)
-            self._recv_queue.extend(items)
-            if first.kind is FrameKind.CLOSE:
-                self._state.peer_finished = True
-                if not self._state.final_frame_queued and self._state.failure.error is None:
-                    self._sender.queue_final_frame(FrameKind.CLOSE_ACK)
-            elif first.kind is FrameKind.CLOSE_ACK:
-                self._state.peer_finished = True
-            if self._state.peer_finished:
-                self._state.wake_callers()  # senders waiting for credit too: none will come any more
-            elif items:
-                self._items.notify_all()
-            self._sender.report_credit()
-            return Frame.ENDED if self._state.peer_finished else Frame.TAKEN
-
-    def _receive_records(self) -> tuple[FrameHeader, list[tuple[torch.Tensor | None, int]]]:
-        """Validate the received frame's records and take in their items, payloads included.
-
-        Returns the first record's header (credit, and the frame kind for control frames) and the
-        items with their costs, in order.
-        """
-        records = decode_frame(
-            self._state.wire.received_frame(),
-            self._state.inline_payloads,
-            self._state.credit.budget,
-            self._state.shared.peer_bytes if self._state.shared is not None else 0,
-            self._next_recv_seq,
-        )
-        items = []
-        for offset, header in records:
-            if header.freed:
-                self._state.shared.release([header.freed])
-            if header.kind is FrameKind.FREED:
-                self._state.shared.release(self._state.wire.read_inline(offset + HEADER_BYTES, header).tolist())
-            elif header.kind in ITEM_KINDS:
-                items.append((self._receive_item(header, offset), message_cost(header.nbytes)))
-        self._next_recv_seq += len(items)
-        return records[0][1], items
-
-    def _receive_item(self, header: FrameHeader, offset: int) -> torch.Tensor | None:
-        if header.kind is FrameKind.NONE:
-            return None
-        if header.nbytes == 0:
-            return torch.empty(header.shape, dtype=header.dtype, device=self.device)
-        if header.inline:
-            return self._state.wire.read_inline(offset + HEADER_BYTES, header)
-        if header.place:
-            return self._state.shared.view(header.place, header.dtype, header.shape, self._sender.region_freed)
-        if self.device.type != "cpu":
-            data = torch.empty(header.nbytes, dtype=torch.uint8, device=self.device)
-        else:
-            data = self._state.wire.allocate(header.nbytes)
-        for start, end in chunk_bounds(header.nbytes):
-            self._recv(data[start:end], TAG_PAYLOAD)
-            self._last_received = time.monotonic()  # a long payload is the peer's sign of life too
-        return data.view(header.dtype).reshape(header.shape)
-
-    def _recv(self, tensor: torch.Tensor, tag: int) -> None:
-        try:
-            self._state.channel.recv(tensor, tag)
-        except (RuntimeError, OSError) as exc:  # torch.distributed's errors derive from RuntimeError
-            raise TransportError(exc) from exc
-
-    def _recv_frame_by(self, wait_until: float, spin: float) -> bool:
-        """Receive a frame from the local socket if one starts by ``wait_until``; a peer silent for
-        kv_timeout is lost, as over the transport."""
-        silent_at = self._last_received + self.config.kv_timeout
-        try:
-            arrived = self._state.channel.recv_frame_by(
-                self._state.wire.frame_to_receive(), min(wait_until, silent_at), spin
-            )
-        except (RuntimeError, OSError) as exc:
-            raise TransportError(exc) from exc
-        now = time.monotonic()
-        if arrived:
-            self._last_received = now
-        elif now >= silent_at:
-            silence = TimeoutError(f"the peer sent nothing for kv_timeout={self.config.kv_timeout:g} s")
-            raise TransportError(silence) from silence
-        return arrived

@@ -6,10 +6,11 @@
   over gloo and was validated, so an idle CUDA pipe holds no NCCL work, every wait on NCCL work is
   bounded by ``kv_timeout``, and a failed pipe aborts its NCCL groups and raises KVPeerLostError
   with the process alive. The default process group is never created, needed or touched.
-* Each direction has a role, held by one thread at a time. The *sender* thread sends the units
-  queued for it (and keepalives, credit, the close); the *receiver* thread receives the peer's
-  frames while no caller does, validates them, takes their payloads in and queues the items for
-  :meth:`recv_tensor`. A caller sends its own unit when nothing is queued ahead of it, and receives
+* Each direction has a role, held by one thread at a time, and its own object around the state
+  both share (:mod:`kv_pipe.pipe_state`). The *sender* thread (:mod:`kv_pipe.sender`) sends the
+  units queued for it (and keepalives, credit, the close); the *receiver* thread
+  (:mod:`kv_pipe.receiver`) receives the peer's frames while no caller does, validates them, takes
+  their payloads in and queues the items for :meth:`recv_tensor`. A caller sends its own unit when nothing is queued ahead of it, and receives
   frames itself while no one else does, so a message costs no thread hand-off (two kernel wake-ups,
   about 100 µs). Which callers may, on each channel, is :mod:`kv_pipe.turns`; the frame layout and
   its checks are pure functions of :mod:`kv_pipe.protocol`.

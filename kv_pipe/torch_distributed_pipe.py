@@ -10,10 +10,11 @@
   both share (:mod:`kv_pipe.pipe_state`). The *sender* thread (:mod:`kv_pipe.sender`) sends the
   units queued for it (and keepalives, credit, the close); the *receiver* thread
   (:mod:`kv_pipe.receiver`) receives the peer's frames while no caller does, validates them, takes
-  their payloads in and queues the items for :meth:`recv_tensor`. A caller sends its own unit when nothing is queued ahead of it, and receives
-  frames itself while no one else does, so a message costs no thread hand-off (two kernel wake-ups,
-  about 100 µs). Which callers may, on each channel, is :mod:`kv_pipe.turns`; the frame layout and
-  its checks are pure functions of :mod:`kv_pipe.protocol`.
+  their payloads in and queues the items for :meth:`recv_tensor`. A caller sends its own unit when
+  nothing is queued ahead of it, and receives frames itself while no one else does, so a message
+  costs no thread hand-off (two kernel wake-ups, about 100 µs). Which callers may, on each
+  channel, is :mod:`kv_pipe.turns`; the frame layout and its checks are pure functions of
+  :mod:`kv_pipe.protocol`.
 * Any transport timeout closes gloo's connection for good, and an operation on the groups ends only
   once the peer has done its part (posted its receive, sent a frame), which a live peer does within
   the keepalive interval. So over the groups only a caller with twice that interval to spare waits

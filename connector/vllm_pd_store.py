@@ -205,22 +205,22 @@ class KVBridgePDStoreConnector(KVBridgeConnector):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # The pipe takes back the entries of preempted requests and withdraws those never announced; the store's
         # saves copied their blocks out already.
-        if (producer := self._producer()) is not None:
+        if (producer := self._producer) is not None:
             pipe_meta = _pd_metadata(kv_connector_metadata).pipe
             producer.take_back(pipe_meta.take_back, pipe_meta.withdraw)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._pd_meta()
         self._join.expect(meta.store, meta.pipe)
-        if (producer := self._producer()) is not None:
+        if (producer := self._producer) is not None:
             producer.hold(meta.pipe.held)
-        if (consumer := self._consumer()) is not None:
+        if (consumer := self._consumer) is not None:
             consumer.start_loads(meta.pipe.loads)
             consumer.refuse_loads(meta.pipe.refused)
         self._store_side().start_loads(meta.store.loads, meta.store.refused)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        producer, consumer, store = self._producer(), self._consumer(), self._store_side()
+        producer, consumer, store = self._producer, self._consumer, self._store_side()
         pipe_done = consumer.take_finished_loads(finished_req_ids) if consumer is not None else set()
         pipe_failed = consumer.take_failed_blocks() if consumer is not None else set()
         store_done = store.take_finished_loads(finished_req_ids)
@@ -230,7 +230,7 @@ class KVBridgePDStoreConnector(KVBridgeConnector):
 
     def wait_for_save(self) -> None:
         meta = self._pd_meta()
-        if (producer := self._producer()) is not None:
+        if (producer := self._producer) is not None:
             producer.save(meta.pipe.saves)
         self._store_side().save(meta.store.saves)
 

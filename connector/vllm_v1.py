@@ -117,18 +117,27 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self._settings = ConnectorSettings.from_vllm(transfer.kv_role, transfer.kv_port, transfer.kv_buffer_device,
-                                                     self._pipe_extra(transfer.kv_connector_extra_config))
+        self._settings = ConnectorSettings.from_vllm(
+            transfer.kv_role,
+            transfer.kv_port,
+            transfer.kv_buffer_device,
+            self._pipe_extra(transfer.kv_connector_extra_config),
+        )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise KVConfigError("kvbridge does not support pipeline parallelism (pipeline_parallel_size > 1)")
         self._block_size = vllm_config.cache_config.block_size
         bridge = self._settings.bridge
         self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._block_size, bridge.is_producer, bridge.is_consumer,
-                                            num_workers=vllm_config.parallel_config.tensor_parallel_size,
-                                            address=(bridge.kv_ip, bridge.kv_port), engine_id=str(transfer.engine_id))
+            self._scheduler = SchedulerSide(
+                self._block_size,
+                bridge.is_producer,
+                bridge.is_consumer,
+                num_workers=vllm_config.parallel_config.tensor_parallel_size,
+                address=(bridge.kv_ip, bridge.kv_port),
+                engine_id=str(transfer.engine_id),
+            )
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -139,11 +148,20 @@ class KVBridgeConnector(KVConnectorBase_V1):
             model = vllm_config.model_config
             latent = bool(model.use_mla)  # one latent per token, the same on every TP rank
             identity = compat.KVLayoutInfo(
-                version=compat.VERSION, role=bridge.kv_role, model=model.model, dtype="",
-                block_size=self._block_size, num_layers=0, block_shape=(), layout="",
-                tp_size=get_tensor_model_parallel_world_size(), tp_rank=tp_rank,
-                total_kv_heads=0 if latent else model.get_total_num_kv_heads(), head_size=model.get_head_size(),
-                latent=latent)
+                version=compat.VERSION,
+                role=bridge.kv_role,
+                model=model.model,
+                dtype="",
+                block_size=self._block_size,
+                num_layers=0,
+                block_shape=(),
+                layout="",
+                tp_size=get_tensor_model_parallel_world_size(),
+                tp_rank=tp_rank,
+                total_kv_heads=0 if latent else model.get_total_num_kv_heads(),
+                head_size=model.get_head_size(),
+                latent=latent,
+            )
             self._worker = WorkerSide(self._settings, identity, listen_port_offset(tp_rank))
 
     def _pipe_extra(self, extra: Any) -> Any:
@@ -162,8 +180,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         worker = self._require_worker()
         names = list(kv_caches)
         caches = [kv_caches[name] for name in names]
-        layout = find_layout(caches[0], self._kv_cache_config.num_blocks, self._block_size,
-                             self._layout_name(names[0]))
+        layout = find_layout(caches[0], self._kv_cache_config.num_blocks, self._block_size, self._layout_name(names[0]))
         worker.connect(caches, layout)
 
     def _layout_name(self, layer_name: str) -> str:
@@ -178,15 +195,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         # The first hook of a step: vLLM then zeroes newly allocated blocks and applies block copies
         # (before it binds the metadata), and the forward pass computes into them, so the blocks of
         # a preempted request, freed and perhaps given to another, are taken back here.
-        if (producer := self._producer()) is not None:
+        if (producer := self._producer) is not None:
             meta = _bridge_metadata(kv_connector_metadata)
             producer.take_back(meta.take_back, meta.withdraw)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._metadata()
-        if (producer := self._producer()) is not None:
+        if (producer := self._producer) is not None:
             producer.hold(meta.held)
-        if (consumer := self._consumer()) is not None:
+        if (consumer := self._consumer) is not None:
             consumer.start_loads(meta.loads)
             consumer.refuse_loads(meta.refused)
 
@@ -194,21 +211,22 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return  # loads are asynchronous: vLLM schedules a request only once get_finished reported it
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        producer, consumer = self._producer(), self._consumer()
+        producer, consumer = self._producer, self._consumer
         recving = consumer.take_finished_loads(finished_req_ids) if consumer is not None else set()
         sending = producer.take_finished_sending() if producer is not None else set()
         return sending or None, recving or None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return  # a block is complete only after the last layer: wait_for_save saves all layers at once
 
     def wait_for_save(self) -> None:
-        if (producer := self._producer()) is not None:
+        if (producer := self._producer) is not None:
             producer.save(self._metadata().saves)
 
     def build_connector_worker_meta(self) -> KVBridgeWorkerMetadata | None:
-        producer = self._producer()
+        producer = self._producer
         if producer is None:
             return None
         saved, failed = producer.take_save_outcomes()
@@ -218,7 +236,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgeWorkerMetadata.of_one_worker(saved, failed, gone)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        consumer = self._consumer() if self._worker is not None else None
+        consumer = self._consumer
         return consumer.take_failed_blocks() if consumer is not None else set()
 
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
@@ -230,9 +248,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgeStats.from_data(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVBridgePromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVBridgePromMetrics:
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def total_stats(self) -> TransferStats:
@@ -276,20 +298,23 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def _metadata(self) -> KVBridgeMetadata:
         return _bridge_metadata(self._get_connector_metadata())
 
+    @property
+    def _worker(self) -> WorkerSide | None:
+        """This TP rank's worker (None on the scheduler side)."""
+        return self._current_worker
+
+    @_worker.setter
+    def _worker(self, worker: WorkerSide | None) -> None:
+        # The worker's role objects are picked once, when the worker is set, so that each hook reads
+        # an attribute: a hook of a part the role lacks finds None (a DualWorker is both).
+        self._current_worker = worker
+        self._producer: ProducerWorker | None = worker if isinstance(worker, ProducerWorker) else None
+        self._consumer: ConsumerWorker | None = worker if isinstance(worker, ConsumerWorker) else None
+
     def _require_worker(self) -> WorkerSide:
         if self._worker is None:
             raise KVConfigError("kvbridge: a worker-side hook was called on the scheduler-side connector")
         return self._worker
-
-    def _producer(self) -> ProducerWorker | None:
-        """The worker, if its role saves (None on a decode instance)."""
-        worker = self._require_worker()
-        return worker if isinstance(worker, ProducerWorker) else None
-
-    def _consumer(self) -> ConsumerWorker | None:
-        """The worker, if its role loads (None on a prefill instance)."""
-        worker = self._require_worker()
-        return worker if isinstance(worker, ConsumerWorker) else None
 
     def _require_scheduler(self) -> SchedulerSide:
         if self._scheduler is None:

@@ -182,7 +182,7 @@ def test_a_consumer_killed_while_selecting_does_not_disturb_the_others(listener:
 def _in_own_segment(listener: BufferListener, tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lies in the shared-memory segment of the listener's only connection's pipe."""
     [connection] = listener._live_connections()
-    segment = connection._pipe._shared.own
+    segment = connection._pipe._state.shared.own
     return segment.address <= tensor.data_ptr() < segment.address + segment.nbytes
 
 

@@ -719,8 +719,8 @@ def body_hostile_headers(rank: int, port: int) -> dict:
             continue
         pipe = TorchDistributedPipe(cfg, port_offset=2 * offset)
         allocations: list[int] = []
-        allocate = pipe._wire.allocate
-        pipe._wire.allocate = lambda n, seen=allocations, allocate=allocate: seen.append(n) or allocate(n)
+        allocate = pipe._state.wire.allocate
+        pipe._state.wire.allocate = lambda n, seen=allocations, allocate=allocate: seen.append(n) or allocate(n)
         try:
             got = pipe.recv_tensor(timeout=30)
             verdicts[name] = {"error": None, "got": repr(got)[:200]}

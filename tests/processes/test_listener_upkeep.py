@@ -196,7 +196,7 @@ def test_across_hosts_a_lone_consumer_keeps_no_pooled_memory_of_the_listener() -
             assert bool((got[2] == index).all())
             del got
         [connection] = listener._live_connections()
-        assert connection._pipe._wire._memory.idle_bytes == 0
+        assert connection._pipe._state.wire._memory.idle_bytes == 0
         # The listener's pool gets a buffer back once the pipe has sent it and dropped it, which
         # may be a moment after the consumer has it.
         wait_until(lambda: listener._memory.idle_bytes > 0)

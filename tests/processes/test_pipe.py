@@ -225,11 +225,11 @@ def body_frame_boundaries(rank: int, port: int) -> int:
         received = len(kept)
         del kept, large, got
         if os.environ[_PATH_VARIABLE] == "off":  # those buffers go back to the pool once the caller drops them
-            assert pipe._wire._memory.idle_bytes >= held_bytes, "received buffers were not recycled"
+            assert pipe._state.wire._memory.idle_bytes >= held_bytes, "received buffers were not recycled"
         pipe.send_tensor(None)  # with shared memory, behind the regions the dropped tensors held
         assert pipe.recv_tensor(timeout=30) is None  # the peer has checked too before either side closes
         if pipe.uses_shared_memory:  # every region this side filled came back
-            assert pipe._shared.used_bytes == 0, "shared-memory regions were not given back"
+            assert pipe._state.shared.used_bytes == 0, "shared-memory regions were not given back"
     return received
 
 
@@ -584,14 +584,14 @@ def body_sent_from_where_it_lies(rank: int, port: int) -> dict:
     echoed = 2
     posted_frames = set()
     with open_pipe(config(rank, port, kv_buffer_size=32 << 20)) as pipe:
-        post = pipe._channel.post
+        post = pipe._state.channel.post
 
         def recording_post(tensor: torch.Tensor, tag: int):
             if tag == TAG_FRAME:
                 posted_frames.add(tensor.data_ptr())
             return post(tensor, tag)
 
-        pipe._channel.post = recording_post
+        pipe._state.channel.post = recording_post
         if rank == 0:
             filled = [pipe.empty(want.shape, want.dtype).copy_(want) for want in wants]
             for tensor in filled:
@@ -861,7 +861,7 @@ def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
         def broken_read_inline(start, header):
             raise TypeError("a bug in the pipe")
 
-        pipe._wire.read_inline = broken_read_inline
+        pipe._state.wire.read_inline = broken_read_inline
         with pytest.raises(TypeError, match="a bug in the pipe"):
             # The bug is in place: rank 0 may send. Its answer can come, and the receiver thread
             # fail the pipe, before this send returns, which then reports it.
@@ -912,9 +912,9 @@ def body_bug_while_sending(rank: int, port: int, where: str) -> str:
     receiver = threading.Thread(target=receive)
     receiver.start()
     time.sleep(0.2)  # the receiving caller waits
-    pipe._frame_headers = broken_frame_headers
+    pipe._sender._frame_headers = broken_frame_headers
     if where == "sender thread":
-        pipe._turns.may_send_here = lambda tensors, deadline: False  # the unit goes through the queue
+        pipe._state.turns.may_send_here = lambda tensors, deadline: False  # the unit goes through the queue
         pipe.send_tensor(torch.ones(2))
         with pytest.raises(TypeError, match="a bug in the pipe"):
             pipe.flush(timeout=30)
@@ -925,8 +925,8 @@ def body_bug_while_sending(rank: int, port: int, where: str) -> str:
     assert len(waiting) == 1 and isinstance(waiting[0], TypeError), waiting
     with pytest.raises(TypeError):
         pipe.send_tensor(torch.ones(2))
-    assert pipe._send_role.acquire(timeout=5), "the send role was left taken"
-    pipe._send_role.release()
+    assert pipe._sender.role.acquire(timeout=5), "the send role was left taken"
+    pipe._sender.role.release()
     return "surfaced"
 
 

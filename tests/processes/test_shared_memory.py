@@ -139,7 +139,7 @@ def body_lent(rank: int, port: int, mode: str) -> dict:
         if rank == 0:
             lent = pipe.empty(shape, dtype)
             lent.copy_(want)
-            report["offset"] = lent.data_ptr() - pipe._shared.own.address if pipe.uses_shared_memory else None
+            report["offset"] = lent.data_ptr() - pipe._state.shared.own.address if pipe.uses_shared_memory else None
             pipe.send_tensor(lent)
             assert pipe.recv_tensor(timeout=30) is None  # the peer dropped its tensor (FREED went first)
             if pipe.uses_shared_memory:
@@ -148,17 +148,17 @@ def body_lent(rank: int, port: int, mode: str) -> dict:
                 report["held_region_reused"] = again.data_ptr() == lent.data_ptr()
                 del lent, again
                 third = pipe.empty(shape, dtype)  # now both are gone: the first region is free again
-                report["freed_region_reused"] = third.data_ptr() - pipe._shared.own.address == report["offset"]
+                report["freed_region_reused"] = third.data_ptr() - pipe._state.shared.own.address == report["offset"]
                 unsent = pipe.empty((5 << 20,), torch.uint8)
-                used = pipe._shared.used_bytes
+                used = pipe._state.shared.used_bytes
                 del unsent  # never sent: its region comes back at once
-                report["unsent_released"] = pipe._shared.used_bytes == used - (5 << 20)
+                report["unsent_released"] = pipe._state.shared.used_bytes == used - (5 << 20)
                 del third
             pipe.send_tensor(None)
             return report
         got = pipe.recv_tensor(timeout=30)
         assert same_bits(got, want)
-        report["offset"] = got.data_ptr() - pipe._shared.peer.address if pipe.uses_shared_memory else None
+        report["offset"] = got.data_ptr() - pipe._state.shared.peer.address if pipe.uses_shared_memory else None
         del got
         pipe.send_tensor(None)
         assert pipe.recv_tensor(timeout=30) is None
@@ -176,7 +176,7 @@ def body_tensor_dies_while_the_pipe_is_busy(rank: int, port: int) -> bool:
             pipe.send_tensor(torch.ones(1 << 18))  # 1 MiB: through shared memory
             assert pipe.recv_tensor(timeout=30) is None
             deadline = time.monotonic() + 30
-            while pipe._shared.used_bytes:  # FREED arrives with the None or just after
+            while pipe._state.shared.used_bytes:  # FREED arrives with the None or just after
                 assert time.monotonic() < deadline, "the region never came back"
                 time.sleep(0.01)
             return True
@@ -184,7 +184,7 @@ def body_tensor_dies_while_the_pipe_is_busy(rank: int, port: int) -> bool:
         held, release = threading.Event(), threading.Event()
 
         def hold_the_lock() -> None:
-            with pipe._lock:
+            with pipe._state.lock:
                 held.set()
                 release.wait(30)
 
@@ -220,7 +220,7 @@ def body_long_payload_over_the_socket(rank: int, port: int) -> str:
             assert pipe.recv_tensor(timeout=30) is None
             pipe.send_tensor(torch.full((30 * mib,), 7, dtype=torch.uint8))  # no room left: over the socket
             # ... by the sender thread: the caller waits for no wire (its timeout bounds only credit).
-            assert pipe._sent_messages < pipe._queued_messages, "the caller streamed the payload itself"
+            assert pipe._sender.sent_messages < pipe._sender.queued_messages, "the caller streamed the payload itself"
             pipe.flush(timeout=60)
             time.sleep(1.0)
             pipe.send_tensor(torch.arange(5))
@@ -246,7 +246,7 @@ def body_regions_come_back_without_traffic(rank: int, port: int) -> dict:
 
         def wait_until_all_back(phase: str) -> None:
             started = time.monotonic()
-            while pipe._shared.used_bytes:
+            while pipe._state.shared.used_bytes:
                 assert time.monotonic() - started < 10, f"{phase}: regions still held after 10 s"
                 time.sleep(0.002)
             waits[phase] = time.monotonic() - started

@@ -24,6 +24,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from connector import compat
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec
 from connector.vllm_consumer_worker import ConsumerWorker
+from connector.vllm_pd_store import KVBridgePDStoreConnector, PDStoreMetadata
 from connector.vllm_producer_worker import DualWorker, ProducerWorker
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings
@@ -227,6 +228,22 @@ def test_entries_are_taken_back_in_handle_preemptions_before_vllm_writes_any_blo
         connector.start_load_kv(None)
         assert workers[0].total_stats().data["taken_back"] == 1  # once
         connector.clear_connector_metadata()
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+@pytest.mark.parametrize("reason", ["take_back", "withdraw"])
+def test_the_pd_store_connector_takes_entries_back_in_handle_preemptions_too(reason: str) -> None:
+    # P/D with the store forwards the pipe's part of the metadata to the same producer worker.
+    workers, lending = _tp_ranks()
+    connector = object.__new__(KVBridgePDStoreConnector)
+    connector._worker, connector._scheduler, connector._connector_metadata = workers[0], None, None
+    try:
+        workers[0].save([SAVES[1]])
+        connector.handle_preemptions(PDStoreMetadata(pipe=KVBridgeMetadata(**{reason: [SAVES[1].req_id]})))
+        assert lending.loans[0].outcome == TAKEN_BACK
+        assert workers[0].total_stats().data["taken_back"] == 1
     finally:
         for worker in workers:
             worker.close()

@@ -97,13 +97,20 @@ def open_buffer(kind: str, config: KVTransferConfig, raw: TorchDistributedPipe):
     return listener
 
 
-def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer_kind: str, stored: bool,
-           results) -> None:
+def worker(
+    rank: int, port: int, mib: list[int], repeats: int, path: str, buffer_kind: str, stored: bool, results
+) -> None:
     torch.set_num_threads(1)
     largest = max(mib) << 20
-    config = KVTransferConfig(kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_rank=rank, kv_port=port,
-                              kv_buffer_size=2 * largest + (64 << 20), kv_timeout=60.0, kv_connect_timeout=60.0,
-                              kv_shared_memory=PATHS[path])
+    config = KVTransferConfig(
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_rank=rank,
+        kv_port=port,
+        kv_buffer_size=2 * largest + (64 << 20),
+        kv_timeout=60.0,
+        kv_connect_timeout=60.0,
+        kv_shared_memory=PATHS[path],
+    )
     raw = TorchDistributedPipe(config, port_offset=2)
     buffer = open_buffer(buffer_kind, config, raw)
     num_blocks = 2 * largest // (BLOCK_BYTES * LAYERS)
@@ -151,7 +158,8 @@ def worker(rank: int, port: int, mib: list[int], repeats: int, path: str, buffer
                     if not stored:
                         raw.send_tensor(torch.ones(1))
                     [result] = recv_kv_caches_and_hidden_states(
-                        buffer, [KVRequest(tokens, PagedKV(paged, consumer_ids))], timeout=120)
+                        buffer, [KVRequest(tokens, PagedKV(paged, consumer_ids))], timeout=120
+                    )
                     times.append(time.perf_counter() - start)
                     assert result.hit, result.reason
                     if index == 0:  # the producer's caches were seeded with rank 0: rebuild its blocks here
@@ -174,25 +182,35 @@ def main() -> None:
     parser.add_argument("--mib", default="16,64", help="transfer sizes in MiB (multiples of 2)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--path", choices=sorted(PATHS), default="shared-memory")
-    parser.add_argument("--buffer", choices=["simple", "listener"], default="simple",
-                        help="a SimpleBuffer, or a BufferListener the consumer dials (the vLLM connector's)")
-    parser.add_argument("--stored", action="store_true",
-                        help="the producer stores each entry before the consumer asks (as in vLLM)")
+    parser.add_argument(
+        "--buffer",
+        choices=["simple", "listener"],
+        default="simple",
+        help="a SimpleBuffer, or a BufferListener the consumer dials (the vLLM connector's)",
+    )
+    parser.add_argument(
+        "--stored", action="store_true", help="the producer stores each entry before the consumer asks (as in vLLM)"
+    )
     args = parser.parse_args()
     mib = [int(size) for size in args.mib.split(",")]
-    shared, rows = run_two_ranks(worker, (free_port(span=4), mib, args.repeats, args.path, args.buffer,
-                                          args.stored))
-    print(f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
-          f"layout; payloads {'through shared memory' if shared else 'over the transport'}; lookup buffer: "
-          f"{args.buffer}; entries {'stored before' if args.stored else 'built after'} the ask; medians of "
-          f"{args.repeats}, one way, timed by the consumer")
-    print(f"{'size':>8} | {'pipe alone ms':>13} | {'connector ms':>12} | {'lent ms':>7} | {'pipe GB/s':>9} | "
-          f"{'connector GB/s':>14} | {'lent GB/s':>9} | {'connector/pipe':>14} | {'lent/pipe':>9}")
+    shared, rows = run_two_ranks(worker, (free_port(span=4), mib, args.repeats, args.path, args.buffer, args.stored))
+    print(
+        f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
+        f"layout; payloads {'through shared memory' if shared else 'over the transport'}; lookup buffer: "
+        f"{args.buffer}; entries {'stored before' if args.stored else 'built after'} the ask; medians of "
+        f"{args.repeats}, one way, timed by the consumer"
+    )
+    print(
+        f"{'size':>8} | {'pipe alone ms':>13} | {'connector ms':>12} | {'lent ms':>7} | {'pipe GB/s':>9} | "
+        f"{'connector GB/s':>14} | {'lent GB/s':>9} | {'connector/pipe':>14} | {'lent/pipe':>9}"
+    )
     print("-" * 124)
     for nbytes, alone, copied, lent in rows:
-        print(f"{nbytes >> 20:>4} MiB | {alone * 1e3:13.2f} | {copied * 1e3:12.2f} | {lent * 1e3:7.2f} | "
-              f"{nbytes / alone / 1e9:9.2f} | {nbytes / copied / 1e9:14.2f} | {nbytes / lent / 1e9:9.2f} | "
-              f"{alone / copied:13.2f}x | {alone / lent:8.2f}x")
+        print(
+            f"{nbytes >> 20:>4} MiB | {alone * 1e3:13.2f} | {copied * 1e3:12.2f} | {lent * 1e3:7.2f} | "
+            f"{nbytes / alone / 1e9:9.2f} | {nbytes / copied / 1e9:14.2f} | {nbytes / lent / 1e9:9.2f} | "
+            f"{alone / copied:13.2f}x | {alone / lent:8.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ class Doorbell:
 
     def send(self, payload: torch.Tensor) -> None:
         self.sent += 1
-        self.buffer[self.out + _HEADER: self.out + _HEADER + payload.numel()].copy_(payload)
+        self.buffer[self.out + _HEADER : self.out + _HEADER + payload.numel()].copy_(payload)
         _SEQUENCE.pack_into(self.segment, self.out, self.sent)
         os.eventfd_write(self.theirs, 1)
 
@@ -75,7 +75,7 @@ class Doorbell:
         if got != self.received + 1:
             raise AssertionError(f"sequence {got} after {self.received}")
         self.received = got
-        return self.buffer[self.into + _HEADER: self.into + _HEADER + nbytes]  # a view: no copy
+        return self.buffer[self.into + _HEADER : self.into + _HEADER + nbytes]  # a view: no copy
 
 
 class Handoff:
@@ -88,8 +88,10 @@ class Handoff:
         self.incoming: list[torch.Tensor] = []
         self.receive_sizes: list[int] = []
         self.stop = False
-        self.threads = [threading.Thread(target=self._send_loop, daemon=True),
-                        threading.Thread(target=self._receive_loop, daemon=True)]
+        self.threads = [
+            threading.Thread(target=self._send_loop, daemon=True),
+            threading.Thread(target=self._receive_loop, daemon=True),
+        ]
         for thread in self.threads:
             thread.start()
 
@@ -154,8 +156,9 @@ class Trip:
     def __init__(self, rank: int, nbytes: int, doorbell: Doorbell, group: object) -> None:
         self.rank, self.nbytes, self.doorbell, self.group = rank, nbytes, doorbell, group
         self.mine = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
-        self.peer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
-                                  generator=torch.Generator().manual_seed(1 - rank))
+        self.peer = torch.randint(
+            0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1 - rank)
+        )
         self.inbox = torch.empty(nbytes, dtype=torch.uint8)
 
     def by_doorbell(self, full: bool) -> None:
@@ -224,8 +227,9 @@ def _worker(rank: int, port: int, path: str, sizes: list[int], iters: int, round
             full = round_index == rounds - 1
             samples["doorbell"] += timed(functools.partial(trip.by_doorbell, full), count, warmup, 0.5)
             handoff = Handoff(doorbell)
-            samples["doorbell + threads"] += timed(functools.partial(trip.by_threads, handoff, full), count, warmup,
-                                                   0.5)
+            samples["doorbell + threads"] += timed(
+                functools.partial(trip.by_threads, handoff, full), count, warmup, 0.5
+            )
             handoff.close()
             samples["raw gloo"] += timed(functools.partial(trip.by_gloo, full), count, warmup, 0.5)
         table[nbytes] = samples

@@ -43,9 +43,15 @@ def plain_copies(nbytes: int, iters: int, device: torch.device) -> tuple[float, 
 
 def ping_pong(rank: int, port: int, sizes: list[int], iters: int, gpu: int, results) -> None:
     device = torch.device("cuda", gpu)
-    config = KVTransferConfig(kv_rank=rank, kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_port=port,
-                              kv_buffer_size=2 * max(sizes) + (1 << 20), kv_timeout=60.0, kv_connect_timeout=60.0,
-                              kv_device_index=gpu)
+    config = KVTransferConfig(
+        kv_rank=rank,
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_port=port,
+        kv_buffer_size=2 * max(sizes) + (1 << 20),
+        kv_timeout=60.0,
+        kv_connect_timeout=60.0,
+        kv_device_index=gpu,
+    )
     with TorchDistributedPipe(config) as pipe:
         times = {}
         for nbytes in sizes:
@@ -80,10 +86,13 @@ def main() -> None:
     started = time.perf_counter()
     staged = run_two_ranks(ping_pong, (free_port(), sizes, arguments.iters, arguments.gpu), timeout=600)
     card = torch.cuda.get_device_name(device)
-    print(f"{card}: host-staged pipe ({'shared memory' if staged['shared'] else 'gloo'}, "
-          f"segments pinned: {'yes' if staged['pinned'] == 2 else 'no'}), {time.perf_counter() - started:.0f} s\n")
-    print("| size | plain D2H, GB/s | plain H2D, GB/s | host-staged GPU -> GPU one way, GB/s "
-          "| host-staged / plain D2H |")
+    print(
+        f"{card}: host-staged pipe ({'shared memory' if staged['shared'] else 'gloo'}, "
+        f"segments pinned: {'yes' if staged['pinned'] == 2 else 'no'}), {time.perf_counter() - started:.0f} s\n"
+    )
+    print(
+        "| size | plain D2H, GB/s | plain H2D, GB/s | host-staged GPU -> GPU one way, GB/s | host-staged / plain D2H |"
+    )
     print("|---:|---:|---:|---:|---:|")
     ratios = []
     for nbytes in sizes:
@@ -91,12 +100,16 @@ def main() -> None:
         one_way = staged["times"][nbytes]
         ratio = down / one_way
         ratios.append((nbytes, ratio, nbytes / one_way / 1e9, nbytes / down / 1e9))
-        print(f"| {label(nbytes)} | {nbytes / down / 1e9:.2f} | {nbytes / up / 1e9:.2f} | {nbytes / one_way / 1e9:.2f} "
-              f"| {ratio:.2f}x |")
+        print(
+            f"| {label(nbytes)} | {nbytes / down / 1e9:.2f} | {nbytes / up / 1e9:.2f} | {nbytes / one_way / 1e9:.2f} "
+            f"| {ratio:.2f}x |"
+        )
     if arguments.summary:
         largest = ratios[-1]
-        print(f"summary: {label(largest[0])}: host-staged {largest[2]:.1f} GB/s one way = {largest[1]:.2f}x "
-              f"a plain D2H copy ({largest[3]:.1f} GB/s) on {card}")
+        print(
+            f"summary: {label(largest[0])}: host-staged {largest[2]:.1f} GB/s one way = {largest[1]:.2f}x "
+            f"a plain D2H copy ({largest[3]:.1f} GB/s) on {card}"
+        )
 
 
 if __name__ == "__main__":

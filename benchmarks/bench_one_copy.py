@@ -52,8 +52,14 @@ class _IOVec(ctypes.Structure):
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.process_vm_readv.restype = ctypes.c_ssize_t
-_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.POINTER(_IOVec),
-                                   ctypes.c_ulong, ctypes.c_ulong]
+_libc.process_vm_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.POINTER(_IOVec),
+    ctypes.c_ulong,
+    ctypes.POINTER(_IOVec),
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
 
 
 def produce(num_blocks: int, addresses, done) -> None:
@@ -61,23 +67,27 @@ def produce(num_blocks: int, addresses, done) -> None:
     until it is done."""
     layers = [page_aligned(layer) for layer in caches(num_blocks, seed=PRODUCER_SEED).caches]
     exports = [export_host_memory(layer) for layer in layers]
-    addresses.put([(layer.data_ptr(), export.address, export.descriptor)
-                   for layer, export in zip(layers, exports, strict=True)])
+    addresses.put(
+        [(layer.data_ptr(), export.address, export.descriptor) for layer, export in zip(layers, exports, strict=True)]
+    )
     done.wait(600)
 
 
-def block_copies(targets: list[int], sources: list[int], target_ids: torch.Tensor, source_ids: torch.Tensor
-                 ) -> list[tuple[int, int, int]]:
+def block_copies(
+    targets: list[int], sources: list[int], target_ids: torch.Tensor, source_ids: torch.Tensor
+) -> list[tuple[int, int, int]]:
     """``(target address, source address, bytes)`` of every block of the request in every layer."""
-    return [(target + int(t) * BLOCK_BYTES, source + int(s) * BLOCK_BYTES, BLOCK_BYTES)
-            for target, source in zip(targets, sources, strict=True)
-            for t, s in zip(target_ids.tolist(), source_ids.tolist(), strict=True)]
+    return [
+        (target + int(t) * BLOCK_BYTES, source + int(s) * BLOCK_BYTES, BLOCK_BYTES)
+        for target, source in zip(targets, sources, strict=True)
+        for t, s in zip(target_ids.tolist(), source_ids.tolist(), strict=True)
+    ]
 
 
 def read_from(pid: int, copies: list[tuple[int, int, int]]) -> None:
     """process_vm_readv of ``copies`` (local target, remote source, bytes); OSError if refused."""
     for start in range(0, len(copies), MAX_IOVECS):
-        batch = copies[start:start + MAX_IOVECS]
+        batch = copies[start : start + MAX_IOVECS]
         local = (_IOVec * len(batch))(*[(target, nbytes) for target, _, nbytes in batch])
         remote = (_IOVec * len(batch))(*[(source, nbytes) for _, source, nbytes in batch])
         expected = sum(nbytes for _, _, nbytes in batch)
@@ -90,8 +100,9 @@ def read_from(pid: int, copies: list[tuple[int, int, int]]) -> None:
 def on_threads(work: Callable[[list], None], items: list, threads: int) -> None:
     """``work`` on ``threads`` about equal slices of ``items`` at once (ctypes calls drop the GIL)."""
     share = -(-len(items) // threads)
-    helpers = [threading.Thread(target=work, args=(items[start:start + share],))
-               for start in range(share, len(items), share)]
+    helpers = [
+        threading.Thread(target=work, args=(items[start : start + share],)) for start in range(share, len(items), share)
+    ]
     for helper in helpers:
         helper.start()
     work(items[:share])
@@ -115,16 +126,21 @@ def main() -> None:
         produced = addresses.get(timeout=300)
         remote = [layer for layer, _, _ in produced]
         # Mapped once, as a pipe maps a peer's export once per connection (MAP_POPULATE: all pages).
-        mapped = [(PeerMemory.open(producer.pid, descriptor), layer - exported)
-                  for layer, exported, descriptor in produced]
+        mapped = [
+            (PeerMemory.open(producer.pid, descriptor), layer - exported) for layer, exported, descriptor in produced
+        ]
         shared = [memory.address_of(offset, num_blocks * BLOCK_BYTES) for memory, offset in mapped]
         replica, own = caches(num_blocks, seed=PRODUCER_SEED), caches(num_blocks, seed=1)
-        print(f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
-              f"layout, the request's blocks scattered; medians of {args.repeats} alternating rounds; "
-              f"{os.cpu_count()} cores")
-        print(f"{'size':>8} | {'two copies ms':>13} | {'one copy ms':>11} | {'shared caches ms':>16} | "
-              f"{'CMA 1 thread ms':>15} | {'CMA 2 threads ms':>16} | {'two copies / shared':>19} | "
-              f"{'two copies / best CMA':>21}")
+        print(
+            f"torch {torch.__version__}; {LAYERS} layers of fp32 blocks of {BLOCK_BYTES >> 10} KiB in vLLM's CPU "
+            f"layout, the request's blocks scattered; medians of {args.repeats} alternating rounds; "
+            f"{os.cpu_count()} cores"
+        )
+        print(
+            f"{'size':>8} | {'two copies ms':>13} | {'one copy ms':>11} | {'shared caches ms':>16} | "
+            f"{'CMA 1 thread ms':>15} | {'CMA 2 threads ms':>16} | {'two copies / shared':>19} | "
+            f"{'two copies / best CMA':>21}"
+        )
         print("-" * 145)
         for nbytes in sizes:
             print(row(nbytes, num_blocks, replica, own, remote, shared, producer.pid, args.repeats))
@@ -136,8 +152,9 @@ def main() -> None:
             producer.join(10)
 
 
-def row(nbytes: int, num_blocks: int, replica, own, remote: list[int], shared: list[int], pid: int, repeats: int
-        ) -> str:
+def row(
+    nbytes: int, num_blocks: int, replica, own, remote: list[int], shared: list[int], pid: int, repeats: int
+) -> str:
     source_ids = request_blocks(nbytes, num_blocks, seed=nbytes >> 20)
     target_ids = request_blocks(nbytes, num_blocks, seed=(nbytes >> 20) + 1)
     own_addresses = [layer.data_ptr() for layer in own.caches]
@@ -151,9 +168,12 @@ def row(nbytes: int, num_blocks: int, replica, own, remote: list[int], shared: l
         return staging.view(dtype).view(shape)
 
     methods = {
-        "two copies": lambda: scatter_blocks(own.caches, VLLM_CPU_LAYOUT, target_ids,
-                                             gather_blocks(replica.caches, VLLM_CPU_LAYOUT, source_ids,
-                                                           reuse_staging)),
+        "two copies": lambda: scatter_blocks(
+            own.caches,
+            VLLM_CPU_LAYOUT,
+            target_ids,
+            gather_blocks(replica.caches, VLLM_CPU_LAYOUT, source_ids, reuse_staging),
+        ),
         "one copy": lambda: copy_many(local),
         "shared caches": lambda: copy_many(from_shared),
         "CMA 1 thread": lambda: read_from(pid, across),
@@ -179,8 +199,10 @@ def row(nbytes: int, num_blocks: int, replica, own, remote: list[int], shared: l
     shown = [f"{medians[name] * 1e3:.2f}" if name in medians else cells[name] for name in methods]
     cma = [medians[name] for name in ("CMA 1 thread", "CMA 2 threads") if name in medians]
     ratio = f"{medians['two copies'] / min(cma):.2f}x" if cma else "-"
-    return (f"{nbytes >> 20:>4} MiB | {shown[0]:>13} | {shown[1]:>11} | {shown[2]:>16} | {shown[3]:>15} | "
-            f"{shown[4]:>16} | {medians['two copies'] / medians['shared caches']:>18.2f}x | {ratio:>21}")
+    return (
+        f"{nbytes >> 20:>4} MiB | {shown[0]:>13} | {shown[1]:>11} | {shown[2]:>16} | {shown[3]:>15} | "
+        f"{shown[4]:>16} | {medians['two copies'] / medians['shared caches']:>18.2f}x | {ratio:>21}"
+    )
 
 
 if __name__ == "__main__":

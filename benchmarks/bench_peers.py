@@ -49,14 +49,26 @@ def start_workers(log_dir: Path, args: argparse.Namespace, hosts: netns.TwoHosts
     # The caller's PYTHONPATH stays (after the repository): it may decide which peers can be imported.
     # UCX (NIXL) would otherwise also use the host's other interfaces: only loopback on one host, and
     # TCP between the namespaces (which have nothing but their veth and loopback).
-    env = netns.child_env({"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                           **({"UCX_TLS": "tcp"} if hosts else {"UCX_NET_DEVICES": "lo"})})
+    env = netns.child_env(
+        {
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            **({"UCX_TLS": "tcp"} if hosts else {"UCX_NET_DEVICES": "lo"}),
+        }
+    )
     children = []
     for rank in (0, 1):
         tag = f"rank{rank}"
         result_file = log_dir / f"{tag}.json"
-        work = {"rank": rank, "ip": ip, "own_ip": hosts.addresses[rank] if hosts else ip, "port": port,
-                "sizes": args.sizes, "rounds": args.rounds, "iters": args.iters, "across_hosts": hosts is not None}
+        work = {
+            "rank": rank,
+            "ip": ip,
+            "own_ip": hosts.addresses[rank] if hosts else ip,
+            "port": port,
+            "sizes": args.sizes,
+            "rounds": args.rounds,
+            "iters": args.iters,
+            "across_hosts": hosts is not None,
+        }
         argv = [sys.executable, "-m", "benchmarks.peer_transports", str(result_file), json.dumps(work)]
         if hosts:
             process = hosts.popen(rank, argv, env, log_dir, tag)
@@ -126,8 +138,12 @@ def table(result: dict, sizes: list[int], across_hosts: bool) -> list[str]:
             cells = [value for nbytes in sizes for value in cell(result, name, nbytes)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     kvbridge = KVBRIDGE[across_hosts]
-    lines += ["", f"Ratios of GB/s; kvbridge is {kvbridge}, the path the pipe takes by itself here.",
-              "| ratio | " + " | ".join(label(nbytes) for nbytes in sizes) + " |", "|" + "---|" * (len(sizes) + 1)]
+    lines += [
+        "",
+        f"Ratios of GB/s; kvbridge is {kvbridge}, the path the pipe takes by itself here.",
+        "| ratio | " + " | ".join(label(nbytes) for nbytes in sizes) + " |",
+        "|" + "---|" * (len(sizes) + 1),
+    ]
     for other, short in ((NIXL, "NIXL"), (NIXL_TOLD, "NIXL told"), (MEMCPY, "memcpy"), (RAW, "raw gloo")):
         lines.append(f"| kvbridge/{short} | " + " | ".join(ratio(result, kvbridge, other, n) for n in sizes) + " |")
     return lines
@@ -153,8 +169,9 @@ def plot(result: dict, sizes: list[int], title: str, path: Path) -> str:
             legend.append(Patch(facecolor="none", edgecolor="grey", hatch="//", label=f"{name}: {reason}"))
             continue
         positions = [size_index + (index - (len(names) - 1) / 2) * width for size_index in range(len(sizes))]
-        bars = axes.bar(positions, [float(cell(result, name, nbytes)[0]) for nbytes in sizes], width,
-                        color=f"C{index}", label=name)
+        bars = axes.bar(
+            positions, [float(cell(result, name, nbytes)[0]) for nbytes in sizes], width, color=f"C{index}", label=name
+        )
         axes.bar_label(bars, fmt="%.2f", fontsize=6)
         legend.append(bars)
     axes.set_xticks(range(len(sizes)), [label(nbytes) for nbytes in sizes])
@@ -172,8 +189,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4K,1M,16M,128M", type=parse_sizes, help="comma-separated, e.g. 4K,1M")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is over all of them")
-    parser.add_argument("--iters", type=int, default=7,
-                        help="timed messages per round, at least (small sizes get more, up to 1,000)")
+    parser.add_argument(
+        "--iters", type=int, default=7, help="timed messages per round, at least (small sizes get more, up to 1,000)"
+    )
     parser.add_argument("--netns", action="store_true", help="two network namespaces joined by a veth pair")
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="where the bar chart (PNG) goes")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds the whole run may take")
@@ -191,15 +209,22 @@ def main() -> None:
                 raise SystemExit(f"--netns: {exc}") from None
         else:
             result = collect(start_workers(Path(logs), args, None), total, args.timeout)
-    where = ("two network namespaces joined by a veth pair (NIXL: UCX_TLS=tcp)" if args.netns
-             else "two processes on one host")
-    title = (f"kvbridge and its peers, {where}; one-way time per message, median of {args.rounds} alternating "
-             f"rounds; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    where = (
+        "two network namespaces joined by a veth pair (NIXL: UCX_TLS=tcp)"
+        if args.netns
+        else "two processes on one host"
+    )
+    title = (
+        f"kvbridge and its peers, {where}; one-way time per message, median of {args.rounds} alternating "
+        f"rounds; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
     print(title)
     counts = ", ".join(f"{label(n)} {result['messages'][str(n)]}" for n in args.sizes)
-    print("memcpy: one copy_ in one process; raw gloo, kvbridge, NIXL told: ping-pong / 2; Mooncake, NIXL: one "
-          f"completed write (its target not told). Messages per round: {counts}. Every transport's bytes were "
-          "checked at every size.")
+    print(
+        "memcpy: one copy_ in one process; raw gloo, kvbridge, NIXL told: ping-pong / 2; Mooncake, NIXL: one "
+        f"completed write (its target not told). Messages per round: {counts}. Every transport's bytes were "
+        "checked at every size."
+    )
     for line in table(result, args.sizes, args.netns):
         print(line)
     if result["unavailable"][KVBRIDGE[False]] == ANOTHER_HOST:

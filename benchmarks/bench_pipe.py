@@ -48,8 +48,14 @@ PIPES = {"transport": ("off", 2), "shared": ("on", 4)}
 def open_pipes(rank: int, port: int, max_bytes: int) -> dict[str, TorchDistributedPipe]:
     pipes = {}
     for name, (mode, offset) in PIPES.items():
-        config = KVTransferConfig(kv_rank=rank, kv_port=port + offset, kv_buffer_size=max_bytes * 2 + (1 << 20),
-                                  kv_timeout=60.0, kv_connect_timeout=60.0, kv_shared_memory=mode)
+        config = KVTransferConfig(
+            kv_rank=rank,
+            kv_port=port + offset,
+            kv_buffer_size=max_bytes * 2 + (1 << 20),
+            kv_timeout=60.0,
+            kv_connect_timeout=60.0,
+            kv_shared_memory=mode,
+        )
         pipes[name] = TorchDistributedPipe(config)
         assert pipes[name].uses_shared_memory == (mode == "on"), f"{name} pipe took the wrong payload path"
     return pipes
@@ -127,19 +133,29 @@ def worker(rank: int, port: int, sizes: list[int], iters: int, rounds: int, resu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4K,64K,1M,4M,16M,128M,512M")
-    parser.add_argument("--iters", type=int, default=7,
-                        help="timed round trips per round, at least (small sizes get more, see timed_round_trips)")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=7,
+        help="timed round trips per round, at least (small sizes get more, see timed_round_trips)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="alternations of raw and the pipes (1 above 128 MiB)")
     args = parser.parse_args()
     sizes = parse_sizes(args.sizes)
     rows = run_two_ranks(worker, (free_port(span=6), sizes, args.iters, args.rounds))
     counts = ", ".join(str(timed_round_trips(nbytes, args.iters)) for nbytes in sizes)
-    print(f"torch {torch.__version__}, two processes on one host, ping-pong one-way time (median of "
-          f"{args.rounds} alternating rounds; round trips per round: {counts})")
-    print("raw: gloo send/recv into a reused buffer; transport: the pipe with kv_shared_memory='off'; shm: with "
-          "'on'; floor: one copy into a frame, one gloo message (sizes that fit a frame)")
-    print(f"{'size':>9} | {'raw GB/s':>8} | {'transp GB/s':>11} | {'shm GB/s':>8} | {'transp/raw':>10} | "
-          f"{'shm/raw':>7} | {'raw us':>9} | {'transp us':>9} | {'shm us':>9} | {'floor us':>9} | {'floor/raw':>9}")
+    print(
+        f"torch {torch.__version__}, two processes on one host, ping-pong one-way time (median of "
+        f"{args.rounds} alternating rounds; round trips per round: {counts})"
+    )
+    print(
+        "raw: gloo send/recv into a reused buffer; transport: the pipe with kv_shared_memory='off'; shm: with "
+        "'on'; floor: one copy into a frame, one gloo message (sizes that fit a frame)"
+    )
+    print(
+        f"{'size':>9} | {'raw GB/s':>8} | {'transp GB/s':>11} | {'shm GB/s':>8} | {'transp/raw':>10} | "
+        f"{'shm/raw':>7} | {'raw us':>9} | {'transp us':>9} | {'shm us':>9} | {'floor us':>9} | {'floor/raw':>9}"
+    )
     print("-" * 129)
     for nbytes, raw, transport, shared, floor in rows:
         floor_columns = f"{floor * 1e6:9.1f} | {raw / floor:8.2f}x" if floor is not None else f"{'-':>9} | {'-':>9}"

@@ -45,9 +45,20 @@ from launch.serve import kv_transfer_config, stop, vllm_serve_command
 
 MODEL_NAME = "heavy-kv"
 STREAMS, STREAM_PROMPT, STREAM_TOKENS = 3, 16, 1500
-SERVE_ARGS = ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-              "--block-size", "32", "--seed", "0",
-              "--enable-prompt-tokens-details"]
+SERVE_ARGS = [
+    "--served-model-name",
+    MODEL_NAME,
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    "2048",
+    "--block-size",
+    "32",
+    "--seed",
+    "0",
+    "--enable-prompt-tokens-details",
+]
 KV_MEMORY = {"prefill": 512 << 20, "decode": 1 << 30, "colocated": 1 << 30}
 READY_TIMEOUT = 300.0
 LINK_RATE = "1gbit"
@@ -57,8 +68,9 @@ LINK_RATE = "1gbit"
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120) -> urllib.request.addinfourl:
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     return urllib.request.urlopen(request, timeout=timeout)
 
 
@@ -86,11 +98,11 @@ def _stream(url: str, body: dict[str, Any], times: list[float], stop_event: thre
                 return None  # closing the connection aborts the request in vLLM
             if not line.startswith(b"data: {"):
                 continue
-            chunk = json.loads(line[len(b"data: "):])
+            chunk = json.loads(line[len(b"data: ") :])
             if chunk.get("choices"):
                 times.append(time.monotonic())
             if chunk.get("usage"):
-                cached = ((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     return cached
 
 
@@ -104,8 +116,13 @@ def run_client(prefill_url: str | None, decode_url: str, arrivals: int, prompt_t
     streams: list[list[float]] = [[] for _ in range(STREAMS)]
     threads = []
     for index in range(STREAMS):
-        body = {"model": MODEL_NAME, "prompt": [rng.randrange(5, VOCAB) for _ in range(STREAM_PROMPT)],
-                "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": [rng.randrange(5, VOCAB) for _ in range(STREAM_PROMPT)],
+            "max_tokens": STREAM_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         thread = threading.Thread(target=_stream, args=(decode_url, body, streams[index], stop_event), daemon=True)
         thread.start()
         threads.append(thread)
@@ -145,16 +162,18 @@ def _client_main(args: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def servers(commands: list[tuple[list[str], dict[str, str]]], log_dir: Path, tag: str,
-            popen: Any = None) -> Iterator[None]:
+def servers(
+    commands: list[tuple[list[str], dict[str, str]]], log_dir: Path, tag: str, popen: Any = None
+) -> Iterator[None]:
     """Start ``(argv, env)`` servers (the client waits until they answer), stop them on exit."""
     processes = []
     try:
         for index, (argv, env) in enumerate(commands):
             log = open(log_dir / f"{tag}-{index}.log", "wb")  # noqa: SIM115 - closed with the process
             if popen is None:
-                process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+                process = subprocess.Popen(
+                    argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
             else:
                 process = popen(index, argv, env, log)
             processes.append(process)
@@ -168,8 +187,9 @@ def pair_commands(model: str, hosts: tuple[str, str], ports: dict[str, int]) -> 
     commands = []
     for index, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
         transfer = kv_transfer_config(role, hosts[0], ports["kv"], extra)
-        argv = vllm_serve_command(model, hosts[index], ports[name], transfer,
-                                  [*SERVE_ARGS, "--kv-cache-memory-bytes", str(KV_MEMORY[name])])
+        argv = vllm_serve_command(
+            model, hosts[index], ports[name], transfer, [*SERVE_ARGS, "--kv-cache-memory-bytes", str(KV_MEMORY[name])]
+        )
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(index), "VLLM_LOGGING_LEVEL": "WARNING"}
         commands.append((argv, env))
     return commands
@@ -178,33 +198,75 @@ def pair_commands(model: str, hosts: tuple[str, str], ports: dict[str, int]) -> 
 def measure(setup: str, model: str, log_dir: Path, arrivals: int, prompt_tokens: int) -> dict:
     ports = {name: free_port() for name in ("prefill", "decode", "kv")}
     if setup == "colocated":
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-                "--port", str(ports["decode"]), *SERVE_ARGS, "--kv-cache-memory-bytes", str(KV_MEMORY["colocated"])]
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports["decode"]),
+            *SERVE_ARGS,
+            "--kv-cache-memory-bytes",
+            str(KV_MEMORY["colocated"]),
+        ]
         with servers([(argv, {"VLLM_CPU_OMP_THREADS_BIND": "1"})], log_dir, setup):
             return run_client(None, f"http://127.0.0.1:{ports['decode']}", arrivals, prompt_tokens, seed=1)
     if setup == "loopback":
         with servers(pair_commands(model, ("127.0.0.1", "127.0.0.1"), ports), log_dir, setup):
-            return run_client(f"http://127.0.0.1:{ports['prefill']}", f"http://127.0.0.1:{ports['decode']}",
-                              arrivals, prompt_tokens, seed=1)
+            return run_client(
+                f"http://127.0.0.1:{ports['prefill']}",
+                f"http://127.0.0.1:{ports['decode']}",
+                arrivals,
+                prompt_tokens,
+                seed=1,
+            )
     with netns.two_hosts() as hosts:
         for host in (0, 1):
-            hosts.tc(host, "qdisc", "add", "dev", hosts.links[host], "root", "tbf", "rate", LINK_RATE, "burst",
-                     "512kb", "latency", "50ms")
+            hosts.tc(
+                host,
+                "qdisc",
+                "add",
+                "dev",
+                hosts.links[host],
+                "root",
+                "tbf",
+                "rate",
+                LINK_RATE,
+                "burst",
+                "512kb",
+                "latency",
+                "50ms",
+            )
         commands = pair_commands(model, hosts.addresses, ports)
 
         def popen(index: int, argv: list[str], env: dict[str, str], log: Any) -> subprocess.Popen:
-            return subprocess.Popen(["ip", "netns", "exec", hosts.names[index], *argv],
-                                    env=netns.child_env(env), stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(
+                ["ip", "netns", "exec", hosts.names[index], *argv],
+                env=netns.child_env(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
         with servers(commands, log_dir, setup, popen):
             out = log_dir / "client.json"
-            kwargs = {"prefill_url": f"http://{hosts.addresses[0]}:{ports['prefill']}",
-                      "decode_url": f"http://{hosts.addresses[1]}:{ports['decode']}", "arrivals": arrivals,
-                      "prompt_tokens": prompt_tokens, "seed": 1}
+            kwargs = {
+                "prefill_url": f"http://{hosts.addresses[0]}:{ports['prefill']}",
+                "decode_url": f"http://{hosts.addresses[1]}:{ports['decode']}",
+                "arrivals": arrivals,
+                "prompt_tokens": prompt_tokens,
+                "seed": 1,
+            }
             client = [sys.executable, "-m", "benchmarks.bench_serving", "--client", json.dumps(kwargs), str(out)]
-            subprocess.run(["ip", "netns", "exec", hosts.names[1], *client], env=netns.child_env(), check=True,
-                           timeout=READY_TIMEOUT + 600)
+            subprocess.run(
+                ["ip", "netns", "exec", hosts.names[1], *client],
+                env=netns.child_env(),
+                check=True,
+                timeout=READY_TIMEOUT + 600,
+            )
             return json.loads(out.read_text())
 
 
@@ -219,26 +281,44 @@ def summarise(result: dict) -> dict[str, Any]:
     stalls, ttfts = [], []
     for arrival in result["arrivals"]:
         window = (arrival["sent"], arrival["first"])
-        longest = max((end - begin for times in result["streams"] for begin, end in _gaps(times)
-                       if end > window[0] and begin < window[1]), default=0.0)
+        longest = max(
+            (
+                end - begin
+                for times in result["streams"]
+                for begin, end in _gaps(times)
+                if end > window[0] and begin < window[1]
+            ),
+            default=0.0,
+        )
         stalls.append(longest)
         ttfts.append(arrival["first"] - arrival["start"])
     itl = sorted(end - begin for times in result["streams"] for begin, end in _gaps(times))
     decode = [arrival["first"] - arrival["sent"] for arrival in result["arrivals"]]
     loaded = sum(1 for arrival in result["arrivals"] if arrival["cached"])
-    return {"stall_median": statistics.median(stalls), "stall_max": max(stalls),
-            "itl_p50": itl[len(itl) // 2], "itl_p99": itl[min(len(itl) - 1, int(len(itl) * 0.99))],
-            "ttft_median": statistics.median(ttfts), "decode_median": statistics.median(decode), "loaded": loaded,
-            "arrivals": len(stalls)}
+    return {
+        "stall_median": statistics.median(stalls),
+        "stall_max": max(stalls),
+        "itl_p50": itl[len(itl) // 2],
+        "itl_p99": itl[min(len(itl) - 1, int(len(itl) * 0.99))],
+        "ttft_median": statistics.median(ttfts),
+        "decode_median": statistics.median(decode),
+        "loaded": loaded,
+        "arrivals": len(stalls),
+    }
 
 
 def table(summaries: dict[str, dict[str, Any]]) -> str:
-    lines = ["| setup | stall per arrival, median (max) | stream ITL p50 / p99 | arrival TTFT, median "
-             "(of which on the decode instance) | arrivals served from loaded KV |", "|---|---|---|---|---|"]
+    lines = [
+        "| setup | stall per arrival, median (max) | stream ITL p50 / p99 | arrival TTFT, median "
+        "(of which on the decode instance) | arrivals served from loaded KV |",
+        "|---|---|---|---|---|",
+    ]
     for setup, s in summaries.items():
-        lines.append(f"| {setup} | {s['stall_median'] * 1e3:.0f} ms ({s['stall_max'] * 1e3:.0f} ms) | "
-                     f"{s['itl_p50'] * 1e3:.0f} / {s['itl_p99'] * 1e3:.0f} ms | {s['ttft_median'] * 1e3:.0f} ms "
-                     f"({s['decode_median'] * 1e3:.0f} ms) | {s['loaded']} of {s['arrivals']} |")
+        lines.append(
+            f"| {setup} | {s['stall_median'] * 1e3:.0f} ms ({s['stall_max'] * 1e3:.0f} ms) | "
+            f"{s['itl_p50'] * 1e3:.0f} / {s['itl_p99'] * 1e3:.0f} ms | {s['ttft_median'] * 1e3:.0f} ms "
+            f"({s['decode_median'] * 1e3:.0f} ms) | {s['loaded']} of {s['arrivals']} |"
+        )
     return "\n".join(lines)
 
 
@@ -252,13 +332,19 @@ def plot(results: dict[str, dict], path: Path) -> None:
     for axis, (setup, result) in zip(axes[:, 0], results.items(), strict=True):
         origin = min(times[0] for times in result["streams"])
         for index, times in enumerate(result["streams"]):
-            axis.plot([end - origin for _, end in _gaps(times)], [(end - begin) * 1e3 for begin, end in _gaps(times)],
-                      lw=0.8, label=f"stream {index}")
+            axis.plot(
+                [end - origin for _, end in _gaps(times)],
+                [(end - begin) * 1e3 for begin, end in _gaps(times)],
+                lw=0.8,
+                label=f"stream {index}",
+            )
         for arrival in result["arrivals"]:
             axis.axvline(arrival["sent"] - origin, color="red", lw=0.6, ls="--")
             axis.axvline(arrival["first"] - origin, color="grey", lw=0.6, ls=":")
-        axis.set_title(f"{setup}: inter-token latency of the running streams "
-                       "(red: an arrival's decode request, grey: its first token)")
+        axis.set_title(
+            f"{setup}: inter-token latency of the running streams "
+            "(red: an arrival's decode request, grey: its first token)"
+        )
         axis.set_ylabel("ITL (ms)")
         axis.legend(loc="upper right", fontsize=7)
     axes[-1, 0].set_xlabel("time (s)")

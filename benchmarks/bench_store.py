@@ -112,8 +112,9 @@ def prompts(workload: Workload, seed: int = 0) -> list[list[list[int]]]:
 # ---------------------------------------------------------------------- engine body (a child process)
 
 
-def _ask(engine: Any, request_id: str, prompt: list[int], answer_tokens: int,
-         timeout: float = 600) -> tuple[float, list[int], int]:
+def _ask(
+    engine: Any, request_id: str, prompt: list[int], answer_tokens: int, timeout: float = 600
+) -> tuple[float, list[int], int]:
     """One request alone in the engine: (seconds to its first token, its tokens, the prompt tokens
     vLLM did not compute)."""
     from vllm import SamplingParams
@@ -151,8 +152,14 @@ def _settle(connector: Any, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
-def engine_body(model: str, workload: Workload, rounds: list[list[list[int]]], tiers: str | None,
-                prefix_caching: bool, peer: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def engine_body(
+    model: str,
+    workload: Workload,
+    rounds: list[list[list[int]]],
+    tiers: str | None,
+    prefix_caching: bool,
+    peer: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
     """Serve ``rounds`` one after the other, each prompt alone; per round its TTFTs, wall time,
     answers and the store's counters it added (``peer``: another connector's kv_transfer_config,
     whose loads are the tokens vLLM reports as cached)."""
@@ -160,14 +167,28 @@ def engine_body(model: str, workload: Workload, rounds: list[list[list[int]]], t
 
     transfer = peer
     if tiers is not None:
-        transfer = {"kv_connector": vp.KVBRIDGE_CONNECTOR[0], "kv_connector_module_path": vp.KVBRIDGE_CONNECTOR[1],
-                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                    "kv_connector_extra_config": {"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE,
-                                                               "memory_bytes": workload.store_bytes,
-                                                               "disk_bytes": workload.store_bytes}}}
+        transfer = {
+            "kv_connector": vp.KVBRIDGE_CONNECTOR[0],
+            "kv_connector_module_path": vp.KVBRIDGE_CONNECTOR[1],
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "kv_store": {
+                    "tiers": tiers,
+                    "chunk_size": CHUNK_SIZE,
+                    "memory_bytes": workload.store_bytes,
+                    "disk_bytes": workload.store_bytes,
+                }
+            },
+        }
     kwargs = vp.engine_kwargs(model, transfer)
-    kwargs.update(enable_prefix_caching=prefix_caching, max_model_len=workload.max_model_len, dtype=workload.dtype,
-                  kv_cache_memory_bytes=workload.kv_cache_bytes, max_num_batched_tokens=workload.max_model_len)
+    kwargs.update(
+        enable_prefix_caching=prefix_caching,
+        max_model_len=workload.max_model_len,
+        dtype=workload.dtype,
+        kv_cache_memory_bytes=workload.kv_cache_bytes,
+        max_num_batched_tokens=workload.max_model_len,
+    )
     llm = vp._llm(kwargs)
     try:
         engine = llm.llm_engine
@@ -178,8 +199,9 @@ def engine_body(model: str, workload: Workload, rounds: list[list[list[int]]], t
         for index, batch in enumerate(rounds):
             before = connector.store_stats() if connector is not None else None
             start = time.perf_counter()
-            asked = [_ask(engine, f"r{index}-d{doc}", prompt, workload.answer_tokens)
-                     for doc, prompt in enumerate(batch)]
+            asked = [
+                _ask(engine, f"r{index}-d{doc}", prompt, workload.answer_tokens) for doc, prompt in enumerate(batch)
+            ]
             wall = time.perf_counter() - start
             loaded, tokens_loaded = 0, sum(cached for _, _, cached in asked)
             if connector is not None:
@@ -187,8 +209,15 @@ def engine_body(model: str, workload: Workload, rounds: list[list[list[int]]], t
                 loaded = after.bytes_loaded - before.bytes_loaded
                 tokens_loaded = (after.chunks_loaded - before.chunks_loaded) * CHUNK_SIZE
                 _settle(connector)
-            results.append({"ttft": [ttft for ttft, _, _ in asked], "tokens": [tokens for _, tokens, _ in asked],
-                            "wall": wall, "bytes_loaded": loaded, "tokens_loaded": tokens_loaded})
+            results.append(
+                {
+                    "ttft": [ttft for ttft, _, _ in asked],
+                    "tokens": [tokens for _, tokens, _ in asked],
+                    "wall": wall,
+                    "bytes_loaded": loaded,
+                    "tokens_loaded": tokens_loaded,
+                }
+            )
         return results
     finally:
         vp._shutdown(llm)
@@ -215,16 +244,28 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 def mismatches(row: Row, reference: dict[tuple[int, ...], list[int]]) -> int:
-    return sum(reference[tuple(prompt)] != tokens
-               for batch, result in zip(row.prompts, row.rounds, strict=True)
-               for prompt, tokens in zip(batch, result["tokens"], strict=True))
+    return sum(
+        reference[tuple(prompt)] != tokens
+        for batch, result in zip(row.prompts, row.rounds, strict=True)
+        for prompt, tokens in zip(batch, result["tokens"], strict=True)
+    )
 
 
 def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple[str, int]:
     """The table, and the mismatches in all."""
     baseline = statistics.median(rows[0].ttfts)
-    header = ("setup", "requests", "TTFT p50 ms", "TTFT p99 ms", "x recompute", "req/s", "hit rate", "load GB/s",
-              "mismatches", "target")
+    header = (
+        "setup",
+        "requests",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "x recompute",
+        "req/s",
+        "hit rate",
+        "load GB/s",
+        "mismatches",
+        "target",
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     wrong = 0
     for row in rows:
@@ -241,9 +282,18 @@ def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple
             target = f"{'<=' if kind == 'warm' else 'within'} {limit:.2f}x: {'met' if ratio <= limit else 'MISSED'}"
         row_wrong = mismatches(row, reference)
         wrong += row_wrong
-        cells = (row.name, str(len(ttfts)), f"{p50 * 1e3:.1f}", f"{percentile(ttfts, 0.99) * 1e3:.1f}",
-                 f"{ratio:.2f}x", f"{len(ttfts) / sum(r['wall'] for r in row.rounds):.2f}", f"{hit:.0%}", rate,
-                 str(row_wrong), target)
+        cells = (
+            row.name,
+            str(len(ttfts)),
+            f"{p50 * 1e3:.1f}",
+            f"{percentile(ttfts, 0.99) * 1e3:.1f}",
+            f"{ratio:.2f}x",
+            f"{len(ttfts) / sum(r['wall'] for r in row.rounds):.2f}",
+            f"{hit:.0%}",
+            rate,
+            str(row_wrong),
+            target,
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines), wrong
 
@@ -299,14 +349,18 @@ def parse_peers(configs: list[str], new_instances: list[str]) -> list[Peer]:
     return peers
 
 
-def plan(workload: Workload, tiers: list[str], directory: Path, redis_url: str | None,
-         peers: Sequence[Peer] = ()) -> list[Instance]:
+def plan(
+    workload: Workload, tiers: list[str], directory: Path, redis_url: str | None, peers: Sequence[Peer] = ()
+) -> list[Instance]:
     """Instances in order: kvbridge's, then the peers'."""
     every, later = list(range(workload.rounds)), list(range(1, workload.rounds))
     instances = [Instance("plain", None, False, every), Instance("plain + prefix cache", None, True, every)]
     for tier in tiers:
-        spec = {"memory": f"memory,disk:{directory / 'memory'}", "disk": f"disk:{directory / 'disk'}",
-                "redis": redis_url}[tier]
+        spec = {
+            "memory": f"memory,disk:{directory / 'memory'}",
+            "disk": f"disk:{directory / 'disk'}",
+            "redis": redis_url,
+        }[tier]
         instances.append(Instance(tier, spec, True, every))
         if tier != "memory":
             instances.append(Instance(f"{tier}, new instance", spec, True, later))
@@ -317,8 +371,7 @@ def plan(workload: Workload, tiers: list[str], directory: Path, redis_url: str |
     return instances
 
 
-def rows_of(name: str, served: list[int], results: list[dict[str, Any]], rounds: list[list[list[int]]]
-            ) -> list[Row]:
+def rows_of(name: str, served: list[int], results: list[dict[str, Any]], rounds: list[list[list[int]]]) -> list[Row]:
     """The rows one instance gives: plain rows whole, plain + prefix cache its later rounds, a store
     instance its cold round and its warm rounds (a new instance: warm only)."""
     by_round = dict(zip(served, results, strict=True))
@@ -335,8 +388,14 @@ def rows_of(name: str, served: list[int], results: list[dict[str, Any]], rounds:
         new_instance = name.endswith("new instance")
         limit = WARM_MEMORY if name == "memory" else WARM_SHARED if new_instance or name == "redis" else None
         limit = limit if ours else None
-        out.append(Row(name if new_instance else f"{name}, warm", [by_round[i] for i in later],
-                       [rounds[i] for i in later], ("warm", limit) if limit is not None else None))
+        out.append(
+            Row(
+                name if new_instance else f"{name}, warm",
+                [by_round[i] for i in later],
+                [rounds[i] for i in later],
+                ("warm", limit) if limit is not None else None,
+            )
+        )
     return out
 
 
@@ -354,39 +413,73 @@ def run(workload: Workload, tiers: list[str], peers: Sequence[Peer] = ()) -> tup
             rows: list[Row] = []
             instances = plan(workload, tiers, directory, redis.url if redis else None, peers)
             for index, instance in enumerate(tqdm(instances, desc="instances", file=sys.stderr)):
-                engines.start(f"{index}", engine_body, vp.engine_env(0), model=model, workload=workload,
-                              rounds=[rounds[i] for i in instance.rounds], tiers=instance.tiers,
-                              prefix_caching=instance.prefix_caching, peer=instance.peer)
+                engines.start(
+                    f"{index}",
+                    engine_body,
+                    vp.engine_env(0),
+                    model=model,
+                    workload=workload,
+                    rounds=[rounds[i] for i in instance.rounds],
+                    tiers=instance.tiers,
+                    prefix_caching=instance.prefix_caching,
+                    peer=instance.peer,
+                )
                 results = engines.wait([f"{index}"], ENGINE_TIMEOUT)[f"{index}"]
                 rows.extend(rows_of(instance.name, instance.rounds, results, rounds))
         finally:
             if redis is not None:
                 redis.kill()
-    reference = {tuple(prompt): tokens for batch, result in zip(rounds, rows[0].rounds, strict=True)
-                 for prompt, tokens in zip(batch, result["tokens"], strict=True)}
+    reference = {
+        tuple(prompt): tokens
+        for batch, result in zip(rounds, rows[0].rounds, strict=True)
+        for prompt, tokens in zip(batch, result["tokens"], strict=True)
+    }
     return table(rows, reference)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few minutes")
-    parser.add_argument("--documents", type=int, help=f"documents (default {Workload.documents}, quick "
-                                                      f"{QUICK.documents})")
+    parser.add_argument(
+        "--documents", type=int, help=f"documents (default {Workload.documents}, quick {QUICK.documents})"
+    )
     parser.add_argument("--doc-tokens", type=int, help=f"tokens per document (default {Workload.doc_tokens})")
     parser.add_argument("--rounds", type=int, help=f"times each document is asked (default {Workload.rounds})")
-    parser.add_argument("--tiers", default="memory,disk,redis",
-                        help="store tiers to measure, of memory,disk,redis (empty: none)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_BYTES),
-                        help="model and KV dtype (default float32: on CPU, bfloat16 is far slower)")
-    parser.add_argument("--connector-config", action="append", default=[], metavar="NAME=JSON",
-                        help="also measure another connector: its kv_transfer_config as JSON ({redis}: the run's "
-                             "redis-server URL); repeatable")
-    parser.add_argument("--new-instance", action="append", default=[], metavar="NAME",
-                        help="also a new instance of that --connector-config on the same store")
+    parser.add_argument(
+        "--tiers", default="memory,disk,redis", help="store tiers to measure, of memory,disk,redis (empty: none)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPE_BYTES),
+        help="model and KV dtype (default float32: on CPU, bfloat16 is far slower)",
+    )
+    parser.add_argument(
+        "--connector-config",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="also measure another connector: its kv_transfer_config as JSON ({redis}: the run's "
+        "redis-server URL); repeatable",
+    )
+    parser.add_argument(
+        "--new-instance",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also a new instance of that --connector-config on the same store",
+    )
     args = parser.parse_args(argv)
     base = QUICK if args.quick else Workload()
-    workload = dataclasses.replace(base, dtype=args.dtype, **{key: value for key, value in (
-        ("documents", args.documents), ("doc_tokens", args.doc_tokens), ("rounds", args.rounds)) if value is not None})
+    workload = dataclasses.replace(
+        base,
+        dtype=args.dtype,
+        **{
+            key: value
+            for key, value in (("documents", args.documents), ("doc_tokens", args.doc_tokens), ("rounds", args.rounds))
+            if value is not None
+        },
+    )
     tiers = [tier.strip() for tier in args.tiers.split(",") if tier.strip()]
     if unknown := set(tiers) - {"memory", "disk", "redis"}:
         parser.error(f"unknown tiers {sorted(unknown)}: choose from memory, disk, redis")
@@ -395,17 +488,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if workload.rounds < 2 or workload.documents * workload.doc_tokens <= CACHED_PROMPTS * workload.max_model_len:
-        parser.error("need at least 2 rounds and more documents than vLLM's KV cache holds "
-                     f"({CACHED_PROMPTS:g} documents)")
-    print(f"{workload.documents} documents of {workload.doc_tokens} tokens, {workload.rounds} rounds, "
-          f"{QUESTION_TOKENS}-token questions, {workload.answer_tokens}-token answers; vLLM's KV cache: "
-          f"{workload.kv_cache_bytes >> 20} MiB; store chunks of {CHUNK_SIZE} tokens; {workload.dtype}.")
+        parser.error(
+            f"need at least 2 rounds and more documents than vLLM's KV cache holds ({CACHED_PROMPTS:g} documents)"
+        )
+    print(
+        f"{workload.documents} documents of {workload.doc_tokens} tokens, {workload.rounds} rounds, "
+        f"{QUESTION_TOKENS}-token questions, {workload.answer_tokens}-token answers; vLLM's KV cache: "
+        f"{workload.kv_cache_bytes >> 20} MiB; store chunks of {CHUNK_SIZE} tokens; {workload.dtype}."
+    )
     text, wrong = run(workload, tiers, peers)
     print(text)
-    print("TTFT: sequential requests, from adding one to the engine step that returns its first token. "
-          "Targets: warm from memory <= 0.25x of recompute, from Redis or a new instance <= 0.35x, "
-          "cold within 5% of recompute." + (" A peer's hit rate: the prompt tokens vLLM reports as cached."
-                                             if peers else ""))
+    print(
+        "TTFT: sequential requests, from adding one to the engine step that returns its first token. "
+        "Targets: warm from memory <= 0.25x of recompute, from Redis or a new instance <= 0.35x, "
+        "cold within 5% of recompute."
+        + (" A peer's hit rate: the prompt tokens vLLM reports as cached." if peers else "")
+    )
     if wrong:
         print(f"{wrong} answers differ from the plain instance's", file=sys.stderr)
     return 1 if wrong else 0

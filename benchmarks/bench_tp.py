@@ -59,12 +59,28 @@ def _worker(role: str, port: int, tp: int, rank: int, shape: argparse.Namespace,
         else:
             cache.zero_()
         caches.append(cache)
-    extra = {"kv_ip": "127.0.0.1", "kv_timeout": 30.0, "kv_buffer_size": 4 << 30, "kv_lend_blocks": lend,
-             "kv_load_timeout": 30.0}
+    extra = {
+        "kv_ip": "127.0.0.1",
+        "kv_timeout": 30.0,
+        "kv_buffer_size": 4 << 30,
+        "kv_lend_blocks": lend,
+        "kv_load_timeout": 30.0,
+    }
     settings = ConnectorSettings.from_vllm(role, port, "cpu", extra)
-    identity = compat.KVLayoutInfo(version=compat.VERSION, role=role, model="bench", dtype="", block_size=BLOCK_SIZE,
-                                   num_layers=0, block_shape=(), layout="", tp_size=tp, tp_rank=rank,
-                                   total_kv_heads=shape.heads, head_size=shape.head_size)
+    identity = compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role=role,
+        model="bench",
+        dtype="",
+        block_size=BLOCK_SIZE,
+        num_layers=0,
+        block_shape=(),
+        layout="",
+        tp_size=tp,
+        tp_rank=rank,
+        total_kv_heads=shape.heads,
+        head_size=shape.head_size,
+    )
     worker = WorkerSide(settings, identity, listen_port_offset(rank))
     worker.connect(caches, VLLM_CPU_LAYOUT)
     return worker, caches
@@ -72,16 +88,23 @@ def _worker(role: str, port: int, tp: int, rank: int, shape: argparse.Namespace,
 
 def _requests(shape: argparse.Namespace) -> list[SaveSpec]:
     per = shape.tokens // BLOCK_SIZE
-    return [SaveSpec(f"r{index}", list(range(index * 100_000, index * 100_000 + shape.tokens)),
-                     list(range(index * per, (index + 1) * per))) for index in range(shape.requests)]
+    return [
+        SaveSpec(
+            f"r{index}",
+            list(range(index * 100_000, index * 100_000 + shape.tokens)),
+            list(range(index * per, (index + 1) * per)),
+        )
+        for index in range(shape.requests)
+    ]
 
 
 def _log_warnings(name: str) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"{name}: %(name)s: %(message)s")
 
 
-def prefill_rank(port: int, tp: int, rank: int, shape: argparse.Namespace, lend: bool, saved: Any, done: Any,
-                 results: Any) -> None:
+def prefill_rank(
+    port: int, tp: int, rank: int, shape: argparse.Namespace, lend: bool, saved: Any, done: Any, results: Any
+) -> None:
     _log_warnings(f"prefill rank {rank}")
     try:
         worker, _ = _worker("kv_producer", port, tp, rank, shape, lend)
@@ -97,8 +120,9 @@ def prefill_rank(port: int, tp: int, rank: int, shape: argparse.Namespace, lend:
         results.put(("prefill", rank, repr(exc)))
 
 
-def decode_rank(port: int, prefill_tp: int, tp: int, rank: int, shape: argparse.Namespace, saved: Any,
-                barrier: Any, results: Any) -> None:
+def decode_rank(
+    port: int, prefill_tp: int, tp: int, rank: int, shape: argparse.Namespace, saved: Any, barrier: Any, results: Any
+) -> None:
     _log_warnings(f"decode rank {rank}")
     try:
         worker, caches = _worker("kv_consumer", port, tp, rank, shape, True)
@@ -109,8 +133,19 @@ def decode_rank(port: int, prefill_tp: int, tp: int, rank: int, shape: argparse.
         for spec in _requests(shape):
             barrier.wait()
             start = time.perf_counter()
-            worker.start_loads([LoadSpec(spec.req_id, spec.token_ids, spec.block_ids, 0, wait=True,
-                                         producer=("127.0.0.1", port), producer_tp=prefill_tp)])
+            worker.start_loads(
+                [
+                    LoadSpec(
+                        spec.req_id,
+                        spec.token_ids,
+                        spec.block_ids,
+                        0,
+                        wait=True,
+                        producer=("127.0.0.1", port),
+                        producer_tp=prefill_tp,
+                    )
+                ]
+            )
             finished: set[str] = set()
             while spec.req_id not in finished:
                 finished |= worker.take_finished_loads()
@@ -136,10 +171,14 @@ def run_pair(prefill_tp: int, decode_tp: int, shape: argparse.Namespace, lend: b
     results, done = _CTX.Queue(), _CTX.Event()
     saved = [_CTX.Event() for _ in range(prefill_tp)]
     barrier = _CTX.Barrier(decode_tp)
-    processes = [_CTX.Process(target=prefill_rank, args=(port, prefill_tp, rank, shape, lend, saved[rank], done,
-                                                         results)) for rank in range(prefill_tp)]
-    processes += [_CTX.Process(target=decode_rank, args=(port, prefill_tp, decode_tp, rank, shape, saved, barrier,
-                                                          results)) for rank in range(decode_tp)]
+    processes = [
+        _CTX.Process(target=prefill_rank, args=(port, prefill_tp, rank, shape, lend, saved[rank], done, results))
+        for rank in range(prefill_tp)
+    ]
+    processes += [
+        _CTX.Process(target=decode_rank, args=(port, prefill_tp, decode_tp, rank, shape, saved, barrier, results))
+        for rank in range(decode_tp)
+    ]
     for process in processes:
         process.start()
     decoded: dict[int, dict[str, Any]] = {}
@@ -163,8 +202,12 @@ def run_pair(prefill_tp: int, decode_tp: int, shape: argparse.Namespace, lend: b
                 process.kill()
     per_request = [max(decoded[rank]["times"][index] for rank in decoded) for index in range(1, shape.requests)]
     moved = [decoded[rank]["bytes"] / shape.requests for rank in sorted(decoded)]
-    return {"per_rank": moved[0], "total": sum(moved), "seconds": statistics.median(per_request),
-            "spread": (min(per_request), max(per_request))}
+    return {
+        "per_rank": moved[0],
+        "total": sum(moved),
+        "seconds": statistics.median(per_request),
+        "spread": (min(per_request), max(per_request)),
+    }
 
 
 def _size(nbytes: float) -> str:
@@ -186,19 +229,25 @@ def main(argv: list[str] | None = None) -> int:
     shape.blocks = shape.requests * shape.tokens // BLOCK_SIZE + 1
     pairs = [tuple(int(size) for size in pair.split(":")) for pair in shape.pairs.split(",")]
     request_mib = shape.layers * shape.tokens * shape.heads * 2 * shape.head_size * DTYPE.itemsize / (1 << 20)
-    print(f"{shape.tokens} tokens x {shape.layers} layers x {shape.heads} KV heads of {shape.head_size} "
-          f"({DTYPE}): {request_mib:.0f} MiB of KV per request; {'copied' if shape.copied else 'lent'}; "
-          f"median of {shape.requests - 1} requests")
-    print("| prefill TP -> decode TP | moved per decode rank | moved in all | time per request (median) "
-          "| range | rate |")
+    print(
+        f"{shape.tokens} tokens x {shape.layers} layers x {shape.heads} KV heads of {shape.head_size} "
+        f"({DTYPE}): {request_mib:.0f} MiB of KV per request; {'copied' if shape.copied else 'lent'}; "
+        f"median of {shape.requests - 1} requests"
+    )
+    print(
+        "| prefill TP -> decode TP | moved per decode rank | moved in all | time per request (median) | range | rate |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for prefill_tp, decode_tp in pairs:
         result = run_pair(prefill_tp, decode_tp, shape, not shape.copied)
         low, high = result["spread"]
         rate = result["total"] / result["seconds"] / (1 << 30)
-        print(f"| {prefill_tp} -> {decode_tp} | {_size(result['per_rank'])} | {_size(result['total'])} "
-              f"| {result['seconds'] * 1000:.1f} ms "
-              f"| {low * 1000:.1f}-{high * 1000:.1f} ms | {rate:.2f} GiB/s |", flush=True)
+        print(
+            f"| {prefill_tp} -> {decode_tp} | {_size(result['per_rank'])} | {_size(result['total'])} "
+            f"| {result['seconds'] * 1000:.1f} ms "
+            f"| {low * 1000:.1f}-{high * 1000:.1f} ms | {rate:.2f} GiB/s |",
+            flush=True,
+        )
     return 0
 
 

@@ -68,17 +68,22 @@ def main(argv: list[str] | None = None) -> None:
             for p, prefill in enumerate(prefills):
                 for d, decode in enumerate(decodes):
                     batch = prompts(args.requests + 1, seed=10 * p + d)
-                    times = [timed_request(lambda q, a=prefill, b=decode: xp.by_hand(a.url, b.url, q)[0], prompt)
-                             for prompt in batch]
+                    times = [
+                        timed_request(lambda q, a=prefill, b=decode: xp.by_hand(a.url, b.url, q)[0], prompt)
+                        for prompt in batch
+                    ]
                     rows.append((f"P{p} -> D{d}", times[0], statistics.median(times[1:])))
             pairs = [(prefill, decode) for prefill in prefills for decode in decodes]
             batch = prompts(4 * args.requests, seed=77)
-            by_hand = [timed_request(lambda q, pair=pairs[i % 4]: xp.by_hand(pair[0].url, pair[1].url, q)[0], prompt)
-                       for i, prompt in enumerate(batch[: 2 * args.requests])]
+            by_hand = [
+                timed_request(lambda q, pair=pairs[i % 4]: xp.by_hand(pair[0].url, pair[1].url, q)[0], prompt)
+                for i, prompt in enumerate(batch[: 2 * args.requests])
+            ]
             front = ThreadedProxy([i.url for i in prefills], [i.url for i in decodes], read_timeout=600)
             try:
-                proxied = [timed_request(lambda q: xp.ask(front.url, q), prompt)
-                           for prompt in batch[2 * args.requests:]]
+                proxied = [
+                    timed_request(lambda q: xp.ask(front.url, q), prompt) for prompt in batch[2 * args.requests :]
+                ]
             finally:
                 front.close()
         finally:

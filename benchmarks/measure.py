@@ -32,8 +32,9 @@ def label(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def raw_group(rank: int, port: int, ip: str = "127.0.0.1"
-              ) -> tuple[torch.distributed.ProcessGroup, torch.distributed.TCPStore]:
+def raw_group(
+    rank: int, port: int, ip: str = "127.0.0.1"
+) -> tuple[torch.distributed.ProcessGroup, torch.distributed.TCPStore]:
     """A two-member ProcessGroupGloo on its own TCPStore (hosted by rank 0 at ``ip:port``), listening
     on the local address that faces ``ip``. The store must outlive the group."""
     store = torch.distributed.TCPStore(ip, port, 2, rank == 0, timeout=RAW_GROUP_TIMEOUT)
@@ -87,8 +88,9 @@ def run_two_ranks(worker: Callable[..., None], args: tuple, timeout: float = 180
             except queue.Empty:
                 failed = [process.exitcode for process in processes if process.exitcode not in (None, 0)]
                 if failed:
-                    raise SystemExit(f"a benchmark process failed (exit codes {failed}); see its traceback above") \
-                        from None
+                    raise SystemExit(
+                        f"a benchmark process failed (exit codes {failed}); see its traceback above"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise SystemExit(f"the benchmark did not finish within {timeout:g} s") from None
     finally:

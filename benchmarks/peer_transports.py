@@ -194,13 +194,20 @@ class Pipe(Transport):
     def connect(self, ctx: Context) -> None:
         # Across hosts the pipe chooses for itself ("auto") and must choose the transport.
         mode = "on" if self.shared else ("auto" if ctx.across_hosts else "off")
-        config = KVTransferConfig(kv_rank=ctx.rank, kv_ip=ctx.ip, kv_port=ctx.port + (4 if self.shared else 2),
-                                  kv_buffer_size=2 * ctx.source.nbytes + (1 << 20), kv_shared_memory=mode,
-                                  kv_timeout=60.0, kv_connect_timeout=120.0)
+        config = KVTransferConfig(
+            kv_rank=ctx.rank,
+            kv_ip=ctx.ip,
+            kv_port=ctx.port + (4 if self.shared else 2),
+            kv_buffer_size=2 * ctx.source.nbytes + (1 << 20),
+            kv_shared_memory=mode,
+            kv_timeout=60.0,
+            kv_connect_timeout=120.0,
+        )
         self.pipe = TorchDistributedPipe(config)
         if self.pipe.uses_shared_memory != self.shared:
-            raise AssertionError(f"{self.name}: kv_shared_memory={mode!r} gave uses_shared_memory="
-                                 f"{self.pipe.uses_shared_memory}")
+            raise AssertionError(
+                f"{self.name}: kv_shared_memory={mode!r} gave uses_shared_memory={self.pipe.uses_shared_memory}"
+            )
 
     def prepare(self, ctx: Context, nbytes: int) -> Step | None:
         pipe, source = self.pipe, ctx.source[:nbytes]
@@ -428,14 +435,24 @@ def check_bytes(ctx: Context, transport: Transport, step: Step | None, nbytes: i
         raise AssertionError(f"{transport.name} delivered wrong bytes at {label(nbytes)} (checked on rank {wrong})")
 
 
-def run(rank: int, ip: str, own_ip: str, port: int, sizes: list[int], rounds: int, iters: int,
-        across_hosts: bool) -> dict:
+def run(
+    rank: int, ip: str, own_ip: str, port: int, sizes: list[int], rounds: int, iters: int, across_hosts: bool
+) -> dict:
     """Time every transport at every size; rank 0 returns the medians, both the transports' states."""
     torch.set_num_threads(1)  # memcpy's ceiling is one thread's, and spinning OpenMP threads slow the peer
     group, store = raw_group(rank, port, ip)
     largest = max(sizes)
-    ctx = Context(rank, ip, own_ip, port, across_hosts, group, store, source=torch.zeros(largest, dtype=torch.uint8),
-                  target=torch.zeros(largest, dtype=torch.uint8))
+    ctx = Context(
+        rank,
+        ip,
+        own_ip,
+        port,
+        across_hosts,
+        group,
+        store,
+        source=torch.zeros(largest, dtype=torch.uint8),
+        target=torch.zeros(largest, dtype=torch.uint8),
+    )
     every = transports()
     medians: dict[str, dict[str, float]] = {}
     try:
@@ -464,8 +481,12 @@ def run(rank: int, ip: str, own_ip: str, port: int, sizes: list[int], rounds: in
     finally:
         for transport in every:
             transport.close()
-    return {"order": [transport.name for transport in every], "unavailable": reasons, "seconds": medians,
-            "messages": {str(nbytes): timed_round_trips(nbytes, iters) for nbytes in sizes}}
+    return {
+        "order": [transport.name for transport in every],
+        "unavailable": reasons,
+        "seconds": medians,
+        "messages": {str(nbytes): timed_round_trips(nbytes, iters) for nbytes in sizes},
+    }
 
 
 def main(result_file: str, args_json: str) -> None:

@@ -53,8 +53,18 @@ class _Versioned(msgspec.Struct):
 
 #: Fields that must be equal on both sides, in the order differences are reported; ``block_shape``
 #: is compared apart from its head dimension, whose size follows from the TP size.
-_COMPARED = ("model", "dtype", "block_size", "head_size", "total_kv_heads", "latent", "num_layers", "head_dim",
-             "block_shape", "layout")
+_COMPARED = (
+    "model",
+    "dtype",
+    "block_size",
+    "head_size",
+    "total_kv_heads",
+    "latent",
+    "num_layers",
+    "head_dim",
+    "block_shape",
+    "layout",
+)
 
 
 def encode(info: KVLayoutInfo) -> torch.Tensor:
@@ -79,10 +89,18 @@ def decode(tensor: torch.Tensor | None) -> KVLayoutInfo:
         info = msgspec.msgpack.decode(data, type=KVLayoutInfo)
     except msgspec.DecodeError as exc:
         raise KVProtocolError(f"kvbridge handshake: malformed peer message: {exc}") from exc
-    if (info.block_size <= 0 or info.num_layers <= 0 or info.tp_size <= 0 or not 0 <= info.tp_rank < info.tp_size
-            or info.total_kv_heads < 0 or info.head_size < 0 or heads_problem(info) is not None):
-        raise KVProtocolError(f"kvbridge handshake: inconsistent peer message {info}: "
-                              f"{heads_problem(info) or 'a size out of range'}")
+    if (
+        info.block_size <= 0
+        or info.num_layers <= 0
+        or info.tp_size <= 0
+        or not 0 <= info.tp_rank < info.tp_size
+        or info.total_kv_heads < 0
+        or info.head_size < 0
+        or heads_problem(info) is not None
+    ):
+        raise KVProtocolError(
+            f"kvbridge handshake: inconsistent peer message {info}: {heads_problem(info) or 'a size out of range'}"
+        )
     return info
 
 
@@ -96,14 +114,16 @@ def heads_problem(info: KVLayoutInfo) -> str | None:
     if total < 1 or (total % tp and tp % total):
         return f"{total} KV heads cannot be split over {tp} TP ranks"
     if info.block_shape[info.head_dim] != tp_layout.local_heads(total, tp):
-        return (f"{info.block_shape[info.head_dim]} KV heads in a block, but {total} KV heads over {tp} TP ranks "
-                f"give {tp_layout.local_heads(total, tp)} per rank")
+        return (
+            f"{info.block_shape[info.head_dim]} KV heads in a block, but {total} KV heads over {tp} TP ranks "
+            f"give {tp_layout.local_heads(total, tp)} per rank"
+        )
     return None
 
 
 def _without_heads(info: KVLayoutInfo) -> tuple[int, ...]:
     shape = info.block_shape
-    return shape if info.head_dim < 0 else (*shape[:info.head_dim], *shape[info.head_dim + 1:])
+    return shape if info.head_dim < 0 else (*shape[: info.head_dim], *shape[info.head_dim + 1 :])
 
 
 def check_compatible(local: KVLayoutInfo, peer: KVLayoutInfo) -> None:
@@ -122,15 +142,18 @@ def check_compatible(local: KVLayoutInfo, peer: KVLayoutInfo) -> None:
             differences.append(f"{name}: this side {mine!r}, peer {theirs!r}")
     if not differences:
         prefill, decode = (local, peer) if local.role == "kv_producer" else (peer, local)
-        refusal = tp_layout.tp_refusal(local.total_kv_heads, local.latent, local.head_dim >= 0, prefill.tp_size,
-                                       decode.tp_size)
+        refusal = tp_layout.tp_refusal(
+            local.total_kv_heads, local.latent, local.head_dim >= 0, prefill.tp_size, decode.tp_size
+        )
         if refusal is not None:
             differences.append(f"tp_size: this side {local.tp_size}, peer {peer.tp_size}: {refusal}")
     if differences:
         raise KVConfigError("kvbridge: the peer instance is incompatible; " + "; ".join(differences))
     if {local.role, peer.role} != {"kv_producer", "kv_consumer"}:
-        raise KVConfigError(f"kvbridge: kv_role {local.role!r} cannot pair with a peer of kv_role {peer.role!r}; "
-                            f"one instance must be the kv_producer, the other the kv_consumer")
+        raise KVConfigError(
+            f"kvbridge: kv_role {local.role!r} cannot pair with a peer of kv_role {peer.role!r}; "
+            f"one instance must be the kv_producer, the other the kv_consumer"
+        )
 
 
 def exchange(pipe: KVPipeBase, local: KVLayoutInfo, timeout: float) -> KVLayoutInfo:

@@ -39,15 +39,17 @@ def _token_dim(received: torch.Tensor, expected: torch.Tensor, num_tokens: int) 
     exactly one such dimension, of size ``num_tokens``, with every other dimension equal."""
     if received.dim() != expected.dim() + 1:
         return None
-    differing = [dim for dim, (got, want) in enumerate(zip(received.shape[1:], expected.shape, strict=True))
-                 if got != want]
+    differing = [
+        dim for dim, (got, want) in enumerate(zip(received.shape[1:], expected.shape, strict=True)) if got != want
+    ]
     if len(differing) != 1 or received.shape[1 + differing[0]] != num_tokens:
         return None
     return differing[0]
 
 
-def _prefix_mismatch(name: str, received: torch.Tensor | None, expected: Sequence[torch.Tensor],
-                     num_tokens: int) -> str | None:
+def _prefix_mismatch(
+    name: str, received: torch.Tensor | None, expected: Sequence[torch.Tensor], num_tokens: int
+) -> str | None:
     if received is None:
         return f"no {name} tensor was received"
     if received.dim() == 0 or received.shape[0] != len(expected):
@@ -55,8 +57,10 @@ def _prefix_mismatch(name: str, received: torch.Tensor | None, expected: Sequenc
     if received.dtype != expected[0].dtype:
         return f"{name} dtype {received.dtype} received, {expected[0].dtype} expected"
     if _token_dim(received, expected[0], num_tokens) is None:
-        return (f"{name} shape {tuple(received.shape[1:])} received is not the first {num_tokens} tokens of "
-                f"{tuple(expected[0].shape)}")
+        return (
+            f"{name} shape {tuple(received.shape[1:])} received is not the first {num_tokens} tokens of "
+            f"{tuple(expected[0].shape)}"
+        )
     return None
 
 
@@ -104,8 +108,9 @@ class ContiguousKV(KVStorage):
 
     def mismatch_prefix(self, key: torch.Tensor | None, value: torch.Tensor | None, num_tokens: int) -> str | None:
         # The token dimension is the one dimension where the received stack is shorter.
-        return (_prefix_mismatch("key", key, self.keys, num_tokens)
-                or _prefix_mismatch("value", value, self.values, num_tokens))
+        return _prefix_mismatch("key", key, self.keys, num_tokens) or _prefix_mismatch(
+            "value", value, self.values, num_tokens
+        )
 
     def load_prefix(self, key: torch.Tensor, value: torch.Tensor | None, num_tokens: int) -> None:
         assert value is not None  # mismatch_prefix() rejected a missing value

@@ -43,8 +43,11 @@ def send_kv_caches_and_hidden_states(
         hidden = _in_buffer_memory(request.hidden, buffer.empty)
         loan = buffer.insert(request.input_tokens, roi, key, value, hidden, timeout=timeout)
         num_bytes = _nbytes(request.input_tokens, roi, key, value, hidden)
-        results.append(KVSendResult(num_bytes=num_bytes, seconds=time.perf_counter() - start, loan=loan,
-                                    copy_seconds=copied - start))
+        results.append(
+            KVSendResult(
+                num_bytes=num_bytes, seconds=time.perf_counter() - start, loan=loan, copy_seconds=copied - start
+            )
+        )
     return results
 
 
@@ -104,8 +107,9 @@ def recv_kv_caches_and_hidden_states(
             result = _receive_one(index, request, prefixes, *entry)
         finally:
             release_all(entry)  # KVPeerLostError if the producer took its memory back meanwhile
-        results.append(dataclasses.replace(result, seconds=time.perf_counter() - start,
-                                           **_select_phases(entry, start, selected)))
+        results.append(
+            dataclasses.replace(result, seconds=time.perf_counter() - start, **_select_phases(entry, start, selected))
+        )
     return results
 
 
@@ -120,10 +124,16 @@ def _select_phases(entry: object, start: float, selected: float) -> dict[str, fl
     return {"wait_seconds": arrived - start, "receive_seconds": None if lent else selected - arrived}
 
 
-def _receive_one(index: int, request: KVRequest, prefixes: bool, tokens: torch.Tensor | None,
-                 roi: torch.Tensor | None, key: torch.Tensor | BorrowedTensor | None,
-                 value: torch.Tensor | BorrowedTensor | None,
-                 hidden: torch.Tensor | BorrowedTensor | None) -> KVRecvResult:
+def _receive_one(
+    index: int,
+    request: KVRequest,
+    prefixes: bool,
+    tokens: torch.Tensor | None,
+    roi: torch.Tensor | None,
+    key: torch.Tensor | BorrowedTensor | None,
+    value: torch.Tensor | BorrowedTensor | None,
+    hidden: torch.Tensor | BorrowedTensor | None,
+) -> KVRecvResult:
     """Check one selected entry against ``request`` and load it, or the prefix it holds where
     ``prefixes`` (the buffer returns prefixes); ``seconds`` left 0."""
     # Only the key is ever lent by this connector; a peer that lends the others gets them copied.
@@ -143,8 +153,14 @@ def _receive_one(index: int, request: KVRequest, prefixes: bool, tokens: torch.T
             return _miss(index, request, reason, num_bytes)
         start = time.perf_counter()
         request.kv.load_prefix(key, value, found)
-        return _miss(index, request, f"only the first {found} of {num_tokens} tokens were found", num_bytes,
-                     loaded=found, copy_seconds=time.perf_counter() - start)
+        return _miss(
+            index,
+            request,
+            f"only the first {found} of {num_tokens} tokens were found",
+            num_bytes,
+            loaded=found,
+            copy_seconds=time.perf_counter() - start,
+        )
     reason = request.kv.mismatch(key, value)
     hidden_reason = _hidden_mismatch(request, hidden)
     if reason is not None or (hidden_reason is not None and not (prefixes and hidden is None)):
@@ -155,16 +171,30 @@ def _receive_one(index: int, request: KVRequest, prefixes: bool, tokens: torch.T
     else:
         request.kv.load(key, value)
     if hidden_reason is not None:  # all the KV, not the hidden state: the last token is computed again
-        return _miss(index, request, "all tokens were found but not their hidden state", num_bytes,
-                     loaded=num_tokens - 1, copy_seconds=time.perf_counter() - start)
+        return _miss(
+            index,
+            request,
+            "all tokens were found but not their hidden state",
+            num_bytes,
+            loaded=num_tokens - 1,
+            copy_seconds=time.perf_counter() - start,
+        )
     if request.hidden is not None:
         copy_between(request.hidden, hidden)
-    return KVRecvResult(hit=True, reason=None, num_bytes=num_bytes, seconds=0.0,
-                        copy_seconds=time.perf_counter() - start, num_tokens=num_tokens)
+    return KVRecvResult(
+        hit=True,
+        reason=None,
+        num_bytes=num_bytes,
+        seconds=0.0,
+        copy_seconds=time.perf_counter() - start,
+        num_tokens=num_tokens,
+    )
 
 
-def _miss(index: int, request: KVRequest, reason: str, num_bytes: int, loaded: int = 0,
-          copy_seconds: float = 0.0) -> KVRecvResult:
+def _miss(
+    index: int, request: KVRequest, reason: str, num_bytes: int, loaded: int = 0, copy_seconds: float = 0.0
+) -> KVRecvResult:
     logger.warning("batch item %d (%d tokens): miss: %s", index, request.input_tokens.numel(), reason)
-    return KVRecvResult(hit=False, reason=reason, num_bytes=num_bytes, seconds=0.0, copy_seconds=copy_seconds,
-                        num_tokens=loaded)
+    return KVRecvResult(
+        hit=False, reason=reason, num_bytes=num_bytes, seconds=0.0, copy_seconds=copy_seconds, num_tokens=loaded
+    )

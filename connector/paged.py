@@ -87,8 +87,9 @@ def _runs(block_ids: torch.Tensor) -> np.ndarray:
     return np.stack([starts, ids[starts], counts], axis=1)
 
 
-def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_ids: torch.Tensor,
-                  empty: EmptyTensor | None = None) -> torch.Tensor:
+def gather_blocks(
+    caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_ids: torch.Tensor, empty: EmptyTensor | None = None
+) -> torch.Tensor:
     """Copy the blocks ``block_ids`` (in that order) of every layer into one new tensor.
 
     Returns a tensor of shape ``[num_layers, *layout.block_shape(cache, len(block_ids))]`` with the
@@ -104,8 +105,9 @@ def gather_blocks(caches: Sequence[torch.Tensor], layout: PagedKVLayout, block_i
         out = empty(shape, first.dtype)
     if first.device.type == "cpu":
         staged = out if out.device.type == "cpu" else torch.empty(shape, dtype=first.dtype)
-        _copy_runs([(staged[layer], cache) for layer, cache in enumerate(caches)], layout.block_dim,
-                   _runs(block_ids).tolist())
+        _copy_runs(
+            [(staged[layer], cache) for layer, cache in enumerate(caches)], layout.block_dim, _runs(block_ids).tolist()
+        )
         if staged is not out:
             copy_between(out, staged)
         return out
@@ -174,10 +176,11 @@ def _copy_runs(pairs: list[tuple[torch.Tensor, torch.Tensor]], dim: int, runs: l
                 target_bits.narrow(dim, target_index, count).copy_(source_bits.narrow(dim, source_index, count))
             continue
         (target_starts, block_bytes), (source_starts, _) = target_pieces, source_pieces
-        copies.extend((target_start + target_index * block_bytes, source_start + source_index * block_bytes,
-                       count * block_bytes)
-                      for target_start, source_start in zip(target_starts, source_starts, strict=True)
-                      for target_index, source_index, count in runs)
+        copies.extend(
+            (target_start + target_index * block_bytes, source_start + source_index * block_bytes, count * block_bytes)
+            for target_start, source_start in zip(target_starts, source_starts, strict=True)
+            for target_index, source_index, count in runs
+        )
     copy_many(copies)
 
 
@@ -189,7 +192,7 @@ def _block_pieces(tensor: torch.Tensor, dim: int) -> tuple[list[int], int] | Non
         return None
     element = tensor.element_size()
     inner = 1  # elements of one block
-    for size, stride in zip(reversed(tensor.shape[dim + 1:]), reversed(tensor.stride()[dim + 1:]), strict=True):
+    for size, stride in zip(reversed(tensor.shape[dim + 1 :]), reversed(tensor.stride()[dim + 1 :]), strict=True):
         if size != 1 and stride != inner:
             return None
         inner *= size
@@ -271,9 +274,7 @@ class PagedKV(KVStorage):
             raise KVConfigError(f"block_ids must be a 1-D sequence of integers, got {self.block_ids!r}")
         ids = ids.to(device="cpu", dtype=torch.int64)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.caches.num_blocks):
-            raise KVConfigError(
-                f"block ids must lie in [0, {self.caches.num_blocks}), got {ids.tolist()}"
-            )
+            raise KVConfigError(f"block ids must lie in [0, {self.caches.num_blocks}), got {ids.tolist()}")
         if len(torch.unique(ids)) != len(ids):
             raise KVConfigError(f"block ids of one request must be distinct, got {ids.tolist()}")
         # The dataclass is frozen so that nobody swaps the ids after they were checked.

@@ -44,7 +44,8 @@ def read_secret_file(path: str) -> str:
         if info.st_mode & stat.S_IRWXO:
             raise KVConfigError(
                 f"the kv_secret file {path!r} is accessible to every user of the host (mode "
-                f"{stat.filemode(info.st_mode)}): restrict it, e.g. chmod 600 {path}")
+                f"{stat.filemode(info.st_mode)}): restrict it, e.g. chmod 600 {path}"
+            )
         data = file.read(_MAX_SECRET_FILE_BYTES + 1)
     if len(data) > _MAX_SECRET_FILE_BYTES:
         raise KVConfigError(f"the kv_secret file {path!r} is larger than {_MAX_SECRET_FILE_BYTES} bytes")
@@ -62,8 +63,7 @@ def resolve_secret(environ: Mapping[str, str] | None = None, secret_file: str | 
     """The secret from ``KVBRIDGE_KV_SECRET``, ``KVBRIDGE_KV_SECRET_FILE`` or ``secret_file``
     (a ``kv_secret_file`` setting); None when none is given. Raises KVConfigError when several are."""
     env = os.environ if environ is None else environ
-    sources = {SECRET_ENV: env.get(SECRET_ENV), SECRET_FILE_ENV: env.get(SECRET_FILE_ENV),
-               SECRET_FILE_KEY: secret_file}
+    sources = {SECRET_ENV: env.get(SECRET_ENV), SECRET_FILE_ENV: env.get(SECRET_FILE_ENV), SECRET_FILE_KEY: secret_file}
     given = [name for name, value in sources.items() if value is not None]
     if len(given) > 1:
         raise KVConfigError(f"kv_secret is given by both {given[0]} and {given[1]}: give it once")
@@ -84,4 +84,5 @@ def refuse_inline_secret(settings: Mapping[str, object], where: str) -> None:
     if "kv_secret" in settings:
         raise KVConfigError(
             f"kv_secret in {where} would be visible to every user of the host (ps) and in vLLM's logs: "
-            f"set {SECRET_ENV}, {SECRET_FILE_ENV} or {SECRET_FILE_KEY} instead")
+            f"set {SECRET_ENV}, {SECRET_FILE_ENV} or {SECRET_FILE_KEY} instead"
+        )

@@ -73,26 +73,33 @@ def tp_refusal(total_heads: int, latent: bool, has_heads: bool, prefill_tp: int,
     if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
         return f"TP sizes must be equal or divide one another ({sizes})"
     if latent:
-        return (f"an MLA-style KV cache (one latent per token, the same on every TP rank) needs equal TP sizes "
-                f"on both sides ({sizes})")
+        return (
+            f"an MLA-style KV cache (one latent per token, the same on every TP rank) needs equal TP sizes "
+            f"on both sides ({sizes})"
+        )
     if not has_heads:
         return f"the KV cache has no head dimension kvbridge knows of, so TP sizes must be equal ({sizes})"
     if total_heads < max(prefill_tp, decode_tp):
-        return (f"{total_heads} KV heads are replicated across TP ranks ({sizes}): different TP sizes need at "
-                f"least as many KV heads as the larger TP size")
+        return (
+            f"{total_heads} KV heads are replicated across TP ranks ({sizes}): different TP sizes need at "
+            f"least as many KV heads as the larger TP size"
+        )
     return None
 
 
-def plan_sources(total_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int, latent: bool = False,
-                 has_heads: bool = True) -> list[Source]:
+def plan_sources(
+    total_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int, latent: bool = False, has_heads: bool = True
+) -> list[Source]:
     """The prefill ranks decode rank ``decode_rank`` loads from, in the order of the heads they fill.
 
     Raises:
         KVConfigError: the pairing is refused (:func:`tp_refusal`), naming both TP sizes.
     """
     if prefill_tp < 1 or decode_tp < 1 or not 0 <= decode_rank < decode_tp:
-        raise KVConfigError(f"kvbridge: decode TP rank {decode_rank} of {decode_tp} cannot load from a prefill "
-                            f"instance at TP size {prefill_tp}")
+        raise KVConfigError(
+            f"kvbridge: decode TP rank {decode_rank} of {decode_tp} cannot load from a prefill "
+            f"instance at TP size {prefill_tp}"
+        )
     refusal = tp_refusal(total_heads, latent, has_heads, prefill_tp, decode_tp)
     if refusal is not None:
         raise KVConfigError(f"kvbridge: {refusal}")

@@ -268,9 +268,15 @@ class HeadGather(KVLookupBufferBase):
     def insert(self, *args: Any, **kwargs: Any) -> None:
         raise KVConfigError("kvbridge: a gather of prefill ranks only selects")
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None,
-                    span: tuple[int, int, int] | None = None) -> SelectResult:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        part: tuple[int, int, int] | None = None,
+        span: tuple[int, int, int] | None = None,
+    ) -> SelectResult:
         if part is not None:
             raise KVInvalidRequestError("kvbridge: a gather of prefill ranks selects its own parts")
         # A span (e.g. some blocks) is taken of each rank's entry, or of its part of the heads: the
@@ -310,8 +316,11 @@ class HeadGather(KVLookupBufferBase):
         missed = [self.sources.plan[index].rank for index, entry in enumerate(entries) if entry[0] is None]
         if missed:
             if len(missed) < len(entries):
-                logger.warning("kvbridge: prefill TP ranks %s have no entry for these %d tokens, the others had: "
-                               "a miss", missed, input_tokens.numel())
+                logger.warning(
+                    "kvbridge: prefill TP ranks %s have no entry for these %d tokens, the others had: a miss",
+                    missed,
+                    input_tokens.numel(),
+                )
             _forget(entries)
             return [None] * 5
         try:
@@ -327,16 +336,25 @@ class HeadGather(KVLookupBufferBase):
         first = keys[0]
         for source, entry, key in zip(self.sources.plan, entries, keys, strict=True):
             width = source.heads[1] - source.heads[0]
-            if (entry[3] is not None or entry[4] is not None or key is None or len(key.shape) != len(first.shape)
-                    or len(key.shape) <= dim or key.dtype != first.dtype or key.shape[dim] != width
-                    or key.shape[:dim] != first.shape[:dim] or key.shape[dim + 1:] != first.shape[dim + 1:]):
+            if (
+                entry[3] is not None
+                or entry[4] is not None
+                or key is None
+                or len(key.shape) != len(first.shape)
+                or len(key.shape) <= dim
+                or key.dtype != first.dtype
+                or key.shape[dim] != width
+                or key.shape[:dim] != first.shape[:dim]
+                or key.shape[dim + 1 :] != first.shape[dim + 1 :]
+            ):
                 shape = None if key is None else tuple(key.shape)
                 raise KVInvalidRequestError(
                     f"kvbridge: prefill TP rank {source.rank} sent KV of shape {shape} "
                     f"{getattr(key, 'dtype', None)} (value {entry[3] is not None}, hidden {entry[4] is not None}); "
                     f"expected {width} heads along dimension {dim}, the other dimensions and the dtype of prefill "
-                    f"TP rank {self.sources.plan[0].rank}'s {tuple(first.shape)} {first.dtype}, no value or hidden")
-        shape = (*first.shape[:dim], sum(key.shape[dim] for key in keys), *first.shape[dim + 1:])
+                    f"TP rank {self.sources.plan[0].rank}'s {tuple(first.shape)} {first.dtype}, no value or hidden"
+                )
+        shape = (*first.shape[:dim], sum(key.shape[dim] for key in keys), *first.shape[dim + 1 :])
         pieces = [_pieces(key) for key in keys]
         if any(found is None for found in pieces):  # e.g. tensors on a GPU: one copy together
             parts = [key.to_tensor() if isinstance(key, BorrowedTensor) else key for key in keys]
@@ -344,7 +362,7 @@ class HeadGather(KVLookupBufferBase):
                 if isinstance(key, BorrowedTensor):
                     key.release()
             return torch.cat(parts, dim=dim)
-        inner = math.prod(first.shape[dim + 1:]) * first.dtype.itemsize
+        inner = math.prod(first.shape[dim + 1 :]) * first.dtype.itemsize
         rows = math.prod(first.shape[:dim])
         ordered = []
         for index, (key, found) in enumerate(zip(keys, pieces, strict=True)):

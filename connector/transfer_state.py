@@ -63,20 +63,31 @@ class KVConnectorConfig:
             chunk_size = cls.kv_chunk_size if chunk_text is None else int(chunk_text)
         except ValueError:
             raise KVConfigError(f"KVBRIDGE_KV_CHUNK_SIZE must be an integer, got {chunk_text!r}") from None
-        return cls(transfer=transfer, kv_store=env.get("KVBRIDGE_KV_STORE") or None, kv_chunk_size=chunk_size,
-                   buffer=BufferConfig.from_env(env))
+        return cls(
+            transfer=transfer,
+            kv_store=env.get("KVBRIDGE_KV_STORE") or None,
+            kv_chunk_size=chunk_size,
+            buffer=BufferConfig.from_env(env),
+        )
 
 
-def build_kv_buffer(config: KVConnectorConfig, *, identity: Mapping[str, str | int] | None = None,
-                    token_dim: int | None = None, block_size: int = 1) -> KVLookupBufferBase:
+def build_kv_buffer(
+    config: KVConnectorConfig,
+    *,
+    identity: Mapping[str, str | int] | None = None,
+    token_dim: int | None = None,
+    block_size: int = 1,
+) -> KVLookupBufferBase:
     """A new buffer as the module docstring says. Over a store, ``identity``, ``token_dim`` and
     ``block_size`` describe the KV (see :class:`lookup_buffer.StoreBuffer`); the engine knows them,
     the config does not. The caller owns the buffer (close it)."""
     transfer = config.transfer
     if config.kv_store is None:
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):  # refused before the pipe waits for its peer
-            raise KVConfigError(f"a buffer over a pipe needs kv_role 'kv_producer' or 'kv_consumer', got "
-                                f"{transfer.kv_role!r}; 'kv_both' needs a kv_store")
+            raise KVConfigError(
+                f"a buffer over a pipe needs kv_role 'kv_producer' or 'kv_consumer', got "
+                f"{transfer.kv_role!r}; 'kv_both' needs a kv_store"
+            )
         pipe = TorchDistributedPipe(transfer)
         try:
             return SimpleBuffer(pipe, transfer, buffer_config=config.buffer)
@@ -87,8 +98,15 @@ def build_kv_buffer(config: KVConnectorConfig, *, identity: Mapping[str, str | i
         raise KVConfigError("a buffer over a store needs the KV's identity and token dimension")
     store = open_store(config.kv_store, memory_bytes=transfer.kv_buffer_size)
     try:
-        return StoreBuffer(store, transfer.kv_role, identity, token_dim=token_dim, chunk_size=config.kv_chunk_size,
-                           block_size=block_size, mac_key=mac_key_from_secret(transfer.kv_secret))
+        return StoreBuffer(
+            store,
+            transfer.kv_role,
+            identity,
+            token_dim=token_dim,
+            chunk_size=config.kv_chunk_size,
+            block_size=block_size,
+            mac_key=mac_key_from_secret(transfer.kv_secret),
+        )
     except BaseException:
         store.close()
         raise
@@ -98,8 +116,13 @@ _lock = threading.Lock()
 _group: KVLookupBufferBase | None = None
 
 
-def ensure_kv_transfer_initialized(config: KVConnectorConfig, *, identity: Mapping[str, str | int] | None = None,
-                                   token_dim: int | None = None, block_size: int = 1) -> KVLookupBufferBase:
+def ensure_kv_transfer_initialized(
+    config: KVConnectorConfig,
+    *,
+    identity: Mapping[str, str | int] | None = None,
+    token_dim: int | None = None,
+    block_size: int = 1,
+) -> KVLookupBufferBase:
     """This process's buffer: built by :func:`build_kv_buffer` on the first call, the same one after
     (later arguments are then not used). Thread-safe."""
     global _group

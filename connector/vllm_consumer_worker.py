@@ -55,7 +55,7 @@ class _LoadTarget(PagedKV):
         return 1 + self.caches.layout.block_dim, self.skip_blocks, len(self.block_ids)
 
     def _written(self) -> PagedKV:
-        return PagedKV(self.caches, self.block_ids[self.skip_blocks:])
+        return PagedKV(self.caches, self.block_ids[self.skip_blocks :])
 
     def mismatch(self, key: torch.Tensor | None, value: torch.Tensor | None) -> str | None:
         return self._written().mismatch(key, value)
@@ -87,10 +87,15 @@ class ConsumerWorker(WorkerSide):
         """Get ready to connect to producers as loads name them."""
         settings = self.settings
         # Each connection is checked against the prefill rank this rank dialed it for.
-        self._producers = SourceConnections(ProducerConnections(
-            settings.bridge, self._check_peer,
-            connect=lambda config, host, port, on_connect: self._dialer(
-                settings, host, port, functools.partial(self._check_peer, address=(host, port)))))
+        self._producers = SourceConnections(
+            ProducerConnections(
+                settings.bridge,
+                self._check_peer,
+                connect=lambda config, host, port, on_connect: self._dialer(
+                    settings, host, port, functools.partial(self._check_peer, address=(host, port))
+                ),
+            )
+        )
         super()._open()
 
     def _close(self) -> None:
@@ -123,9 +128,14 @@ class ConsumerWorker(WorkerSide):
         sources = self._sources.get(key)
         if sources is None:
             try:
-                plan = tp_layout.plan_sources(identity.total_kv_heads, producer_tp, identity.tp_size,
-                                              identity.tp_rank, latent=identity.latent,
-                                              has_heads=identity.head_dim >= 0)
+                plan = tp_layout.plan_sources(
+                    identity.total_kv_heads,
+                    producer_tp,
+                    identity.tp_size,
+                    identity.tp_rank,
+                    latent=identity.latent,
+                    has_heads=identity.head_dim >= 0,
+                )
                 sources = Sources(host, port, producer_tp, tuple(plan), 1 + identity.head_dim)
             except KVConfigError as exc:
                 sources = Sources(host, port, producer_tp, (), -1, refused=str(exc).removeprefix("kvbridge: "))
@@ -150,14 +160,16 @@ class ConsumerWorker(WorkerSide):
                 self._drain(spec)
                 continue
             claimed = time.perf_counter()
-            ticket = self._loads.begin(spec.req_id, spec.block_ids[spec.skip_blocks:])
+            ticket = self._loads.begin(spec.req_id, spec.block_ids[spec.skip_blocks :])
             if self._producers is None:
                 self._load_job(spec, ticket, claimed, KVConfigError("the consumer is not connected"))
             else:
                 self._producers.when_ready(
                     self.producer_address(spec.producer, spec.producer_tp),
-                    lambda ready, spec=spec, ticket=ticket, claimed=claimed: self._load_job(spec, ticket, claimed,
-                                                                                            ready))
+                    lambda ready, spec=spec, ticket=ticket, claimed=claimed: self._load_job(
+                        spec, ticket, claimed, ready
+                    ),
+                )
 
     def refuse_loads(self, refused: Mapping[str, Sequence[int]]) -> None:
         """Report each request in ``refused`` finished at once, its blocks failed: vLLM waits for
@@ -176,8 +188,9 @@ class ConsumerWorker(WorkerSide):
         """Block ids of failed loads reported by :meth:`take_finished_loads`, each once."""
         return self._loads.take_failed_blocks()
 
-    def _load_job(self, spec: LoadSpec, ticket: LoadTicket, claimed: float,
-                  ready: KVLookupBufferBase | Exception) -> None:
+    def _load_job(
+        self, spec: LoadSpec, ticket: LoadTicket, claimed: float, ready: KVLookupBufferBase | Exception
+    ) -> None:
         """One request's load once its producer's connection is ``ready``, or known not to be (an
         error): run the transfer in a load thread, or report the load failed at once. Called in the
         engine's thread or a dial thread; never blocks."""
@@ -189,11 +202,15 @@ class ConsumerWorker(WorkerSide):
             if reason is None or ticket.cancelled.is_set():
                 # A finished request's blocks are not reported: vLLM may give them to another request.
                 return set()
-            logger.warning("kvbridge: KV of request %s (%d tokens) not loaded, vLLM recomputes it or fails the "
-                           "request (kv_load_failure_policy): %s",
-                           spec.req_id, len(spec.token_ids), reason)
+            logger.warning(
+                "kvbridge: KV of request %s (%d tokens) not loaded, vLLM recomputes it or fails the "
+                "request (kv_load_failure_policy): %s",
+                spec.req_id,
+                len(spec.token_ids),
+                reason,
+            )
             self._add(load_seconds=time.perf_counter() - start)
-            return set(spec.block_ids[spec.skip_blocks:])
+            return set(spec.block_ids[spec.skip_blocks :])
 
         def transfer(ticket: LoadTicket, buffer: KVLookupBufferBase) -> set[int]:
             start = time.perf_counter()
@@ -231,10 +248,18 @@ class ConsumerWorker(WorkerSide):
         if not result.hit:
             self._add(load_misses=1)
             return result.reason
-        self._add(load_hits=1, loaded_blocks=len(spec.block_ids) - spec.skip_blocks, loaded_bytes=result.num_bytes,
-                  load_seconds=result.seconds)
-        self._observe(transfer_seconds=result.seconds, load_entry_wait_seconds=result.wait_seconds,
-                      load_receive_seconds=result.receive_seconds, load_copy_seconds=result.copy_seconds)
+        self._add(
+            load_hits=1,
+            loaded_blocks=len(spec.block_ids) - spec.skip_blocks,
+            loaded_bytes=result.num_bytes,
+            load_seconds=result.seconds,
+        )
+        self._observe(
+            transfer_seconds=result.seconds,
+            load_entry_wait_seconds=result.wait_seconds,
+            load_receive_seconds=result.receive_seconds,
+            load_copy_seconds=result.copy_seconds,
+        )
         return None
 
     def _drain(self, spec: LoadSpec) -> None:
@@ -259,8 +284,13 @@ class ConsumerWorker(WorkerSide):
                 # Borrowed, a lent entry is given back unread: nobody copies what is dropped; a copied
                 # one sends only its last block (a span). The select does not wait for an entry, only
                 # (at most kv_timeout) for the answer.
-                entry = buffer.drop_select(tokens, torch.ones_like(tokens, dtype=torch.bool), timeout=0, borrow=True,
-                                           span=(1 + layout.block_dim, blocks - 1, blocks))
+                entry = buffer.drop_select(
+                    tokens,
+                    torch.ones_like(tokens, dtype=torch.bool),
+                    timeout=0,
+                    borrow=True,
+                    span=(1 + layout.block_dim, blocks - 1, blocks),
+                )
             except KVTransferError as exc:
                 self._drop(address, buffer, exc)
                 return

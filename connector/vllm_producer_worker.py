@@ -137,8 +137,9 @@ class ProducerWorker(WorkerSide):
             # buffer's threads handle it outside that mode, so it must be made of normal tensors.
             with torch.inference_mode(False):
                 request = kv_request(spec.token_ids, PagedKV(caches, spec.block_ids))
-                (result,) = send_kv_caches_and_hidden_states(self._buffer, [request],
-                                                             timeout=self.settings.save_timeout, lend=self._lends)
+                (result,) = send_kv_caches_and_hidden_states(
+                    self._buffer, [request], timeout=self.settings.save_timeout, lend=self._lends
+                )
         except KVTransferError as exc:  # a full buffer, or a closed one
             level = logging.WARNING if isinstance(exc, (KVBufferFullError, KVTimeoutError)) else logging.ERROR
             logger.log(level, "kvbridge: KV of request %s not saved: %s", spec.req_id, exc)
@@ -148,8 +149,13 @@ class ProducerWorker(WorkerSide):
         self._lent_blocks[spec.req_id] = len(spec.block_ids)
         if result.loan is None:
             self._track_copy(spec.req_id, spec.token_ids)
-        self._add(saved_requests=1, lent_requests=int(result.loan is not None), saved_blocks=len(spec.block_ids),
-                  saved_bytes=result.num_bytes, save_seconds=result.seconds)
+        self._add(
+            saved_requests=1,
+            lent_requests=int(result.loan is not None),
+            saved_blocks=len(spec.block_ids),
+            saved_bytes=result.num_bytes,
+            save_seconds=result.seconds,
+        )
         self._observe(transfer_seconds=result.seconds, save_copy_seconds=result.copy_seconds)
         return True
 
@@ -190,8 +196,12 @@ class ProducerWorker(WorkerSide):
                 continue
             self._add(taken_back=1)
             if not loan.take_back(self.settings.bridge.kv_timeout):
-                logger.warning("kvbridge: the entry of request %s was still being copied out after %g s; that copy "
-                               "is answered as a miss", req_id, self.settings.bridge.kv_timeout)
+                logger.warning(
+                    "kvbridge: the entry of request %s was still being copied out after %g s; that copy "
+                    "is answered as a miss",
+                    req_id,
+                    self.settings.bridge.kv_timeout,
+                )
 
     def _give_up_copy(self, req_id: str) -> MatchKey | None:
         """Under _copies_lock: forget ``req_id``'s copy, if it is still stored, and expect the departure
@@ -222,8 +232,12 @@ class ProducerWorker(WorkerSide):
         host, expired, evicted, or copied into the buffer because nobody took it within
         ``kv_lend_lease`` of the request's end)."""
         self._end_overdue_loans()
-        done = {req_id for req_id in self._held if req_id in self._released or (
-            req_id in self._kept and (self._kept[req_id] is None or self._kept[req_id].outcome is not None))}
+        done = {
+            req_id
+            for req_id in self._held
+            if req_id in self._released
+            or (req_id in self._kept and (self._kept[req_id] is None or self._kept[req_id].outcome is not None))
+        }
         for req_id in done:
             self._kept.pop(req_id, None)
             self._ended_early.discard(req_id)
@@ -253,8 +267,9 @@ class ProducerWorker(WorkerSide):
                 if self._buffer.unlend(loan):
                     self._add(unlent_requests=1)
             except KVTransferError as exc:  # a copy into pipe memory that failed: the loan ended dropped
-                logger.warning("kvbridge: the entry of request %s could not be copied out of its blocks: %s",
-                               req_id, exc)
+                logger.warning(
+                    "kvbridge: the entry of request %s could not be copied out of its blocks: %s", req_id, exc
+                )
 
     def _track_copy(self, req_id: str, token_ids: Sequence[int]) -> None:
         """``req_id`` was saved by a copy, stored under the match key of ``token_ids``: remember it
@@ -302,8 +317,14 @@ class ProducerWorker(WorkerSide):
         reported finished, or a loan that ended before vLLM finished the request (a prefill request
         that keeps generating outlives ``kv_entry_timeout``). Announcing them would send a decode
         instance after an entry that is no longer there."""
-        ended = {req_id for req_id, loan in self._kept.items() if loan is not None and loan.outcome is not None
-                 and req_id not in self._held and req_id not in self._ended_early}
+        ended = {
+            req_id
+            for req_id, loan in self._kept.items()
+            if loan is not None
+            and loan.outcome is not None
+            and req_id not in self._held
+            and req_id not in self._ended_early
+        }
         self._ended_early |= ended
         with self._copies_lock:
             gone, self._gone = self._gone, set()
@@ -321,8 +342,10 @@ class ProducerWorker(WorkerSide):
         store = entry_store(self._buffer)
         entry_waits = store.take_waits() if store is not None else []
         buffer = self.buffer_stats()
-        dropped = {"expired_entries": buffer.expired if buffer is not None else 0,
-                   "evicted_entries": buffer.evicted if buffer is not None else 0}
+        dropped = {
+            "expired_entries": buffer.expired if buffer is not None else 0,
+            "evicted_entries": buffer.evicted if buffer is not None else 0,
+        }
         with self._stats_lock:
             for name, count in dropped.items():
                 if count > self._reported_dropped[name]:

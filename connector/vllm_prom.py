@@ -40,9 +40,9 @@ _COUNTER_HELP = {
     "lent_requests": "Saved requests whose KV blocks were lent where they lie instead of copied.",
     "returned_requests": "Saved requests whose KV blocks the prefill instance handed back to vLLM.",
     "unlent_requests": "Lent entries the prefill instance copied into its buffer, nobody having taken them "
-                       "within kv_lend_lease, to hand their blocks back to vLLM.",
+    "within kv_lend_lease, to hand their blocks back to vLLM.",
     "taken_back": "Saved requests whose entry the prefill instance took back (preempted, or not announced: a TP "
-                  "rank's save failed or its entry left).",
+    "rank's save failed or its entry left).",
     "load_hits": "Requests whose KV the decode instance loaded.",
     "load_misses": "Loads without a usable entry within kv_load_timeout.",
     "load_errors": "Loads failed by a transport error (peer lost, protocol).",
@@ -59,40 +59,41 @@ _HISTOGRAM_HELP = {
     "load_wait_seconds": "Seconds from the claim of a request's KV to its blocks being written.",
     # Per-request phases (connector.vllm_worker.PHASES). Prefill instance:
     "save_copy_seconds": "Seconds of a save spent packing the KV blocks into the buffer's memory (a copy), or "
-                         "describing where they lie (lent).",
+    "describing where they lie (lent).",
     "entry_wait_seconds": "Seconds an entry waited in the prefill instance's buffer, from its store until a "
-                          "decode instance's select took it (the count: entries taken).",
+    "decode instance's select took it (the count: entries taken).",
     # Decode instance, per load that hit:
     "load_entry_wait_seconds": "Seconds from a load's select sent until its entry's header (or lent descriptor) "
-                               "arrived: the wait for the prefill instance.",
+    "arrived: the wait for the prefill instance.",
     "load_receive_seconds": "Seconds from a copied entry's header until its bytes were received (not observed "
-                            "for a lent entry, whose bytes the copy reads).",
+    "for a lent entry, whose bytes the copy reads).",
     "load_copy_seconds": "Seconds writing a loaded entry into vLLM's KV cache blocks (for a lent entry the "
-                         "only copy, straight out of the prefill instance's memory).",
+    "only copy, straight out of the prefill instance's memory).",
     # Storage tier:
     "store_load_seconds": "Seconds of one request's load from the store: reading, checking and writing its chunks.",
     "store_save_seconds": "Seconds of one chunk's save into the store: encoding it and putting it into the "
-                          "fastest tier (slower tiers are written in the background).",
+    "fastest tier (slower tiers are written in the background).",
 }
 
 _STORE_HELP = {
     "store_hit_chunks": "Chunks a store tier returned (a chunk a faster tier missed is asked of the next).",
     "store_miss_chunks": "Chunks a store tier was asked for and did not hold.",
     "store_read_bytes": "Bytes of the chunks a store tier returned.",
-    "store_written_bytes": ("Bytes of the chunks a store tier stored (saves, and copies of chunks a slower "
-                            "tier served)."),
+    "store_written_bytes": (
+        "Bytes of the chunks a store tier stored (saves, and copies of chunks a slower tier served)."
+    ),
     "store_evictions": "Objects a store tier evicted to stay under its capacity.",
     "store_dropped_writes": "Writes to a slower store tier not made: its queue was full, it was unreachable, or "
-                            "the store closed.",
+    "the store closed.",
     "store_failed_writes": "Writes a store tier failed: full, or failing.",
     STORE_TIER_UP: "1 while the workers reach the store tier, 0 while one does not.",
     STORE_LOAD_ERRORS: "Chunks a store load could not use, by reason (missing, a failed check, another layout): "
-                       "their blocks are load errors.",
+    "their blocks are load errors.",
 }
 
 _GAUGE_HELP = {
     "connections": "Open kvbridge connections: decode instances connected to this prefill instance, or prefill "
-                   "instances this decode instance loads from (per TP rank).",
+    "instances this decode instance loads from (per TP rank).",
     "entries_held": "Entries the prefill instance holds for decode instances now.",
     "bytes_buffered": "Bytes of the entries the prefill instance holds now (lent or copied).",
     "loans_out": "Saved requests whose KV blocks vLLM keeps for kvbridge now (lent, not yet handed back).",
@@ -112,25 +113,51 @@ _TRANSFER_SAMPLES = ("transfer_seconds", "load_wait_seconds")
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     """Registers kvbridge's series and records each interval's stats into them."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {name: self._per_engine(self._counter_cls, name, _COUNTER_HELP[name]) for name in COUNTERS}
-        self._histograms = {name: self._per_engine(self._histogram_cls, name, _HISTOGRAM_HELP[name],
-                                                   buckets=_BUCKETS if name in _TRANSFER_SAMPLES else _PHASE_BUCKETS)
-                            for name in SAMPLES}
+        self._histograms = {
+            name: self._per_engine(
+                self._histogram_cls,
+                name,
+                _HISTOGRAM_HELP[name],
+                buckets=_BUCKETS if name in _TRANSFER_SAMPLES else _PHASE_BUCKETS,
+            )
+            for name in SAMPLES
+        }
         self._gauges = {name: self._per_engine(self._gauge_cls, name, _GAUGE_HELP[name]) for name in GAUGES}
         # name -> (metric with the extra label, its children per (engine, label value)), made when first seen
         self._keyed: dict[str, tuple[Any, dict[tuple[int, str], Any]]] = {
-            name: (self._counter_cls(name=PREFIX + name, documentation=_STORE_HELP[name],
-                                     labelnames=[*self._labelnames, "tier"]), {})
-            for name in STORE_TIER_COUNTERS}
-        self._keyed[STORE_LOAD_ERRORS] = (self._counter_cls(
-            name=PREFIX + STORE_LOAD_ERRORS, documentation=_STORE_HELP[STORE_LOAD_ERRORS],
-            labelnames=[*self._labelnames, "reason"]), {})
-        self._keyed[STORE_TIER_UP] = (self._gauge_cls(
-            name=PREFIX + STORE_TIER_UP, documentation=_STORE_HELP[STORE_TIER_UP],
-            labelnames=[*self._labelnames, "tier"]), {})
+            name: (
+                self._counter_cls(
+                    name=PREFIX + name, documentation=_STORE_HELP[name], labelnames=[*self._labelnames, "tier"]
+                ),
+                {},
+            )
+            for name in STORE_TIER_COUNTERS
+        }
+        self._keyed[STORE_LOAD_ERRORS] = (
+            self._counter_cls(
+                name=PREFIX + STORE_LOAD_ERRORS,
+                documentation=_STORE_HELP[STORE_LOAD_ERRORS],
+                labelnames=[*self._labelnames, "reason"],
+            ),
+            {},
+        )
+        self._keyed[STORE_TIER_UP] = (
+            self._gauge_cls(
+                name=PREFIX + STORE_TIER_UP,
+                documentation=_STORE_HELP[STORE_TIER_UP],
+                labelnames=[*self._labelnames, "tier"],
+            ),
+            {},
+        )
 
     def _per_engine(self, cls: type[PromMetric], name: str, documentation: str, **kwargs: Any) -> dict[int, Any]:
         metric = cls(name=PREFIX + name, documentation=documentation, labelnames=self._labelnames, **kwargs)

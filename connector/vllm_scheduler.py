@@ -102,8 +102,15 @@ class SchedulerSide:
     Not thread-safe: vLLM calls the scheduler hooks from one thread.
     """
 
-    def __init__(self, block_size: int, is_producer: bool, is_consumer: bool, num_workers: int = 1,
-                 address: tuple[str, int] = ("127.0.0.1", 14579), engine_id: str = "") -> None:
+    def __init__(
+        self,
+        block_size: int,
+        is_producer: bool,
+        is_consumer: bool,
+        num_workers: int = 1,
+        address: tuple[str, int] = ("127.0.0.1", 14579),
+        engine_id: str = "",
+    ) -> None:
         self.block_size = block_size
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -135,8 +142,12 @@ class SchedulerSide:
         Side-effect free (vLLM may ask several times). A request is loaded at most once: after a
         preemption or a failed load it is recomputed, never fetched again (its entry is gone).
         """
-        if (not self.is_consumer or request.prompt_token_ids is None  # prompt embeds: no token key
-                or request.request_id in self._loaded or request.num_preemptions > 0):
+        if (
+            not self.is_consumer
+            or request.prompt_token_ids is None  # prompt embeds: no token key
+            or request.request_id in self._loaded
+            or request.num_preemptions > 0
+        ):
             return 0
         prefix = transfer_prefix_len(request.num_prompt_tokens, self.block_size)
         announced = _announced_prefix(request.kv_transfer_params)
@@ -163,8 +174,13 @@ class SchedulerSide:
         local = prefix - num_external_tokens
         if local < 0 or local % self.block_size or len(block_ids) < prefix // self.block_size:
             # vLLM adjusted the claim in a way this connector does not plan for: its blocks fail.
-            logger.warning("kvbridge: unexpected allocation for %s (%d external tokens, prefix %d, %d blocks)",
-                           request.request_id, num_external_tokens, prefix, len(block_ids))
+            logger.warning(
+                "kvbridge: unexpected allocation for %s (%d external tokens, prefix %d, %d blocks)",
+                request.request_id,
+                num_external_tokens,
+                prefix,
+                len(block_ids),
+            )
             self._refused[request.request_id] = list(block_ids)
             self._loaded.add(request.request_id)
             return
@@ -196,8 +212,11 @@ class SchedulerSide:
         """
         meta = KVBridgeMetadata()
         for req_id in self._pending:
-            logger.warning("kvbridge: the save outcome of request %s came after its announcement left the engine: "
-                           "announced 0 tokens (the decode instance computes the prompt)", req_id)
+            logger.warning(
+                "kvbridge: the save outcome of request %s came after its announcement left the engine: "
+                "announced 0 tokens (the decode instance computes the prompt)",
+                req_id,
+            )
         self._pending.clear()
         self._finishing.clear()  # their announcements have left the engine
         scheduled: Mapping[str, int] = scheduler_output.num_scheduled_tokens
@@ -219,9 +238,16 @@ class SchedulerSide:
                 prefix = transfer_prefix_len(len(prompt), self.block_size)
                 num_blocks = prefix // self.block_size
                 producer, producer_tp = self._covered[new_req.req_id]
-                meta.loads.append(LoadSpec(req_id=new_req.req_id, token_ids=list(prompt[:prefix]),
-                                           block_ids=list(new_req.block_ids[0][:num_blocks]), skip_blocks=num_blocks,
-                                           producer=producer, producer_tp=producer_tp))
+                meta.loads.append(
+                    LoadSpec(
+                        req_id=new_req.req_id,
+                        token_ids=list(prompt[:prefix]),
+                        block_ids=list(new_req.block_ids[0][:num_blocks]),
+                        skip_blocks=num_blocks,
+                        producer=producer,
+                        producer_tp=producer_tp,
+                    )
+                )
                 self._loaded.add(new_req.req_id)
             self._covered.pop(new_req.req_id, None)
         if not self.is_producer:
@@ -257,8 +283,11 @@ class SchedulerSide:
     def record_saves(self, outcomes: KVBridgeWorkerMetadata) -> None:
         """Take in the workers' save outcomes of a step (see the module docstring)."""
         for req_id in outcomes.failed | outcomes.saved.keys():
-            saved = (req_id not in outcomes.failed and req_id not in outcomes.gone
-                     and outcomes.saved.get(req_id, 0) >= self.num_workers)
+            saved = (
+                req_id not in outcomes.failed
+                and req_id not in outcomes.gone
+                and outcomes.saved.get(req_id, 0) >= self.num_workers
+            )
             if req_id in self._pending:
                 announcement, prefix = self._pending.pop(req_id)
                 announcement["prefix_tokens"] = prefix if saved else 0
@@ -294,8 +323,13 @@ class SchedulerSide:
         self._unsaved.pop(req_id, None)
         in_flight = self._saving.pop(req_id, None)
         host, port = self.address
-        announcement = {"prefix_tokens": self._saved.pop(req_id, 0), "host": host, "port": port,
-                        "engine_id": self.engine_id, "tp_size": self.num_workers}
+        announcement = {
+            "prefix_tokens": self._saved.pop(req_id, 0),
+            "host": host,
+            "port": port,
+            "engine_id": self.engine_id,
+            "tp_size": self.num_workers,
+        }
         if not self.is_producer:
             return False, None
         if in_flight is not None:
@@ -305,7 +339,6 @@ class SchedulerSide:
         if handed_to_workers:
             self._held.append(req_id)
         return handed_to_workers, {PARAMS_KEY: announcement}
-
 
     def _drain_abandoned(self, request: Any) -> None:
         """A request finished (aborted) before its load began: have the worker take and drop the entry
@@ -320,8 +353,16 @@ class SchedulerSide:
             producer_tp = announced_tp_size(request.kv_transfer_params)
         except ValueError:
             return
-        self._abandoned.append(LoadSpec(req_id=request.request_id, token_ids=list(request.prompt_token_ids[:prefix]),
-                                        block_ids=[], skip_blocks=0, producer=producer, producer_tp=producer_tp))
+        self._abandoned.append(
+            LoadSpec(
+                req_id=request.request_id,
+                token_ids=list(request.prompt_token_ids[:prefix]),
+                block_ids=[],
+                skip_blocks=0,
+                producer=producer,
+                producer_tp=producer_tp,
+            )
+        )
 
 
 def _announcement(params: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -348,11 +389,19 @@ def announced_producer(params: Mapping[str, Any] | None) -> tuple[str, int] | No
     host, port = announcement.get("host"), announcement.get("port")
     if host is None and port is None:
         return None
-    if (isinstance(host, str) and 0 < len(host) <= MAX_HOST_CHARS and host.isprintable() and " " not in host
-            and isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535):
+    if (
+        isinstance(host, str)
+        and 0 < len(host) <= MAX_HOST_CHARS
+        and host.isprintable()
+        and " " not in host
+        and isinstance(port, int)
+        and not isinstance(port, bool)
+        and 1 <= port <= 65535
+    ):
         return host, port
-    raise ValueError(f"malformed producer address in kv_transfer_params: host {str(host)[:80]!r}, "
-                     f"port {str(port)[:20]!r}")
+    raise ValueError(
+        f"malformed producer address in kv_transfer_params: host {str(host)[:80]!r}, port {str(port)[:20]!r}"
+    )
 
 
 def announced_tp_size(params: Mapping[str, Any] | None) -> int | None:

@@ -105,8 +105,14 @@ class ConnectorSettings:
     buffer: BufferConfig = dataclasses.field(default_factory=lambda: BufferConfig(kv_evict_unclaimed=True))
 
     @classmethod
-    def from_vllm(cls, kv_role: str, kv_port: int, kv_buffer_device: str,
-                  extra: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> ConnectorSettings:
+    def from_vllm(
+        cls,
+        kv_role: str,
+        kv_port: int,
+        kv_buffer_device: str,
+        extra: Mapping[str, Any],
+        environ: Mapping[str, str] | None = None,
+    ) -> ConnectorSettings:
         """Merge vLLM's fields with ``kv_connector_extra_config`` and the secret's sources (``environ``,
         default ``os.environ``); raise KVConfigError naming a bad key (never showing a secret)."""
         if not isinstance(extra, Mapping):
@@ -132,9 +138,11 @@ class ConnectorSettings:
             raise KVConfigError(f"kv_buffer_device must be 'cpu' or 'cuda' for kvbridge, got {kv_buffer_device!r}")
         bridge_values["kv_buffer_device"] = kv_buffer_device
         if kv_role not in ("kv_producer", "kv_consumer"):
-            raise KVConfigError(f"KVBridgeConnector needs kv_role 'kv_producer' (prefill instance) or 'kv_consumer' "
-                                f"(decode instance), or 'kv_both' with a kv_store entry (a storage tier), got "
-                                f"{kv_role!r}: a kvbridge lookup buffer carries KV one way")
+            raise KVConfigError(
+                f"KVBridgeConnector needs kv_role 'kv_producer' (prefill instance) or 'kv_consumer' "
+                f"(decode instance), or 'kv_both' with a kv_store entry (a storage tier), got "
+                f"{kv_role!r}: a kvbridge lookup buffer carries KV one way"
+            )
         bridge_values.setdefault("kv_rank", 0 if kv_role == "kv_producer" else 1)
         bridge_values["kv_secret"] = resolve_secret(environ, options[SECRET_FILE_KEY])
         bridge = KVTransferConfig.from_dict(bridge_values)
@@ -146,12 +154,19 @@ class ConnectorSettings:
         if not isinstance(options["kv_lend_blocks"], bool):
             raise KVConfigError(f"kv_lend_blocks must be true or false, got {options['kv_lend_blocks']!r}")
         producer_tp = options["kv_producer_tp_size"]
-        if producer_tp is not None and (isinstance(producer_tp, bool) or not isinstance(producer_tp, int)
-                                        or not 1 <= producer_tp <= MAX_TP_SIZE):
+        if producer_tp is not None and (
+            isinstance(producer_tp, bool) or not isinstance(producer_tp, int) or not 1 <= producer_tp <= MAX_TP_SIZE
+        ):
             raise KVConfigError(f"kv_producer_tp_size must be a TP size from 1 to {MAX_TP_SIZE}, got {producer_tp!r}")
-        return cls(bridge=bridge, load_timeout=float(options["kv_load_timeout"]),
-                   save_timeout=float(options["kv_save_timeout"]), lend_blocks=options["kv_lend_blocks"],
-                   lend_lease=float(options["kv_lend_lease"]), producer_tp_size=producer_tp, buffer=buffer)
+        return cls(
+            bridge=bridge,
+            load_timeout=float(options["kv_load_timeout"]),
+            save_timeout=float(options["kv_save_timeout"]),
+            lend_blocks=options["kv_lend_blocks"],
+            lend_lease=float(options["kv_lend_lease"]),
+            producer_tp_size=producer_tp,
+            buffer=buffer,
+        )
 
 
 #: Largest TP size accepted in settings and announcements.

@@ -31,8 +31,15 @@ SAMPLES = ("transfer_seconds", "load_wait_seconds", *PHASES, "store_load_seconds
 #: Per-tier counters of a storage tier: chunks found and not found among those asked of the tier (a
 #: miss in a faster tier asks the next), bytes of the chunks it returned and stored, objects evicted,
 #: writes dropped before reaching it (queue full, tier down) and writes it failed (full, failing).
-STORE_TIER_COUNTERS = ("store_hit_chunks", "store_miss_chunks", "store_read_bytes", "store_written_bytes",
-                       "store_evictions", "store_dropped_writes", "store_failed_writes")
+STORE_TIER_COUNTERS = (
+    "store_hit_chunks",
+    "store_miss_chunks",
+    "store_read_bytes",
+    "store_written_bytes",
+    "store_evictions",
+    "store_dropped_writes",
+    "store_failed_writes",
+)
 #: Per tier: 1 while the workers reach it, 0 while one does not (the lowest report wins).
 STORE_TIER_UP = "store_tier_up"
 #: Chunks a load could not use, per reason (``missing``, a check such as ``checksum``, ``other layout``).
@@ -60,10 +67,15 @@ class KVBridgeStats(TransferStats, KVConnectorStats):
 
     @classmethod
     def of_worker(cls, counters: TransferStats, observed: Observations) -> KVBridgeStats:
-        return cls(data={**counters.data, "transfer_seconds": observed.transfer_seconds,
-                         "load_wait_seconds": observed.load_wait_seconds,
-                         **{name: list(observed.phases.get(name, ())) for name in PHASES},
-                         **{name: observed.gauges.get(name, 0) for name in GAUGES}})
+        return cls(
+            data={
+                **counters.data,
+                "transfer_seconds": observed.transfer_seconds,
+                "load_wait_seconds": observed.load_wait_seconds,
+                **{name: list(observed.phases.get(name, ())) for name in PHASES},
+                **{name: observed.gauges.get(name, 0) for name in GAUGES},
+            }
+        )
 
     def aggregate(self, other: Any) -> Any:
         super().aggregate(other)
@@ -98,7 +110,10 @@ class KVBridgeStats(TransferStats, KVConnectorStats):
         return reduced
 
     def is_empty(self) -> bool:
-        return (super().is_empty() and not any(self.data[name] for name in GAUGES)
-                and not any(self.data[name] for name in SAMPLES)
-                and not any(any(self.data[name].values()) for name in _SUMMED_BY_KEY)
-                and not self.data[STORE_TIER_UP])
+        return (
+            super().is_empty()
+            and not any(self.data[name] for name in GAUGES)
+            and not any(self.data[name] for name in SAMPLES)
+            and not any(any(self.data[name].values()) for name in _SUMMED_BY_KEY)
+            and not self.data[STORE_TIER_UP]
+        )

@@ -97,9 +97,15 @@ STAGING_CHUNKS = 4
 #: Version of the chunk contents (one tensor of all layers' blocks, then the layout digest).
 FORMAT_VERSION = 1
 
-_STORE_DEFAULTS: dict[str, Any] = {"tiers": None, "chunk_size": 256, "memory_bytes": 1 << 30,
-                                   "disk_bytes": 16 << 30, "queue_depth": 64, "redis_timeout": 2.0,
-                                   "redis_password_file": None}
+_STORE_DEFAULTS: dict[str, Any] = {
+    "tiers": None,
+    "chunk_size": 256,
+    "memory_bytes": 1 << 30,
+    "disk_bytes": 16 << 30,
+    "queue_depth": 64,
+    "redis_timeout": 2.0,
+    "redis_password_file": None,
+}
 
 
 def wants_store(kv_role: str, extra: Any) -> bool:
@@ -132,16 +138,20 @@ class StoreSettings:
         refuse_inline_secret(extra, "kv_connector_extra_config")
         unknown = sorted(set(extra) - {STORE_KEY, SECRET_FILE_KEY})
         if unknown:
-            raise KVConfigError(f"kv_role 'kv_both' with kv_store takes only kv_store and {SECRET_FILE_KEY} in "
-                                f"kv_connector_extra_config, got {unknown}")
+            raise KVConfigError(
+                f"kv_role 'kv_both' with kv_store takes only kv_store and {SECRET_FILE_KEY} in "
+                f"kv_connector_extra_config, got {unknown}"
+            )
         raw = extra[STORE_KEY]
         options = dict(_STORE_DEFAULTS)
         if isinstance(raw, str):
             options["tiers"] = raw
         elif isinstance(raw, Mapping):
             if "redis_password" in raw:
-                raise KVConfigError("kv_store.redis_password is refused: vLLM's command line and logs would show it; "
-                                    f"set {PASSWORD_ENV} or {PASSWORD_FILE_ENV}, or kv_store.redis_password_file")
+                raise KVConfigError(
+                    "kv_store.redis_password is refused: vLLM's command line and logs would show it; "
+                    f"set {PASSWORD_ENV} or {PASSWORD_FILE_ENV}, or kv_store.redis_password_file"
+                )
             bad = sorted(set(raw) - set(_STORE_DEFAULTS))
             if bad:
                 raise KVConfigError(f"unknown kv_store keys {bad}; known: {sorted(_STORE_DEFAULTS)}")
@@ -154,8 +164,10 @@ class StoreSettings:
         if any("@" in part for part in tiers.split(",")):
             raise KVConfigError(f"kv_store.tiers must not carry credentials in a URL; set {PASSWORD_ENV}")
         if not shared_tiers(tiers):
-            raise KVConfigError(f"kv_store.tiers {tiers!r} needs a disk or Redis tier: a memory tier lives in one "
-                                "worker process and the scheduler cannot look it up")
+            raise KVConfigError(
+                f"kv_store.tiers {tiers!r} needs a disk or Redis tier: a memory tier lives in one "
+                "worker process and the scheduler cannot look it up"
+            )
         for name in ("chunk_size", "memory_bytes", "disk_bytes", "queue_depth"):
             value = options[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -165,10 +177,16 @@ class StoreSettings:
             raise KVConfigError(f"kv_store.redis_timeout must be a positive number of seconds, got {timeout!r}")
         password_file = options["redis_password_file"] or environ.get(PASSWORD_FILE_ENV)
         password = environ.get(PASSWORD_ENV) or (read_secret_file(password_file) if password_file else None)
-        return cls(tiers=tiers, chunk_size=options["chunk_size"], memory_bytes=options["memory_bytes"],
-                   disk_bytes=options["disk_bytes"], queue_depth=options["queue_depth"],
-                   redis_timeout=float(timeout), redis_password=password,
-                   secret=resolve_secret(environ, extra.get(SECRET_FILE_KEY)))
+        return cls(
+            tiers=tiers,
+            chunk_size=options["chunk_size"],
+            memory_bytes=options["memory_bytes"],
+            disk_bytes=options["disk_bytes"],
+            queue_depth=options["queue_depth"],
+            redis_timeout=float(timeout),
+            redis_password=password,
+            secret=resolve_secret(environ, extra.get(SECRET_FILE_KEY)),
+        )
 
     def open(self, spec: str | None = None) -> TieredStore:
         """The store of ``spec`` (default: all tiers), each tier counting the bytes it reads and writes."""
@@ -177,9 +195,14 @@ class StoreSettings:
             for part in (self.tiers if spec is None else spec).split(","):
                 # A store of one tier starts no writer thread: only its tier is kept.
                 # A Redis down at start is a tier that starts down: the instance serves, recomputing.
-                single = open_store(part, memory_bytes=self.memory_bytes, disk_bytes=self.disk_bytes,
-                                    redis_password=self.redis_password, redis_timeout=self.redis_timeout,
-                                    redis_start_down=True)
+                single = open_store(
+                    part,
+                    memory_bytes=self.memory_bytes,
+                    disk_bytes=self.disk_bytes,
+                    redis_password=self.redis_password,
+                    redis_timeout=self.redis_timeout,
+                    redis_start_down=True,
+                )
                 tiers.append(CountedTier(single.tiers[0]))
             return TieredStore(tiers, queue_depth=self.queue_depth)
         except BaseException:
@@ -235,9 +258,20 @@ def config_identity(vllm_config: Any, kv_cache_config: Any, tp_rank: int, tp_siz
     model = vllm_config.model_config
     layout = f"{type(spec).__name__}/{kv_cache_config.kv_cache_layout or ''}"
     return compat.KVLayoutInfo(
-        version=compat.VERSION, role="kv_both", model=model.model, dtype=str(spec.dtype), block_size=spec.block_size,
-        num_layers=len(groups[0].layer_names), block_shape=(), layout=layout, tp_size=tp_size, tp_rank=tp_rank,
-        total_kv_heads=model.get_total_num_kv_heads(), head_size=spec.head_size, latent=bool(model.use_mla))
+        version=compat.VERSION,
+        role="kv_both",
+        model=model.model,
+        dtype=str(spec.dtype),
+        block_size=spec.block_size,
+        num_layers=len(groups[0].layer_names),
+        block_shape=(),
+        layout=layout,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        total_kv_heads=model.get_total_num_kv_heads(),
+        head_size=spec.head_size,
+        latent=bool(model.use_mla),
+    )
 
 
 def identity_namespace(identity: compat.KVLayoutInfo) -> bytes:
@@ -317,11 +351,14 @@ class StoreScheduler:
     of a chunk, and a chunk is claimed only when every rank's object is there, since a rank that
     finds its part missing fails the whole load."""
 
-    def __init__(self, settings: StoreSettings, block_size: int, spaces: Sequence[bytes] | None,
-                 store: TieredStore) -> None:
+    def __init__(
+        self, settings: StoreSettings, block_size: int, spaces: Sequence[bytes] | None, store: TieredStore
+    ) -> None:
         if settings.chunk_size % block_size:
-            raise KVConfigError(f"kv_store.chunk_size ({settings.chunk_size}) must be a multiple of vLLM's block size "
-                                f"({block_size}): chunks are made of whole blocks")
+            raise KVConfigError(
+                f"kv_store.chunk_size ({settings.chunk_size}) must be a multiple of vLLM's block size "
+                f"({block_size}): chunks are made of whole blocks"
+            )
         self.settings = settings
         self.block_size = block_size
         #: None until the workers tell theirs (:meth:`adopt_handshakes`).
@@ -344,13 +381,19 @@ class StoreScheduler:
         """Take the namespaces the workers derived from their caches (vLLM hands the scheduler
         every worker's :meth:`StoreWorker.handshake`, by TP rank, before the first request)."""
         ranks = sorted(handshakes)
-        if ranks != list(range(tp_size)) or not all(isinstance(handshakes[rank], StoreHandshake)
-                                                    and handshakes[rank].tp_rank == rank for rank in ranks):
-            raise KVConfigError(f"kvbridge store: expected the store layout of each of {tp_size} TP ranks from the "
-                                f"workers, got {dict(handshakes)!r}")
+        if ranks != list(range(tp_size)) or not all(
+            isinstance(handshakes[rank], StoreHandshake) and handshakes[rank].tp_rank == rank for rank in ranks
+        ):
+            raise KVConfigError(
+                f"kvbridge store: expected the store layout of each of {tp_size} TP ranks from the "
+                f"workers, got {dict(handshakes)!r}"
+            )
         self.set_namespaces([handshakes[rank].namespace for rank in ranks])
-        logger.info("kvbridge store: keys of %d TP ranks, layouts %s", tp_size,
-                    sorted({handshakes[rank].layout for rank in ranks}))
+        logger.info(
+            "kvbridge store: keys of %d TP ranks, layouts %s",
+            tp_size,
+            sorted({handshakes[rank].layout for rank in ranks}),
+        )
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Stored tokens of ``request``'s prompt beyond the ``num_computed_tokens`` vLLM holds: one
@@ -359,8 +402,10 @@ class StoreScheduler:
         if tokens is None:  # prompt embeddings: no token key
             return 0
         if self.namespaces is None:
-            raise KVConfigError("kvbridge store: a lookup before the workers told their store layouts "
-                                "(vLLM passes them to set_xfer_handshake_metadata at start)")
+            raise KVConfigError(
+                "kvbridge store: a lookup before the workers told their store layouts "
+                "(vLLM passes them to set_xfer_handshake_metadata at start)"
+            )
         prompt = self._prompts.get(request.request_id)
         if prompt is None:
             chunk = self.settings.chunk_size
@@ -387,23 +432,41 @@ class StoreScheduler:
         prompt = self._prompts.get(request.request_id)
         claim = prompt.claim if prompt is not None else None
         self._loaded.add(request.request_id)
-        if (claim is None or claim[0] - claim[1] != num_external_tokens or claim[1] % self.block_size
-                or len(block_ids) < claim[0] // self.block_size):
+        if (
+            claim is None
+            or claim[0] - claim[1] != num_external_tokens
+            or claim[1] % self.block_size
+            or len(block_ids) < claim[0] // self.block_size
+        ):
             # vLLM adjusted the claim in a way this plan does not cover: its blocks fail, none is written.
-            logger.warning("kvbridge store: unexpected allocation for %s (%d external tokens, claim %s, %d blocks)",
-                           request.request_id, num_external_tokens, claim, len(block_ids))
+            logger.warning(
+                "kvbridge store: unexpected allocation for %s (%d external tokens, claim %s, %d blocks)",
+                request.request_id,
+                num_external_tokens,
+                claim,
+                len(block_ids),
+            )
             self._refused[request.request_id] = list(block_ids)
             return
         stop, local = claim
         end = -(-stop // self.settings.chunk_size) * self.settings.chunk_size
-        self._loads.append(StoreLoad(req_id=request.request_id, token_ids=prompt.tokens[:end],
-                                     block_ids=list(block_ids[: stop // self.block_size]),
-                                     skip_blocks=local // self.block_size, stop_blocks=stop // self.block_size))
+        self._loads.append(
+            StoreLoad(
+                req_id=request.request_id,
+                token_ids=prompt.tokens[:end],
+                block_ids=list(block_ids[: stop // self.block_size]),
+                skip_blocks=local // self.block_size,
+                stop_blocks=stop // self.block_size,
+            )
+        )
 
     def build_meta(self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[int]]) -> StoreMetadata:
         """This step's loads and the saves of the prompts this step completes."""
-        meta = StoreMetadata(loads=self._loads, refused=self._refused,
-                             load_inline=bool(self._loads) and not scheduler_output.num_scheduled_tokens)
+        meta = StoreMetadata(
+            loads=self._loads,
+            refused=self._refused,
+            load_inline=bool(self._loads) and not scheduler_output.num_scheduled_tokens,
+        )
         self._loads, self._refused = [], {}
         computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -418,9 +481,14 @@ class StoreScheduler:
                 continue  # not all full chunks computed yet (chunked prefill)
             del self._prompts[req_id]
             if prompt.stored < prompt.chunks:
-                meta.saves.append(StoreSave(req_id=req_id, token_ids=prompt.tokens[:end],
-                                            block_ids=list(block_ids_of(req_id)[: end // self.block_size]),
-                                            first_chunk=prompt.stored))
+                meta.saves.append(
+                    StoreSave(
+                        req_id=req_id,
+                        token_ids=prompt.tokens[:end],
+                        block_ids=list(block_ids_of(req_id)[: end // self.block_size]),
+                        first_chunk=prompt.stored,
+                    )
+                )
         return meta
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
@@ -505,15 +573,23 @@ class StoreWorker:
 
     def register(self, caches: Sequence[torch.Tensor], layout: PagedKVLayout, layout_name: str) -> None:
         self._caches = PagedKVCaches(list(caches), layout)
-        full = msgspec.structs.replace(self.identity, block_shape=layout.block_shape(caches[0], 1),
-                                       layout=f"{self.identity.layout}/{layout_name}/{layout.name}")
+        full = msgspec.structs.replace(
+            self.identity,
+            block_shape=layout.block_shape(caches[0], 1),
+            layout=f"{self.identity.layout}/{layout_name}/{layout.name}",
+        )
         digest = hashlib.sha256(msgspec.msgpack.encode(full)).digest()
         self._layout_tag = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
         self._layout = full.layout
         if self.layout_keys:
             self.namespace = identity_namespace(full)
-        logger.info("kvbridge store ready (TP rank %d of %d): tiers %s, chunks of %d tokens",
-                    self.identity.tp_rank, self.identity.tp_size, self.settings.tiers, self.settings.chunk_size)
+        logger.info(
+            "kvbridge store ready (TP rank %d of %d): tiers %s, chunks of %d tokens",
+            self.identity.tp_rank,
+            self.identity.tp_size,
+            self.settings.tiers,
+            self.settings.chunk_size,
+        )
 
     def handshake(self) -> StoreHandshake:
         """This rank's namespace for the scheduler's lookups (after :meth:`register`)."""
@@ -522,13 +598,14 @@ class StoreWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def start_loads(self, loads: Iterable[StoreLoad], refused: Mapping[str, Sequence[int]],
-                    inline: bool = False) -> None:
+    def start_loads(
+        self, loads: Iterable[StoreLoad], refused: Mapping[str, Sequence[int]], inline: bool = False
+    ) -> None:
         """Start ``loads`` in load threads, or with ``inline`` run them here, in vLLM's step: for a
         step that computes nothing, so that no request waits, vLLM learns of them in this step's
         ``get_finished``, and no thread competes with vLLM's next (empty) steps for the cores."""
         for load in loads:
-            ticket = self._tracker.begin(load.req_id, load.block_ids[load.skip_blocks: load.stop_blocks])
+            ticket = self._tracker.begin(load.req_id, load.block_ids[load.skip_blocks : load.stop_blocks])
             job = lambda ticket, load=load: self._load(load, ticket)
             if inline:
                 self._tracker.run_here(ticket, job)
@@ -556,8 +633,12 @@ class StoreWorker:
         caches = self._require_caches()
         outside = [block for block in load.block_ids if not 0 <= block < caches.num_blocks]
         if outside:  # never from vLLM; a write there would land outside the caches
-            logger.error("kvbridge store: load of request %s names blocks %s outside the cache's %d blocks",
-                         load.req_id, outside, caches.num_blocks)
+            logger.error(
+                "kvbridge store: load of request %s names blocks %s outside the cache's %d blocks",
+                load.req_id,
+                outside,
+                caches.num_blocks,
+            )
             self._add(chunks_failed=1)
             with self._lock:
                 self._load_errors["block out of range"] = self._load_errors.get("block out of range", 0) + 1
@@ -579,14 +660,21 @@ class StoreWorker:
             if blob is not None:
                 try:
                     # Views of the blob: the scatter below is the one copy, into vLLM's blocks.
-                    blocks = self._check(decode_chunk(blob, key.key, load.token_ids[key.start:key.stop], self.mac_key,
-                                                      copy=False), per_chunk)
+                    blocks = self._check(
+                        decode_chunk(blob, key.key, load.token_ids[key.start : key.stop], self.mac_key, copy=False),
+                        per_chunk,
+                    )
                 except KVStoreObjectError as exc:
                     problem = exc.reason
             if blocks is None:
                 problem = problem or "other layout"
-                logger.warning("kvbridge store: chunk %d of request %s not loaded (%s): blocks %s fail",
-                               index, load.req_id, problem, targets)
+                logger.warning(
+                    "kvbridge store: chunk %d of request %s not loaded (%s): blocks %s fail",
+                    index,
+                    load.req_id,
+                    problem,
+                    targets,
+                )
                 failed.update(targets)
                 self._add(chunks_failed=1)
                 with self._lock:
@@ -624,11 +712,16 @@ class StoreWorker:
                 continue
             try:
                 # One gather per chunk, into a kept buffer: each chunk is one tensor, encoded as it is.
-                ids = spec.block_ids[spec.first_chunk * per_chunk:]
-                chunks = [gather_blocks(caches.caches, caches.layout,
-                                        torch.tensor(ids[start:start + per_chunk], dtype=torch.int64),
-                                        self._staging.empty)
-                          for start in range(0, len(ids) - per_chunk + 1, per_chunk)]
+                ids = spec.block_ids[spec.first_chunk * per_chunk :]
+                chunks = [
+                    gather_blocks(
+                        caches.caches,
+                        caches.layout,
+                        torch.tensor(ids[start : start + per_chunk], dtype=torch.int64),
+                        self._staging.empty,
+                    )
+                    for start in range(0, len(ids) - per_chunk + 1, per_chunk)
+                ]
                 self._saver.submit(self._put, spec, chunks)
             except BaseException:  # closing, or a copy that failed: the slot is free again
                 self._saves_pending.release()
@@ -637,10 +730,11 @@ class StoreWorker:
     def _put(self, spec: StoreSave, chunks: list[torch.Tensor]) -> None:
         try:
             keys = chunk_keys(self.namespace, spec.token_ids, self.settings.chunk_size)
-            for key, part in zip(keys[spec.first_chunk:], chunks, strict=True):
+            for key, part in zip(keys[spec.first_chunk :], chunks, strict=True):
                 start = time.perf_counter()
-                blob = encode_chunk(key.key, spec.token_ids[key.start:key.stop], [part, self._layout_tag],
-                                    self.mac_key)
+                blob = encode_chunk(
+                    key.key, spec.token_ids[key.start : key.stop], [part, self._layout_tag], self.mac_key
+                )
                 self._staging.give_back(part)  # the blob holds a copy
                 try:
                     stored = self.store.put(key.key, blob)
@@ -678,10 +772,16 @@ class StoreWorker:
         data: dict[str, Any] = {STORE_TIER_UP: {}}
         for tier in self._tiers:
             counts = store.tiers[tier.name]
-            now = {"store_hit_chunks": counts.hits, "store_miss_chunks": counts.misses,
-                   "store_read_bytes": tier.bytes_read, "store_written_bytes": tier.bytes_written,
-                   "store_evictions": counts.evictions, "store_failed_writes": counts.failed_writes,
-                   "store_dropped_writes": store.dropped_writes.get(tier.name, 0), STORE_TIER_UP: int(counts.up)}
+            now = {
+                "store_hit_chunks": counts.hits,
+                "store_miss_chunks": counts.misses,
+                "store_read_bytes": tier.bytes_read,
+                "store_written_bytes": tier.bytes_written,
+                "store_evictions": counts.evictions,
+                "store_failed_writes": counts.failed_writes,
+                "store_dropped_writes": store.dropped_writes.get(tier.name, 0),
+                STORE_TIER_UP: int(counts.up),
+            }
             before = self._reported.get(tier.name)
             self._reported[tier.name] = now
             for name, value in now.items():

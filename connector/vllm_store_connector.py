@@ -37,9 +37,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def open_store_sides(settings: StoreSettings, vllm_config: VllmConfig, role: KVConnectorRole,
-                     kv_cache_config: KVCacheConfig,
-                     layout_keys: bool = False) -> tuple[StoreScheduler | None, StoreWorker | None]:
+def open_store_sides(
+    settings: StoreSettings,
+    vllm_config: VllmConfig,
+    role: KVConnectorRole,
+    kv_cache_config: KVCacheConfig,
+    layout_keys: bool = False,
+) -> tuple[StoreScheduler | None, StoreWorker | None]:
     """The store's side of an instance in ``role``: (its scheduler side, None) in vLLM's scheduler,
     (None, its worker side) in a worker.
 
@@ -51,8 +55,14 @@ def open_store_sides(settings: StoreSettings, vllm_config: VllmConfig, role: KVC
     and an object of another layout is refused on load (a miss)."""
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     if role == KVConnectorRole.SCHEDULER:
-        spaces = None if layout_keys else [identity_namespace(config_identity(vllm_config, kv_cache_config, rank,
-                                                                              tp_size)) for rank in range(tp_size)]
+        spaces = (
+            None
+            if layout_keys
+            else [
+                identity_namespace(config_identity(vllm_config, kv_cache_config, rank, tp_size))
+                for rank in range(tp_size)
+            ]
+        )
         store = settings.open(shared_tiers(settings.tiers))
         try:
             return StoreScheduler(settings, vllm_config.cache_config.block_size, spaces, store), None
@@ -94,8 +104,9 @@ class KVBridgeStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
         settings = StoreSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler, self._worker = None, None  # the transfer sides: none here
-        self._store_scheduler, self._store_worker = open_store_sides(settings, vllm_config, role, kv_cache_config,
-                                                                            layout_keys=True)
+        self._store_scheduler, self._store_worker = open_store_sides(
+            settings, vllm_config, role, kv_cache_config, layout_keys=True
+        )
 
     # ------------------------------------------------------------------ worker side
 
@@ -121,8 +132,9 @@ class KVBridgeStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker_side().take_finished_loads(finished_req_ids) or None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return  # a chunk holds every layer: wait_for_save copies them all at once
 
     def wait_for_save(self) -> None:

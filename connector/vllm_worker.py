@@ -71,8 +71,13 @@ GAUGES = ("connections", "entries_held", "bytes_buffered", "loans_out", "blocks_
 #: ``load_entry_wait_seconds`` (the select sent until the entry's header or lent descriptor arrived),
 #: ``load_receive_seconds`` (the header until a copied entry's bytes were in hand; where the buffer
 #: says when the header arrived) and ``load_copy_seconds`` (the write into vLLM's blocks).
-PHASES = ("save_copy_seconds", "entry_wait_seconds", "load_entry_wait_seconds", "load_receive_seconds",
-          "load_copy_seconds")
+PHASES = (
+    "save_copy_seconds",
+    "entry_wait_seconds",
+    "load_entry_wait_seconds",
+    "load_receive_seconds",
+    "load_copy_seconds",
+)
 
 
 @dataclasses.dataclass
@@ -85,8 +90,9 @@ class Observations:
     phases: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # by name of PHASES
 
     def is_empty(self) -> bool:
-        return not (self.transfer_seconds or self.load_wait_seconds or any(self.gauges.values())
-                    or any(self.phases.values()))
+        return not (
+            self.transfer_seconds or self.load_wait_seconds or any(self.gauges.values()) or any(self.phases.values())
+        )
 
 
 def find_layout(cache: torch.Tensor, num_blocks: int, block_size: int, name: str) -> PagedKVLayout:
@@ -132,15 +138,25 @@ class WorkerSide:
             from connector.vllm_producer_worker import DualWorker, ProducerWorker
 
             roles: dict[str | None, type[WorkerSide]] = {
-                "kv_producer": ProducerWorker, "kv_consumer": ConsumerWorker, "kv_both": DualWorker}
+                "kv_producer": ProducerWorker,
+                "kv_consumer": ConsumerWorker,
+                "kv_both": DualWorker,
+            }
             if settings.bridge.kv_role not in roles:
-                raise KVConfigError(f"a kvbridge worker needs a kv_role, one of {sorted(roles)}, got "
-                                    f"{settings.bridge.kv_role!r}")
+                raise KVConfigError(
+                    f"a kvbridge worker needs a kv_role, one of {sorted(roles)}, got {settings.bridge.kv_role!r}"
+                )
             cls = roles[settings.bridge.kv_role]
         return super().__new__(cls)
 
-    def __init__(self, settings: ConnectorSettings, identity: compat.KVLayoutInfo, port_offset: int,
-                 listener_factory: ListenerFactory | None = None, dialer: Dialer | None = None) -> None:
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        identity: compat.KVLayoutInfo,
+        port_offset: int,
+        listener_factory: ListenerFactory | None = None,
+        dialer: Dialer | None = None,
+    ) -> None:
         self.settings = settings
         self.identity = identity
         self.port_offset = port_offset
@@ -169,13 +185,25 @@ class WorkerSide:
             bridge = self.settings.bridge.replace(kv_device_index=first.device.index)
             self.settings = dataclasses.replace(self.settings, bridge=bridge)
         block_shape = layout.block_shape(first, 1)
-        self.identity = msgspec.structs.replace(self.identity, num_layers=len(caches), block_shape=block_shape,
-                                                dtype=str(first.dtype), layout=layout.name,
-                                                **self._head_fields(block_shape, layout))
+        self.identity = msgspec.structs.replace(
+            self.identity,
+            num_layers=len(caches),
+            block_shape=block_shape,
+            dtype=str(first.dtype),
+            layout=layout.name,
+            **self._head_fields(block_shape, layout),
+        )
         self._open()
-        logger.info("kvbridge %s (TP rank %d of %d) ready: %d layers, blocks of %s %s (heads along dimension %d)",
-                    self.identity.role, self.identity.tp_rank, self.identity.tp_size, len(caches), block_shape,
-                    first.dtype, self.identity.head_dim)
+        logger.info(
+            "kvbridge %s (TP rank %d of %d) ready: %d layers, blocks of %s %s (heads along dimension %d)",
+            self.identity.role,
+            self.identity.tp_rank,
+            self.identity.tp_size,
+            len(caches),
+            block_shape,
+            first.dtype,
+            self.identity.head_dim,
+        )
 
     def _open(self) -> None:
         """Open this role's transport, once the caches are registered (each role adds its own)."""
@@ -202,11 +230,18 @@ class WorkerSide:
         heads = tp_layout.local_heads(identity.total_kv_heads, identity.tp_size) if identity.total_kv_heads else None
         head_dim = tp_layout.find_head_dim(block_shape, layout.block_dim, layout.block_size_dim, heads)
         if head_dim is None:
-            logger.warning("kvbridge: no dimension of %s KV heads in a block of shape %s (layout %s): only an "
-                           "instance of the same TP size can pair with this one", heads, block_shape, layout.name)
+            logger.warning(
+                "kvbridge: no dimension of %s KV heads in a block of shape %s (layout %s): only an "
+                "instance of the same TP size can pair with this one",
+                heads,
+                block_shape,
+                layout.name,
+            )
             return {"head_dim": -1}
-        return {"head_dim": head_dim,
-                "total_kv_heads": identity.total_kv_heads or block_shape[head_dim] * identity.tp_size}
+        return {
+            "head_dim": head_dim,
+            "total_kv_heads": identity.total_kv_heads or block_shape[head_dim] * identity.tp_size,
+        }
 
     def _check_peer(self, pipe: KVPipeBase, address: Address | None = None) -> compat.KVLayoutInfo:
         """On each new connection: exchange layouts; KVConfigError names every difference. A consumer
@@ -220,9 +255,17 @@ class WorkerSide:
                 f"kvbridge: the prefill instance at {host}:{port} is TP rank {peer.tp_rank} of {peer.tp_size}; this "
                 f"decode rank (TP rank {self.identity.tp_rank} of {self.identity.tp_size}) loads from TP rank "
                 f"{expected[1]} of {expected[0]} there (the prefill TP size its kv_transfer_params announced, else "
-                f"kv_producer_tp_size, else this instance's own)")
-        logger.info("kvbridge %s (TP rank %d of %d) connected to a %s peer (TP rank %d of %d)", self.identity.role,
-                    self.identity.tp_rank, self.identity.tp_size, peer.role, peer.tp_rank, peer.tp_size)
+                f"kv_producer_tp_size, else this instance's own)"
+            )
+        logger.info(
+            "kvbridge %s (TP rank %d of %d) connected to a %s peer (TP rank %d of %d)",
+            self.identity.role,
+            self.identity.tp_rank,
+            self.identity.tp_size,
+            peer.role,
+            peer.tp_rank,
+            peer.tp_size,
+        )
         return peer
 
     def close(self) -> None:
@@ -280,8 +323,9 @@ class WorkerSide:
             self._interval.add(**counts)
             self._total.add(**counts)
 
-    def _observe(self, transfer_seconds: float | None = None, load_wait_seconds: float | None = None,
-                 **phases: float | None) -> None:
+    def _observe(
+        self, transfer_seconds: float | None = None, load_wait_seconds: float | None = None, **phases: float | None
+    ) -> None:
         """Record one event's values (None: not observed); ``phases`` by name of :data:`PHASES`."""
         with self._stats_lock:
             if transfer_seconds is not None:
@@ -334,6 +378,7 @@ def _default_listener(settings: ConnectorSettings, port_offset: int, on_connect:
     return BufferListener(settings.bridge, port_offset, on_connect, buffer_config=settings.buffer)
 
 
-def _default_dialer(settings: ConnectorSettings, host: str, port: int,
-                    on_connect: OnConnect | None) -> KVLookupBufferBase:
+def _default_dialer(
+    settings: ConnectorSettings, host: str, port: int, on_connect: OnConnect | None
+) -> KVLookupBufferBase:
     return dial(settings.bridge, host, port, on_connect)

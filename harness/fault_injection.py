@@ -47,7 +47,11 @@ class _Wrapper(KVLookupBufferBase):
         return self.inner.insert(input_tokens, roi, key, value, hidden, timeout)
 
     def drop_select(
-        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False,
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
         span: tuple[int, int, int] | None = None,
     ) -> SelectResult:
         return self.inner.drop_select(input_tokens, roi, timeout, borrow, span=span)
@@ -72,7 +76,11 @@ class CorruptingBuffer(_Wrapper):
         self._generator = torch.Generator().manual_seed(seed)
 
     def drop_select(
-        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False,
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
         span: tuple[int, int, int] | None = None,
     ) -> SelectResult:
         entry = super().drop_select(input_tokens, roi, timeout, span=span)  # never borrowed: the key is replaced

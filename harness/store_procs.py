@@ -137,8 +137,9 @@ def worker_store_stats(worker: Any) -> dict[str, Any]:
     return {"tp_rank": get_tensor_model_parallel_rank(), **dataclasses.asdict(connector.store_stats())}
 
 
-def tp_store_body(model: str, transfer: dict[str, Any], batches: list[list[list[int]]], tp: int,
-                  prefix_caching: bool = True) -> dict[str, Any]:
+def tp_store_body(
+    model: str, transfer: dict[str, Any], batches: list[list[list[int]]], tp: int, prefix_caching: bool = True
+) -> dict[str, Any]:
     """Serve ``batches`` one after the other at TP size ``tp`` (each rank a worker process, the
     scheduler in this one); return their outputs, each rank's store counters (by rank) and the
     namespaces the scheduler looks up (hex, by rank)."""

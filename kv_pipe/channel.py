@@ -113,10 +113,16 @@ class Channel(abc.ABC):
 class GroupChannel(Channel):
     interruptible = False
 
-    def __init__(self, outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer_rank: int,
-                 callers_may_post: bool = True, settle: Callable[[], None] | None = None,
-                 payload_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
-                 silence: float | None = None) -> None:
+    def __init__(
+        self,
+        outgoing: dist.ProcessGroup,
+        incoming: dist.ProcessGroup,
+        peer_rank: int,
+        callers_may_post: bool = True,
+        settle: Callable[[], None] | None = None,
+        payload_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+        silence: float | None = None,
+    ) -> None:
         """``outgoing``/``incoming``: the groups of frames (and of payloads, unless split).
         ``settle``: called after each wait; on NCCL it blocks until the operation is done (a plain
         wait there only orders the current stream), so that every operation ends as on gloo.

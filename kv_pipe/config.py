@@ -82,8 +82,7 @@ class KVTransferConfig:
             raise KVConfigError(f"kv_role must be one of {KV_ROLES} or None, got {self.kv_role!r}")
         if self.kv_parallel_size != 2:
             raise KVConfigError(
-                f"kv_parallel_size must be 2 (kvbridge pipes are point-to-point), "
-                f"got {self.kv_parallel_size!r}"
+                f"kv_parallel_size must be 2 (kvbridge pipes are point-to-point), got {self.kv_parallel_size!r}"
             )
         if not _is_int(self.kv_rank) or self.kv_rank not in (0, 1):
             raise KVConfigError(f"kv_rank must be 0 or 1, got {self.kv_rank!r}")
@@ -93,13 +92,10 @@ class KVTransferConfig:
             raise KVConfigError(f"kv_port must be an integer in [1, 65535], got {self.kv_port!r}")
         if not _is_int(self.kv_buffer_size) or self.kv_buffer_size < 1 << 16:
             raise KVConfigError(
-                f"kv_buffer_size must be an integer number of bytes >= 65536, "
-                f"got {self.kv_buffer_size!r}"
+                f"kv_buffer_size must be an integer number of bytes >= 65536, got {self.kv_buffer_size!r}"
             )
         if self.kv_buffer_device not in KV_BUFFER_DEVICES:
-            raise KVConfigError(
-                f"kv_buffer_device must be one of {KV_BUFFER_DEVICES}, got {self.kv_buffer_device!r}"
-            )
+            raise KVConfigError(f"kv_buffer_device must be one of {KV_BUFFER_DEVICES}, got {self.kv_buffer_device!r}")
         if self.kv_device_index is not None and (not _is_int(self.kv_device_index) or self.kv_device_index < 0):
             raise KVConfigError(f"kv_device_index must be None or a GPU index >= 0, got {self.kv_device_index!r}")
         for name in ("kv_timeout", "kv_connect_timeout"):
@@ -111,9 +107,7 @@ class KVTransferConfig:
         if self.kv_secret is not None and (not isinstance(self.kv_secret, str) or not self.kv_secret):
             raise KVConfigError("kv_secret must be a non-empty string or None")
         if self.kv_shared_memory not in SHARED_MEMORY_MODES:
-            raise KVConfigError(
-                f"kv_shared_memory must be one of {SHARED_MEMORY_MODES}, got {self.kv_shared_memory!r}"
-            )
+            raise KVConfigError(f"kv_shared_memory must be one of {SHARED_MEMORY_MODES}, got {self.kv_shared_memory!r}")
 
     @property
     def is_producer(self) -> bool:
@@ -174,8 +168,9 @@ class KVTransferConfig:
         if "kv_role" not in values:
             values["kv_role"] = "kv_producer" if values.get("kv_rank", 0) == 0 else "kv_consumer"
         values.update(overrides)
-        if (values.get("kv_buffer_device") == "cuda" and "kv_device_index" not in values
-                and "LOCAL_RANK" in env):  # torchrun: one GPU per local rank
+        if (
+            values.get("kv_buffer_device") == "cuda" and "kv_device_index" not in values and "LOCAL_RANK" in env
+        ):  # torchrun: one GPU per local rank
             values["kv_device_index"] = _parse_int("LOCAL_RANK", env["LOCAL_RANK"])
         return cls(**values)
 

@@ -53,8 +53,10 @@ def select_device(config: KVTransferConfig) -> torch.device:
     if config.kv_buffer_device != "cuda":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise KVConfigError("kv_buffer_device='cuda' but torch sees no CUDA device (for a GPU box whose "
-                            "processes share one GPU, or without NCCL, use kv_buffer_device='cpu')")
+        raise KVConfigError(
+            "kv_buffer_device='cuda' but torch sees no CUDA device (for a GPU box whose "
+            "processes share one GPU, or without NCCL, use kv_buffer_device='cpu')"
+        )
     count = torch.cuda.device_count()
     index = config.kv_device_index
     if index is None:
@@ -62,7 +64,8 @@ def select_device(config: KVTransferConfig) -> torch.device:
             raise KVConfigError(
                 f"kv_buffer_device='cuda' with {count} GPUs visible needs kv_device_index: the GPU of this "
                 f"side (the vLLM connector takes it from the worker's KV caches; torchrun's LOCAL_RANK "
-                f"is used by KVTransferConfig.from_env)")
+                f"is used by KVTransferConfig.from_env)"
+            )
         index = 0
     if index >= count:
         raise KVConfigError(f"kv_device_index={index}, but torch sees {count} GPU(s)")
@@ -239,8 +242,11 @@ def pin_host_memory(address: int, nbytes: int) -> bool:
         clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
         if clear is not None:
             clear()
-        logger.info("kvbridge: cudaHostRegister of %d bytes failed (error %d): host-staged copies go through "
-                    "CUDA's staging", nbytes, status)
+        logger.info(
+            "kvbridge: cudaHostRegister of %d bytes failed (error %d): host-staged copies go through CUDA's staging",
+            nbytes,
+            status,
+        )
         return False
     return True
 

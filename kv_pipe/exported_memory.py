@@ -137,7 +137,7 @@ def page_aligned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor
     nbytes = math.prod(shape) * dtype.itemsize
     padded = torch.empty(-(-nbytes // _PAGE) * _PAGE + _PAGE, dtype=torch.uint8)
     start = -padded.data_ptr() % _PAGE
-    return padded[start:start + nbytes].view(dtype).view(tuple(shape))
+    return padded[start : start + nbytes].view(dtype).view(tuple(shape))
 
 
 def find_exports(pieces: np.ndarray) -> tuple[tuple[ExportedMemory, ...], np.ndarray] | None:
@@ -178,11 +178,14 @@ def _check_write_seal() -> None:
                 os.close(fd)
             _write_seal_refusal = ""
         except OSError as exc:
-            _write_seal_refusal = "the kernel lacks it (Linux 5.1 or later has it)" if exc.errno == errno.EINVAL \
-                else str(exc)
+            _write_seal_refusal = (
+                "the kernel lacks it (Linux 5.1 or later has it)" if exc.errno == errno.EINVAL else str(exc)
+            )
     if _write_seal_refusal:
-        raise KVConfigError(f"host memory is not exported: it could not be sealed against writes by other processes "
-                            f"(F_SEAL_FUTURE_WRITE): {_write_seal_refusal}")
+        raise KVConfigError(
+            f"host memory is not exported: it could not be sealed against writes by other processes "
+            f"(F_SEAL_FUTURE_WRITE): {_write_seal_refusal}"
+        )
 
 
 def _move_into_shared_memory(address: int, nbytes: int, storage: torch.UntypedStorage) -> ExportedMemory:
@@ -208,8 +211,10 @@ def _sealed_memfd(nbytes: int) -> tuple[int, int]:
     /proc/PID/fd (and maps it writable, a mapping the seal would not undo)."""
     hidden = _libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1  # else /proc/PID/fd is closed to others already
     if hidden and _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0):
-        raise KVConfigError(f"host memory is not exported: the process cannot hide its descriptors while the "
-                            f"export is made: {os.strerror(ctypes.get_errno())}")
+        raise KVConfigError(
+            f"host memory is not exported: the process cannot hide its descriptors while the "
+            f"export is made: {os.strerror(ctypes.get_errno())}"
+        )
     fd = mapped = None
     try:
         fd = os.memfd_create(_EXPORT_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -222,8 +227,10 @@ def _sealed_memfd(nbytes: int) -> tuple[int, int]:
         try:
             _add_seals(fd, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
         except OSError as exc:
-            raise KVConfigError(f"host memory is not exported: it could not be sealed against writes by other "
-                                f"processes (F_SEAL_FUTURE_WRITE): {exc}") from exc
+            raise KVConfigError(
+                f"host memory is not exported: it could not be sealed against writes by other "
+                f"processes (F_SEAL_FUTURE_WRITE): {exc}"
+            ) from exc
         return fd, mapped
     except BaseException as exc:
         if mapped is not None:
@@ -275,8 +282,11 @@ class PeerMemory:
         try:
             opened = os.fstat(fd)
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            if (opened.st_ino, opened.st_size) != (descriptor.inode, descriptor.nbytes) or \
-                    seals & REQUIRED_SEALS != REQUIRED_SEALS or descriptor.nbytes <= 0:
+            if (
+                (opened.st_ino, opened.st_size) != (descriptor.inode, descriptor.nbytes)
+                or seals & REQUIRED_SEALS != REQUIRED_SEALS
+                or descriptor.nbytes <= 0
+            ):
                 raise KVProtocolError(f"{path} is not the announced export of {descriptor.nbytes} bytes, sealed")
             address = _libc.mmap(None, descriptor.nbytes, mmap.PROT_READ, mmap.MAP_SHARED | mmap.MAP_POPULATE, fd, 0)
             if address in (None, _MAP_FAILED):

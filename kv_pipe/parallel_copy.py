@@ -36,8 +36,9 @@ def copy_bytes(destination: int, source: int, nbytes: int) -> None:
         ctypes.memmove(destination, source, nbytes)
         return
     part = -(-nbytes // threads // _PART_ALIGN) * _PART_ALIGN
-    _run_groups([[(destination + start, source + start, min(part, nbytes - start))]
-                 for start in range(0, nbytes, part)])
+    _run_groups(
+        [[(destination + start, source + start, min(part, nbytes - start))] for start in range(0, nbytes, part)]
+    )
 
 
 def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
@@ -58,8 +59,9 @@ def copy_many(copies: Sequence[tuple[int, int, int]]) -> None:
     _run_groups(groups)
 
 
-def copy_pieces(targets: Sequence[tuple[int, int]] | np.ndarray, sources: Sequence[tuple[int, int]] | np.ndarray
-                ) -> None:
+def copy_pieces(
+    targets: Sequence[tuple[int, int]] | np.ndarray, sources: Sequence[tuple[int, int]] | np.ndarray
+) -> None:
     """Copy the bytes of ``sources`` into ``targets``, each ``(address, nbytes)`` pieces (a sequence or
     an ``[n, 2]`` int64 array) read (written) one after another as one stream; both streams have
     the same length (else ValueError, before anything is copied). Each copy is where a piece of one

@@ -144,9 +144,23 @@ def pack_header(header: FrameHeader, buffer: memoryview | bytearray) -> None:
     """Write ``header`` as the first HEADER_BYTES of ``buffer`` (writable, byte-addressed)."""
     tensor = header.kind in _TENSOR_KINDS
     ndim = len(header.shape) if tensor else 0
-    _FIXED.pack_into(buffer, 0, MAGIC, PROTOCOL_VERSION, header.kind, header.seq, header.consumed,
-                     header.want_credit, DTYPE_TO_CODE[header.dtype] if tensor else 0, ndim, header.nbytes,
-                     header.inline, header.more, header.place, header.freed)
+    _FIXED.pack_into(
+        buffer,
+        0,
+        MAGIC,
+        PROTOCOL_VERSION,
+        header.kind,
+        header.seq,
+        header.consumed,
+        header.want_credit,
+        DTYPE_TO_CODE[header.dtype] if tensor else 0,
+        ndim,
+        header.nbytes,
+        header.inline,
+        header.more,
+        header.place,
+        header.freed,
+    )
     _SHAPES[ndim].pack_into(buffer, _FIXED.size, *header.shape)
     end = _FIXED.size + 8 * ndim
     buffer[end:HEADER_BYTES] = _ZEROS[end:]  # frames are reused: no word may stay from an earlier header
@@ -178,8 +192,21 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int, sha
     another record follows. A ``freed`` word must name a region start of a segment (whether this
     side gave that region is the caller's to check).
     """
-    (magic, version, kind_code, seq, consumed, want_credit, dtype_code, ndim, nbytes, inline_word, more, place,
-     freed) = _FIXED.unpack_from(buffer)
+    (
+        magic,
+        version,
+        kind_code,
+        seq,
+        consumed,
+        want_credit,
+        dtype_code,
+        ndim,
+        nbytes,
+        inline_word,
+        more,
+        place,
+        freed,
+    ) = _FIXED.unpack_from(buffer)
     if magic != MAGIC:
         raise KVProtocolError(f"peer sent a frame with bad magic {magic:#x}: not a kvbridge pipe")
     if version != PROTOCOL_VERSION:
@@ -221,17 +248,16 @@ def decode_header(buffer: memoryview, max_nbytes: int, inline_capacity: int, sha
     inline = nbytes <= inline_capacity and not place
     if inline_word != inline:
         raise KVProtocolError(f"peer's inline flag {inline_word} disagrees with size {nbytes}")
-    if kind is FrameKind.FREED and (dtype is not torch.int64 or ndim != 1 or not inline or place or not nbytes
-                                    or shape[0] > MAX_FREED_PER_RECORD):
+    if kind is FrameKind.FREED and (
+        dtype is not torch.int64 or ndim != 1 or not inline or place or not nbytes or shape[0] > MAX_FREED_PER_RECORD
+    ):
         raise KVProtocolError(f"peer sent a malformed FREED record: {list(_FIXED.unpack_from(buffer))}")
-    if place and (inline or place < SHARED_DATA_START or place % SHARED_REGION_ALIGN
-                  or place + nbytes > shared_bytes):
+    if place and (inline or place < SHARED_DATA_START or place % SHARED_REGION_ALIGN or place + nbytes > shared_bytes):
         raise KVProtocolError(
             f"peer placed a {nbytes}-byte payload at byte {place} of its shared-memory segment, outside the "
             f"{shared_bytes} bytes mapped here (or not at a region start); refused before reading it"
         )
-    return FrameHeader(kind, seq, consumed, bool(want_credit), dtype, shape, nbytes, inline, bool(more), place,
-                       freed)
+    return FrameHeader(kind, seq, consumed, bool(want_credit), dtype, shape, nbytes, inline, bool(more), place, freed)
 
 
 @dataclasses.dataclass(slots=True)
@@ -246,8 +272,15 @@ class Record:
     place: int = 0
 
 
-def lay_out_records(records: Sequence[Record], frame_bytes: int, inline_payloads: bool, seq: int, consumed: int,
-                    want_credit: bool, freed: int = 0) -> list[tuple[int, FrameHeader]]:
+def lay_out_records(
+    records: Sequence[Record],
+    frame_bytes: int,
+    inline_payloads: bool,
+    seq: int,
+    consumed: int,
+    want_credit: bool,
+    freed: int = 0,
+) -> list[tuple[int, FrameHeader]]:
     """Where each record of a unit starts in its frame, and its header: the first record's gives
     back region ``freed``; ``seq`` is the sequence number of the unit's first item.
 
@@ -260,8 +293,17 @@ def lay_out_records(records: Sequence[Record], frame_bytes: int, inline_payloads
     offset = 0  # where the current record starts in its frame
     last = len(records) - 1
     for index, record in enumerate(records):
-        header = FrameHeader(record.kind, seq, consumed, want_credit, record.dtype, record.shape, record.nbytes,
-                             freed=0 if index else freed, place=record.place)
+        header = FrameHeader(
+            record.kind,
+            seq,
+            consumed,
+            want_credit,
+            record.dtype,
+            record.shape,
+            record.nbytes,
+            freed=0 if index else freed,
+            place=record.place,
+        )
         if record.dtype is not None:
             capacity = record_inline_capacity(frame_bytes, offset) if inline_payloads else 0
             header.inline = record.nbytes <= capacity and not record.place
@@ -280,8 +322,9 @@ def frame_length(offset: int, header: FrameHeader) -> int:
     return offset + HEADER_BYTES + (header.nbytes if header.inline else 0)
 
 
-def decode_frame(frame: memoryview, inline_payloads: bool, max_nbytes: int, shared_bytes: int,
-                 seq: int) -> list[tuple[int, FrameHeader]]:
+def decode_frame(
+    frame: memoryview, inline_payloads: bool, max_nbytes: int, shared_bytes: int, seq: int
+) -> list[tuple[int, FrameHeader]]:
     """Parse and validate every record of a received frame (byte-addressed, as long as the frames
     both sides agreed on): where each starts and its header, in order. ``seq`` is the sequence
     number the peer's next item must carry; the rest is as for :func:`decode_header`. Raises
@@ -292,8 +335,12 @@ def decode_frame(frame: memoryview, inline_payloads: bool, max_nbytes: int, shar
     records = []
     while True:
         capacity = record_inline_capacity(frame_bytes, offset) if inline_payloads else 0
-        header = decode_header(frame[offset : offset + HEADER_BYTES], max_nbytes=max_nbytes,
-                               inline_capacity=capacity, shared_bytes=shared_bytes)
+        header = decode_header(
+            frame[offset : offset + HEADER_BYTES],
+            max_nbytes=max_nbytes,
+            inline_capacity=capacity,
+            shared_bytes=shared_bytes,
+        )
         if records:
             first = records[0][1]
             if header.consumed != first.consumed or header.want_credit != first.want_credit:
@@ -357,8 +404,15 @@ class Hello:
     def pack(self) -> bytes:
         if len(self.gpu_id) not in (0, GPU_ID_BYTES):
             raise ValueError(f"a GPU identity has {GPU_ID_BYTES} bytes, got {len(self.gpu_id)}")
-        return _HELLO.pack(MAGIC, PROTOCOL_VERSION, self.frame_bytes, self.max_in_flight,
-                           DEVICE_CODES[self.device], self.timeout_ms, self.gpu_id)
+        return _HELLO.pack(
+            MAGIC,
+            PROTOCOL_VERSION,
+            self.frame_bytes,
+            self.max_in_flight,
+            DEVICE_CODES[self.device],
+            self.timeout_ms,
+            self.gpu_id,
+        )
 
     @classmethod
     def unpack(cls, data: bytes) -> Hello:
@@ -378,5 +432,10 @@ class Hello:
         devices = {code: name for name, code in DEVICE_CODES.items()}
         if device_code not in devices or frame_bytes <= HEADER_BYTES or max_in_flight <= 0 or timeout_ms <= 0:
             raise KVProtocolError(f"peer's rendezvous greeting is malformed: {_HELLO.unpack(data)}")
-        return cls(frame_bytes=frame_bytes, max_in_flight=max_in_flight, device=devices[device_code],
-                   timeout_ms=timeout_ms, gpu_id=b"" if gpu_id == bytes(GPU_ID_BYTES) else gpu_id)
+        return cls(
+            frame_bytes=frame_bytes,
+            max_in_flight=max_in_flight,
+            device=devices[device_code],
+            timeout_ms=timeout_ms,
+            gpu_id=b"" if gpu_id == bytes(GPU_ID_BYTES) else gpu_id,
+        )

@@ -91,8 +91,14 @@ class Connection:
     payloads: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
 
-def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.device,
-            listener: socket.socket | None = None, split: bool = False) -> Connection:
+def connect(
+    config: KVTransferConfig,
+    port: int,
+    hello: Hello,
+    device: torch.device,
+    listener: socket.socket | None = None,
+    split: bool = False,
+) -> Connection:
     """Run the rendezvous at ``config.kv_ip:port`` and return the connected groups.
 
     ``listener``: rank 0 only, a socket already listening at ``port`` for the store (it is taken
@@ -109,13 +115,17 @@ def connect(config: KVTransferConfig, port: int, hello: Hello, device: torch.dev
     store = _open_store(config, port, listener)
     try:
         if store.add(_ARRIVALS_KEY, 1) > 2:
-            _refuse(store, rank, config.kv_timeout,
-                    f"kvbridge pipe rank {rank}: the rendezvous at {config.kv_ip}:{port} already served a pair "
-                    f"(or a stranger wrote to it); the other side must close its old pipe and create a new one "
-                    f"before this side reconnects")
+            _refuse(
+                store,
+                rank,
+                config.kv_timeout,
+                f"kvbridge pipe rank {rank}: the rendezvous at {config.kv_ip}:{port} already served a pair "
+                f"(or a stranger wrote to it); the other side must close its old pipe and create a new one "
+                f"before this side reconnects",
+            )
         peer_greeting = exchange(store, rank, "hello", hello.pack())
         if peer_greeting.startswith(_REFUSAL):
-            reason = peer_greeting[len(_REFUSAL):].decode(errors="replace")
+            reason = peer_greeting[len(_REFUSAL) :].decode(errors="replace")
             raise KVPeerLostError(f"kvbridge pipe rank {rank}: the peer refused to pair: {reason}")
         peer_hello = Hello.unpack(peer_greeting)
         check_distinct_gpus(hello, peer_hello)
@@ -177,8 +187,15 @@ def _open_store(config: KVTransferConfig, port: int, listener: socket.socket | N
     timeout = datetime.timedelta(seconds=config.kv_connect_timeout)
     try:
         if rank == 0:
-            return dist.TCPStore(config.kv_ip, port, world_size=2, is_master=True, timeout=timeout,
-                                 wait_for_workers=True, master_listen_fd=listen_fd)
+            return dist.TCPStore(
+                config.kv_ip,
+                port,
+                world_size=2,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=True,
+                master_listen_fd=listen_fd,
+            )
         store = _dial_store(config.kv_ip, port, time.monotonic() + config.kv_connect_timeout)
         store.set_timeout(timeout)
         return store
@@ -200,8 +217,13 @@ def _dial_store(host: str, port: int, deadline: float) -> dist.TCPStore:
     while True:
         remaining = deadline - time.monotonic()
         try:
-            return dist.TCPStore(host, port, world_size=2, is_master=False,
-                                 timeout=datetime.timedelta(seconds=max(remaining / 3, _MIN_DIAL_SECONDS)))
+            return dist.TCPStore(
+                host,
+                port,
+                world_size=2,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=max(remaining / 3, _MIN_DIAL_SECONDS)),
+            )
         except (RuntimeError, OSError):
             if deadline - time.monotonic() <= _MIN_DIAL_SECONDS:
                 raise
@@ -267,8 +289,9 @@ def check_distinct_gpus(mine: Hello, peer: Hello) -> None:
         )
 
 
-def _create_groups(config: KVTransferConfig, store: dist.Store, device: torch.device,
-                   pair: str = "") -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def _create_groups(
+    config: KVTransferConfig, store: dist.Store, device: torch.device, pair: str = ""
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This side's (outgoing, incoming) groups of a pair (``pair`` prefixes its labels), both
     connected: created in :data:`GROUP_ORDER` on both sides (construction is collective), on gloo
     for a host ``device``, else on NCCL bound to ``device``."""
@@ -277,8 +300,14 @@ def _create_groups(config: KVTransferConfig, store: dist.Store, device: torch.de
     groups = {}
     for label, sender in GROUP_ORDER:
         try:
-            groups[sender] = _create_group(dist.PrefixStore(f"kvbridge/group/{pair}{label}", store), rank, timeout,
-                                           device, config.kv_ip, pair + label)
+            groups[sender] = _create_group(
+                dist.PrefixStore(f"kvbridge/group/{pair}{label}", store),
+                rank,
+                timeout,
+                device,
+                config.kv_ip,
+                pair + label,
+            )
         except (RuntimeError, OSError) as exc:
             raise KVPeerLostError(
                 f"kvbridge pipe rank {rank}: could not connect the {pair}group for rank {sender}'s sends: {exc}"
@@ -286,8 +315,9 @@ def _create_groups(config: KVTransferConfig, store: dist.Store, device: torch.de
     return groups[rank], groups[1 - rank]
 
 
-def _create_group(store: dist.Store, rank: int, timeout: datetime.timedelta, device: torch.device,
-                  kv_ip: str, label: str) -> dist.ProcessGroup:
+def _create_group(
+    store: dist.Store, rank: int, timeout: datetime.timedelta, device: torch.device, kv_ip: str, label: str
+) -> dist.ProcessGroup:
     """One connected group of a pair (``label`` names it, for tests and messages)."""
     if device.type == "cuda":
         return _create_nccl_group(store, rank, timeout, device)
@@ -298,8 +328,9 @@ def _create_group(store: dist.Store, rank: int, timeout: datetime.timedelta, dev
     return dist.ProcessGroupGloo(store, rank, 2, options)  # gloo connects both ends here
 
 
-def _create_nccl_group(store: dist.Store, rank: int, timeout: datetime.timedelta,
-                       device: torch.device) -> dist.ProcessGroup:
+def _create_nccl_group(
+    store: dist.Store, rank: int, timeout: datetime.timedelta, device: torch.device
+) -> dist.ProcessGroup:
     """An NCCL group whose communicator is created now, on ``device`` (what ``device_id=`` of
     ``init_process_group`` does: ``eager_connect_single_device``), not at its first operation on
     whatever device is current then, and whose errors and timeouts are the pipe's to handle (see
@@ -332,8 +363,9 @@ def _pipe_error_handling() -> Iterator[None]:
                 os.environ[_NCCL_ERROR_HANDLING] = before
 
 
-def prime_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, device: torch.device,
-                 timeout: float) -> None:
+def prime_groups(
+    outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, device: torch.device, timeout: float
+) -> None:
     """Send one byte through each group, in :data:`GROUP_ORDER` on both sides, and check it arrived
     (each wait at most ``timeout`` seconds).
 
@@ -350,12 +382,20 @@ def prime_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank:
             received = torch.zeros_like(probe)
             wait_for(incoming.recv([received], peer, _PRIMER_TAG), timeout)
             if int(received.cpu()[0]) != 0x5A + sender:
-                raise KVProtocolError(f"kvbridge pipe rank {rank}: the peer's primer on its group was "
-                                      f"{int(received.cpu()[0])}, not {0x5A + sender}: not a kvbridge pipe")
+                raise KVProtocolError(
+                    f"kvbridge pipe rank {rank}: the peer's primer on its group was "
+                    f"{int(received.cpu()[0])}, not {0x5A + sender}: not a kvbridge pipe"
+                )
 
 
-def authenticate_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, secret: str,
-                        device: torch.device, timeout: float) -> None:
+def authenticate_groups(
+    outgoing: dist.ProcessGroup,
+    incoming: dist.ProcessGroup,
+    rank: int,
+    secret: str,
+    device: torch.device,
+    timeout: float,
+) -> None:
     """Challenge-response over a pair of groups: whoever is at their other end must hold ``secret``.
 
     Each side sends a fresh nonce on its outgoing group, then a proof over both nonces, at the same
@@ -380,8 +420,15 @@ def authenticate_groups(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup
         )
 
 
-def swap_bytes(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, peer: int, data: bytes,
-               device: torch.device, tag: int, timeout: float | None = None) -> bytes:
+def swap_bytes(
+    outgoing: dist.ProcessGroup,
+    incoming: dist.ProcessGroup,
+    peer: int,
+    data: bytes,
+    device: torch.device,
+    tag: int,
+    timeout: float | None = None,
+) -> bytes:
     """Send ``data`` to the peer on ``tag`` and receive the same number of bytes from it (each wait
     at most ``timeout`` seconds; None: the groups' own timeout, gloo's)."""
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)

@@ -236,8 +236,11 @@ class SharedMemoryLink:
         there); other threads may take the room meanwhile."""
         self._settle_deaths()
         with self._lock:
-            needed = sum(-(-tensor.nbytes // SHARED_REGION_ALIGN) * SHARED_REGION_ALIGN for tensor in tensors
-                         if self._lent.get(tensor.data_ptr() - self.own.address) != _LENT_UNSENT)
+            needed = sum(
+                -(-tensor.nbytes // SHARED_REGION_ALIGN) * SHARED_REGION_ALIGN
+                for tensor in tensors
+                if self._lent.get(tensor.data_ptr() - self.own.address) != _LENT_UNSENT
+            )
         return needed <= self.allocator.largest_free()
 
     def take_lent(self, data: torch.Tensor) -> int:
@@ -282,8 +285,9 @@ class SharedMemoryLink:
                 del self._lent[place]
             self.allocator.release(place)
 
-    def view(self, place: int, dtype: torch.dtype, shape: tuple[int, ...], on_free: Callable[[int], None]
-             ) -> torch.Tensor:
+    def view(
+        self, place: int, dtype: torch.dtype, shape: tuple[int, ...], on_free: Callable[[int], None]
+    ) -> torch.Tensor:
         """A tensor over the peer's segment at ``place``; ``on_free(place)`` runs once it has died."""
         nbytes = math.prod(shape) * dtype.itemsize
         region = self.peer.array[place : place + nbytes]
@@ -293,8 +297,9 @@ class SharedMemoryLink:
         return torch.from_numpy(region).view(dtype).reshape(shape)
 
 
-def establish(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, mode: str, budget: int,
-              device: torch.device) -> SharedMemoryLink | None:
+def establish(
+    outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, mode: str, budget: int, device: torch.device
+) -> SharedMemoryLink | None:
     """Set up the same-host path with the peer, over the connected groups (both sides call this).
 
     Returns None when the path is off or not possible (another host, a CUDA pipe, no /proc access);
@@ -314,13 +319,23 @@ def establish(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: in
             own = None
     try:
         mine = np.zeros(_DESCRIPTOR_WORDS, dtype=np.int64)
-        mine[:6] = (1 if own else 0, _boot_id(), _net_namespace(), os.getpid(), fd if own else -1,
-                    own.nbytes if own else 0)
+        mine[:6] = (
+            1 if own else 0,
+            _boot_id(),
+            _net_namespace(),
+            os.getpid(),
+            fd if own else -1,
+            own.nbytes if own else 0,
+        )
         theirs = np.frombuffer(swap_bytes(outgoing, incoming, peer, mine.tobytes(), device, _TAG), dtype=np.int64)
         offered, boot_id, namespace, pid, peer_fd, peer_nbytes = (int(word) for word in theirs[:6])
         peer_segment, echo = None, bytes(auth.NONCE_BYTES)
-        if wanted and offered and (boot_id, namespace) == (_boot_id(), _net_namespace()) and \
-                SHARED_DATA_START < peer_nbytes <= MAX_SEGMENT_BYTES:
+        if (
+            wanted
+            and offered
+            and (boot_id, namespace) == (_boot_id(), _net_namespace())
+            and SHARED_DATA_START < peer_nbytes <= MAX_SEGMENT_BYTES
+        ):
             try:
                 peer_segment = Segment.open_peer(pid, peer_fd, peer_nbytes)
                 echo = peer_segment.array[: auth.NONCE_BYTES].tobytes()
@@ -343,8 +358,15 @@ def establish(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: in
     return SharedMemoryLink(own, peer_segment, connection, pid)
 
 
-def _connect_socket(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, rank: int, peer_pid: int,
-                    nonce: bytes, echo: bytes, device: torch.device) -> socket.socket | None:
+def _connect_socket(
+    outgoing: dist.ProcessGroup,
+    incoming: dist.ProcessGroup,
+    rank: int,
+    peer_pid: int,
+    nonce: bytes,
+    echo: bytes,
+    device: torch.device,
+) -> socket.socket | None:
     """The local socket between the two processes, or None (on both sides) if it cannot be made.
 
     Rank 0 listens on a random name in the abstract Unix namespace, which belongs to the network
@@ -365,8 +387,9 @@ def _connect_socket(outgoing: dist.ProcessGroup, incoming: dist.ProcessGroup, ra
     except OSError as exc:
         logger.info("pipe rank %d: no local socket (%s)", rank, exc)
         listener = None
-    theirs = swap_bytes(outgoing, incoming, peer, name.ljust(_SOCKET_NAME_BYTES, b"\0")[:_SOCKET_NAME_BYTES],
-                        device, _TAG)
+    theirs = swap_bytes(
+        outgoing, incoming, peer, name.ljust(_SOCKET_NAME_BYTES, b"\0")[:_SOCKET_NAME_BYTES], device, _TAG
+    )
     try:
         if rank == 0 and listener is not None:
             sock = _accept_peer(listener, peer_pid, nonce)

@@ -105,8 +105,13 @@ class HostWire(Wire):
         return self._memory.allocate(self.frame_bytes, headroom=HEADER_BYTES)
 
     def write_record(self, offset: int, header: FrameHeader, data: torch.Tensor | None) -> None:
-        if (not offset and not header.more and header.inline and header.nbytes >= INLINE_VIEW_MIN_BYTES
-                and self._memory.headroom(data) >= HEADER_BYTES):
+        if (
+            not offset
+            and not header.more
+            and header.inline
+            and header.nbytes >= INLINE_VIEW_MIN_BYTES
+            and self._memory.headroom(data) >= HEADER_BYTES
+        ):
             # The bytes in front are the pipe's: header and item leave as one message, uncopied.
             flat = flat_bytes(data)
             frame = flat.as_strided((HEADER_BYTES + header.nbytes,), (1,), flat.storage_offset() - HEADER_BYTES)

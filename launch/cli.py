@@ -28,8 +28,11 @@ _PAIR_OPTIONS = {
     "max_new_tokens": ("KVBRIDGE_MAX_NEW_TOKENS", int, "tokens generated per prompt (default 16)"),
     "model": ("KVBRIDGE_MODEL", str, "local directory of a Hugging Face causal LM (default: built-in Llama)"),
     "seed": ("KVBRIDGE_SEED", int, "seed of weights, prompts and order (default 0)"),
-    "store": ("KVBRIDGE_KV_STORE", str, "move the KV through a store both ranks reach, not a pipe: "
-              "disk:PATH or redis://HOST:PORT (default: a pipe)"),
+    "store": (
+        "KVBRIDGE_KV_STORE",
+        str,
+        "move the KV through a store both ranks reach, not a pipe: disk:PATH or redis://HOST:PORT (default: a pipe)",
+    ),
 }
 
 
@@ -47,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, (_, kind, text) in _PAIR_OPTIONS.items():
         pair.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
     commands.add_parser(
-        "serve", add_help=False,
+        "serve",
+        add_help=False,
         help="serve a model disaggregated: prefill + decode vLLM servers and an OpenAI-compatible proxy "
         "(kvbridge serve --help)",
     )

@@ -20,8 +20,10 @@ class MissingExtraError(ModuleNotFoundError):
     """An optional dependency is missing; the message names the extra to install."""
 
     def __init__(self, extra: str, module: str) -> None:
-        super().__init__(f"{module} is not installed; it comes with kvbridge's {extra!r} extra: "
-                         f"pip install 'kvbridge[{extra}]'", name=module)
+        super().__init__(
+            f"{module} is not installed; it comes with kvbridge's {extra!r} extra: pip install 'kvbridge[{extra}]'",
+            name=module,
+        )
         self.extra = extra
 
 

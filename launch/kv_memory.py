@@ -50,8 +50,10 @@ def available_memory(root: str = "/") -> int | None:
     for node in sorted((base / "sys/devices/system/node").glob("node[0-9]*/meminfo")):
         info = _meminfo(node)
         figures.append(sum(info.get(key, 0) for key in ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable")))
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
         limit = _read_int(base / "sys/fs/cgroup" / limit_file)
         usage = _read_int(base / "sys/fs/cgroup" / usage_file)
         if limit is not None and limit < _NO_CGROUP_LIMIT and usage is not None:
@@ -83,4 +85,3 @@ def _read_int(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None  # cgroup v2 writes "max" when there is no limit
-

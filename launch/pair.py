@@ -154,8 +154,9 @@ _WORKLOAD_NAMES = ("NUM_PROMPTS", "MAX_NEW_TOKENS", "SEED", "MIN_PROMPT_LEN", "M
 def make_prompts(settings: PairSettings, vocab_size: int) -> list[torch.Tensor]:
     """Seeded random prompts of varied lengths; identical on both ranks."""
     generator = torch.Generator().manual_seed(settings.seed)
-    lengths = torch.randint(settings.min_prompt_len, settings.max_prompt_len + 1, (settings.num_prompts,),
-                            generator=generator)
+    lengths = torch.randint(
+        settings.min_prompt_len, settings.max_prompt_len + 1, (settings.num_prompts,), generator=generator
+    )
     return [torch.randint(0, vocab_size, (int(n),), generator=generator) for n in lengths]
 
 
@@ -177,8 +178,9 @@ def _stage(what: str) -> Iterator[None]:
         raise
 
 
-def _receive(control: TorchDistributedPipe, timeout: float, dtype: torch.dtype, shape: tuple[int, ...],
-             what: str) -> torch.Tensor:
+def _receive(
+    control: TorchDistributedPipe, timeout: float, dtype: torch.dtype, shape: tuple[int, ...], what: str
+) -> torch.Tensor:
     with _stage(f"waiting for the other rank's {what}"):
         tensor = control.recv_tensor(timeout=timeout)
     if tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != shape:
@@ -222,8 +224,14 @@ def _check_capacity(config: KVTransferConfig, probe: PrefillOutput, prompts: lis
         )
 
 
-def run_prefill(settings: PairSettings, config: KVTransferConfig, buffer: KVLookupBufferBase,
-                control: TorchDistributedPipe, model: PreTrainedModel, prompts: list[torch.Tensor]) -> int:
+def run_prefill(
+    settings: PairSettings,
+    config: KVTransferConfig,
+    buffer: KVLookupBufferBase,
+    control: TorchDistributedPipe,
+    model: PreTrainedModel,
+    prompts: list[torch.Tensor],
+) -> int:
     stored = isinstance(buffer, StoreBuffer)
     if not stored:  # a store's tiers bound themselves; a pipe's buffer must hold the whole batch
         _check_capacity(config, prefill(model, prompts[0][:1]), prompts)
@@ -246,8 +254,11 @@ def run_prefill(settings: PairSettings, config: KVTransferConfig, buffer: KVLook
     exit_code, matches, hits, misses = _receive(control, settings.peer_timeout, torch.int64, (4,), "result").tolist()
     if exit_code not in (EXIT_OK, EXIT_CHECK_FAILED) or not 0 <= min(matches, hits, misses) <= len(prompts):
         raise KVProtocolError(f"the decode side sent an invalid result {[exit_code, matches, hits, misses]}")
-    print(f"[rank 0] decode side reports {matches}/{len(prompts)} sequences matching, {hits} hits, "
-          f"{misses} misses; exit status {exit_code}", flush=True)
+    print(
+        f"[rank 0] decode side reports {matches}/{len(prompts)} sequences matching, {hits} hits, "
+        f"{misses} misses; exit status {exit_code}",
+        flush=True,
+    )
     return exit_code
 
 
@@ -276,28 +287,39 @@ class _Outcome:
         return found
 
 
-def _receive_and_generate(settings: PairSettings, buffer: KVLookupBufferBase, model: PreTrainedModel,
-                          prompts: list[torch.Tensor], stats: torch.Tensor) -> list[_Outcome]:
+def _receive_and_generate(
+    settings: PairSettings,
+    buffer: KVLookupBufferBase,
+    model: PreTrainedModel,
+    prompts: list[torch.Tensor],
+    stats: torch.Tensor,
+) -> list[_Outcome]:
     """Fetch every prompt's KV (shuffled order) and generate from it; recompute the misses."""
     probe = prefill(model, prompts[0][:1])
     order = decode_order(settings)
     states = {i: empty_prefill_like(probe, len(prompts[i])) for i in order}
-    requests = [KVRequest(prompts[i], ContiguousKV(states[i].keys, states[i].values), states[i].hidden)
-                for i in order]
+    requests = [KVRequest(prompts[i], ContiguousKV(states[i].keys, states[i].values), states[i].hidden) for i in order]
     with _stage("receiving KV from the lookup buffer"):
-        received = dict(zip(order, recv_kv_caches_and_hidden_states(buffer, requests, settings.select_timeout),
-                            strict=True))
+        received = dict(
+            zip(order, recv_kv_caches_and_hidden_states(buffer, requests, settings.select_timeout), strict=True)
+        )
     outcomes = {}
     for index in tqdm(order, desc="rank 1 decode", unit="req"):
         state = states[index] if received[index].hit else prefill(model, prompts[index])
         generated = greedy_continue(model, state, settings.max_new_tokens)
-        outcomes[index] = _Outcome(index, len(prompts[index]), prefill_seconds=float(stats[index, 0]),
-                                   received=received[index], generated=generated)
+        outcomes[index] = _Outcome(
+            index,
+            len(prompts[index]),
+            prefill_seconds=float(stats[index, 0]),
+            received=received[index],
+            generated=generated,
+        )
     return [outcomes[i] for i in range(len(prompts))]
 
 
-def _compute_references(settings: PairSettings, model: PreTrainedModel, prompts: list[torch.Tensor],
-                        outcomes: list[_Outcome]) -> None:
+def _compute_references(
+    settings: PairSettings, model: PreTrainedModel, prompts: list[torch.Tensor], outcomes: list[_Outcome]
+) -> None:
     """Greedy generation from scratch for every prompt, timing its prefill."""
     for outcome, tokens in zip(tqdm(outcomes, desc="rank 1 reference", unit="req"), prompts, strict=True):
         start = time.perf_counter()
@@ -308,10 +330,17 @@ def _compute_references(settings: PairSettings, model: PreTrainedModel, prompts:
 
 def _report(outcomes: list[_Outcome]) -> str:
     rows = [
-        [o.index, o.prompt_tokens, "transferred" if o.received.hit else "miss, recomputed", o.received.num_bytes,
-         f"{o.prefill_seconds * 1e3:.2f}", f"{o.received.seconds * 1e3:.2f}",
-         f"{o.received.num_bytes / o.received.seconds / 1e9:.3f}" if o.received.hit else "-",
-         f"{o.recompute_seconds * 1e3:.2f}", "yes" if o.match else "MISMATCH"]
+        [
+            o.index,
+            o.prompt_tokens,
+            "transferred" if o.received.hit else "miss, recomputed",
+            o.received.num_bytes,
+            f"{o.prefill_seconds * 1e3:.2f}",
+            f"{o.received.seconds * 1e3:.2f}",
+            f"{o.received.num_bytes / o.received.seconds / 1e9:.3f}" if o.received.hit else "-",
+            f"{o.recompute_seconds * 1e3:.2f}",
+            "yes" if o.match else "MISMATCH",
+        ]
         for o in outcomes
     ]
     hits = [o.received for o in outcomes if o.received.hit]
@@ -319,24 +348,63 @@ def _report(outcomes: list[_Outcome]) -> str:
     transfer = sum(r.seconds for r in hits)
     prefill_total = sum(o.prefill_seconds for o in outcomes)
     summary = [
-        len(outcomes), len(hits), len(outcomes) - len(hits), sum(o.prompt_tokens for o in outcomes), moved,
-        f"{transfer:.4f}", f"{moved / transfer / 1e9:.3f}" if hits else "-", f"{prefill_total:.4f}",
-        f"{sum(o.recompute_seconds for o in outcomes):.4f}", f"{prefill_total / transfer:.1f}x" if hits else "-",
+        len(outcomes),
+        len(hits),
+        len(outcomes) - len(hits),
+        sum(o.prompt_tokens for o in outcomes),
+        moved,
+        f"{transfer:.4f}",
+        f"{moved / transfer / 1e9:.3f}" if hits else "-",
+        f"{prefill_total:.4f}",
+        f"{sum(o.recompute_seconds for o in outcomes):.4f}",
+        f"{prefill_total / transfer:.1f}x" if hits else "-",
         f"{sum(o.match for o in outcomes)}/{len(outcomes)}",
     ]
-    return "\n".join([
-        format_table(["request", "prompt tokens", "KV", "bytes", "prefill ms (rank 0)", "transfer ms (rank 1)",
-                      "GB/s", "recompute ms (rank 1)", "match"], rows),
-        format_table(["requests", "hits", "misses", "prompt tokens", "bytes moved", "transfer s", "transfer GB/s",
-                      "prefill s (rank 0)", "recompute s (rank 1)", "prefill / transfer", "matches"], [summary]),
-    ])
+    return "\n".join(
+        [
+            format_table(
+                [
+                    "request",
+                    "prompt tokens",
+                    "KV",
+                    "bytes",
+                    "prefill ms (rank 0)",
+                    "transfer ms (rank 1)",
+                    "GB/s",
+                    "recompute ms (rank 1)",
+                    "match",
+                ],
+                rows,
+            ),
+            format_table(
+                [
+                    "requests",
+                    "hits",
+                    "misses",
+                    "prompt tokens",
+                    "bytes moved",
+                    "transfer s",
+                    "transfer GB/s",
+                    "prefill s (rank 0)",
+                    "recompute s (rank 1)",
+                    "prefill / transfer",
+                    "matches",
+                ],
+                [summary],
+            ),
+        ]
+    )
 
 
-def run_decode(settings: PairSettings, buffer: KVLookupBufferBase, control: TorchDistributedPipe,
-               model: PreTrainedModel, prompts: list[torch.Tensor]) -> int:
+def run_decode(
+    settings: PairSettings,
+    buffer: KVLookupBufferBase,
+    control: TorchDistributedPipe,
+    model: PreTrainedModel,
+    prompts: list[torch.Tensor],
+) -> int:
     # Sent once every request's KV is in the buffer (or the store): only then is it read.
-    stats = _receive(control, settings.peer_timeout, torch.float64, (len(prompts), _STATS_COLUMNS),
-                     "prefill results")
+    stats = _receive(control, settings.peer_timeout, torch.float64, (len(prompts), _STATS_COLUMNS), "prefill results")
     if not (torch.isfinite(stats).all() and (stats >= 0).all()):
         raise KVProtocolError("the prefill side sent invalid per-request numbers")
     outcomes = _receive_and_generate(settings, buffer, model, prompts, stats)
@@ -347,8 +415,11 @@ def run_decode(settings: PairSettings, buffer: KVLookupBufferBase, control: Torc
         logger.error("check failed: %s", failure)
     exit_code = EXIT_CHECK_FAILED if failures else EXIT_OK
     matches, hits = sum(o.match for o in outcomes), sum(o.received.hit for o in outcomes)
-    print(f"[rank 1] {'FAILED' if failures else 'OK'}: {matches}/{len(prompts)} sequences match their "
-          f"recompute; exit status {exit_code}", flush=True)
+    print(
+        f"[rank 1] {'FAILED' if failures else 'OK'}: {matches}/{len(prompts)} sequences match their "
+        f"recompute; exit status {exit_code}",
+        flush=True,
+    )
     with _stage("sending the result"):
         control.send_tensor(torch.tensor([exit_code, matches, hits, len(prompts) - hits]))
         control.flush(timeout=settings.peer_timeout)
@@ -373,14 +444,23 @@ def _closing(resource: _Closable) -> Iterator[_Closable]:
 def _store_identity(model: PreTrainedModel, digest: torch.Tensor, prompt: torch.Tensor) -> dict[str, str | int]:
     """What makes stored KV usable by the other rank: the weights and the KV's dtype and shape."""
     keys = prefill(model, prompt[:1]).keys
-    return {"model": bytes(digest.tolist()).hex(), "kv_dtype": str(keys[0].dtype), "layout": "hf_contiguous",
-            "layers": len(keys), "kv_heads": keys[0].shape[1], "head_size": keys[0].shape[-1], "tp": "0/1"}
+    return {
+        "model": bytes(digest.tolist()).hex(),
+        "kv_dtype": str(keys[0].dtype),
+        "layout": "hf_contiguous",
+        "layers": len(keys),
+        "kv_heads": keys[0].shape[1],
+        "head_size": keys[0].shape[-1],
+        "tp": "0/1",
+    }
 
 
 def _check_shared(spec: str) -> None:
     if all(part.strip() == "memory" for part in spec.split(",")):
-        raise KVConfigError(f"the pair's two processes cannot share the store {spec!r} (a memory tier is one "
-                            f"process's own): use --store disk:PATH or --store redis://HOST:PORT")
+        raise KVConfigError(
+            f"the pair's two processes cannot share the store {spec!r} (a memory tier is one "
+            f"process's own): use --store disk:PATH or --store redis://HOST:PORT"
+        )
 
 
 def run(settings: PairSettings, config: KVConnectorConfig) -> int:
@@ -397,8 +477,13 @@ def run(settings: PairSettings, config: KVConnectorConfig) -> int:
             pipe = stack.enter_context(_closing(TorchDistributedPipe(transfer)))
             buffer = stack.enter_context(_closing(SimpleBuffer(pipe, transfer, buffer_config=config.buffer)))
         else:
-            buffer = stack.enter_context(_closing(build_kv_buffer(
-                config, identity=_store_identity(model, digest, prompts[0]), token_dim=STORE_TOKEN_DIM)))
+            buffer = stack.enter_context(
+                _closing(
+                    build_kv_buffer(
+                        config, identity=_store_identity(model, digest, prompts[0]), token_dim=STORE_TOKEN_DIM
+                    )
+                )
+            )
         control = stack.enter_context(_closing(TorchDistributedPipe(transfer, port_offset=CONTROL_PORT_OFFSET)))
         handshake(control, digest, settings)
         if transfer.kv_rank == 0:

@@ -63,8 +63,19 @@ POLICIES = ("round_robin", "least_outstanding")
 #: Sent to the decode instance when the prefill failed: it then claims no KV (see transfer_plan).
 NOTHING_SAVED = {PARAMS_KEY: {"prefix_tokens": 0}}
 #: Headers that describe one connection or one encoding of a body, not the request: never relayed.
-_HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                "transfer-encoding", "upgrade", "host", "content-length", "content-encoding"}
+_HOP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "content-encoding",
+}
 #: asyncio.TimeoutError is TimeoutError from Python 3.11 on, a class of its own before.
 _TIMEOUTS = (asyncio.TimeoutError, TimeoutError)
 
@@ -168,9 +179,15 @@ def _in_flight(instance: Instance) -> Iterator[None]:
 class Proxy:
     """The aiohttp application over the prefill and decode instances at the given base URLs."""
 
-    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], timeouts: Timeouts | None = None,
-                 prefill_policy: str = "round_robin", decode_policy: str = "round_robin",
-                 health_interval: float = 5.0) -> None:
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        timeouts: Timeouts | None = None,
+        prefill_policy: str = "round_robin",
+        decode_policy: str = "round_robin",
+        health_interval: float = 5.0,
+    ) -> None:
         self.prefill = Pool("prefill", prefill_urls, prefill_policy)
         self.decode = Pool("decode", decode_urls, decode_policy)
         self.timeouts = timeouts or Timeouts()
@@ -191,8 +208,9 @@ class Proxy:
 
     async def _start(self, app: web.Application) -> None:
         # No pool limit: every client request gets its upstream connection; vLLM queues requests itself.
-        self._session = aiohttp.ClientSession(timeout=self.timeouts.client_timeout(),
-                                              connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(
+            timeout=self.timeouts.client_timeout(), connector=aiohttp.TCPConnector(limit=0)
+        )
         self._health_task = asyncio.create_task(self._check_health_forever())
 
     async def _stop(self, app: web.Application) -> None:
@@ -224,19 +242,22 @@ class Proxy:
             return failure
         return await self._relay(request, self.decode, request.path, headers, body=decode_body(body, params))
 
-    async def _prefill(self, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> tuple[dict[str, Any] | None, web.Response | None]:
+    async def _prefill(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[dict[str, Any] | None, web.Response | None]:
         """The kv_transfer_params of the first prefill instance that answers, or the client error to
         return instead; NOTHING_SAVED when every prefill instance failed."""
         for instance in self.prefill.order():
             try:
                 with _in_flight(instance):
-                    async with self._client().post(instance.url + path, json=prefill_body(body),
-                                                   headers=headers) as response:
+                    async with self._client().post(
+                        instance.url + path, json=prefill_body(body), headers=headers
+                    ) as response:
                         payload = await response.read()
                         if 400 <= response.status < 500:
-                            return None, web.Response(status=response.status, body=payload,
-                                                      content_type=response.content_type)
+                            return None, web.Response(
+                                status=response.status, body=payload, content_type=response.content_type
+                            )
                         if response.status != 200:
                             instance.mark_down(f"answered {response.status}")
                             continue
@@ -252,8 +273,13 @@ class Proxy:
         return NOTHING_SAVED, None
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        return await self._relay(request, self.decode, request.rel_url.path_qs,
-                                 forwarded_headers(request.headers, json_body=False), method="GET")
+        return await self._relay(
+            request,
+            self.decode,
+            request.rel_url.path_qs,
+            forwarded_headers(request.headers, json_body=False),
+            method="GET",
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when at least one instance of each kind passes a check made now, else 503; the body
@@ -264,10 +290,13 @@ class Proxy:
         missing = [pool for pool in pools if not any(i.healthy for i in pool.instances)]
         if not missing:
             return web.json_response(state)
-        message = "; ".join(f"no healthy {pool.kind} instance ("
-                            + ", ".join(f"{i.url} {i.problem}" for i in pool.instances) + ")" for pool in missing)
-        return web.json_response({**state, "error": {"message": message, "type": "proxy_error", "code": 503}},
-                                 status=503)
+        message = "; ".join(
+            f"no healthy {pool.kind} instance (" + ", ".join(f"{i.url} {i.problem}" for i in pool.instances) + ")"
+            for pool in missing
+        )
+        return web.json_response(
+            {**state, "error": {"message": message, "type": "proxy_error", "code": 503}}, status=503
+        )
 
     async def _check_health_forever(self) -> None:
         while True:
@@ -290,11 +319,21 @@ class Proxy:
             instance.mark_down(_describe(exc))
 
     async def not_found(self, request: web.Request) -> web.Response:
-        return _error(404, f"{request.method} {request.path} is not served here; routes: "
-                      f"POST {', POST '.join(GENERATION_ROUTES)}, GET /v1/models, GET /health")
+        return _error(
+            404,
+            f"{request.method} {request.path} is not served here; routes: "
+            f"POST {', POST '.join(GENERATION_ROUTES)}, GET /v1/models, GET /health",
+        )
 
-    async def _relay(self, request: web.Request, pool: Pool, path: str, headers: dict[str, str], method: str = "POST",
-                     body: dict[str, Any] | None = None) -> web.StreamResponse:
+    async def _relay(
+        self,
+        request: web.Request,
+        pool: Pool,
+        path: str,
+        headers: dict[str, str],
+        method: str = "POST",
+        body: dict[str, Any] | None = None,
+    ) -> web.StreamResponse:
         """Send ``body`` (as JSON) to an instance of ``pool`` and stream its answer back chunk by chunk
         (SSE stays live). An instance that cannot be connected to is marked down and the next one is
         tried: nothing was sent to it yet."""
@@ -306,16 +345,21 @@ class Proxy:
             except _NotConnected as exc:
                 instance.mark_down(_describe(exc.cause))
                 if index + 1 < len(candidates):
-                    logger.warning("%s instance %s unreachable (%s); trying the next one", pool.kind, instance.url,
-                                   _describe(exc.cause))
+                    logger.warning(
+                        "%s instance %s unreachable (%s); trying the next one",
+                        pool.kind,
+                        instance.url,
+                        _describe(exc.cause),
+                    )
                     continue
                 message = f"the {pool.kind} instance failed: {_describe(exc.cause)}"
                 logger.error("%s (%s)", message, instance.url)
                 return _error(504 if isinstance(exc.cause, _TIMEOUTS) else 502, message)
         raise AssertionError("a pool is never empty")
 
-    async def _relay_to(self, request: web.Request, url: str, headers: dict[str, str], method: str,
-                        body: dict[str, Any] | None) -> web.StreamResponse:
+    async def _relay_to(
+        self, request: web.Request, url: str, headers: dict[str, str], method: str, body: dict[str, Any] | None
+    ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
         try:
             try:
@@ -324,8 +368,10 @@ class Proxy:
                 raise _NotConnected(exc) from exc
             async with upstream:
                 logger.debug("relaying to %s", url)
-                response = web.StreamResponse(status=upstream.status, headers={
-                    k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
+                response = web.StreamResponse(
+                    status=upstream.status,
+                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS},
+                )
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     try:
@@ -351,8 +397,7 @@ class _NotConnected(Exception):
         self.cause = cause
 
 
-async def _end_started_answer(request: web.Request, response: web.StreamResponse,
-                              message: str) -> web.StreamResponse:
+async def _end_started_answer(request: web.Request, response: web.StreamResponse, message: str) -> web.StreamResponse:
     """End an answer whose status and headers are already sent: never a second response."""
     if response.content_type != "text/event-stream":
         if request.transport is not None:  # the client must not take a truncated body for a whole one
@@ -377,9 +422,15 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "proxy_error", "code": status}}, status=status)
 
 
-def run(prefill_urls: Sequence[str], decode_urls: Sequence[str], host: str, port: int,
-        timeouts: Timeouts | None = None, prefill_policy: str = "round_robin",
-        decode_policy: str = "round_robin") -> None:
+def run(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    host: str,
+    port: int,
+    timeouts: Timeouts | None = None,
+    prefill_policy: str = "round_robin",
+    decode_policy: str = "round_robin",
+) -> None:
     """Serve until interrupted (SIGINT / SIGTERM)."""
     app = Proxy(prefill_urls, decode_urls, timeouts, prefill_policy, decode_policy).app()
     web.run_app(app, host=host, port=port, print=None, handle_signals=True)
@@ -388,22 +439,42 @@ def run(prefill_urls: Sequence[str], decode_urls: Sequence[str], host: str, port
 def add_routing_options(parser: argparse.ArgumentParser) -> None:
     """``--prefill-policy`` and ``--decode-policy``, and the timeouts (see :class:`Timeouts`)."""
     for kind in ("prefill", "decode"):
-        parser.add_argument(f"--{kind}-policy", choices=POLICIES, default="round_robin",
-                            help=f"proxy: how a request picks its {kind} instance")
+        parser.add_argument(
+            f"--{kind}-policy",
+            choices=POLICIES,
+            default="round_robin",
+            help=f"proxy: how a request picks its {kind} instance",
+        )
     defaults = Timeouts()
-    parser.add_argument("--connect-timeout", type=float, default=defaults.connect,
-                        help="proxy: seconds to connect to an instance")
-    parser.add_argument("--read-timeout", type=float, default=defaults.read,
-                        help="proxy: seconds an instance may stay silent (before its answer, between stream chunks)")
+    parser.add_argument(
+        "--connect-timeout", type=float, default=defaults.connect, help="proxy: seconds to connect to an instance"
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=defaults.read,
+        help="proxy: seconds an instance may stay silent (before its answer, between stream chunks)",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch.proxy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
-                        help="base URL of a prefill (kv_producer) vLLM; repeat for several")
-    parser.add_argument("--decode", action="append", required=True, metavar="URL",
-                        help="base URL of a decode (kv_consumer) vLLM; repeat for several")
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.proxy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="base URL of a prefill (kv_producer) vLLM; repeat for several",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="base URL of a decode (kv_consumer) vLLM; repeat for several",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     add_routing_options(parser)
@@ -413,8 +484,15 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(args.prefill, args.decode, args.host, args.port, Timeouts(args.connect_timeout, args.read_timeout),
-        args.prefill_policy, args.decode_policy)
+    run(
+        args.prefill,
+        args.decode,
+        args.host,
+        args.port,
+        Timeouts(args.connect_timeout, args.read_timeout),
+        args.prefill_policy,
+        args.decode_policy,
+    )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ class ManagedRedis:
     (or use it as a context manager). The port is chosen at construction, so the instances' settings
     can name the server before it runs."""
 
-    def __init__(self, password: str, maxmemory: str = "1gb", port: int | None = None,
-                 executable: str = "redis-server") -> None:
+    def __init__(
+        self, password: str, maxmemory: str = "1gb", port: int | None = None, executable: str = "redis-server"
+    ) -> None:
         if not password or any(c.isspace() or c in "\"'\\" for c in password):
             raise KVConfigError("the managed redis-server's password must be non-empty, without spaces or quotes")
         self.password = password
@@ -75,20 +76,22 @@ class ManagedRedis:
 
     def config(self, directory: Path) -> str:
         """The server's configuration file, for a server whose files live in ``directory``."""
-        return "\n".join([
-            "bind 127.0.0.1",
-            "protected-mode yes",
-            f"port {self.port}",
-            "daemonize no",
-            f"dir {_quoted(str(directory))}",
-            f"logfile {_quoted(str(directory / 'redis.log'))}",
-            f"requirepass {self.password}",
-            f"maxmemory {self.maxmemory}",
-            "maxmemory-policy allkeys-lru",
-            'save ""',
-            "appendonly no",
-            "",
-        ])
+        return "\n".join(
+            [
+                "bind 127.0.0.1",
+                "protected-mode yes",
+                f"port {self.port}",
+                "daemonize no",
+                f"dir {_quoted(str(directory))}",
+                f"logfile {_quoted(str(directory / 'redis.log'))}",
+                f"requirepass {self.password}",
+                f"maxmemory {self.maxmemory}",
+                "maxmemory-policy allkeys-lru",
+                'save ""',
+                "appendonly no",
+                "",
+            ]
+        )
 
     def start(self, timeout: float = START_TIMEOUT) -> ManagedRedis:
         """Start the server and wait (at most ``timeout`` seconds) until it answers PING. On any
@@ -102,17 +105,26 @@ class ManagedRedis:
             with os.fdopen(descriptor, "w") as file:
                 file.write(self.config(self.directory))
             try:
-                self.process = subprocess.Popen([self.executable, str(path)], stdin=subprocess.DEVNULL,
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                self.process = subprocess.Popen(
+                    [self.executable, str(path)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             except FileNotFoundError:
-                raise KVConfigError(f"--kv-store redis needs {self.executable!r} (e.g. apt-get install "
-                                    "redis-server), or give redis://HOST:PORT of a running server") from None
+                raise KVConfigError(
+                    f"--kv-store redis needs {self.executable!r} (e.g. apt-get install "
+                    "redis-server), or give redis://HOST:PORT of a running server"
+                ) from None
             self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
-        logger.info("redis-server for the KV store on %s (maxmemory %s, allkeys-lru, nothing persisted)",
-                    self.url, self.maxmemory)
+        logger.info(
+            "redis-server for the KV store on %s (maxmemory %s, allkeys-lru, nothing persisted)",
+            self.url,
+            self.maxmemory,
+        )
         return self
 
     def _wait_ready(self, timeout: float) -> None:
@@ -122,8 +134,11 @@ class ManagedRedis:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 log = self.directory / "redis.log"
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                state = (f"exited with code {self.process.returncode}" if self.process.poll() is not None
-                         else f"did not answer PING within {timeout:g} s")
+                state = (
+                    f"exited with code {self.process.returncode}"
+                    if self.process.poll() is not None
+                    else f"did not answer PING within {timeout:g} s"
+                )
                 raise RuntimeError(f"the managed redis-server on {self.url} {state}:\n{tail}")
             time.sleep(0.05)
 
@@ -163,8 +178,9 @@ class ManagedRedis:
     def __enter__(self) -> ManagedRedis:
         return self.start()
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.stop()
 
 

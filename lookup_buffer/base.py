@@ -162,9 +162,15 @@ class KVLookupBufferBase(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None,
-                    span: tuple[int, int, int] | None = None) -> SelectResult:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        part: tuple[int, int, int] | None = None,
+        span: tuple[int, int, int] | None = None,
+    ) -> SelectResult:
         """Consumer: take the entry matching ``(input_tokens, roi)`` out of the producer's buffer.
 
         With ``borrow=True`` a lent item may come as a :class:`~lookup_buffer.loans.BorrowedTensor`:

@@ -53,8 +53,13 @@ class _Producer:
 class ProducerConnections:
     """Thread-safe. ``on_connect`` runs on each new connection's pipe (see :func:`lookup_buffer.dialer.dial`)."""
 
-    def __init__(self, config: KVTransferConfig, on_connect: OnConnect | None = None, max_backoff: float = 10.0,
-                 connect: Dial = _dial) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        on_connect: OnConnect | None = None,
+        max_backoff: float = 10.0,
+        connect: Dial = _dial,
+    ) -> None:
         self._config = config
         self._on_connect = on_connect
         self._max_backoff = max_backoff
@@ -91,8 +96,9 @@ class ProducerConnections:
                     producer.waiters.append(ready)
                     if producer.dialing is not None:
                         return
-                    producer.dialing = threading.Thread(target=self._dial, args=(address, producer),
-                                                        name="kvbuf-dial", daemon=True)
+                    producer.dialing = threading.Thread(
+                        target=self._dial, args=(address, producer), name="kvbuf-dial", daemon=True
+                    )
                     try:
                         producer.dialing.start()
                         return
@@ -100,8 +106,10 @@ class ProducerConnections:
                         # Not the producer's fault: its circuit stays as it was, the next request tries again.
                         producer.dialing = None
                         waiters, producer.waiters = producer.waiters, []
-                        result = KVPeerLostError(f"lookup buffer: cannot start a thread to connect to the producer "
-                                                 f"at {_name(address)}: {exc}")
+                        result = KVPeerLostError(
+                            f"lookup buffer: cannot start a thread to connect to the producer "
+                            f"at {_name(address)}: {exc}"
+                        )
                         logger.error("%s", result)
         for waiter in waiters:
             _tell(waiter, result)
@@ -126,8 +134,10 @@ class ProducerConnections:
 
         self.when_ready(address, ready)
         if not done.wait(self._attempt_bound()):
-            raise KVPeerLostError(f"lookup buffer: the attempt to connect to the producer at {_name(address)} "
-                                  f"did not end within {self._attempt_bound():g} s")
+            raise KVPeerLostError(
+                f"lookup buffer: the attempt to connect to the producer at {_name(address)} "
+                f"did not end within {self._attempt_bound():g} s"
+            )
         result = outcome[0]
         if isinstance(result, Exception):
             raise result
@@ -187,8 +197,10 @@ class ProducerConnections:
                 if thread is not threading.current_thread():
                     thread.join(self._attempt_bound())
                     if thread.is_alive():
-                        logger.error("lookup buffer: an attempt to connect did not end within %g s; left behind",
-                                     self._attempt_bound())
+                        logger.error(
+                            "lookup buffer: an attempt to connect did not end within %g s; left behind",
+                            self._attempt_bound(),
+                        )
 
     # ------------------------------------------------------------------ internals
 
@@ -209,8 +221,10 @@ class ProducerConnections:
             return None
         wait = producer.retry_at - time.monotonic()
         if wait > 0:
-            return KVPeerLostError(f"lookup buffer: the producer at {_name(address)} is unreachable "
-                                   f"({producer.last_error}); next attempt in {wait:.1f} s")
+            return KVPeerLostError(
+                f"lookup buffer: the producer at {_name(address)} is unreachable "
+                f"({producer.last_error}); next attempt in {wait:.1f} s"
+            )
         return None
 
     def _dial(self, address: Address, producer: _Producer) -> None:
@@ -232,8 +246,13 @@ class ProducerConnections:
                 backoff = min(self._max_backoff, FIRST_BACKOFF * 2 ** (producer.failures - 1))
                 producer.retry_at = time.monotonic() + backoff
                 producer.last_error = str(result)
-                logger.warning("lookup buffer: cannot connect to the producer at %s (attempt %d, next in at least "
-                               "%.1f s): %s", _name(address), producer.failures, backoff, result)
+                logger.warning(
+                    "lookup buffer: cannot connect to the producer at %s (attempt %d, next in at least %.1f s): %s",
+                    _name(address),
+                    producer.failures,
+                    backoff,
+                    result,
+                )
             elif self._closed:
                 late, result = result, _closed_error()
             else:

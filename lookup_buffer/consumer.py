@@ -119,8 +119,15 @@ class BufferConsumer:
 
     # ------------------------------------------------------------------ caller API
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, wait: float, borrow: bool = False,
-                    part: tuple[int, int, int] | None = None, span: tuple[int, int, int] | None = None) -> SelectResult:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        wait: float,
+        borrow: bool = False,
+        part: tuple[int, int, int] | None = None,
+        span: tuple[int, int, int] | None = None,
+    ) -> SelectResult:
         tokens, roi_array = token_arrays(input_tokens, roi)
         try:
             # A copy of the tokens (the caller's tensors are theirs again once this call returns), and
@@ -171,8 +178,7 @@ class BufferConsumer:
                 try:
                     self._pipe.send_tensor(torch.from_numpy(make_release(request_id)), timeout=self._config.kv_timeout)
                 except KVTransferError as exc:  # the producer takes it back after its kv_timeout anyway
-                    logger.warning("lookup buffer: could not release the entry lent to request %d: %s",
-                                   request_id, exc)
+                    logger.warning("lookup buffer: could not release the entry lent to request %d: %s", request_id, exc)
 
     def _give_back(self, items: tuple[object, ...]) -> None:
         """Release, without waiting, a lent entry that its caller never got."""
@@ -239,8 +245,10 @@ class BufferConsumer:
         pipe_progress = -1
         while not call.done.wait(max(0.0, deadline - time.monotonic())):
             if not call.announced:
-                unstarted = "" if self._session is not None else (
-                    "; its session header never came on the data pipe: is its lookup buffer running?"
+                unstarted = (
+                    ""
+                    if self._session is not None
+                    else ("; its session header never came on the data pipe: is its lookup buffer running?")
                 )
                 raise KVPeerLostError(
                     f"lookup buffer: the producer at {self._address} did not answer a select within "
@@ -349,17 +357,23 @@ class BufferConsumer:
             except KVProtocolError as exc:
                 # Only the producer's address reaches this socket: it speaks another protocol version
                 # or holds another kv_secret, and will refuse every select.
-                self._fail(KVProtocolError(f"lookup buffer: unreadable answer from the producer at {self._address}: "
-                                           f"{exc}"))
+                self._fail(
+                    KVProtocolError(f"lookup buffer: unreadable answer from the producer at {self._address}: {exc}")
+                )
                 return
             with self._lock:
                 call = self._calls.get(refusal.request_id)
             if call is None:
-                logger.warning("lookup buffer: refusal for no select in flight (request %d, %s): %s",
-                               refusal.request_id, refusal.reason, refusal.message)
+                logger.warning(
+                    "lookup buffer: refusal for no select in flight (request %d, %s): %s",
+                    refusal.request_id,
+                    refusal.reason,
+                    refusal.message,
+                )
                 continue
-            call.error = KVProtocolError(f"lookup buffer: the producer refused the select ({refusal.reason}): "
-                                         f"{refusal.message}")
+            call.error = KVProtocolError(
+                f"lookup buffer: the producer refused the select ({refusal.reason}): {refusal.message}"
+            )
             call.done.set()
 
     # ------------------------------------------------------------------ reader thread
@@ -370,8 +384,9 @@ class BufferConsumer:
         try:
             first = parse_header(self._next_tensor())
             if first.status is not OutcomeStatus.SESSION:
-                raise KVProtocolError(f"lookup buffer: the producer's first header is a {first.status.name}, "
-                                      f"not its session")
+                raise KVProtocolError(
+                    f"lookup buffer: the producer's first header is a {first.status.name}, not its session"
+                )
             with self._send_lock:
                 self._session = first.session
             self._endpoint.doorbell.ring()  # the control thread sends what was queued meanwhile
@@ -401,10 +416,14 @@ class BufferConsumer:
         if hit:  # key, then value and hidden if present, in the order they were sent
             present = (True, outcome.has_value, outcome.has_hidden)
             received = [self._next_tensor() if here else None for here in present]
-            borrowed = self._borrowed(outcome.request_id, [item for item, lent in zip(received, outcome.lent,
-                                                                                        strict=True) if lent])
-            items = (outcome.input_tokens, outcome.roi,
-                     *(borrowed.pop(0) if lent else item for item, lent in zip(received, outcome.lent, strict=True)))
+            borrowed = self._borrowed(
+                outcome.request_id, [item for item, lent in zip(received, outcome.lent, strict=True) if lent]
+            )
+            items = (
+                outcome.input_tokens,
+                outcome.roi,
+                *(borrowed.pop(0) if lent else item for item, lent in zip(received, outcome.lent, strict=True)),
+            )
             if any(outcome.lent) and (call is None or not call.borrow):
                 self._give_back(items)
                 if call is not None:
@@ -417,8 +436,9 @@ class BufferConsumer:
         if not handed:
             if hit:
                 self._give_back(items)
-                logger.warning("lookup buffer: dropped the entry sent for request %d: its drop_select gave up",
-                               outcome.request_id)
+                logger.warning(
+                    "lookup buffer: dropped the entry sent for request %d: its drop_select gave up", outcome.request_id
+                )
             return
         call.done.set()
         # Let the woken thread run now rather than when this one next blocks in the pipe: a small
@@ -435,16 +455,24 @@ class BufferConsumer:
             try:
                 memories = [self._pipe.map_peer_memory(export) for export in loan.exports]
             except KVConfigError as exc:  # the producer lends only over a same-host pipe
-                raise KVProtocolError(f"lookup buffer: the producer lent an entry over a pipe that cannot map it: "
-                                      f"{exc}") from exc
+                raise KVProtocolError(
+                    f"lookup buffer: the producer lent an entry over a pipe that cannot map it: {exc}"
+                ) from exc
             if borrowing is None:
                 index, offset, stamp = loan.stamp
-                borrowing = Borrowing(memories[index].address_of(offset, 8), stamp,
-                                      functools.partial(self._forget, request_id), memories[index])
+                borrowing = Borrowing(
+                    memories[index].address_of(offset, 8),
+                    stamp,
+                    functools.partial(self._forget, request_id),
+                    memories[index],
+                )
             # Each piece was checked against its export's size, which its mapping has.
             bases = np.array([memory.address for memory in memories], dtype=np.int64)
-            pieces = np.stack([bases[loan.pieces[:, 0]] + loan.pieces[:, 1], loan.pieces[:, 2]], axis=1) \
-                if len(loan.pieces) else np.zeros((0, 2), dtype=np.int64)
+            pieces = (
+                np.stack([bases[loan.pieces[:, 0]] + loan.pieces[:, 1], loan.pieces[:, 2]], axis=1)
+                if len(loan.pieces)
+                else np.zeros((0, 2), dtype=np.int64)
+            )
             borrowed.append(BorrowedTensor(loan.shape, loan.dtype, pieces, memories, borrowing))
         return borrowed
 

@@ -23,8 +23,14 @@ from lookup_buffer.simple_buffer import SimpleBuffer
 logger = logging.getLogger(__name__)
 
 
-def dial(config: KVTransferConfig, host: str, port: int, on_connect: OnConnect | None = None,
-         timeout: float | None = None, pipe_factory: PipeFactory = TorchDistributedPipe) -> SimpleBuffer:
+def dial(
+    config: KVTransferConfig,
+    host: str,
+    port: int,
+    on_connect: OnConnect | None = None,
+    timeout: float | None = None,
+    pipe_factory: PipeFactory = TorchDistributedPipe,
+) -> SimpleBuffer:
     """Connect to the producer listening at ``host:port`` and return this consumer's buffer
     (``drop_select`` from it; closing it ends the connection, the producer's entries stay).
 
@@ -43,8 +49,9 @@ def dial(config: KVTransferConfig, host: str, port: int, on_connect: OnConnect |
     """
     timeout = config.kv_timeout if timeout is None else timeout
     reply = _ask_for_connection(config, host, port, timeout)
-    consumer = config.replace(kv_role="kv_consumer", kv_rank=1, kv_ip=host, kv_port=reply.store_port,
-                              kv_connect_timeout=timeout)
+    consumer = config.replace(
+        kv_role="kv_consumer", kv_rank=1, kv_ip=host, kv_port=reply.store_port, kv_connect_timeout=timeout
+    )
     pipe = pipe_factory(consumer)
     try:
         if on_connect is not None:
@@ -68,8 +75,10 @@ def _ask_for_connection(config: KVTransferConfig, host: str, port: int, timeout:
         try:
             sock.send(encode_connect_request(signer, nonce, config.kv_buffer_size), zmq.NOBLOCK)
             if not sock.poll(max(1, round(timeout * 1000))):
-                raise KVPeerLostError(f"lookup buffer: no producer answered at {address} within {timeout:g} s "
-                                      f"(not started, restarting, or not listening there)")
+                raise KVPeerLostError(
+                    f"lookup buffer: no producer answered at {address} within {timeout:g} s "
+                    f"(not started, restarting, or not listening there)"
+                )
             answer = decode_connect_answer(signer, sock.recv(zmq.NOBLOCK))
         finally:
             sock.close(linger=0)
@@ -78,8 +87,9 @@ def _ask_for_connection(config: KVTransferConfig, host: str, port: int, timeout:
     if not isinstance(answer, ConnectReply):
         errors = {"busy": KVPeerLostError, "failed": KVPeerLostError, "config": KVConfigError}
         error = errors.get(answer.reason, KVProtocolError)
-        raise error(f"lookup buffer: the producer at {address} refused the connection ({answer.reason}): "
-                    f"{answer.message}")
+        raise error(
+            f"lookup buffer: the producer at {address} refused the connection ({answer.reason}): {answer.message}"
+        )
     if answer.nonce != nonce:
         raise KVProtocolError(f"lookup buffer: the producer at {address} answered another connect request")
     return answer

@@ -153,29 +153,38 @@ class BufferListener(KVLookupBufferBase):
         KVConfigError: the role is not ``kv_producer``, or the address cannot be bound.
     """
 
-    def __init__(self, config: KVTransferConfig, port_offset: int = 0, on_connect: OnConnect | None = None,
-                 pipe_factory: PipeFactory = TorchDistributedPipe, max_pipe_bytes: int | None = None,
-                 buffer_config: BufferConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        port_offset: int = 0,
+        on_connect: OnConnect | None = None,
+        pipe_factory: PipeFactory = TorchDistributedPipe,
+        max_pipe_bytes: int | None = None,
+        buffer_config: BufferConfig | None = None,
+    ) -> None:
         config.validate()
         if config.kv_role != "kv_producer":
-            raise KVConfigError(f"a BufferListener is a producer: kv_role must be 'kv_producer', "
-                                f"got {config.kv_role!r}")
+            raise KVConfigError(
+                f"a BufferListener is a producer: kv_role must be 'kv_producer', got {config.kv_role!r}"
+            )
         self.config = config
         self._on_connect = on_connect
         self._pipe_factory = pipe_factory
         self._max_item_bytes = config.kv_buffer_size - message_cost(0)
         kept = buffer_config or BufferConfig()
         self.buffer_config = kept
-        self._store = EntryStore(config.kv_buffer_size, self._max_item_bytes, kept.kv_entry_timeout,
-                                 kept.kv_evict_unclaimed)
+        self._store = EntryStore(
+            config.kv_buffer_size, self._max_item_bytes, kept.kv_entry_timeout, kept.kv_evict_unclaimed
+        )
         self._memory = HostMemoryPool(config.kv_buffer_size)
         self._signer = ControlSigner(config.kv_secret)
         # Until its pipe is up, a connection is charged as if it were on the same-host path.
         may_share = config.kv_shared_memory != "off" and config.kv_buffer_device == "cpu"
         self._reserved_bytes = pipe_memory(config, shared=may_share)
         if max_pipe_bytes is None:
-            max_pipe_bytes = max(PIPE_MEMORY_BUDGETS * config.kv_buffer_size,
-                                 MAX_CONNECTIONS * pipe_memory(config, shared=False))
+            max_pipe_bytes = max(
+                PIPE_MEMORY_BUDGETS * config.kv_buffer_size, MAX_CONNECTIONS * pipe_memory(config, shared=False)
+            )
         self.max_pipe_bytes = max_pipe_bytes
         # Guards the connection sets and queues, the counts of set-ups and pipe memory, the totals
         # and the closed flag; _changed is signalled when a set-up or a connection's close ends.
@@ -193,20 +202,28 @@ class BufferListener(KVLookupBufferBase):
         self._refused = 0
         self._closed = False
         port = config.kv_port + port_offset
-        self._endpoint = Endpoint(zmq.ROUTER, f"tcp://{control_host(config.kv_ip)}:{port}", MAX_REQUEST_BYTES,
-                                  bind=True)
+        self._endpoint = Endpoint(
+            zmq.ROUTER, f"tcp://{control_host(config.kv_ip)}:{port}", MAX_REQUEST_BYTES, bind=True
+        )
         self.address = self._endpoint.address
         self._stopping = threading.Event()
         self._acceptor = threading.Thread(target=self._accept, name=f"kvbuf-listener-{port}", daemon=True)
         self._acceptor.start()
-        logger.info("lookup buffer producer listening for consumers on %s (%d bytes)", self.address,
-                    config.kv_buffer_size)
+        logger.info(
+            "lookup buffer producer listening for consumers on %s (%d bytes)", self.address, config.kv_buffer_size
+        )
 
     # ------------------------------------------------------------------ caller API
 
-    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor | LentTensor,
-               value: torch.Tensor | LentTensor | None, hidden: torch.Tensor | LentTensor | None,
-               timeout: float | None = None) -> Loan | None:
+    def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        key: torch.Tensor | LentTensor,
+        value: torch.Tensor | LentTensor | None,
+        hidden: torch.Tensor | LentTensor | None,
+        timeout: float | None = None,
+    ) -> Loan | None:
         match_key, entry = make_entry(input_tokens, roi, key, value, hidden)
         with self._lock:
             if self._closed:
@@ -237,8 +254,9 @@ class BufferListener(KVLookupBufferBase):
             connection.notify_inserted(match_key)
         return True
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> SelectResult:
+    def drop_select(
+        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False
+    ) -> SelectResult:
         raise KVConfigError("drop_select() needs kv_role='kv_consumer'; this buffer is the producer's listener")
 
     @property
@@ -296,11 +314,18 @@ class BufferListener(KVLookupBufferBase):
         for thread in threads:  # ending: each has nothing left to do
             thread.join(max(0.0, deadline - time.monotonic()))
         if pending or closing:
-            logger.error("lookup buffer: %d connection set-ups and %d connection closes did not end within %.1f s; "
-                         "they end on their own", pending, closing, CLOSE_TIMEOUTS * self.config.kv_timeout)
+            logger.error(
+                "lookup buffer: %d connection set-ups and %d connection closes did not end within %.1f s; "
+                "they end on their own",
+                pending,
+                closing,
+                CLOSE_TIMEOUTS * self.config.kv_timeout,
+            )
         if self._acceptor.is_alive():
-            logger.error("lookup buffer listener thread did not stop within %.1f s; its socket stays open",
-                         CLOSE_TIMEOUTS * self.config.kv_timeout)
+            logger.error(
+                "lookup buffer listener thread did not stop within %.1f s; its socket stays open",
+                CLOSE_TIMEOUTS * self.config.kv_timeout,
+            )
         else:
             self._endpoint.close()
 
@@ -374,9 +399,13 @@ class BufferListener(KVLookupBufferBase):
                 self._refuse(identity, exc.reason, f"connect request refused: {exc}")
                 continue
             if request.buffer_bytes < self.config.kv_buffer_size:
-                self._refuse(identity, "config", f"the consumer's kv_buffer_size ({request.buffer_bytes} bytes) is "
-                             f"smaller than the producer's ({self.config.kv_buffer_size}): it could not receive every "
-                             f"entry; give it at least as much")
+                self._refuse(
+                    identity,
+                    "config",
+                    f"the consumer's kv_buffer_size ({request.buffer_bytes} bytes) is "
+                    f"smaller than the producer's ({self.config.kv_buffer_size}): it could not receive every "
+                    f"entry; give it at least as much",
+                )
                 continue
             with self._lock:
                 if self._closed:
@@ -389,14 +418,22 @@ class BufferListener(KVLookupBufferBase):
                     self._pending += 1
                     self._pipe_bytes += self._reserved_bytes
             if full:
-                self._refuse(identity, "busy", f"the producer at {self.address} holds {MAX_CONNECTIONS} connections "
-                             f"or sets up {MAX_PENDING_CONNECTIONS} already")
+                self._refuse(
+                    identity,
+                    "busy",
+                    f"the producer at {self.address} holds {MAX_CONNECTIONS} connections "
+                    f"or sets up {MAX_PENDING_CONNECTIONS} already",
+                )
                 continue
             if short:
-                self._refuse(identity, "busy", f"the producer at {self.address} holds {pipe_bytes} bytes of pipe "
-                             f"memory for its connections; another (up to {self._reserved_bytes} bytes: its frames "
-                             f"and, on one host, a shared-memory segment the size of kv_buffer_size) would exceed "
-                             f"its bound of {self.max_pipe_bytes} bytes")
+                self._refuse(
+                    identity,
+                    "busy",
+                    f"the producer at {self.address} holds {pipe_bytes} bytes of pipe "
+                    f"memory for its connections; another (up to {self._reserved_bytes} bytes: its frames "
+                    f"and, on one host, a shared-memory segment the size of kv_buffer_size) would exceed "
+                    f"its bound of {self.max_pipe_bytes} bytes",
+                )
                 continue
             try:
                 self._open(identity, request.nonce)
@@ -422,8 +459,9 @@ class BufferListener(KVLookupBufferBase):
             return
         control_port = int(control.address.rsplit(":", 1)[1])
         reply = encode_connect_reply(self._signer, nonce, store_socket.getsockname()[1], control_port)
-        setup = threading.Thread(target=self._set_up, args=(store_socket, control), name="kvbuf-listener-setup",
-                                 daemon=True)
+        setup = threading.Thread(
+            target=self._set_up, args=(store_socket, control), name="kvbuf-listener-setup", daemon=True
+        )
         try:
             self._endpoint.send([identity, reply])
             with self._lock:
@@ -453,7 +491,8 @@ class BufferListener(KVLookupBufferBase):
             if pipe.max_tensor_bytes < self._max_item_bytes:  # it said otherwise in its connect request
                 raise KVConfigError(
                     f"the consumer's kv_buffer_size is smaller than the producer's ({self.config.kv_buffer_size} "
-                    f"bytes): it could not receive every entry; give it at least as much")
+                    f"bytes): it could not receive every entry; give it at least as much"
+                )
             if self._on_connect is not None:
                 self._on_connect(pipe)
             connection = BufferProducer(pipe, self.config, control, store=self._store)

@@ -182,8 +182,14 @@ class Loan:
         :meth:`take_back` takes all of them back. None, and nothing divided, if this loan has ended, is being taken
         back, or its entry is being copied or lent out."""
         with self._lock:
-            if (self._outcome is not None or self._taking_back or self._copying or self._slot is not None
-                    or self._children or count < 1):
+            if (
+                self._outcome is not None
+                or self._taking_back
+                or self._copying
+                or self._slot is not None
+                or self._children
+                or count < 1
+            ):
                 return None
             children = tuple(Loan() for _ in range(count))
             for child in children:
@@ -271,12 +277,12 @@ class LentTensor:
         ValueError if that range is not within the tensor."""
         if not 0 <= dim < len(self.shape) or start < 0 or length < 1 or start + length > self.shape[dim]:
             raise ValueError(f"[{start}, {start + length}) of dimension {dim} of a {self.shape} tensor")
-        inner = math.prod(self.shape[dim + 1:]) * self.dtype.itemsize  # bytes of one index along dim
+        inner = math.prod(self.shape[dim + 1 :]) * self.dtype.itemsize  # bytes of one index along dim
         starts = np.arange(math.prod(self.shape[:dim]), dtype=np.int64) * (self.shape[dim] * inner) + start * inner
         index, offset, nbytes = cut(self.pieces[:, 1], starts, length * inner)
         pieces = np.stack([self.pieces[index, 0] + offset, nbytes], axis=1)
         places = np.stack([self.places[index, 0], self.places[index, 1] + offset], axis=1)
-        shape = (*self.shape[:dim], length, *self.shape[dim + 1:])
+        shape = (*self.shape[:dim], length, *self.shape[dim + 1 :])
         return LentTensor(shape, self.dtype, pieces, self.exports, places)
 
     def materialize(self, empty: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> torch.Tensor:
@@ -297,8 +303,9 @@ def cut(sizes: np.ndarray, starts: np.ndarray, length: int) -> tuple[np.ndarray,
     begins = ends - sizes
     total = int(ends[-1]) if len(ends) else 0
     if len(starts) and (length < 0 or int(starts.min()) < 0 or int(starts.max()) + length > total):
-        raise ValueError(f"byte ranges of {length} bytes from {int(starts.min())} to {int(starts.max())} "
-                         f"of a stream of {total}")
+        raise ValueError(
+            f"byte ranges of {length} bytes from {int(starts.min())} to {int(starts.max())} of a stream of {total}"
+        )
     low = np.searchsorted(ends, starts, side="right")  # the first piece ending after the range's start
     high = np.searchsorted(begins, starts + length, side="left")  # past the last piece starting before its end
     counts = np.maximum(high - low, 0)
@@ -318,8 +325,7 @@ class Borrowing:
     ``give_back()`` has the release sent (without waiting for anything).
     """
 
-    def __init__(self, stamp_address: int, stamp: int, give_back: Callable[[], None],
-                 mapping: PeerMemory) -> None:
+    def __init__(self, stamp_address: int, stamp: int, give_back: Callable[[], None], mapping: PeerMemory) -> None:
         self._word = ctypes.c_int64.from_address(stamp_address)
         self._stamp = stamp
         self._give_back = give_back
@@ -349,17 +355,25 @@ class Borrowing:
         held = self._word.value == self._stamp  # after every copy out of the loan: see the module's docstring
         self._give_back()
         if not held:
-            raise KVEntryTakenBackError("lookup buffer: the producer took back a lent entry before it was released "
-                                        "(the borrow outlived its kv_timeout, or the producer needed the memory): "
-                                        "what was copied from it may be wrong")
+            raise KVEntryTakenBackError(
+                "lookup buffer: the producer took back a lent entry before it was released "
+                "(the borrow outlived its kv_timeout, or the producer needed the memory): "
+                "what was copied from it may be wrong"
+            )
 
 
 class BorrowedTensor:
     """Consumer: a tensor's bytes in the producer's memory, mapped read-only here, in ``pieces``
     (local addresses, each checked to lie in the mapping). Copy them out, then :meth:`release`."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, pieces: np.ndarray, memories: Sequence[PeerMemory],
-                 borrowing: Borrowing) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        pieces: np.ndarray,
+        memories: Sequence[PeerMemory],
+        borrowing: Borrowing,
+    ) -> None:
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.pieces = pieces  # [n, 2] int64: local address, bytes

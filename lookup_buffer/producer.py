@@ -74,8 +74,11 @@ _LOGGED_REFUSALS = 20
 
 def log_expired(entries: int, nbytes: int) -> None:
     if entries:
-        logger.warning("lookup buffer: %d entries (%d bytes) that no consumer selected within kv_entry_timeout "
-                       "were dropped", entries, nbytes)
+        logger.warning(
+            "lookup buffer: %d entries (%d bytes) that no consumer selected within kv_entry_timeout were dropped",
+            entries,
+            nbytes,
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -96,8 +99,9 @@ class _Waiter:
 Item = torch.Tensor | LentTensor
 
 
-def make_entry(input_tokens: torch.Tensor, roi: torch.Tensor, key: Item, value: Item | None,
-               hidden: Item | None) -> tuple[MatchKey, Entry]:
+def make_entry(
+    input_tokens: torch.Tensor, roi: torch.Tensor, key: Item, value: Item | None, hidden: Item | None
+) -> tuple[MatchKey, Entry]:
     """Check an insert's arguments (KVInvalidRequestError) and build its entry and match key.
 
     Lent items are charged like copied ones: the budget bounds the bytes of entries waiting for a
@@ -133,16 +137,23 @@ class BufferProducer:
             ``buffer_config`` says (default: :class:`~lookup_buffer.config.BufferConfig`'s defaults).
     """
 
-    def __init__(self, pipe: KVPipeBase, config: KVTransferConfig, address: str | Endpoint,
-                 store: EntryStore | None = None, buffer_config: BufferConfig | None = None) -> None:
+    def __init__(
+        self,
+        pipe: KVPipeBase,
+        config: KVTransferConfig,
+        address: str | Endpoint,
+        store: EntryStore | None = None,
+        buffer_config: BufferConfig | None = None,
+    ) -> None:
         self._pipe = pipe
         self._config = config
         self._owns_store = store is None
         # An entry whose tensors the pipe would refuse is refused at insert, not halfway through a hit.
         if store is None:
             kept = buffer_config or BufferConfig()
-            store = EntryStore(config.kv_buffer_size, pipe.max_tensor_bytes, kept.kv_entry_timeout,
-                               kept.kv_evict_unclaimed)
+            store = EntryStore(
+                config.kv_buffer_size, pipe.max_tensor_bytes, kept.kv_entry_timeout, kept.kv_evict_unclaimed
+            )
         self._store = store
         self._lock = threading.Lock()  # guards the counters and the failure state below
         self._hits = self._misses = self._waits = self._bad_messages = self._sent_bytes = 0
@@ -165,8 +176,9 @@ class BufferProducer:
         # Keys of entries that left the store unselected (any thread) -> server thread.
         self._removed: collections.deque[MatchKey] = collections.deque()
         self._stopping = threading.Event()
-        self._endpoint = (address if isinstance(address, Endpoint)
-                          else Endpoint(zmq.ROUTER, address, MAX_REQUEST_BYTES, bind=True))
+        self._endpoint = (
+            address if isinstance(address, Endpoint) else Endpoint(zmq.ROUTER, address, MAX_REQUEST_BYTES, bind=True)
+        )
         self.address = self._endpoint.address
         try:
             # Before any select can be answered: the consumer reads the session first.
@@ -359,9 +371,15 @@ class BufferProducer:
                     )
                 self._refuse(identity, exc.request_id, exc.reason, str(exc))
                 continue
-            waiter = _Waiter(identity, request.request_id, MatchKey(tokens, roi),
-                             time.monotonic() + request.wait_ms / 1000, borrow=request.borrow, part=request.part,
-                             span=request.span)
+            waiter = _Waiter(
+                identity,
+                request.request_id,
+                MatchKey(tokens, roi),
+                time.monotonic() + request.wait_ms / 1000,
+                borrow=request.borrow,
+                part=request.part,
+                span=request.span,
+            )
             self._on_select(waiter, request.wait_ms)
 
     def _check_fresh(self, request: SelectRequest) -> None:
@@ -458,8 +476,9 @@ class BufferProducer:
         # Lent only to a consumer that asked and can map it; else (or with no slot free) copied.
         lends = entry.loan is not None and waiter.borrow and self._pipe.uses_shared_memory
         taken = loan_table().take() if lends else None
-        if entry.loan is not None and not (entry.loan.lend_out(taken[0]) if taken is not None
-                                           else entry.loan.begin_copy()):
+        if entry.loan is not None and not (
+            entry.loan.lend_out(taken[0]) if taken is not None else entry.loan.begin_copy()
+        ):
             # Its owner took it back between the store and here: the memory is no longer the entry's.
             if taken is not None:
                 loan_table().clear(taken[0])
@@ -476,11 +495,12 @@ class BufferProducer:
                 self._lent_out[waiter.request_id] = (entry.loan, time.monotonic() + self._config.kv_timeout)
         try:
             if taken is not None:
-                items = [torch.from_numpy(_loan_descriptor(item, *taken)) if isinstance(item, LentTensor)
-                         else item for item in items]
+                items = [
+                    torch.from_numpy(_loan_descriptor(item, *taken)) if isinstance(item, LentTensor) else item
+                    for item in items
+                ]
             elif entry.loan is not None:  # a consumer that cannot borrow gets a copy, made now
-                items = [item.materialize(self._pipe.empty) if isinstance(item, LentTensor) else item
-                         for item in items]
+                items = [item.materialize(self._pipe.empty) if isinstance(item, LentTensor) else item for item in items]
                 if not entry.loan.end(SENT):  # taken back during the copy: its bytes may have changed
                     with self._lock:
                         self._hits -= 1
@@ -489,12 +509,17 @@ class BufferProducer:
                     self._answer(waiter, OutcomeStatus.MISS)
                     return
             # A part of a copied entry (a strided view of it) goes straight into pipe memory: one copy.
-            items = [self._pipe.empty(item.shape, item.dtype).copy_(item)
-                     if isinstance(item, torch.Tensor) and not item.is_contiguous() else item for item in items]
+            items = [
+                self._pipe.empty(item.shape, item.dtype).copy_(item)
+                if isinstance(item, torch.Tensor) and not item.is_contiguous()
+                else item
+                for item in items
+            ]
             # timeout None: wait for pipe credit as long as the consumer is alive; a partial hit
             # would leave the stream out of step.
-            stamp_header(header.numpy(), waiter.request_id, waiter.waited,
-                         entry.lent if taken is not None else (False,) * 3)
+            stamp_header(
+                header.numpy(), waiter.request_id, waiter.waited, entry.lent if taken is not None else (False,) * 3
+            )
             # One unit: the small header shares a frame with the key's and value's records instead of
             # costing a message of its own before them.
             self._pipe.send_tensors([header, *items])
@@ -527,9 +552,12 @@ class BufferProducer:
         for loan, _ in loans:
             loan.end(RECLAIMED)
         if loans:
-            logger.warning("lookup buffer: %d lent entries not released within kv_timeout (%g s) were taken back; "
-                           "their borrower finds them taken back when it releases them", len(loans),
-                           self._config.kv_timeout)
+            logger.warning(
+                "lookup buffer: %d lent entries not released within kv_timeout (%g s) were taken back; "
+                "their borrower finds them taken back when it releases them",
+                len(loans),
+                self._config.kv_timeout,
+            )
 
     def _expire(self, now: float) -> None:
         self._reclaim(now)
@@ -599,6 +627,11 @@ def _loan_descriptor(item: LentTensor, slot: int, stamp: int) -> np.ndarray:
     """The descriptor of a lent item, with the loan's stamp word (the table's export comes last)."""
     table = loan_table()
     exports = [export.descriptor for export in item.exports] + [table.export.descriptor]
-    return make_loan_descriptor(exports, item.shape, item.dtype, item.places, item.pieces[:, 1],
-                                (len(exports) - 1, slot * table.words.element_size(), stamp))
-
+    return make_loan_descriptor(
+        exports,
+        item.shape,
+        item.dtype,
+        item.places,
+        item.pieces[:, 1],
+        (len(exports) - 1, slot * table.words.element_size(), stamp),
+    )

@@ -253,8 +253,15 @@ def _decode(frame: bytes, expected: type, what: str) -> Any:
 
 
 def select_request(
-    request_id: int, tokens: np.ndarray, roi: np.ndarray, wait_ms: int, session: bytes = b"", counter: int = 0,
-    borrow: bool = False, part: tuple[int, int, int] | None = None, span: tuple[int, int, int] | None = None,
+    request_id: int,
+    tokens: np.ndarray,
+    roi: np.ndarray,
+    wait_ms: int,
+    session: bytes = b"",
+    counter: int = 0,
+    borrow: bool = False,
+    part: tuple[int, int, int] | None = None,
+    span: tuple[int, int, int] | None = None,
 ) -> SelectRequest:
     """A select of ``tokens``/``roi`` (as returned by :func:`lookup_buffer.matching.token_arrays`; copied),
     of the whole entry or only ``part`` of it, all of that or only ``span`` of it (both checked as
@@ -288,10 +295,16 @@ def _checked_part(part: Sequence[int] | None, name: str = "part") -> tuple[int, 
     if part is None:
         return None
     values = tuple(part)
-    if (len(values) != 3 or any(isinstance(v, bool) or not isinstance(v, int) for v in values)
-            or not 0 <= values[0] <= MAX_NDIM or not 0 <= values[1] < values[2] <= MAX_PART_INDEX):
-        raise ValueError(f"a {name} must be [dim, start, stop] with 0 <= dim <= {MAX_NDIM} and "
-                         f"0 <= start < stop <= {MAX_PART_INDEX}, got {list(values)[:3]}")
+    if (
+        len(values) != 3
+        or any(isinstance(v, bool) or not isinstance(v, int) for v in values)
+        or not 0 <= values[0] <= MAX_NDIM
+        or not 0 <= values[1] < values[2] <= MAX_PART_INDEX
+    ):
+        raise ValueError(
+            f"a {name} must be [dim, start, stop] with 0 <= dim <= {MAX_NDIM} and "
+            f"0 <= start < stop <= {MAX_PART_INDEX}, got {list(values)[:3]}"
+        )
     return values
 
 
@@ -413,8 +426,15 @@ def make_header(
     count = tokens.shape[0]
     header = np.zeros(_HEADER_FIXED + count + _roi_words(count), dtype=np.int64)
     flags = (_FLAG_VALUE if has_value else 0) | (_FLAG_HIDDEN if has_hidden else 0)
-    header[:_HEADER_FIXED] = (TAG_MAGIC, PROTOCOL_VERSION, 0, OutcomeStatus.HIT, count, TOKEN_DTYPES.index(token_dtype),
-                              flags)
+    header[:_HEADER_FIXED] = (
+        TAG_MAGIC,
+        PROTOCOL_VERSION,
+        0,
+        OutcomeStatus.HIT,
+        count,
+        TOKEN_DTYPES.index(token_dtype),
+        flags,
+    )
     header[_HEADER_FIXED : _HEADER_FIXED + count] = tokens
     header[_HEADER_FIXED + count :].view(np.uint8)[:count] = roi
     return header
@@ -435,12 +455,16 @@ def make_session(session: bytes) -> np.ndarray:
     return header
 
 
-def stamp_header(header: np.ndarray, request_id: int, waited: bool,
-                 lent: tuple[bool, bool, bool] = (False, False, False)) -> None:
+def stamp_header(
+    header: np.ndarray, request_id: int, waited: bool, lent: tuple[bool, bool, bool] = (False, False, False)
+) -> None:
     """Address an entry's header to a select; ``lent``: which of key, value and hidden go as loans."""
     header[_W_REQUEST_ID] = request_id
-    header[_W_FLAGS] = (header[_W_FLAGS] & _FLAGS_AT_INSERT | (_FLAG_WAITED if waited else 0)
-                        | sum(flag for flag, is_lent in zip(_FLAGS_LENT, lent, strict=True) if is_lent))
+    header[_W_FLAGS] = (
+        header[_W_FLAGS] & _FLAGS_AT_INSERT
+        | (_FLAG_WAITED if waited else 0)
+        | sum(flag for flag, is_lent in zip(_FLAGS_LENT, lent, strict=True) if is_lent)
+    )
 
 
 def parse_header(header: torch.Tensor | None) -> Outcome:
@@ -477,8 +501,10 @@ def parse_header(header: torch.Tensor | None) -> Outcome:
         not 1 <= count <= MAX_TOKENS
         or not 0 <= dtype_code < len(TOKEN_DTYPES)
         or flags & ~_FLAGS_HIT
-        or flags & _FLAGS_LENT[1] and not flags & _FLAG_VALUE  # a lent item that does not follow
-        or flags & _FLAGS_LENT[2] and not flags & _FLAG_HIDDEN
+        or flags & _FLAGS_LENT[1]
+        and not flags & _FLAG_VALUE  # a lent item that does not follow
+        or flags & _FLAGS_LENT[2]
+        and not flags & _FLAG_HIDDEN
         or words.shape[0] != _HEADER_FIXED + count + _roi_words(count)
     ):
         raise KVProtocolError(f"inconsistent lookup-buffer hit header {fields} of {words.shape[0]} words")
@@ -527,8 +553,14 @@ class LoanDescriptor(NamedTuple):
     stamp: tuple[int, int, int]
 
 
-def make_loan_descriptor(exports: Sequence[ExportDescriptor], shape: Sequence[int], dtype: torch.dtype,
-                         places: np.ndarray, sizes: np.ndarray, stamp: tuple[int, int, int]) -> np.ndarray:
+def make_loan_descriptor(
+    exports: Sequence[ExportDescriptor],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    places: np.ndarray,
+    sizes: np.ndarray,
+    stamp: tuple[int, int, int],
+) -> np.ndarray:
     """A lent tensor's loan descriptor, int64 words: magic, dtype code, ndim, the shape, the export
     count, each export's descriptor number, inode and size, the stamp word's export index, offset
     and value, the piece count, then each piece's export index, offset in that export and size
@@ -539,7 +571,7 @@ def make_loan_descriptor(exports: Sequence[ExportDescriptor], shape: Sequence[in
     header += [*stamp, len(sizes)]
     words = np.empty(len(header) + 3 * len(sizes), dtype=np.int64)
     words[: len(header)] = header
-    triples = words[len(header):].reshape(-1, 3)
+    triples = words[len(header) :].reshape(-1, 3)
     triples[:, :2] = places
     triples[:, 2] = sizes
     return words
@@ -557,21 +589,26 @@ def parse_loan_descriptor(tensor: torch.Tensor) -> LoanDescriptor:
         dtype = CODE_TO_DTYPE.get(dtype_code)
         if magic != LOAN_MAGIC or dtype is None or not 0 <= ndim <= MAX_NDIM:
             raise ValueError(f"magic {magic:#x}, dtype code {dtype_code}, {ndim} dimensions")
-        shape = tuple(words[3:3 + ndim].tolist())
+        shape = tuple(words[3 : 3 + ndim].tolist())
         at = 3 + ndim
         export_count = int(words[at])
         if not 0 <= export_count <= len(words):
             raise ValueError(f"{export_count} exports")
-        listed = words[at + 1:at + 1 + 3 * export_count].tolist()
-        exports = [ExportDescriptor(*listed[index:index + 3]) for index in range(0, len(listed), 3)]
+        listed = words[at + 1 : at + 1 + 3 * export_count].tolist()
+        exports = [ExportDescriptor(*listed[index : index + 3]) for index in range(0, len(listed), 3)]
         if len(exports) != export_count:
             raise ValueError(f"{export_count} exports in {len(listed)} words")
         at += 1 + 3 * export_count
-        stamp = tuple(words[at:at + 3].tolist())
+        stamp = tuple(words[at : at + 3].tolist())
         piece_count = int(words[at + 3])
-        triples = words[at + 4:]
-        if min(shape, default=0) < 0 or piece_count < 0 or len(triples) != 3 * piece_count or len(stamp) != 3 or \
-                any(min(export.fd, export.inode) < 0 or export.nbytes <= 0 for export in exports):
+        triples = words[at + 4 :]
+        if (
+            min(shape, default=0) < 0
+            or piece_count < 0
+            or len(triples) != 3 * piece_count
+            or len(stamp) != 3
+            or any(min(export.fd, export.inode) < 0 or export.nbytes <= 0 for export in exports)
+        ):
             raise ValueError(f"shape {shape}, {export_count} exports, {piece_count} pieces in {len(triples)} words")
         pieces = triples.reshape(-1, 3)
         index, offset, nbytes = (np.append(pieces[:, column], value) for column, value in enumerate((*stamp[:2], 8)))
@@ -584,10 +621,12 @@ def parse_loan_descriptor(tensor: torch.Tensor) -> LoanDescriptor:
         raise KVProtocolError(f"inconsistent loan descriptor of {len(words)} words: {exc}") from None
     expected = math.prod(shape) * dtype.itemsize
     # Summed as floats first: the int64 sum of many hostile sizes could wrap around.
-    total = int(pieces[:, 2].sum()) if float(pieces[:, 2].sum(dtype=np.float64)) < 2.0 ** 62 else -1
+    total = int(pieces[:, 2].sum()) if float(pieces[:, 2].sum(dtype=np.float64)) < 2.0**62 else -1
     if total != expected:
-        raise KVProtocolError(f"loan descriptor: pieces of {total} bytes (-1: far too many) for a {shape} {dtype} "
-                              f"tensor of {expected} bytes")
+        raise KVProtocolError(
+            f"loan descriptor: pieces of {total} bytes (-1: far too many) for a {shape} {dtype} "
+            f"tensor of {expected} bytes"
+        )
     return LoanDescriptor(exports, shape, dtype, pieces, stamp)
 
 

@@ -50,8 +50,13 @@ class SimpleBuffer(KVLookupBufferBase):
         KVConfigError: the role is not supported, or the control address cannot be bound.
     """
 
-    def __new__(cls, data_pipe: KVPipeBase, config: KVTransferConfig, address: str | None = None,
-                buffer_config: BufferConfig | None = None) -> SimpleBuffer:
+    def __new__(
+        cls,
+        data_pipe: KVPipeBase,
+        config: KVTransferConfig,
+        address: str | None = None,
+        buffer_config: BufferConfig | None = None,
+    ) -> SimpleBuffer:
         if cls is SimpleBuffer:
             sides = {"kv_producer": SimpleProducerBuffer, "kv_consumer": SimpleConsumerBuffer}
             if config.kv_role not in sides:
@@ -62,17 +67,24 @@ class SimpleBuffer(KVLookupBufferBase):
             cls = sides[config.kv_role]
         return super().__new__(cls)
 
-    def __init__(self, data_pipe: KVPipeBase, config: KVTransferConfig, address: str | None = None,
-                 buffer_config: BufferConfig | None = None) -> None:
+    def __init__(
+        self,
+        data_pipe: KVPipeBase,
+        config: KVTransferConfig,
+        address: str | None = None,
+        buffer_config: BufferConfig | None = None,
+    ) -> None:
         config.validate()
         self.config = config
         self._data_pipe = data_pipe
-        self._side = self._open(data_pipe, config, address or control_address(config, data_pipe.port_offset),
-                                buffer_config)
+        self._side = self._open(
+            data_pipe, config, address or control_address(config, data_pipe.port_offset), buffer_config
+        )
 
     @abc.abstractmethod
-    def _open(self, data_pipe: KVPipeBase, config: KVTransferConfig, address: str,
-              buffer_config: BufferConfig | None) -> BufferProducer | BufferConsumer:
+    def _open(
+        self, data_pipe: KVPipeBase, config: KVTransferConfig, address: str, buffer_config: BufferConfig | None
+    ) -> BufferProducer | BufferConsumer:
         """This side's end of the control channel and pipe."""
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -96,8 +108,9 @@ class SimpleProducerBuffer(SimpleBuffer):
 
     _side: BufferProducer
 
-    def _open(self, data_pipe: KVPipeBase, config: KVTransferConfig, address: str,
-              buffer_config: BufferConfig | None) -> BufferProducer:
+    def _open(
+        self, data_pipe: KVPipeBase, config: KVTransferConfig, address: str, buffer_config: BufferConfig | None
+    ) -> BufferProducer:
         return BufferProducer(data_pipe, config, address, buffer_config=buffer_config)
 
     def insert(
@@ -115,9 +128,15 @@ class SimpleProducerBuffer(SimpleBuffer):
     def unlend(self, loan: Loan) -> bool:
         return self._side.unlend(loan)
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None,
-                    span: tuple[int, int, int] | None = None) -> SelectResult:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        part: tuple[int, int, int] | None = None,
+        span: tuple[int, int, int] | None = None,
+    ) -> SelectResult:
         raise KVConfigError("drop_select() needs kv_role='kv_consumer'; this buffer is the producer's")
 
 
@@ -126,8 +145,9 @@ class SimpleConsumerBuffer(SimpleBuffer):
 
     _side: BufferConsumer
 
-    def _open(self, data_pipe: KVPipeBase, config: KVTransferConfig, address: str,
-              buffer_config: BufferConfig | None) -> BufferConsumer:
+    def _open(
+        self, data_pipe: KVPipeBase, config: KVTransferConfig, address: str, buffer_config: BufferConfig | None
+    ) -> BufferConsumer:
         return BufferConsumer(data_pipe, config, address)
 
     def insert(
@@ -141,9 +161,15 @@ class SimpleConsumerBuffer(SimpleBuffer):
     ) -> Loan | None:
         raise KVConfigError("insert() needs kv_role='kv_producer'; this buffer is the consumer's")
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None,
-                    span: tuple[int, int, int] | None = None) -> SelectResult:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        part: tuple[int, int, int] | None = None,
+        span: tuple[int, int, int] | None = None,
+    ) -> SelectResult:
         seconds = 0.0 if timeout is None else _seconds(timeout)
         return self._side.drop_select(input_tokens, roi, seconds, borrow, part, span)
 

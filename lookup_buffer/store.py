@@ -63,8 +63,14 @@ class Entry:
 
     __slots__ = ("items", "nbytes", "largest", "expires", "order", "loan", "lent", "stored", "tracked")
 
-    def __init__(self, items: tuple[torch.Tensor | LentTensor, ...], nbytes: int, loan: Loan | None = None,
-                 lent: tuple[bool, bool, bool] = (False, False, False), tracked: bool = False) -> None:
+    def __init__(
+        self,
+        items: tuple[torch.Tensor | LentTensor, ...],
+        nbytes: int,
+        loan: Loan | None = None,
+        lent: tuple[bool, bool, bool] = (False, False, False),
+        tracked: bool = False,
+    ) -> None:
         self.items = items
         self.lent = lent  # which of key, value and hidden are lent
         self.nbytes = nbytes
@@ -104,8 +110,9 @@ class EntryStore:
     particular order (a large entry may wait behind small ones).
     """
 
-    def __init__(self, capacity_bytes: int, max_item_bytes: int, entry_timeout: float = math.inf,
-                 evict_unclaimed: bool = False) -> None:
+    def __init__(
+        self, capacity_bytes: int, max_item_bytes: int, entry_timeout: float = math.inf, evict_unclaimed: bool = False
+    ) -> None:
         self._capacity = capacity_bytes
         self._max_item = max_item_bytes
         self._entry_timeout = entry_timeout
@@ -252,8 +259,9 @@ class EntryStore:
                 whole = queue[0]
                 if span is not None:
                     dim, start, stop = _check_split(whole, part)
-                    check_span([(*item.shape[:dim], stop - start, *item.shape[dim + 1:])
-                                for item in whole.items[1:]], span)
+                    check_span(
+                        [(*item.shape[:dim], stop - start, *item.shape[dim + 1 :]) for item in whole.items[1:]], span
+                    )
                 parts = split_entry(whole, part)
                 if parts is None:  # its owner is taking it back: it leaves the store
                     return None
@@ -362,8 +370,9 @@ class EntryStore:
         now = time.monotonic()
         self._tombstones[key.digest] = now + TOMBSTONE_SECONDS
         self._tombstones.move_to_end(key.digest)
-        while self._tombstones and (len(self._tombstones) > TOMBSTONES_KEPT
-                                    or next(iter(self._tombstones.values())) <= now):
+        while self._tombstones and (
+            len(self._tombstones) > TOMBSTONES_KEPT or next(iter(self._tombstones.values())) <= now
+        ):
             self._tombstones.popitem(last=False)
         for watcher in self._watchers:
             watcher(key)
@@ -473,9 +482,14 @@ class EntryStore:
             self._unlogged_evictions = (0, 0)
             self._next_eviction_log = now + EVICTION_LOG_INTERVAL
             total, capacity = self._evicted, self._capacity
-        logger.warning("lookup buffer full (kv_buffer_size %d bytes): %d entries (%d bytes) that no consumer had "
-                       "selected were evicted, oldest first, to make room for new ones (%d evicted in all)",
-                       capacity, entries, nbytes, total)
+        logger.warning(
+            "lookup buffer full (kv_buffer_size %d bytes): %d entries (%d bytes) that no consumer had "
+            "selected were evicted, oldest first, to make room for new ones (%d evicted in all)",
+            capacity,
+            entries,
+            nbytes,
+            total,
+        )
 
     def _forget(self, key: MatchKey, queue: collections.deque[Entry], entry: Entry) -> None:
         """Account for ``entry`` just taken off ``queue`` (under the lock)."""
@@ -553,8 +567,12 @@ def split_entry(entry: Entry, part: Part) -> list[tuple[Part, Entry]] | None:
     for index, loan in enumerate(loans):
         narrowed = tuple(item.narrow(dim, index * width, width) for item in items)
         nbytes = entry.nbytes - share * (count - 1) if index == 0 else share
-        parts.append(((dim, index * width, index * width + width),
-                      Entry((header.clone(), *narrowed), nbytes, loan=loan, lent=entry.lent)))
+        parts.append(
+            (
+                (dim, index * width, index * width + width),
+                Entry((header.clone(), *narrowed), nbytes, loan=loan, lent=entry.lent),
+            )
+        )
     return parts
 
 
@@ -564,12 +582,20 @@ def _check_split(entry: Entry, part: Part) -> Part:
     items = entry.items[1:]
     width = stop - start
     size = items[0].shape[dim] if dim < len(items[0].shape) else 0
-    if width < 1 or size == 0 or size % width or start % width or stop > size or any(
-            dim >= len(item.shape) or item.shape[dim] != size for item in items):
+    if (
+        width < 1
+        or size == 0
+        or size % width
+        or start % width
+        or stop > size
+        or any(dim >= len(item.shape) or item.shape[dim] != size for item in items)
+    ):
         shapes = ", ".join(str(tuple(item.shape)) for item in items)
-        raise KVInvalidRequestError(f"a select of [{start}, {stop}) along dimension {dim} cannot take part of an "
-                                    f"entry of tensors {shapes}: it must divide every one of them there into "
-                                    f"equal parts")
+        raise KVInvalidRequestError(
+            f"a select of [{start}, {stop}) along dimension {dim} cannot take part of an "
+            f"entry of tensors {shapes}: it must divide every one of them there into "
+            f"equal parts"
+        )
     return part
 
 
@@ -578,8 +604,10 @@ def check_span(shapes: Sequence[Sequence[int]], span: Part) -> None:
     range ``[start, stop)`` along its dimension."""
     dim, start, stop = span
     if not 0 <= start < stop or any(dim >= len(shape) or stop > shape[dim] for shape in shapes):
-        raise KVInvalidRequestError(f"a select of the span [{start}, {stop}) along dimension {dim} does not fit an "
-                                    f"entry of tensors {', '.join(str(tuple(shape)) for shape in shapes)}")
+        raise KVInvalidRequestError(
+            f"a select of the span [{start}, {stop}) along dimension {dim} does not fit an "
+            f"entry of tensors {', '.join(str(tuple(shape)) for shape in shapes)}"
+        )
 
 
 def narrow_entry(entry: Entry, span: Part) -> Entry:

@@ -79,25 +79,45 @@ class StoreBuffer(KVLookupBufferBase):
     #: A select may answer with a prefix of the query (:mod:`lookup_buffer.base`, *Partial hits*).
     returns_prefixes = True
 
-    def __init__(self, store: TieredStore, role: str, identity: Mapping[str, str | int], *, token_dim: int,
-                 chunk_size: int = 256, block_size: int = 1, mac_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        role: str,
+        identity: Mapping[str, str | int],
+        *,
+        token_dim: int,
+        chunk_size: int = 256,
+        block_size: int = 1,
+        mac_key: bytes | None = None,
+    ) -> None:
         if role not in _ROLES:
             raise KVConfigError(f"StoreBuffer needs kv_role in {_ROLES}, got {role!r}")
-        for name, number, minimum in (("token_dim", token_dim, 0), ("chunk_size", chunk_size, 1),
-                                      ("block_size", block_size, 1)):
+        for name, number, minimum in (
+            ("token_dim", token_dim, 0),
+            ("chunk_size", chunk_size, 1),
+            ("block_size", block_size, 1),
+        ):
             if isinstance(number, bool) or not isinstance(number, int) or number < minimum:
                 raise KVConfigError(f"{name} must be an integer >= {minimum}, got {number!r}")
         if chunk_size % block_size:
-            raise KVConfigError(f"kv_chunk_size ({chunk_size}) must be a multiple of the KV block size "
-                                f"({block_size}): a stored chunk holds whole blocks")
+            raise KVConfigError(
+                f"kv_chunk_size ({chunk_size}) must be a multiple of the KV block size "
+                f"({block_size}): a stored chunk holds whole blocks"
+            )
         self.role = role
         self.chunk_size = chunk_size
         self.token_dim = token_dim
         self.block_size = block_size
         self._store = store
         self._mac_key = mac_key
-        self._namespace = namespace({**identity, "store_buffer.layout_version": CHUNK_LAYOUT_VERSION,
-                                     "store_buffer.token_dim": token_dim, "store_buffer.block_size": block_size})
+        self._namespace = namespace(
+            {
+                **identity,
+                "store_buffer.layout_version": CHUNK_LAYOUT_VERSION,
+                "store_buffer.token_dim": token_dim,
+                "store_buffer.block_size": block_size,
+            }
+        )
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("inserts", "hits", "misses", "transferred_bytes", "bad_messages"), 0)
         self._closed = False
@@ -128,14 +148,15 @@ class StoreBuffer(KVLookupBufferBase):
             if tensor is not None and (tensor.dim() <= self.token_dim or tensor.shape[self.token_dim] != units):
                 raise KVInvalidRequestError(
                     f"{name} of shape {tuple(tensor.shape)} must hold {units} entries along dimension "
-                    f"{self.token_dim} for {len(tokens)} tokens in blocks of {self.block_size}")
+                    f"{self.token_dim} for {len(tokens)} tokens in blocks of {self.block_size}"
+                )
         keys = self._keys(tokens)
         stored = self._store.lookup([chunk.key for chunk in keys])  # leading chunks need no encoding
         written = 0
         for index, chunk in enumerate(keys[stored:], start=stored):
             tensors = [self._units(tensor, chunk) for tensor in (key, value)]
             tensors.append(hidden if index == len(keys) - 1 else None)
-            blob = encode_chunk(chunk.key, tokens[chunk.start:chunk.stop], tensors, self._mac_key)
+            blob = encode_chunk(chunk.key, tokens[chunk.start : chunk.stop], tensors, self._mac_key)
             if self._store.put(chunk.key, blob) in (PutResult.STORED, PutResult.QUEUED):
                 written += len(blob)
         self._count(inserts=1, transferred_bytes=written)
@@ -149,9 +170,15 @@ class StoreBuffer(KVLookupBufferBase):
 
     # --- consumer ------------------------------------------------------------------------------
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None,
-                    span: tuple[int, int, int] | None = None) -> SelectResult:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        part: tuple[int, int, int] | None = None,
+        span: tuple[int, int, int] | None = None,
+    ) -> SelectResult:
         """The longest stored prefix of the query's selected tokens, or five None when not even its
         first chunk is stored. Not consumed. The store answers at once: what is stored is there, so
         ``timeout`` is not waited. ``borrow`` is ignored (nothing is lent); ``part`` and ``span`` are refused."""
@@ -173,22 +200,25 @@ class StoreBuffer(KVLookupBufferBase):
             self._count(misses=1)
             return [None] * 5
         stop = keys[len(chunks) - 1].stop
-        key, value = (None if chunks[0][slot] is None else
-                      torch.cat([tensors[slot] for tensors in chunks], dim=self.token_dim) for slot in (0, 1))
+        key, value = (
+            None if chunks[0][slot] is None else torch.cat([tensors[slot] for tensors in chunks], dim=self.token_dim)
+            for slot in (0, 1)
+        )
         hidden = chunks[-1][2] if len(chunks) == len(keys) else None
         found_roi = torch.zeros(input_tokens.numel(), dtype=torch.bool)
         found_roi[:stop] = True
-        self._count(hits=1, transferred_bytes=sum(len(blob) for blob in blobs[:len(chunks)]))
+        self._count(hits=1, transferred_bytes=sum(len(blob) for blob in blobs[: len(chunks)]))
         return [input_tokens, found_roi, key, value, hidden]
 
-    def _decode(self, chunk: ChunkKey, tokens: list[int], blob: bytes | None,
-                first: list[torch.Tensor | None] | None) -> list[torch.Tensor | None] | None:
+    def _decode(
+        self, chunk: ChunkKey, tokens: list[int], blob: bytes | None, first: list[torch.Tensor | None] | None
+    ) -> list[torch.Tensor | None] | None:
         """The chunk's ``[key, value, hidden]``, or None (logged, and counted when refused) if it
         cannot extend the prefix: gone since the lookup, refused, or unlike the chunks before it."""
         if blob is None:  # evicted between lookup and get: a plain miss of this chunk
             return None
         try:
-            tensors = decode_chunk(blob, chunk.key, tokens[chunk.start:chunk.stop], self._mac_key)
+            tensors = decode_chunk(blob, chunk.key, tokens[chunk.start : chunk.stop], self._mac_key)
         except KVStoreObjectError as error:
             reason = str(error)
         else:
@@ -196,12 +226,14 @@ class StoreBuffer(KVLookupBufferBase):
             if reason is None:
                 return tensors
         self._count(bad_messages=1)
-        logger.warning("stored chunk of tokens [%d, %d) refused, the prefix ends before it: %s",
-                       chunk.start, chunk.stop, reason)
+        logger.warning(
+            "stored chunk of tokens [%d, %d) refused, the prefix ends before it: %s", chunk.start, chunk.stop, reason
+        )
         return None
 
-    def _inconsistency(self, chunk: ChunkKey, tensors: list[torch.Tensor | None],
-                       first: list[torch.Tensor | None] | None) -> str | None:
+    def _inconsistency(
+        self, chunk: ChunkKey, tensors: list[torch.Tensor | None], first: list[torch.Tensor | None] | None
+    ) -> str | None:
         if len(tensors) != 3 or tensors[0] is None:
             return f"{len(tensors)} tensors, expected key, value and hidden"
         first_index = chunk.start // self.block_size
@@ -215,8 +247,9 @@ class StoreBuffer(KVLookupBufferBase):
                 continue
             if tensor.dim() <= self.token_dim or tensor.shape[self.token_dim] != units:
                 return f"{name} of shape {tuple(tensor.shape)} does not hold {units} entries along {self.token_dim}"
-            if tensor.dtype != like.dtype or _without(tensor.shape, self.token_dim) != _without(like.shape,
-                                                                                             self.token_dim):
+            if tensor.dtype != like.dtype or _without(tensor.shape, self.token_dim) != _without(
+                like.shape, self.token_dim
+            ):
                 return f"{name} {tuple(tensor.shape)} {tensor.dtype} unlike the first chunk's"
         return None
 
@@ -232,8 +265,9 @@ class StoreBuffer(KVLookupBufferBase):
             raise KVInvalidRequestError("roi must be a bool tensor of the shape of input_tokens")
         selected = int(roi.sum())
         if selected == 0 or not bool(roi[:selected].all()):
-            raise KVInvalidRequestError("a StoreBuffer supports only a roi that selects a non-empty prefix of the "
-                                        "tokens (all of them included)")
+            raise KVInvalidRequestError(
+                "a StoreBuffer supports only a roi that selects a non-empty prefix of the tokens (all of them included)"
+            )
         return input_tokens[:selected].tolist()
 
     def _keys(self, tokens: list[int]) -> list[ChunkKey]:

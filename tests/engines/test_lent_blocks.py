@@ -58,8 +58,9 @@ def test_a_preempted_saved_request_is_taken_back_and_saved_again_from_its_new_bl
     side = SchedulerSide(B, is_producer=True, is_consumer=False)
     tokens = list(range(500, 600))  # prefix 96: 3 blocks
     request = make_request("r", tokens)
-    first = side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3, 4], 0)], {"r": 100}),
-                            {"r": [1, 2, 3, 4]}.__getitem__)
+    first = side.build_meta(
+        scheduler_output([new_req_data(request, [1, 2, 3, 4], 0)], {"r": 100}), {"r": [1, 2, 3, 4]}.__getitem__
+    )
     assert first.saves == [SaveSpec("r", tokens[:96], [1, 2, 3])] and first.take_back == []
     side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))
     blocks = {"r": [1, 2, 3, 4]}.__getitem__
@@ -102,8 +103,10 @@ def test_preempted_requests_never_saved_are_not_taken_back() -> None:
 
 def test_entries_of_a_request_some_tp_ranks_failed_to_save_are_taken_back() -> None:
     side = SchedulerSide(B, is_producer=True, is_consumer=False, num_workers=2)
-    requests = {name: make_request(name, list(range(start, start + 65))) for name, start in
-                (("both", 0), ("one", 100), ("none", 200))}
+    requests = {
+        name: make_request(name, list(range(start, start + 65)))
+        for name, start in (("both", 0), ("one", 100), ("none", 200))
+    }
     new = [new_req_data(request, [index], 0) for index, request in enumerate(requests.values())]
     side.build_meta(scheduler_output(new, {name: 65 for name in requests}), lambda req_id: [1, 2, 3])
     finished = {name: side.request_finished(request) for name, request in requests.items()}
@@ -111,7 +114,10 @@ def test_entries_of_a_request_some_tp_ranks_failed_to_save_are_taken_back() -> N
     rank1 = KVBridgeWorkerMetadata.of_one_worker({"both"}, {"one", "none"})
     side.record_saves(rank0.aggregate(rank1))
     assert {name: params[PARAMS_KEY]["prefix_tokens"] for name, (_, params) in finished.items()} == {
-        "both": 64, "one": 0, "none": 0}
+        "both": 64,
+        "one": 0,
+        "none": 0,
+    }
     # Rank 0 holds an entry of "one" that nobody will ask for: it goes at once, copy or loan, not when
     # it expires.
     after = side.build_meta(scheduler_output([], {}), {}.__getitem__)
@@ -130,14 +136,24 @@ def test_a_decode_request_aborted_before_its_load_has_its_announced_entry_draine
         side.request_finished(request)
     (drain,) = side.build_meta(scheduler_output([], {}), {}.__getitem__).loads
     assert (drain.req_id, drain.token_ids, drain.drain, drain.producer) == (
-        "waiting", list(range(900, 964)), True, ("10.1.2.3", 14600))
+        "waiting",
+        list(range(900, 964)),
+        True,
+        ("10.1.2.3", 14600),
+    )
     assert side.build_meta(scheduler_output([], {}), {}.__getitem__).loads == []  # once
 
 
 def test_a_preempted_request_saved_by_a_copy_keeps_its_one_entry() -> None:
     buffer = FailingInserts({})
-    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
-                            listener_factory=lambda settings, offset, on_connect: buffer)
+    worker = vp.fake_worker(
+        "kv_producer",
+        1,
+        vp.FAKE_BLOCK_SIZE,
+        vp.fake_caches(1),
+        {"kv_lend_blocks": False},
+        listener_factory=lambda settings, offset, on_connect: buffer,
+    )
     try:
         worker.save([SAVES[0]])
         worker.take_back([SAVES[0].req_id])  # preempted: its copy holds no block and stays
@@ -152,8 +168,14 @@ def test_a_preempted_request_saved_by_a_copy_keeps_its_one_entry() -> None:
 
 def test_a_request_saved_by_a_copy_then_preempted_and_aborted_leaves_nothing_behind() -> None:
     buffer = FailingInserts({})
-    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
-                            listener_factory=lambda settings, offset, on_connect: buffer)
+    worker = vp.fake_worker(
+        "kv_producer",
+        1,
+        vp.FAKE_BLOCK_SIZE,
+        vp.fake_caches(1),
+        {"kv_lend_blocks": False},
+        listener_factory=lambda settings, offset, on_connect: buffer,
+    )
     try:
         worker.save([SAVES[0]])
         worker.take_back([SAVES[0].req_id])  # preempted, then aborted: vLLM never holds it
@@ -180,9 +202,17 @@ def _tp_ranks() -> tuple[list[Any], _LendingInserts]:
     buffer full for SAVES[1]."""
     lending = _LendingInserts()
     buffers = [lending, FailingInserts({}), FailingInserts({SAVES[1].token_ids[0]: KVBufferFullError("full")})]
-    workers = [vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
-                              listener_factory=lambda settings, offset, on_connect, buffer=buffer: buffer)
-               for buffer in buffers]
+    workers = [
+        vp.fake_worker(
+            "kv_producer",
+            1,
+            vp.FAKE_BLOCK_SIZE,
+            vp.fake_caches(1),
+            {"kv_lend_blocks": False},
+            listener_factory=lambda settings, offset, on_connect, buffer=buffer: buffer,
+        )
+        for buffer in buffers
+    ]
     return workers, lending
 
 
@@ -258,12 +288,16 @@ def test_the_connector_refuses_sleep_mode() -> None:
 
 #: Requests saved lent: "stored" is taken back before anyone selects it, "borrowed" while a consumer
 #: copies it, "kept" is never taken back.
-SAVES = [SaveSpec("stored", FAKE_TOKENS["a"], [3, 6]), SaveSpec("borrowed", FAKE_TOKENS["b"], [1, 4, 7]),
-         SaveSpec("kept", FAKE_TOKENS["c"], [2])]
+SAVES = [
+    SaveSpec("stored", FAKE_TOKENS["a"], [3, 6]),
+    SaveSpec("borrowed", FAKE_TOKENS["b"], [1, 4, 7]),
+    SaveSpec("kept", FAKE_TOKENS["c"], [2]),
+]
 
 
-def taking_back_producer_body(port: int, saved: Any, borrowed: Any, taken_back: Any, done: Any,
-                              timeout: float) -> dict[str, Any]:
+def taking_back_producer_body(
+    port: int, saved: Any, borrowed: Any, taken_back: Any, done: Any, timeout: float
+) -> dict[str, Any]:
     """Save SAVES lent; take back "stored" and, once the consumer borrowed it, "borrowed", each time
     writing noise into the blocks as the forward pass of the step that reuses them would."""
     from kv_pipe.exported_memory import page_aligned_empty
@@ -288,8 +322,11 @@ def taking_back_producer_body(port: int, saved: Any, borrowed: Any, taken_back: 
         deadline = time.monotonic() + timeout
         while loans["kept"].outcome is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        return {"outcomes": {req_id: loan.outcome for req_id, loan in loans.items()},
-                "stats": worker.total_stats().data, "entries_left": worker.buffer_stats().entries}
+        return {
+            "outcomes": {req_id: loan.outcome for req_id, loan in loans.items()},
+            "stats": worker.total_stats().data,
+            "entries_left": worker.buffer_stats().entries,
+        }
     finally:
         worker.close()
 
@@ -307,8 +344,14 @@ class _PausingBuffer:
         self._buffer, self._pause_token = buffer, pause_token
         self._borrowed, self._taken_back = borrowed, taken_back
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, span: tuple[int, int, int] | None = None) -> list[Any]:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        span: tuple[int, int, int] | None = None,
+    ) -> list[Any]:
         entry = self._buffer.drop_select(input_tokens, roi, timeout=timeout, borrow=borrow, span=span)
         if int(input_tokens[0]) == self._pause_token:
             self._borrowed.set()
@@ -320,26 +363,36 @@ class _PausingBuffer:
         return getattr(self._buffer, name)
 
 
-def taking_back_consumer_body(port: int, saved: Any, borrowed: Any, taken_back: Any, done: Any,
-                              timeout: float) -> dict[str, Any]:
+def taking_back_consumer_body(
+    port: int, saved: Any, borrowed: Any, taken_back: Any, done: Any, timeout: float
+) -> dict[str, Any]:
     from lookup_buffer import dial
 
     dials = []
 
     def pausing(settings: Any, host: str, producer_port: int, on_connect: Any) -> _PausingBuffer:
         dials.append(producer_port)
-        return _PausingBuffer(dial(settings.bridge, host, producer_port, on_connect), FAKE_TOKENS["b"][0],
-                              borrowed, taken_back)
+        return _PausingBuffer(
+            dial(settings.bridge, host, producer_port, on_connect), FAKE_TOKENS["b"][0], borrowed, taken_back
+        )
 
-    worker = vp.fake_worker("kv_consumer", port, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 0.5},
-                            dialer=pausing)
+    worker = vp.fake_worker(
+        "kv_consumer", port, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 0.5}, dialer=pausing
+    )
     try:
         if not saved.wait(timeout):
             raise TimeoutError(f"the producer did not save within {timeout} s")
-        failed = [sorted(vp.load_and_wait(worker, [LoadSpec(spec.req_id, spec.token_ids, targets, 0)], timeout))
-                  for spec, targets in zip(SAVES, ([0, 5], [6, 8, 1], [4]), strict=True)]
-        return {"failed": failed, "stats": worker.total_stats().data, "dials": dials, "connections": worker.connections,
-                "caches": [cache.numpy() for cache in worker.caches]}
+        failed = [
+            sorted(vp.load_and_wait(worker, [LoadSpec(spec.req_id, spec.token_ids, targets, 0)], timeout))
+            for spec, targets in zip(SAVES, ([0, 5], [6, 8, 1], [4]), strict=True)
+        ]
+        return {
+            "failed": failed,
+            "stats": worker.total_stats().data,
+            "dials": dials,
+            "connections": worker.connections,
+            "caches": [cache.numpy() for cache in worker.caches],
+        }
     finally:
         done.set()
         worker.close()
@@ -365,8 +418,12 @@ def lease_producer_body(port: int, saved: Any, copied: Any, done: Any, timeout: 
         copied.set()
         if not done.wait(timeout):
             raise TimeoutError(f"the consumer did not finish within {timeout} s")
-        return {"returned": returned, "outcomes": {req_id: loan.outcome for req_id, loan in loans.items()},
-                "stats": worker.total_stats().data, "gauges": gauges}
+        return {
+            "returned": returned,
+            "outcomes": {req_id: loan.outcome for req_id, loan in loans.items()},
+            "stats": worker.total_stats().data,
+            "gauges": gauges,
+        }
     finally:
         worker.close()
 
@@ -376,8 +433,16 @@ def lease_consumer_body(port: int, saved: Any, copied: Any, done: Any, timeout: 
     try:
         if not (saved.wait(timeout) and copied.wait(timeout)):
             raise TimeoutError(f"the producer did not save within {timeout} s")
-        failed = sorted(vp.load_and_wait(worker, [LoadSpec(spec.req_id, spec.token_ids, targets, 0) for spec, targets
-                                                  in zip(SAVES, ([0, 5], [6, 8, 1], [4]), strict=True)], timeout))
+        failed = sorted(
+            vp.load_and_wait(
+                worker,
+                [
+                    LoadSpec(spec.req_id, spec.token_ids, targets, 0)
+                    for spec, targets in zip(SAVES, ([0, 5], [6, 8, 1], [4]), strict=True)
+                ],
+                timeout,
+            )
+        )
         return {"failed": failed, "caches": [cache.numpy() for cache in worker.caches]}
     finally:
         done.set()
@@ -429,9 +494,9 @@ def test_entries_taken_back_are_never_loaded_and_the_connection_stays() -> None:
     assert producer["stats"]["taken_back"] == 2 and producer["entries_left"] == 0
 
 
-
-def test_a_copy_gone_in_the_step_its_request_finishes_is_announced_as_nothing_and_later_reports_change_nothing(
-) -> None:
+def test_a_copy_gone_in_the_step_its_request_finishes_is_announced_as_nothing_and_later_reports_change_nothing() -> (
+    None
+):
     side = SchedulerSide(B, is_producer=True, is_consumer=False)
     requests = {name: make_request(name, list(range(start, start + 65))) for name, start in (("r", 0), ("s", 100))}
     new = [new_req_data(request, [index], 0) for index, request in enumerate(requests.values())]
@@ -458,20 +523,33 @@ def test_a_copy_gone_in_the_step_its_request_finishes_is_announced_as_nothing_an
 
 
 def _settings(role: str | None, port: int) -> ConnectorSettings:
-    bridge = KVTransferConfig(kv_role=role, kv_ip="127.0.0.1", kv_port=port, kv_timeout=5.0,
-                              kv_connect_timeout=30.0, kv_buffer_size=1 << 20)
+    bridge = KVTransferConfig(
+        kv_role=role, kv_ip="127.0.0.1", kv_port=port, kv_timeout=5.0, kv_connect_timeout=30.0, kv_buffer_size=1 << 20
+    )
     return ConnectorSettings(bridge=bridge, load_timeout=5.0, save_timeout=0.0, lend_blocks=False)
 
 
 def _identity(role: str) -> compat.KVLayoutInfo:
-    return compat.KVLayoutInfo(version=compat.VERSION, role=role, model="fake", dtype="", block_size=vp.FAKE_BLOCK_SIZE,
-                               num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
+    return compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role=role,
+        model="fake",
+        dtype="",
+        block_size=vp.FAKE_BLOCK_SIZE,
+        num_layers=0,
+        block_shape=(),
+        layout="",
+        tp_size=1,
+        tp_rank=0,
+    )
 
 
 def test_each_role_gets_its_worker_class_and_only_its_methods() -> None:
     port = free_port()
-    kinds = {role: WorkerSide(_settings(role, port), _identity(role), 0)
-             for role in ("kv_producer", "kv_consumer", "kv_both")}
+    kinds = {
+        role: WorkerSide(_settings(role, port), _identity(role), 0)
+        for role in ("kv_producer", "kv_consumer", "kv_both")
+    }
     assert [type(worker) for worker in kinds.values()] == [ProducerWorker, ConsumerWorker, DualWorker]
     assert not hasattr(kinds["kv_producer"], "start_loads") and not hasattr(kinds["kv_consumer"], "save")
     assert isinstance(kinds["kv_both"], ProducerWorker) and isinstance(kinds["kv_both"], ConsumerWorker)
@@ -505,8 +583,14 @@ def test_a_loan_that_ends_before_its_request_finishes_is_reported_gone_once() ->
     # A prefill request that keeps generating may outlive its entry (kv_entry_timeout counts from the
     # save): announced, it would send its decode request after an entry that is gone.
     lending = _LendingInserts()
-    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_lend_blocks": False},
-                            listener_factory=lambda settings, offset, on_connect: lending)
+    worker = vp.fake_worker(
+        "kv_producer",
+        1,
+        vp.FAKE_BLOCK_SIZE,
+        vp.fake_caches(1),
+        {"kv_lend_blocks": False},
+        listener_factory=lambda settings, offset, on_connect: lending,
+    )
     try:
         worker.save(SAVES)
         assert worker.take_gone() == set()

@@ -36,16 +36,31 @@ from lookup_buffer.store import EntryStore
 # ====================================================================== the head plan
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "expected"), [
-    (1, 1, [[Source(0, None, (0, 8))]]),
-    (2, 2, [[Source(0, None, (0, 4))], [Source(1, None, (0, 4))]]),
-    (1, 2, [[Source(0, (0, 4), (0, 4))], [Source(0, (4, 8), (0, 4))]]),
-    (2, 1, [[Source(0, None, (0, 4)), Source(1, None, (4, 8))]]),
-    (2, 4, [[Source(0, (0, 2), (0, 2))], [Source(0, (2, 4), (0, 2))], [Source(1, (0, 2), (0, 2))],
-            [Source(1, (2, 4), (0, 2))]]),
-    (4, 2, [[Source(0, None, (0, 2)), Source(1, None, (2, 4))], [Source(2, None, (0, 2)), Source(3, None, (2, 4))]]),
-    (1, 8, [[Source(0, (rank, rank + 1), (0, 1))] for rank in range(8)]),
-])
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "expected"),
+    [
+        (1, 1, [[Source(0, None, (0, 8))]]),
+        (2, 2, [[Source(0, None, (0, 4))], [Source(1, None, (0, 4))]]),
+        (1, 2, [[Source(0, (0, 4), (0, 4))], [Source(0, (4, 8), (0, 4))]]),
+        (2, 1, [[Source(0, None, (0, 4)), Source(1, None, (4, 8))]]),
+        (
+            2,
+            4,
+            [
+                [Source(0, (0, 2), (0, 2))],
+                [Source(0, (2, 4), (0, 2))],
+                [Source(1, (0, 2), (0, 2))],
+                [Source(1, (2, 4), (0, 2))],
+            ],
+        ),
+        (
+            4,
+            2,
+            [[Source(0, None, (0, 2)), Source(1, None, (2, 4))], [Source(2, None, (0, 2)), Source(3, None, (2, 4))]],
+        ),
+        (1, 8, [[Source(0, (rank, rank + 1), (0, 1))] for rank in range(8)]),
+    ],
+)
 def test_each_decode_rank_loads_exactly_its_heads(prefill_tp: int, decode_tp: int, expected: list) -> None:
     plans = [plan_sources(8, prefill_tp, decode_tp, rank) for rank in range(decode_tp)]
     assert plans == expected
@@ -66,15 +81,22 @@ def test_equal_tp_sizes_pair_rank_to_rank_even_with_replicated_heads_or_a_latent
     assert plan_sources(0, 2, 2, 0, has_heads=False) == [Source(0, None, (0, 1))]
 
 
-@pytest.mark.parametrize(("kwargs", "named"), [
-    (dict(total_heads=8, prefill_tp=2, decode_tp=3), "TP sizes must be equal or divide one another (prefill TP 2, "
-                                                     "decode TP 3)"),
-    (dict(total_heads=0, prefill_tp=1, decode_tp=2, latent=True), "MLA-style KV cache"),
-    (dict(total_heads=2, prefill_tp=1, decode_tp=4), "2 KV heads are replicated across TP ranks (prefill TP 1, "
-                                                     "decode TP 4)"),
-    (dict(total_heads=2, prefill_tp=4, decode_tp=2), "replicated across TP ranks (prefill TP 4, decode TP 2)"),
-    (dict(total_heads=8, prefill_tp=1, decode_tp=2, has_heads=False), "no head dimension"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        (
+            dict(total_heads=8, prefill_tp=2, decode_tp=3),
+            "TP sizes must be equal or divide one another (prefill TP 2, decode TP 3)",
+        ),
+        (dict(total_heads=0, prefill_tp=1, decode_tp=2, latent=True), "MLA-style KV cache"),
+        (
+            dict(total_heads=2, prefill_tp=1, decode_tp=4),
+            "2 KV heads are replicated across TP ranks (prefill TP 1, decode TP 4)",
+        ),
+        (dict(total_heads=2, prefill_tp=4, decode_tp=2), "replicated across TP ranks (prefill TP 4, decode TP 2)"),
+        (dict(total_heads=8, prefill_tp=1, decode_tp=2, has_heads=False), "no head dimension"),
+    ],
+)
 def test_unsupported_pairings_are_refused_naming_the_case_and_both_tp_sizes(kwargs: dict, named: str) -> None:
     with pytest.raises(KVConfigError) as error:
         plan_sources(decode_rank=0, **kwargs)
@@ -103,9 +125,21 @@ def test_the_head_dimension_comes_after_a_kv_dimension_of_the_same_size(heads: i
 def info(**changes: Any) -> compat.KVLayoutInfo:
     """A rank of a model with 8 KV heads of size 64 in vLLM CPU blocks; TP 1 unless changed."""
     tp = changes.get("tp_size", 1)
-    values = dict(version=compat.VERSION, role="kv_producer", model="m", dtype="torch.float32", block_size=32,
-                  num_layers=2, block_shape=(1, 8 // tp, 32, 128), layout="CPU_ATTN/vec", tp_size=tp, tp_rank=0,
-                  total_kv_heads=8, head_size=64, head_dim=1)
+    values = dict(
+        version=compat.VERSION,
+        role="kv_producer",
+        model="m",
+        dtype="torch.float32",
+        block_size=32,
+        num_layers=2,
+        block_shape=(1, 8 // tp, 32, 128),
+        layout="CPU_ATTN/vec",
+        tp_size=tp,
+        tp_rank=0,
+        total_kv_heads=8,
+        head_size=64,
+        head_dim=1,
+    )
     values.update(changes)
     return compat.KVLayoutInfo(**values)
 
@@ -117,34 +151,49 @@ def test_tp_sizes_that_divide_one_another_pair(prefill_tp: int, decode_tp: int) 
     compat.check_compatible(decode, compat.decode(compat.encode(prefill)))
 
 
-@pytest.mark.parametrize(("consumer", "named"), [
-    (dict(tp_size=3, total_kv_heads=12, block_shape=(1, 4, 32, 128)), "total_kv_heads: this side 8, peer 12"),
-    (dict(tp_size=4, total_kv_heads=12, block_shape=(1, 3, 32, 128)), "total_kv_heads: this side 8, peer 12"),
-    (dict(head_size=128, block_shape=(1, 8, 32, 256)), "head_size: this side 64, peer 128"),
-    (dict(tp_size=2, block_shape=(1, 4, 64, 128), block_size=64), "block_shape (apart from its KV heads): this "
-                                                                 "side (1, 8, 32, 128), peer (1, 4, 64, 128)"),
-    (dict(tp_size=2, num_layers=3), "num_layers: this side 2, peer 3"),
-])
+@pytest.mark.parametrize(
+    ("consumer", "named"),
+    [
+        (dict(tp_size=3, total_kv_heads=12, block_shape=(1, 4, 32, 128)), "total_kv_heads: this side 8, peer 12"),
+        (dict(tp_size=4, total_kv_heads=12, block_shape=(1, 3, 32, 128)), "total_kv_heads: this side 8, peer 12"),
+        (dict(head_size=128, block_shape=(1, 8, 32, 256)), "head_size: this side 64, peer 128"),
+        (
+            dict(tp_size=2, block_shape=(1, 4, 64, 128), block_size=64),
+            "block_shape (apart from its KV heads): this side (1, 8, 32, 128), peer (1, 4, 64, 128)",
+        ),
+        (dict(tp_size=2, num_layers=3), "num_layers: this side 2, peer 3"),
+    ],
+)
 def test_what_must_match_is_refused_with_both_sides_values(consumer: dict, named: str) -> None:
     with pytest.raises(KVConfigError) as error:
         compat.check_compatible(info(), info(role="kv_consumer", **consumer))
     assert named in str(error.value)
 
 
-@pytest.mark.parametrize(("producer", "consumer", "named"), [
-    (dict(tp_size=2, total_kv_heads=6, block_shape=(1, 3, 32, 128)),
-     dict(tp_size=3, total_kv_heads=6, block_shape=(1, 2, 32, 128)),
-     "tp_size: this side 2, peer 3: TP sizes must be equal or divide one another (prefill TP 2, decode TP 3)"),
-    (dict(total_kv_heads=2, block_shape=(1, 2, 32, 128)),
-     dict(tp_size=4, total_kv_heads=2, block_shape=(1, 1, 32, 128)),
-     "tp_size: this side 1, peer 4: 2 KV heads are replicated across TP ranks (prefill TP 1, decode TP 4)"),
-    (dict(total_kv_heads=0, head_dim=-1, latent=True, block_shape=(1, 32, 576)),
-     dict(tp_size=2, total_kv_heads=0, head_dim=-1, latent=True, block_shape=(1, 32, 576)),
-     "tp_size: this side 1, peer 2: an MLA-style KV cache (one latent per token, the same on every TP rank) needs "
-     "equal TP sizes on both sides (prefill TP 1, decode TP 2)"),
-])
-def test_tp_pairings_that_cannot_work_are_refused_at_connection_naming_the_case(producer: dict, consumer: dict,
-                                                                                named: str) -> None:
+@pytest.mark.parametrize(
+    ("producer", "consumer", "named"),
+    [
+        (
+            dict(tp_size=2, total_kv_heads=6, block_shape=(1, 3, 32, 128)),
+            dict(tp_size=3, total_kv_heads=6, block_shape=(1, 2, 32, 128)),
+            "tp_size: this side 2, peer 3: TP sizes must be equal or divide one another (prefill TP 2, decode TP 3)",
+        ),
+        (
+            dict(total_kv_heads=2, block_shape=(1, 2, 32, 128)),
+            dict(tp_size=4, total_kv_heads=2, block_shape=(1, 1, 32, 128)),
+            "tp_size: this side 1, peer 4: 2 KV heads are replicated across TP ranks (prefill TP 1, decode TP 4)",
+        ),
+        (
+            dict(total_kv_heads=0, head_dim=-1, latent=True, block_shape=(1, 32, 576)),
+            dict(tp_size=2, total_kv_heads=0, head_dim=-1, latent=True, block_shape=(1, 32, 576)),
+            "tp_size: this side 1, peer 2: an MLA-style KV cache (one latent per token, the same on every TP rank) "
+            "needs equal TP sizes on both sides (prefill TP 1, decode TP 2)",
+        ),
+    ],
+)
+def test_tp_pairings_that_cannot_work_are_refused_at_connection_naming_the_case(
+    producer: dict, consumer: dict, named: str
+) -> None:
     prefill, decode = info(**producer), info(role="kv_consumer", **consumer)
     for local, peer in ((prefill, decode), (decode, prefill)):
         with pytest.raises(KVConfigError) as error:
@@ -155,13 +204,16 @@ def test_tp_pairings_that_cannot_work_are_refused_at_connection_naming_the_case(
     assert named in str(error.value)
 
 
-@pytest.mark.parametrize("changes", [
-    dict(block_shape=(1, 3, 32, 128)),  # 3 heads in a block, 8 over 1 rank
-    dict(tp_size=3, block_shape=(1, 2, 32, 128)),  # 8 heads cannot split over 3 ranks
-    dict(head_dim=7),
-    dict(head_dim=1, latent=True),
-    dict(total_kv_heads=-1),
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(block_shape=(1, 3, 32, 128)),  # 3 heads in a block, 8 over 1 rank
+        dict(tp_size=3, block_shape=(1, 2, 32, 128)),  # 8 heads cannot split over 3 ranks
+        dict(head_dim=7),
+        dict(head_dim=1, latent=True),
+        dict(total_kv_heads=-1),
+    ],
+)
 def test_a_peer_whose_head_fields_contradict_each_other_is_refused(changes: dict) -> None:
     with pytest.raises(KVProtocolError, match="inconsistent peer message"):
         compat.decode(compat.encode(info(**changes)))
@@ -305,7 +357,8 @@ def test_lent_tensors_narrow_like_torch_over_any_pieces() -> None:
         narrowed = lent.narrow(dim, start, length)
         out = torch.empty(narrowed.shape, dtype=torch.int32)
         BorrowedTensor(narrowed.shape, torch.int32, narrowed.pieces, [], None).copy_to(
-            [(out.data_ptr(), out.numel() * 4)])
+            [(out.data_ptr(), out.numel() * 4)]
+        )
         assert torch.equal(out, tensor.narrow(dim, start, length))
         assert np.array_equal(narrowed.places[:, 1] + tensor.data_ptr(), narrowed.pieces[:, 0])
     with pytest.raises(ValueError):
@@ -315,8 +368,9 @@ def test_lent_tensors_narrow_like_torch_over_any_pieces() -> None:
 def test_a_part_select_travels_in_a_versioned_checked_select_request() -> None:
     tokens, roi = token_arrays(torch.arange(4), torch.ones(4, dtype=torch.bool))
     signer = protocol.ControlSigner(None)
-    request = protocol.select_request(7, tokens, roi, 0, session=b"s" * protocol.SESSION_BYTES, counter=1,
-                                      part=(2, 4, 8))
+    request = protocol.select_request(
+        7, tokens, roi, 0, session=b"s" * protocol.SESSION_BYTES, counter=1, part=(2, 4, 8)
+    )
     decoded, _, _ = protocol.decode_request(signer, protocol.encode_request(signer, request))
     assert decoded.part == (2, 4, 8) and protocol.PROTOCOL_VERSION == 8
     whole = protocol.select_request(7, tokens, roi, 0, session=b"s" * protocol.SESSION_BYTES, counter=1)
@@ -324,9 +378,19 @@ def test_a_part_select_travels_in_a_versioned_checked_select_request() -> None:
     for bad in ((2, 4, 4), (2, -1, 3), (99, 0, 1), (2, 0, 1 << 40)):
         with pytest.raises(ValueError):
             protocol.select_request(7, tokens, roi, 0, part=bad)
-        forged = protocol.encode_request(signer, protocol.SelectRequest(
-            v=protocol.PROTOCOL_VERSION, request_id=7, session=b"s" * protocol.SESSION_BYTES, counter=1,
-            tokens=tokens.tobytes(), roi=roi.astype(np.uint8).tobytes(), wait_ms=0, part=bad))
+        forged = protocol.encode_request(
+            signer,
+            protocol.SelectRequest(
+                v=protocol.PROTOCOL_VERSION,
+                request_id=7,
+                session=b"s" * protocol.SESSION_BYTES,
+                counter=1,
+                tokens=tokens.tobytes(),
+                roi=roi.astype(np.uint8).tobytes(),
+                wait_ms=0,
+                part=bad,
+            ),
+        )
         with pytest.raises(protocol.MessageError, match="part"):
             protocol.decode_request(signer, forged)
 
@@ -341,9 +405,15 @@ class _Scripted:
         self.key, self.parts, self.spans = key, [], []
         self.failure = None
 
-    def drop_select(self, tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None,
-                    span: tuple[int, int, int] | None = None) -> list[Any]:
+    def drop_select(
+        self,
+        tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        part: tuple[int, int, int] | None = None,
+        span: tuple[int, int, int] | None = None,
+    ) -> list[Any]:
         self.parts.append(part)
         self.spans.append(span)
         return [None] * 5 if self.key is None else [tokens, roi, self.key, None, None]
@@ -398,8 +468,7 @@ TARGETS = {"a": ([0, 5], 0), "b": ([6, 8, 1], 1), "c": ([4], 0)}
 
 def single_rank_cache(seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn((BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE), generator=generator) * 3 + 0.5
-            for _ in range(LAYERS)]
+    return [torch.randn((BLOCKS, HEADS, BLOCK, 2 * HEAD_SIZE), generator=generator) * 3 + 0.5 for _ in range(LAYERS)]
 
 
 def rank_caches(seed: int, tp: int, rank: int) -> list[torch.Tensor]:
@@ -407,8 +476,10 @@ def rank_caches(seed: int, tp: int, rank: int) -> list[torch.Tensor]:
     from kv_pipe.exported_memory import page_aligned_empty
 
     start, stop = tp_layout.heads_of_rank(HEADS, tp, rank)
-    return [page_aligned_empty((BLOCKS, stop - start, BLOCK, 2 * HEAD_SIZE), torch.float32).copy_(cache[:, start:stop])
-            for cache in single_rank_cache(seed)]
+    return [
+        page_aligned_empty((BLOCKS, stop - start, BLOCK, 2 * HEAD_SIZE), torch.float32).copy_(cache[:, start:stop])
+        for cache in single_rank_cache(seed)
+    ]
 
 
 def tp_worker(role: str, port: int, tp: int, rank: int, caches: list[torch.Tensor], options: dict[str, Any]) -> Any:
@@ -416,19 +487,30 @@ def tp_worker(role: str, port: int, tp: int, rank: int, caches: list[torch.Tenso
     from connector.vllm_settings import ConnectorSettings, listen_port_offset
     from connector.vllm_worker import WorkerSide
 
-    extra = {"kv_ip": "127.0.0.1", "kv_timeout": 3.0, "kv_connect_timeout": 60.0, "kv_buffer_size": 1 << 20,
-             **options}
+    extra = {"kv_ip": "127.0.0.1", "kv_timeout": 3.0, "kv_connect_timeout": 60.0, "kv_buffer_size": 1 << 20, **options}
     settings = ConnectorSettings.from_vllm(role, port, "cpu", extra)
-    identity = compat.KVLayoutInfo(version=compat.VERSION, role=role, model="fake", dtype="", block_size=BLOCK,
-                                   num_layers=0, block_shape=(), layout="", tp_size=tp, tp_rank=rank,
-                                   total_kv_heads=HEADS, head_size=HEAD_SIZE)
+    identity = compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role=role,
+        model="fake",
+        dtype="",
+        block_size=BLOCK,
+        num_layers=0,
+        block_shape=(),
+        layout="",
+        tp_size=tp,
+        tp_rank=rank,
+        total_kv_heads=HEADS,
+        head_size=HEAD_SIZE,
+    )
     worker = WorkerSide(settings, identity, listen_port_offset(rank))
     worker.connect(caches, PagedKVLayout("CPU_ATTN/fake", block_dim=0, block_size_dim=2))
     return worker
 
 
-def tp_producer_body(port: int, tp: int, rank: int, lend: bool, saved: Any, done: list[Any],
-                     timeout: float) -> dict[str, Any]:
+def tp_producer_body(
+    port: int, tp: int, rank: int, lend: bool, saved: Any, done: list[Any], timeout: float
+) -> dict[str, Any]:
     """Prefill TP rank ``rank``: save SAVES, serve until every decode rank is done, then until vLLM
     would have every block back."""
     worker = tp_worker("kv_producer", port, tp, rank, rank_caches(1, tp, rank), {"kv_lend_blocks": lend})
@@ -447,35 +529,71 @@ def tp_producer_body(port: int, tp: int, rank: int, lend: bool, saved: Any, done
             returned |= worker.take_finished_sending()
             time.sleep(0.01)
         buffer = worker.buffer_stats()
-        return {"outcomes": outcomes, "returned": returned, "entries_left": buffer.entries, "hits": buffer.hits,
-                "loans": {req_id: None if loan is None else loan.outcome for req_id, loan in loans.items()},
-                "sent_bytes": buffer.transferred_bytes, "stats": worker.total_stats().data}
+        return {
+            "outcomes": outcomes,
+            "returned": returned,
+            "entries_left": buffer.entries,
+            "hits": buffer.hits,
+            "loans": {req_id: None if loan is None else loan.outcome for req_id, loan in loans.items()},
+            "sent_bytes": buffer.transferred_bytes,
+            "stats": worker.total_stats().data,
+        }
     finally:
         worker.close()
 
 
-def tp_consumer_body(port: int, tp: int, rank: int, producer_tp: int | None, saved: list[Any], done: Any,
-                     timeout: float, options: dict[str, Any] | None = None) -> dict[str, Any]:
+def tp_consumer_body(
+    port: int,
+    tp: int,
+    rank: int,
+    producer_tp: int | None,
+    saved: list[Any],
+    done: Any,
+    timeout: float,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Decode TP rank ``rank``: load every request of SAVES (announced with ``producer_tp``)."""
     with vp._captured_warnings() as warnings:
-        worker = tp_worker("kv_consumer", port, tp, rank, rank_caches(2, tp, rank),
-                           {"kv_load_timeout": 5.0, **(options or {})})
+        worker = tp_worker(
+            "kv_consumer", port, tp, rank, rank_caches(2, tp, rank), {"kv_load_timeout": 5.0, **(options or {})}
+        )
         try:
             if not all(flag.wait(timeout) for flag in saved):
                 raise TimeoutError(f"the prefill ranks did not save within {timeout} s")
-            loads = [LoadSpec(spec.req_id, spec.token_ids, TARGETS[spec.req_id][0], TARGETS[spec.req_id][1],
-                              wait=True, producer=("127.0.0.1", port), producer_tp=producer_tp) for spec in SAVES]
+            loads = [
+                LoadSpec(
+                    spec.req_id,
+                    spec.token_ids,
+                    TARGETS[spec.req_id][0],
+                    TARGETS[spec.req_id][1],
+                    wait=True,
+                    producer=("127.0.0.1", port),
+                    producer_tp=producer_tp,
+                )
+                for spec in SAVES
+            ]
             failed = sorted(vp.load_and_wait(worker, loads, timeout))
-            return {"failed": failed, "stats": worker.total_stats().data, "connections": worker.connections,
-                    "caches": [cache.numpy() for cache in worker.caches], "warnings": list(warnings)}
+            return {
+                "failed": failed,
+                "stats": worker.total_stats().data,
+                "connections": worker.connections,
+                "caches": [cache.numpy() for cache in worker.caches],
+                "warnings": list(warnings),
+            }
         finally:
             done.set()
             worker.close()
 
 
-def run_tp(prefill_tp: int, decode_tp: int, lend: bool = True, announced: int | None = -1,
-           consumer_options: dict[str, Any] | None = None, decode_ranks: list[int] | None = None,
-           timeout: float = 90) -> tuple[list[dict], list[dict]]:
+def run_tp(
+    prefill_tp: int,
+    decode_tp: int,
+    lend: bool = True,
+    announced: int | None = -1,
+    consumer_options: dict[str, Any] | None = None,
+    decode_ranks: list[int] | None = None,
+    timeout: float = 90,
+) -> tuple[list[dict], list[dict]]:
     """Prefill ranks and decode ranks, one process each; the decode ranks' loads name the prefill
     TP size (``announced``, -1: the real one)."""
     port = free_port(span=max(prefill_tp, decode_tp))
@@ -484,12 +602,32 @@ def run_tp(prefill_tp: int, decode_tp: int, lend: bool = True, announced: int | 
         saved = [engines.event() for _ in range(prefill_tp)]
         done = [engines.event() for _ in decode_ranks]
         for rank in range(prefill_tp):
-            engines.start(f"prefill{rank}", tp_producer_body, {}, port=port, tp=prefill_tp, rank=rank, lend=lend,
-                          saved=saved[rank], done=done, timeout=timeout - 20)
+            engines.start(
+                f"prefill{rank}",
+                tp_producer_body,
+                {},
+                port=port,
+                tp=prefill_tp,
+                rank=rank,
+                lend=lend,
+                saved=saved[rank],
+                done=done,
+                timeout=timeout - 20,
+            )
         for index, rank in enumerate(decode_ranks):
-            engines.start(f"decode{rank}", tp_consumer_body, {}, port=port, tp=decode_tp, rank=rank,
-                          producer_tp=prefill_tp if announced == -1 else announced, saved=saved, done=done[index],
-                          timeout=timeout - 20, options=consumer_options)
+            engines.start(
+                f"decode{rank}",
+                tp_consumer_body,
+                {},
+                port=port,
+                tp=decode_tp,
+                rank=rank,
+                producer_tp=prefill_tp if announced == -1 else announced,
+                saved=saved,
+                done=done[index],
+                timeout=timeout - 20,
+                options=consumer_options,
+            )
         names = [f"prefill{rank}" for rank in range(prefill_tp)] + [f"decode{rank}" for rank in decode_ranks]
         results = engines.wait(names, timeout=timeout)
     return [results[f"prefill{r}"] for r in range(prefill_tp)], [results[f"decode{r}"] for r in decode_ranks]
@@ -505,11 +643,21 @@ def _key_bytes(spec: SaveSpec, heads: int, skip: int = 0) -> int:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "lend"), [
-    (1, 2, True), (1, 2, False), (2, 1, True), (2, 1, False), (2, 4, True), (2, 2, True),
-], ids=["1to2-lent", "1to2-copied", "2to1-lent", "2to1-copied", "2to4-lent", "2to2-lent"])
-def test_decode_ranks_get_exactly_their_heads_of_the_single_rank_cache_bit_exact(prefill_tp: int, decode_tp: int,
-                                                                                 lend: bool) -> None:
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "lend"),
+    [
+        (1, 2, True),
+        (1, 2, False),
+        (2, 1, True),
+        (2, 1, False),
+        (2, 4, True),
+        (2, 2, True),
+    ],
+    ids=["1to2-lent", "1to2-copied", "2to1-lent", "2to1-copied", "2to4-lent", "2to2-lent"],
+)
+def test_decode_ranks_get_exactly_their_heads_of_the_single_rank_cache_bit_exact(
+    prefill_tp: int, decode_tp: int, lend: bool
+) -> None:
     prefills, decodes = run_tp(prefill_tp, decode_tp, lend)
     source, before = single_rank_cache(1), single_rank_cache(2)
     decode_heads = tp_layout.local_heads(HEADS, decode_tp)
@@ -524,8 +672,7 @@ def test_decode_ranks_get_exactly_their_heads_of_the_single_rank_cache_bit_exact
             assert np.array_equal(_bits(got), _bits(expected)), (rank, layer)
         # Only its heads moved: each request's tokens and roi, and its heads' share of the blocks it
         # did not hold.
-        moved = sum(9 * len(spec.token_ids) + _key_bytes(spec, decode_heads, TARGETS[spec.req_id][1])
-                    for spec in SAVES)
+        moved = sum(9 * len(spec.token_ids) + _key_bytes(spec, decode_heads, TARGETS[spec.req_id][1]) for spec in SAVES)
         assert decode["stats"]["loaded_bytes"] == moved and decode["stats"]["load_hits"] == len(SAVES)
         sources = max(prefill_tp // decode_tp, 1)
         assert decode["connections"] == sources
@@ -539,8 +686,7 @@ def test_decode_ranks_get_exactly_their_heads_of_the_single_rank_cache_bit_exact
         assert prefill["hits"] == len(SAVES) * max(decode_tp // prefill_tp, 1)
         saved = sum(9 * len(spec.token_ids) + _key_bytes(spec, prefill_heads) for spec in SAVES)
         # Each byte a decode rank lacked sent once, and none of the blocks it held.
-        sent = sum(9 * len(spec.token_ids) + _key_bytes(spec, prefill_heads, TARGETS[spec.req_id][1])
-                   for spec in SAVES)
+        sent = sum(9 * len(spec.token_ids) + _key_bytes(spec, prefill_heads, TARGETS[spec.req_id][1]) for spec in SAVES)
         assert prefill["stats"]["saved_bytes"] == saved and prefill["sent_bytes"] == sent < saved
 
 
@@ -548,10 +694,13 @@ def test_decode_ranks_get_exactly_their_heads_of_the_single_rank_cache_bit_exact
 def test_a_decode_rank_expecting_another_prefill_tp_size_is_refused_naming_both() -> None:
     # The prefill instance runs at TP 1; the decode loads are not told (kv_producer_tp_size unset: its own, 2).
     _, (decode,) = run_tp(1, 2, lend=False, announced=None, decode_ranks=[0])
-    assert decode["failed"] == sorted({block for spec in SAVES for block in TARGETS[spec.req_id][0][
-        TARGETS[spec.req_id][1]:]})
-    assert any("is TP rank 0 of 1; this decode rank (TP rank 0 of 2) loads from TP rank 0 of 2" in warning
-               for warning in decode["warnings"]), decode["warnings"]
+    assert decode["failed"] == sorted(
+        {block for spec in SAVES for block in TARGETS[spec.req_id][0][TARGETS[spec.req_id][1] :]}
+    )
+    assert any(
+        "is TP rank 0 of 1; this decode rank (TP rank 0 of 2) loads from TP rank 0 of 2" in warning
+        for warning in decode["warnings"]
+    ), decode["warnings"]
     assert decode["stats"]["load_hits"] == 0
 
 
@@ -567,8 +716,10 @@ def test_a_pairing_that_cannot_work_fails_its_loads_at_once_naming_the_case() ->
     # Announced as TP 3 for a decode instance at TP 2: nothing is dialed, every load fails with why.
     _, (decode,) = run_tp(1, 2, lend=False, announced=3, decode_ranks=[1], timeout=60)
     assert decode["failed"] and decode["stats"]["load_hits"] == 0 and decode["connections"] == 0
-    assert any("TP sizes must be equal or divide one another (prefill TP 3, decode TP 2)" in warning
-               for warning in decode["warnings"]), decode["warnings"]
+    assert any(
+        "TP sizes must be equal or divide one another (prefill TP 3, decode TP 2)" in warning
+        for warning in decode["warnings"]
+    ), decode["warnings"]
 
 
 # ====================================================================== kvbridge serve
@@ -586,13 +737,15 @@ def test_serve_gives_each_kind_of_instance_its_tp_size_and_ports_and_cores_per_r
 
     from launch import serve
 
-    instances = serve_plan("--prefill-instances", "2", "--prefill-tp", "2", "--decode-tp", "1",
-                           cores=[0, 1, 2, 3, 4, 5])
+    instances = serve_plan(
+        "--prefill-instances", "2", "--prefill-tp", "2", "--decode-tp", "1", cores=[0, 1, 2, 3, 4, 5]
+    )
     commands = {i.name: i.command for i in instances}
     tp = {name: command[command.index("--tensor-parallel-size") + 1] for name, command in commands.items()}
     assert tp == {"prefill-0": "2", "prefill-1": "2", "decode": "1"}
-    transfers = {name: json.loads(command[command.index("--kv-transfer-config") + 1])
-                 for name, command in commands.items()}
+    transfers = {
+        name: json.loads(command[command.index("--kv-transfer-config") + 1]) for name, command in commands.items()
+    }
     # Prefill instances' ranks listen on consecutive ports, instances TP ports apart.
     assert [transfers[name]["kv_port"] for name in ("prefill-0", "prefill-1", "decode")] == [15000, 15002, 15000]
     assert transfers["decode"]["kv_connector_extra_config"]["kv_producer_tp_size"] == 2
@@ -611,12 +764,16 @@ def test_serve_shares_cores_round_robin_between_tp_ranks_when_there_are_too_few(
     assert [i.env[serve.BIND_ENV] for i in instances] == ["0|1", "0|1"]
 
 
-@pytest.mark.parametrize(("options", "serve_args", "named"), [
-    (("--prefill-tp", "2", "--decode-tp", "3"), (), "--prefill-tp 2 and --decode-tp 3: one TP size must divide"),
-    (("--decode-tp", "2"), ("-tp", "2"), "--decode-tp and --tensor-parallel-size after -- both set TP sizes"),
-])
-def test_serve_refuses_tp_sizes_it_cannot_pair(options: tuple[str, ...], serve_args: tuple[str, ...],
-                                               named: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "serve_args", "named"),
+    [
+        (("--prefill-tp", "2", "--decode-tp", "3"), (), "--prefill-tp 2 and --decode-tp 3: one TP size must divide"),
+        (("--decode-tp", "2"), ("-tp", "2"), "--decode-tp and --tensor-parallel-size after -- both set TP sizes"),
+    ],
+)
+def test_serve_refuses_tp_sizes_it_cannot_pair(
+    options: tuple[str, ...], serve_args: tuple[str, ...], named: str
+) -> None:
     with pytest.raises(KVConfigError) as error:
         serve_plan(*options, serve_args=serve_args)
     assert named in str(error.value)
@@ -632,15 +789,33 @@ def test_bench_tp_reports_bytes_and_time_per_request_of_each_pairing(tmp_path: A
 
     from harness import procs
 
-    command = [sys.executable, "-m", "benchmarks.bench_tp", "--pairs", "1:1,1:2,2:1", "--tokens", "64", "--layers", "2",
-               "--requests", "2", *(["--copied"] if copied else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_tp",
+        "--pairs",
+        "1:1,1:2,2:1",
+        "--tokens",
+        "64",
+        "--layers",
+        "2",
+        "--requests",
+        "2",
+        *(["--copied"] if copied else []),
+    ]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=220)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
-            for line in result.stdout.splitlines() if line.startswith("| ") and "->" in line.split("|")[1]}
+    rows = {
+        line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+        for line in result.stdout.splitlines()
+        if line.startswith("| ") and "->" in line.split("|")[1]
+    }
     # 64 tokens x 2 layers x 8 heads x 2 x 128 x 2 bytes = 512 KiB of KV per request, and its tokens and roi
     # (0.6 KiB) once per decode rank: a decode rank of two moves half the heads.
     moved = {pair: (cells[0], cells[1]) for pair, cells in rows.items() if pair != "prefill TP -> decode TP"}
-    assert moved == {"1 -> 1": ("512.6 KiB", "512.6 KiB"), "1 -> 2": ("256.6 KiB", "513.1 KiB"),
-                     "2 -> 1": ("512.6 KiB", "512.6 KiB")}
+    assert moved == {
+        "1 -> 1": ("512.6 KiB", "512.6 KiB"),
+        "1 -> 2": ("256.6 KiB", "513.1 KiB"),
+        "2 -> 1": ("512.6 KiB", "512.6 KiB"),
+    }
     assert all(re.fullmatch(r"[0-9.]+ ms", rows[pair][2]) for pair in moved)

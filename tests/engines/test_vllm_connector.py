@@ -47,27 +47,33 @@ from kv_pipe.errors import KVBufferFullError, KVConfigError, KVPeerLostError, KV
 
 def test_settings_defaults_and_overrides() -> None:
     producer = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_ip": "10.1.2.3"})
-    consumer = ConnectorSettings.from_vllm("kv_consumer", 20000, "cpu",
-                                           {"kv_port": 21000, "kv_load_timeout": 2, "kv_timeout": 7})
+    consumer = ConnectorSettings.from_vllm(
+        "kv_consumer", 20000, "cpu", {"kv_port": 21000, "kv_load_timeout": 2, "kv_timeout": 7}
+    )
     assert (producer.bridge.kv_rank, producer.bridge.kv_role, producer.bridge.kv_port) == (0, "kv_producer", 20000)
     assert producer.bridge.kv_ip == "10.1.2.3"
     assert (consumer.bridge.kv_rank, consumer.bridge.kv_port, consumer.bridge.kv_timeout) == (1, 21000, 7)
     assert (consumer.load_timeout, consumer.save_timeout) == (2.0, 0.0)
-    assert producer.lend_blocks and not ConnectorSettings.from_vllm("kv_producer", 20000, "cpu",
-                                                                    {"kv_lend_blocks": False}).lend_blocks
+    assert (
+        producer.lend_blocks
+        and not ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_lend_blocks": False}).lend_blocks
+    )
     assert [listen_port_offset(r) for r in range(3)] == [0, 1, 2]
 
 
-@pytest.mark.parametrize(("role", "extra", "named"), [
-    ("kv_consumer", {"kv_nonsense": 1}, "kv_nonsense"),
-    ("kv_both", {}, "kv_both"),
-    ("kv_consumer", {"kv_role": "kv_producer"}, "kv_role"),
-    ("kv_consumer", {"kv_load_timeout": -1}, "kv_load_timeout"),
-    ("kv_consumer", {"kv_save_timeout": True}, "kv_save_timeout"),
-    ("kv_producer", {"kv_lend_blocks": "yes"}, "kv_lend_blocks"),
-    ("kv_consumer", {"kv_debug_corrupt_loads": True}, "kv_debug_corrupt_loads"),  # no test hooks in production
-    ("kv_consumer", {"kv_timeout": 0}, "kv_timeout"),
-])
+@pytest.mark.parametrize(
+    ("role", "extra", "named"),
+    [
+        ("kv_consumer", {"kv_nonsense": 1}, "kv_nonsense"),
+        ("kv_both", {}, "kv_both"),
+        ("kv_consumer", {"kv_role": "kv_producer"}, "kv_role"),
+        ("kv_consumer", {"kv_load_timeout": -1}, "kv_load_timeout"),
+        ("kv_consumer", {"kv_save_timeout": True}, "kv_save_timeout"),
+        ("kv_producer", {"kv_lend_blocks": "yes"}, "kv_lend_blocks"),
+        ("kv_consumer", {"kv_debug_corrupt_loads": True}, "kv_debug_corrupt_loads"),  # no test hooks in production
+        ("kv_consumer", {"kv_timeout": 0}, "kv_timeout"),
+    ],
+)
 def test_settings_errors_name_the_key(role: str, extra: dict, named: str) -> None:
     with pytest.raises(KVConfigError, match=named):
         ConnectorSettings.from_vllm(role, 20000, "cpu", extra)
@@ -76,8 +82,10 @@ def test_settings_errors_name_the_key(role: str, extra: dict, named: str) -> Non
 # ====================================================================== scheduler side
 
 
-@pytest.mark.parametrize(("n", "prefix"), [(0, 0), (1, 0), (7, 0), (31, 0), (32, 0), (33, 32), (64, 32),
-                                           (65, 64), (96, 64), (97, 96), (100, 96), (200, 192)])
+@pytest.mark.parametrize(
+    ("n", "prefix"),
+    [(0, 0), (1, 0), (7, 0), (31, 0), (32, 0), (33, 32), (64, 32), (65, 64), (96, 64), (97, 96), (100, 96), (200, 192)],
+)
 def test_transfer_prefix_leaves_the_last_token_to_vllm(n: int, prefix: int) -> None:
     assert transfer_prefix_len(n, B) == prefix
 
@@ -133,8 +141,9 @@ def test_consumer_skips_preempted_requests_and_announced_mismatches() -> None:
 def test_consumer_loads_from_the_producer_its_announcement_names() -> None:
     side = SchedulerSide(B, is_producer=False, is_consumer=True)
     tokens = list(range(65))
-    named = make_request("n", tokens, {PARAMS_KEY: {"prefix_tokens": 64, "host": "10.0.0.7", "port": 9000,
-                                                    "engine_id": "p1"}})
+    named = make_request(
+        "n", tokens, {PARAMS_KEY: {"prefix_tokens": 64, "host": "10.0.0.7", "port": 9000, "engine_id": "p1"}}
+    )
     unnamed = make_request("u", tokens, {PARAMS_KEY: {"prefix_tokens": 64}})
     for request in (named, unnamed):
         assert side.num_new_matched_tokens(request, 0) == 64
@@ -148,11 +157,21 @@ def test_consumer_loads_from_the_producer_its_announcement_names() -> None:
     assert drain.drain and drain.producer == ("h", 7)
 
 
-@pytest.mark.parametrize("address", [{"host": "", "port": 9000}, {"host": "h", "port": 0},
-                                     {"host": "h", "port": 70000}, {"host": "h", "port": "9000"},
-                                     {"host": "h", "port": True}, {"host": 5, "port": 9000}, {"host": "h"},
-                                     {"host": "a b", "port": 1}, {"host": "h\n", "port": 1},
-                                     {"host": "h" * 300, "port": 1}])
+@pytest.mark.parametrize(
+    "address",
+    [
+        {"host": "", "port": 9000},
+        {"host": "h", "port": 0},
+        {"host": "h", "port": 70000},
+        {"host": "h", "port": "9000"},
+        {"host": "h", "port": True},
+        {"host": 5, "port": 9000},
+        {"host": "h"},
+        {"host": "a b", "port": 1},
+        {"host": "h\n", "port": 1},
+        {"host": "h" * 300, "port": 1},
+    ],
+)
 def test_a_malformed_producer_address_claims_nothing(address: dict) -> None:
     side = SchedulerSide(B, is_producer=False, is_consumer=True)
     request = make_request("m", list(range(65)), {PARAMS_KEY: {"prefix_tokens": 64, **address}})
@@ -165,8 +184,9 @@ def test_producer_announces_its_address_and_engine() -> None:
     side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 65}), lambda req_id: [1, 2, 3])
     held, params = side.request_finished(request)
     side.record_saves(KVBridgeWorkerMetadata.of_one_worker({"r"}, set()))
-    assert params == {PARAMS_KEY: {"prefix_tokens": 64, "host": "10.0.0.5", "port": 14579, "engine_id": "e7",
-                                   "tp_size": 1}}
+    assert params == {
+        PARAMS_KEY: {"prefix_tokens": 64, "host": "10.0.0.5", "port": 14579, "engine_id": "e7", "tp_size": 1}
+    }
     # Its blocks may be lent: vLLM keeps them until the workers, told in the next step, report them.
     assert held and side.build_meta(scheduler_output([], {}), _no_blocks).held == ["r"]
     assert side.build_meta(scheduler_output([], {}), _no_blocks).held == []  # told once
@@ -221,14 +241,18 @@ def test_producer_saves_once_the_prefix_is_computed_with_chunked_prefill() -> No
     step4 = side.build_meta(scheduler_output([], {"r": 1}, cached_data(["r"], [200])), block_ids_of)
     assert step4.saves == []  # saved once
     request.num_computed_tokens = 201
-    assert side.request_finished(request) == (True, {PARAMS_KEY: {"prefix_tokens": 192, "host": "127.0.0.1",
-                                                                  "port": 14579, "engine_id": "", "tp_size": 1}})
+    assert side.request_finished(request) == (
+        True,
+        {PARAMS_KEY: {"prefix_tokens": 192, "host": "127.0.0.1", "port": 14579, "engine_id": "", "tp_size": 1}},
+    )
 
 
 def test_producer_announces_a_prefix_only_once_every_worker_saved_it() -> None:
     side = SchedulerSide(B, is_producer=True, is_consumer=False, num_workers=2)
-    requests = {name: make_request(name, list(range(start, start + 65))) for name, start in
-                (("saved", 0), ("full", 100), ("half", 200), ("short", 300))}
+    requests = {
+        name: make_request(name, list(range(start, start + 65)))
+        for name, start in (("saved", 0), ("full", 100), ("half", 200), ("short", 300))
+    }
     requests["short"] = make_request("short", list(range(300, 307)))  # within one block: nothing to save
     new = [new_req_data(request, [index], 0) for index, request in enumerate(requests.values())]
     meta = side.build_meta(scheduler_output(new, {name: 65 for name in requests}), lambda req_id: [1, 2, 3])
@@ -240,21 +264,30 @@ def test_producer_announces_a_prefix_only_once_every_worker_saved_it() -> None:
     assert all(params[PARAMS_KEY]["prefix_tokens"] == 0 for params in announced.values())
     # vLLM keeps the blocks of each request handed to the workers to save, saved or not.
     assert {name: held for name, (held, _) in finished.items()} == {
-        "saved": True, "full": True, "half": True, "short": False}
+        "saved": True,
+        "full": True,
+        "half": True,
+        "short": False,
+    }
     # ...then the outcomes of both TP ranks, aggregated by vLLM: rank 1 could not save "full" (buffer
     # full) and did not report "half" at all.
     rank0 = KVBridgeWorkerMetadata.of_one_worker({"saved", "full", "half"}, set())
     rank1 = KVBridgeWorkerMetadata.of_one_worker({"saved"}, {"full"})
     side.record_saves(pickle.loads(pickle.dumps(rank0.aggregate(rank1))))
     assert {name: params[PARAMS_KEY]["prefix_tokens"] for name, params in announced.items()} == {
-        "saved": 64, "full": 0, "half": 0, "short": 0}
+        "saved": 64,
+        "full": 0,
+        "half": 0,
+        "short": 0,
+    }
 
 
 def test_producer_announces_nothing_for_a_failed_save_known_before_the_finish() -> None:
     side = SchedulerSide(B, is_producer=True, is_consumer=False)
     request = make_request("r", list(range(100)))
-    meta = side.build_meta(scheduler_output([new_req_data(request, [5, 6, 7, 8], 0)], {"r": 96}),
-                           lambda req_id: [5, 6, 7, 8])
+    meta = side.build_meta(
+        scheduler_output([new_req_data(request, [5, 6, 7, 8], 0)], {"r": 96}), lambda req_id: [5, 6, 7, 8]
+    )
     assert [spec.req_id for spec in meta.saves] == ["r"]
     side.record_saves(KVBridgeWorkerMetadata.of_one_worker(set(), {"r"}))  # e.g. the peer was lost
     assert side.request_finished(request)[1][PARAMS_KEY]["prefix_tokens"] == 0
@@ -281,8 +314,9 @@ def test_producer_saves_a_prefix_served_by_its_own_prefix_cache() -> None:
     side = SchedulerSide(B, is_producer=True, is_consumer=False)
     tokens = list(range(3000, 3065))  # prefix 64
     request = make_request("r", tokens)
-    meta = side.build_meta(scheduler_output([new_req_data(request, [8, 9, 10], 64)], {"r": 1}),
-                           {"r": [8, 9, 10]}.__getitem__)
+    meta = side.build_meta(
+        scheduler_output([new_req_data(request, [8, 9, 10], 64)], {"r": 1}), {"r": [8, 9, 10]}.__getitem__
+    )
     assert meta.saves == [SaveSpec(req_id="r", token_ids=tokens[:64], block_ids=[8, 9])]
 
 
@@ -290,8 +324,10 @@ def test_producer_announces_nothing_for_requests_aborted_before_their_save() -> 
     side = SchedulerSide(B, is_producer=True, is_consumer=False)
     request = make_request("r", list(range(200)))
     side.build_meta(scheduler_output([new_req_data(request, [1, 2, 3], 0)], {"r": 96}), _no_blocks)
-    assert side.request_finished(request) == (False, {PARAMS_KEY: {"prefix_tokens": 0, "host": "127.0.0.1",
-                                                                   "port": 14579, "engine_id": "", "tp_size": 1}})
+    assert side.request_finished(request) == (
+        False,
+        {PARAMS_KEY: {"prefix_tokens": 0, "host": "127.0.0.1", "port": 14579, "engine_id": "", "tp_size": 1}},
+    )
     later = side.build_meta(scheduler_output([], {"r": 96}, cached_data(["r"], [96])), _no_blocks)
     assert later.saves == []  # forgotten
 
@@ -309,8 +345,18 @@ def _no_blocks(req_id: str) -> list[int]:
 
 
 def layout_info(**changes: object) -> compat.KVLayoutInfo:
-    values = dict(version=compat.VERSION, role="kv_producer", model="m", dtype="torch.float32", block_size=32,
-                  num_layers=2, block_shape=(1, 2, 32, 128), layout="CPU_ATTN/vec", tp_size=1, tp_rank=0)
+    values = dict(
+        version=compat.VERSION,
+        role="kv_producer",
+        model="m",
+        dtype="torch.float32",
+        block_size=32,
+        num_layers=2,
+        block_shape=(1, 2, 32, 128),
+        layout="CPU_ATTN/vec",
+        tp_size=1,
+        tp_rank=0,
+    )
     values.update(changes)
     return compat.KVLayoutInfo(**values)
 
@@ -323,8 +369,10 @@ def test_handshake_roundtrip_and_compatible_pair() -> None:
 
 def test_handshake_names_every_difference() -> None:
     with pytest.raises(KVConfigError) as error:
-        compat.check_compatible(layout_info(), layout_info(role="kv_consumer", block_size=64, dtype="torch.bfloat16",
-                                                           block_shape=(1, 2, 64, 128)))
+        compat.check_compatible(
+            layout_info(),
+            layout_info(role="kv_consumer", block_size=64, dtype="torch.bfloat16", block_shape=(1, 2, 64, 128)),
+        )
     message = str(error.value)
     assert "block_size: this side 32, peer 64" in message
     assert "dtype" in message and "block_shape" in message and "model" not in message
@@ -332,13 +380,16 @@ def test_handshake_names_every_difference() -> None:
         compat.check_compatible(layout_info(), layout_info())  # two producers
 
 
-@pytest.mark.parametrize("payload", [
-    torch.tensor([1.0, 2.0]),
-    torch.zeros((2, 2), dtype=torch.uint8),
-    torch.frombuffer(bytearray(b"\xc1garbage"), dtype=torch.uint8),
-    torch.zeros(compat.MAX_MESSAGE_BYTES + 1, dtype=torch.uint8),
-    None,
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        torch.tensor([1.0, 2.0]),
+        torch.zeros((2, 2), dtype=torch.uint8),
+        torch.frombuffer(bytearray(b"\xc1garbage"), dtype=torch.uint8),
+        torch.zeros(compat.MAX_MESSAGE_BYTES + 1, dtype=torch.uint8),
+        None,
+    ],
+)
 def test_handshake_rejects_malformed_messages(payload: torch.Tensor | None) -> None:
     with pytest.raises(KVProtocolError):
         compat.decode(payload)
@@ -353,8 +404,10 @@ def test_handshake_rejects_another_version() -> None:
 
 
 def test_stats_aggregate_reduce_and_reset() -> None:
-    a, b = KVBridgeStats(), KVBridgeStats.from_data({"load_hits": 2, "loaded_bytes": 10, "transfer_seconds": [0.5],
-                                                     "connections": 1})
+    a, b = (
+        KVBridgeStats(),
+        KVBridgeStats.from_data({"load_hits": 2, "loaded_bytes": 10, "transfer_seconds": [0.5], "connections": 1}),
+    )
     assert a.is_empty() and not b.is_empty()
     a.add(load_hits=1, load_seconds=0.25)
     a.data["transfer_seconds"].append(0.125)
@@ -362,8 +415,12 @@ def test_stats_aggregate_reduce_and_reset() -> None:
     assert total.data["transfer_seconds"] == [0.125, 0.5] and total.data["connections"] == 1
     reduced = total.reduce()
     assert set(reduced) == {*COUNTERS, *GAUGES, "transfers"}
-    assert (reduced["load_hits"], reduced["loaded_bytes"], reduced["load_seconds"], reduced["transfers"]) == (3, 10,
-                                                                                                           0.25, 2)
+    assert (reduced["load_hits"], reduced["loaded_bytes"], reduced["load_seconds"], reduced["transfers"]) == (
+        3,
+        10,
+        0.25,
+        2,
+    )
     with pytest.raises(KeyError):
         a.add(nonsense=1)
     a.reset()
@@ -377,9 +434,16 @@ def test_prometheus_metrics_carry_vllms_labels() -> None:
     types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     labels = {0: ["tiny", "0"], 1: ["tiny", "1"]}
     metrics = KVBridgePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], labels)
-    data = KVBridgeStats.from_data({"load_hits": 2, "loaded_bytes": 4096, "load_errors": 1,
-                                    "transfer_seconds": [0.002, 0.3], "load_wait_seconds": [1.5],
-                                    "connections": 1}).data
+    data = KVBridgeStats.from_data(
+        {
+            "load_hits": 2,
+            "loaded_bytes": 4096,
+            "load_errors": 1,
+            "transfer_seconds": [0.002, 0.3],
+            "load_wait_seconds": [1.5],
+            "connections": 1,
+        }
+    ).data
     metrics.observe(data, engine_idx=1)
     metrics.observe(KVBridgeStats.from_data({"load_hits": 1, "transfer_seconds": [0.01]}).data, engine_idx=1)
 
@@ -394,12 +458,24 @@ def test_prometheus_metrics_carry_vllms_labels() -> None:
 
 
 def test_store_stats_aggregate_per_tier_across_workers() -> None:
-    one = KVBridgeStats.from_data({"store_hit_chunks": {"memory": 2}, "store_read_bytes": {"memory": 100},
-                                   "store_tier_up": {"memory": 1, "redis": 1}, "store_load_errors": {"missing": 1},
-                                   "store_load_seconds": [0.5]})
-    two = KVBridgeStats.from_data({"store_hit_chunks": {"memory": 1, "redis": 3}, "store_read_bytes": {"redis": 7},
-                                   "store_tier_up": {"redis": 0}, "store_load_errors": {"missing": 2, "checksum": 1},
-                                   "store_save_seconds": [0.25]})
+    one = KVBridgeStats.from_data(
+        {
+            "store_hit_chunks": {"memory": 2},
+            "store_read_bytes": {"memory": 100},
+            "store_tier_up": {"memory": 1, "redis": 1},
+            "store_load_errors": {"missing": 1},
+            "store_load_seconds": [0.5],
+        }
+    )
+    two = KVBridgeStats.from_data(
+        {
+            "store_hit_chunks": {"memory": 1, "redis": 3},
+            "store_read_bytes": {"redis": 7},
+            "store_tier_up": {"redis": 0},
+            "store_load_errors": {"missing": 2, "checksum": 1},
+            "store_save_seconds": [0.25],
+        }
+    )
     assert KVBridgeStats().is_empty() and not two.is_empty()
     total = one.aggregate(two)
     assert total.data["store_hit_chunks"] == {"memory": 3, "redis": 3}
@@ -417,12 +493,21 @@ def test_store_stats_aggregate_per_tier_across_workers() -> None:
 def test_prometheus_metrics_carry_the_store_tier_and_reason_labels() -> None:
     registry = CollectorRegistry()
     types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
-    metrics = KVBridgePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
-                                  {0: ["tiny", "0"]})
+    metrics = KVBridgePromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
     counts = {name: {"disk": 3} for name in STORE_TIER_COUNTERS}
-    metrics.observe(KVBridgeStats.from_data({**counts, "store_tier_up": {"disk": 1, "redis": 0},
-                                             "store_load_errors": {"checksum": 2},
-                                             "store_load_seconds": [0.002], "store_save_seconds": [0.0002]}).data)
+    metrics.observe(
+        KVBridgeStats.from_data(
+            {
+                **counts,
+                "store_tier_up": {"disk": 1, "redis": 0},
+                "store_load_errors": {"checksum": 2},
+                "store_load_seconds": [0.002],
+                "store_save_seconds": [0.0002],
+            }
+        ).data
+    )
     metrics.observe(KVBridgeStats.from_data({"store_hit_chunks": {"disk": 1}, "store_tier_up": {"redis": 1}}).data)
 
     def value(name: str, **extra: str) -> float | None:
@@ -447,11 +532,16 @@ def test_find_layout_cpu_and_flash_shapes() -> None:
 
 # ====================================================================== worker side over a real pipe
 
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("lend", [True, False], ids=["lent", "copied"])
 def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> None:
-    saves = [SaveSpec("a", FAKE_TOKENS["a"], [3, 6]), SaveSpec("b", FAKE_TOKENS["b"], [1, 4, 7]),
-             SaveSpec("c", FAKE_TOKENS["c"], [2]), SaveSpec("d", FAKE_TOKENS["d"], [8])]
+    saves = [
+        SaveSpec("a", FAKE_TOKENS["a"], [3, 6]),
+        SaveSpec("b", FAKE_TOKENS["b"], [1, 4, 7]),
+        SaveSpec("c", FAKE_TOKENS["c"], [2]),
+        SaveSpec("d", FAKE_TOKENS["d"], [8]),
+    ]
     steps = [
         ("load", [LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0)]),
         ("load", [LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 1)]),  # block 2 is held locally: not written
@@ -463,10 +553,20 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> N
     port = free_port()
     with vp.Engines() as engines:
         saved, done = engines.event(), engines.event()
-        engines.start("producer", vp.worker_producer_body, {}, port=port, saves=saves, saved=saved, done=done,
-                      timeout=60, extra={"kv_lend_blocks": lend})
-        engines.start("consumer", vp.worker_consumer_body, {}, port=port, steps=steps, saved=saved, done=done,
-                      timeout=60)
+        engines.start(
+            "producer",
+            vp.worker_producer_body,
+            {},
+            port=port,
+            saves=saves,
+            saved=saved,
+            done=done,
+            timeout=60,
+            extra={"kv_lend_blocks": lend},
+        )
+        engines.start(
+            "consumer", vp.worker_consumer_body, {}, port=port, steps=steps, saved=saved, done=done, timeout=60
+        )
         results = engines.wait(["producer", "consumer"], timeout=100)
     producer, consumer = results["producer"], results["consumer"]
     src = [c.numpy() for c in vp.fake_caches(1)]
@@ -477,8 +577,9 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> N
     got = consumer["caches"]
     for layer in range(vp.FAKE_LAYERS):
         untouched_or_loaded = [b for b in range(vp.FAKE_BLOCKS) if b != 7]
-        assert np.array_equal(got[layer][untouched_or_loaded].view(np.uint32),
-                              expected[layer][untouched_or_loaded].view(np.uint32)), f"layer {layer}"
+        assert np.array_equal(
+            got[layer][untouched_or_loaded].view(np.uint32), expected[layer][untouched_or_loaded].view(np.uint32)
+        ), f"layer {layer}"
         # The negative control wrote noise: neither the producer's block nor what was there before.
         assert not np.array_equal(got[layer][7], src[layer][8])
         assert not np.array_equal(got[layer][7], expected[layer][7])
@@ -489,7 +590,8 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> N
     # Only the blocks not held locally travel ("b": 2 of its 3), with each entry's int64 tokens and bool roi.
     block_bytes = vp.FAKE_LAYERS * vp.FAKE_HEADS * vp.FAKE_BLOCK_SIZE * 2 * vp.FAKE_HEAD_SIZE * 4
     assert stats["loaded_blocks"] == 5 and stats["loaded_bytes"] == sum(
-        9 * len(FAKE_TOKENS[req_id]) + blocks * block_bytes for req_id, blocks in (("a", 2), ("b", 2), ("d", 1)))
+        9 * len(FAKE_TOKENS[req_id]) + blocks * block_bytes for req_id, blocks in (("a", 2), ("b", 2), ("d", 1))
+    )
     assert producer["stats"]["saved_requests"] == 4 and producer["stats"]["saved_blocks"] == 7
     assert producer["outcomes"] == ({"a", "b", "c", "d"}, set())
     assert producer["entries_left"] == 0
@@ -503,12 +605,24 @@ def test_worker_moves_whole_blocks_bit_exact_and_reports_misses(lend: bool) -> N
 
 
 def test_worker_reports_which_saves_reached_the_buffer() -> None:
-    buffer = FailingInserts({FAKE_TOKENS["b"][0]: KVBufferFullError("full"),
-                              FAKE_TOKENS["d"][0]: KVPeerLostError("the consumer is gone")})
-    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {},
-                            listener_factory=lambda settings, offset, on_connect: buffer)
-    worker.save([SaveSpec("a", FAKE_TOKENS["a"], [0, 1]), SaveSpec("b", FAKE_TOKENS["b"], [2, 3, 4]),
-                 SaveSpec("c", FAKE_TOKENS["c"], [5])])
+    buffer = FailingInserts(
+        {FAKE_TOKENS["b"][0]: KVBufferFullError("full"), FAKE_TOKENS["d"][0]: KVPeerLostError("the consumer is gone")}
+    )
+    worker = vp.fake_worker(
+        "kv_producer",
+        1,
+        vp.FAKE_BLOCK_SIZE,
+        vp.fake_caches(1),
+        {},
+        listener_factory=lambda settings, offset, on_connect: buffer,
+    )
+    worker.save(
+        [
+            SaveSpec("a", FAKE_TOKENS["a"], [0, 1]),
+            SaveSpec("b", FAKE_TOKENS["b"], [2, 3, 4]),
+            SaveSpec("c", FAKE_TOKENS["c"], [5]),
+        ]
+    )
     assert worker.take_save_outcomes() == ({"a", "c"}, {"b"})
     assert buffer.inserted == [FAKE_TOKENS["a"], FAKE_TOKENS["c"]]
     # A failed insert costs that request only: the next one is tried.
@@ -527,14 +641,24 @@ class _ScriptedSelects:
     blocks in ``hits``, a miss, or by raising ``errors``; a select whose token has a gate in
     ``gates`` waits for it first (as for an entry the producer inserts late)."""
 
-    def __init__(self, hits: dict[int, torch.Tensor], errors: dict[int, Exception] | None = None,
-                 gates: dict[int, threading.Event] | None = None) -> None:
+    def __init__(
+        self,
+        hits: dict[int, torch.Tensor],
+        errors: dict[int, Exception] | None = None,
+        gates: dict[int, threading.Event] | None = None,
+    ) -> None:
         self.hits, self.errors, self.gates = hits, errors or {}, gates or {}
         self.selected: list[int] = []  # first tokens of the selects that reached the buffer
         self.failure: Exception | None = None  # a live connection
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, span: tuple[int, int, int] | None = None) -> list:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        span: tuple[int, int, int] | None = None,
+    ) -> list:
         first = int(input_tokens[0])
         self.selected.append(first)
         gate = self.gates.get(first)
@@ -565,8 +689,9 @@ def _consumer(*buffers: _ScriptedSelects, dialed: list[tuple[str, int]] | None =
             raise KVPeerLostError("no more connections in this test")
         return remaining.pop(0)
 
-    return vp.fake_worker("kv_consumer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 1.0},
-                          dialer=dialer)
+    return vp.fake_worker(
+        "kv_consumer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 1.0}, dialer=dialer
+    )
 
 
 def _same_bits(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
@@ -577,8 +702,13 @@ def test_async_loads_report_each_request_once_and_its_errors_no_later() -> None:
     a, b = random_blocks(1, 2), random_blocks(2, 3)
     buffer = _ScriptedSelects({FAKE_TOKENS["a"][0]: a, FAKE_TOKENS["b"][0]: b})
     worker = _consumer(buffer)
-    worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0), LoadSpec("x", FAKE_TOKENS["x"], [3], 0),
-                        LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 1)])  # block 2 is held locally
+    worker.start_loads(
+        [
+            LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0),
+            LoadSpec("x", FAKE_TOKENS["x"], [3], 0),
+            LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 1),
+        ]
+    )  # block 2 is held locally
     polls = poll_until_reported(worker, {"a", "x", "b"})
     reported = [req_id for finished, _ in polls for req_id in finished]
     assert sorted(reported) == ["a", "b", "x"]  # each exactly once
@@ -639,8 +769,9 @@ def test_an_aborted_load_writes_nothing_yet_takes_its_entry() -> None:
 
 def test_a_connection_lost_mid_load_fails_that_load_and_the_next_load_connects_again() -> None:
     late = threading.Event()
-    lost = _ScriptedSelects({}, gates={FAKE_TOKENS["a"][0]: late},
-                            errors={FAKE_TOKENS["a"][0]: KVPeerLostError("the producer is gone")})
+    lost = _ScriptedSelects(
+        {}, gates={FAKE_TOKENS["a"][0]: late}, errors={FAKE_TOKENS["a"][0]: KVPeerLostError("the producer is gone")}
+    )
     replacement = _ScriptedSelects({FAKE_TOKENS["b"][0]: random_blocks(2, 3)})
     dialed: list[tuple[str, int]] = []
     worker = _consumer(lost, replacement, dialed=dialed)
@@ -670,24 +801,39 @@ def test_loads_go_to_the_producer_their_request_names_else_the_configured_one() 
     buffers = [_ScriptedSelects({}) for _ in range(3)]
     dialed: list[tuple[str, int]] = []
     worker = _consumer(*buffers, dialed=dialed)
-    specs = [LoadSpec("p", FAKE_TOKENS["a"], [0, 1], 0, producer=("10.0.0.7", 9000)),
-             LoadSpec("q", FAKE_TOKENS["c"], [2], 0, producer=("10.0.0.8", 9000)),
-             LoadSpec("r", FAKE_TOKENS["d"], [3], 0),
-             LoadSpec("s", FAKE_TOKENS["x"], [4], 0, producer=("10.0.0.7", 9000))]
+    specs = [
+        LoadSpec("p", FAKE_TOKENS["a"], [0, 1], 0, producer=("10.0.0.7", 9000)),
+        LoadSpec("q", FAKE_TOKENS["c"], [2], 0, producer=("10.0.0.8", 9000)),
+        LoadSpec("r", FAKE_TOKENS["d"], [3], 0),
+        LoadSpec("s", FAKE_TOKENS["x"], [4], 0, producer=("10.0.0.7", 9000)),
+    ]
     for spec in specs:  # one at a time: the order of connections is then known
         worker.start_loads([spec])
         poll_until_reported(worker, {spec.req_id})
     assert dialed == [("10.0.0.7", 9000), ("10.0.0.8", 9000), ("127.0.0.1", 1)]  # the last reuses the first
-    assert [b.selected for b in buffers] == [[FAKE_TOKENS["a"][0], FAKE_TOKENS["x"][0]], [FAKE_TOKENS["c"][0]],
-                                             [FAKE_TOKENS["d"][0]]]
+    assert [b.selected for b in buffers] == [
+        [FAKE_TOKENS["a"][0], FAKE_TOKENS["x"][0]],
+        [FAKE_TOKENS["c"][0]],
+        [FAKE_TOKENS["d"][0]],
+    ]
     assert worker.connections == 3
     worker.close()
 
 
 def test_a_tp_rank_uses_its_own_port_at_the_named_producer() -> None:
     settings = ConnectorSettings.from_vllm("kv_consumer", 20000, "cpu", {"kv_ip": "10.0.0.1"})
-    identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_consumer", model="m", dtype="", block_size=B,
-                                   num_layers=0, block_shape=(), layout="", tp_size=4, tp_rank=3)
+    identity = compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role="kv_consumer",
+        model="m",
+        dtype="",
+        block_size=B,
+        num_layers=0,
+        block_shape=(),
+        layout="",
+        tp_size=4,
+        tp_rank=3,
+    )
     worker = WorkerSide(settings, identity, listen_port_offset(3))
     assert worker.producer_address(("10.0.0.9", 30000)) == ("10.0.0.9", 30003)
     assert worker.producer_address(None) == ("10.0.0.1", 20003)
@@ -720,8 +866,15 @@ class _FullBuffer(FailingInserts):
     """A producer's lookup buffer that stays full: an insert allowed to wait for room would wait
     for ever (here: fails the test), one that may not is refused at once."""
 
-    def insert(self, input_tokens: torch.Tensor, roi: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
-               hidden: torch.Tensor | None, timeout: float | None = None) -> None:
+    def insert(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        timeout: float | None = None,
+    ) -> None:
         if timeout != 0:
             raise AssertionError(f"the engine step would wait up to {timeout} s for room in the buffer")
         raise KVBufferFullError("no room")
@@ -729,16 +882,23 @@ class _FullBuffer(FailingInserts):
 
 def test_by_default_a_save_holds_the_step_only_for_the_copy() -> None:
     buffer = _FullBuffer({})
-    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {},
-                            listener_factory=lambda settings, offset, on_connect: buffer)
+    worker = vp.fake_worker(
+        "kv_producer",
+        1,
+        vp.FAKE_BLOCK_SIZE,
+        vp.fake_caches(1),
+        {},
+        listener_factory=lambda settings, offset, on_connect: buffer,
+    )
     worker.save([SaveSpec("a", FAKE_TOKENS["a"], [0, 1])])
     assert worker.take_save_outcomes() == (set(), {"a"})  # announced with 0 tokens: the consumer computes it
     worker.close()
 
 
 def test_a_producer_counts_the_entries_that_expired_unselected() -> None:
-    worker = vp.fake_worker("kv_producer", free_port(), vp.FAKE_BLOCK_SIZE, vp.fake_caches(1),
-                            {"kv_entry_timeout": 0.3})
+    worker = vp.fake_worker(
+        "kv_producer", free_port(), vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {"kv_entry_timeout": 0.3}
+    )
     try:
         worker.save([SaveSpec("a", FAKE_TOKENS["c"], [2]), SaveSpec("b", FAKE_TOKENS["d"], [3])])
         assert worker.take_save_outcomes() == ({"a", "b"}, set())
@@ -760,10 +920,8 @@ def test_worker_refuses_an_incompatible_peer_naming_the_difference() -> None:
     port = free_port()
     with vp.Engines() as engines:
         done = engines.event()
-        engines.start("producer", vp.worker_mismatch_producer_body, {}, port=port, block_size=4, done=done,
-                      timeout=60)
-        engines.start("consumer", vp.worker_mismatch_consumer_body, {}, port=port, block_size=8, done=done,
-                      timeout=60)
+        engines.start("producer", vp.worker_mismatch_producer_body, {}, port=port, block_size=4, done=done, timeout=60)
+        engines.start("consumer", vp.worker_mismatch_consumer_body, {}, port=port, block_size=8, done=done, timeout=60)
         results = engines.wait(["producer", "consumer"], timeout=100)
     assert results["consumer"]["failed"] == [0]  # the load failed: vLLM recomputes or fails it
     for side, warnings in (("producer", results["producer"]), ("consumer", results["consumer"]["warnings"])):
@@ -775,23 +933,51 @@ def test_worker_refuses_an_incompatible_peer_naming_the_difference() -> None:
 @pytest.mark.timeout(180)
 def test_a_restarted_producer_is_used_again_without_restarting_the_consumer() -> None:
     first, second, lost = (SaveSpec(name, FAKE_TOKENS[name], [i]) for i, name in enumerate("cdx"))  # 1 block each
-    loads = [LoadSpec(spec.req_id, spec.token_ids, [5 + i], 0, wait=True)
-             for i, spec in enumerate((first, second, lost))]
+    loads = [
+        LoadSpec(spec.req_id, spec.token_ids, [5 + i], 0, wait=True) for i, spec in enumerate((first, second, lost))
+    ]
     port = free_port()
     with vp.Engines() as engines:
         first_saved, first_loaded, killed = engines.event(), engines.event(), engines.event()
         second_saved, done = engines.event(), engines.event()
-        producer = engines.start("producer", vp.worker_producer_body, {}, port=port, saves=[first], saved=first_saved,
-                                 done=engines.event(), timeout=120)
-        engines.start("consumer", vp.worker_reconnecting_consumer_body, {}, port=port, first=loads[0], lost=loads[2],
-                      second=loads[1], first_saved=first_saved, first_loaded=first_loaded, killed=killed,
-                      second_saved=second_saved, timeout=60)
+        producer = engines.start(
+            "producer",
+            vp.worker_producer_body,
+            {},
+            port=port,
+            saves=[first],
+            saved=first_saved,
+            done=engines.event(),
+            timeout=120,
+        )
+        engines.start(
+            "consumer",
+            vp.worker_reconnecting_consumer_body,
+            {},
+            port=port,
+            first=loads[0],
+            lost=loads[2],
+            second=loads[1],
+            first_saved=first_saved,
+            first_loaded=first_loaded,
+            killed=killed,
+            second_saved=second_saved,
+            timeout=60,
+        )
         assert first_loaded.wait(60), "the consumer did not load from the first producer"
         producer.kill()  # SIGKILL: no goodbye on any connection
         producer.join(10)
         killed.set()
-        engines.start("restarted", vp.worker_producer_body, {}, port=port, saves=[second], saved=second_saved,
-                      done=done, timeout=120)
+        engines.start(
+            "restarted",
+            vp.worker_producer_body,
+            {},
+            port=port,
+            saves=[second],
+            saved=second_saved,
+            done=done,
+            timeout=120,
+        )
         consumer = engines.wait(["consumer"], timeout=120)["consumer"]
         done.set()
         restarted = engines.wait(["restarted"], timeout=60)["restarted"]
@@ -809,15 +995,26 @@ def test_a_restarted_producer_is_used_again_without_restarting_the_consumer() ->
 @pytest.mark.timeout(120)
 def test_worker_fails_loads_fast_after_the_producer_died() -> None:
     # Announced entries (wait=True): the first select is waiting on the producer when it dies.
-    specs = [LoadSpec(name, FAKE_TOKENS[name], list(range(len(FAKE_TOKENS[name]) // vp.FAKE_BLOCK_SIZE)), 0,
-                      wait=True) for name in "abcd"]
+    specs = [
+        LoadSpec(name, FAKE_TOKENS[name], list(range(len(FAKE_TOKENS[name]) // vp.FAKE_BLOCK_SIZE)), 0, wait=True)
+        for name in "abcd"
+    ]
     port = free_port()
     with vp.Engines() as engines:
         connected, kill = engines.event(), engines.event()
-        engines.start("producer", vp.worker_killed_producer_body, {}, port=port, connected=connected, kill=kill,
-                      timeout=60)
-        engines.start("consumer", vp.worker_orphan_consumer_body, {}, port=port, specs=specs, connected=connected,
-                      kill=kill, timeout=60)
+        engines.start(
+            "producer", vp.worker_killed_producer_body, {}, port=port, connected=connected, kill=kill, timeout=60
+        )
+        engines.start(
+            "consumer",
+            vp.worker_orphan_consumer_body,
+            {},
+            port=port,
+            specs=specs,
+            connected=connected,
+            kill=kill,
+            timeout=60,
+        )
         consumer = engines.wait(["consumer"], timeout=100)["consumer"]
     assert consumer["failed"] == [s.block_ids for s in specs]  # every load failed, each reported
     stats = consumer["stats"]
@@ -858,18 +1055,31 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def reference(tiny_model: str) -> dict[tuple[int, ...], list[int]]:
     """Greedy tokens of a plain engine for every prompt used below."""
-    prompts = (vp.make_prompts() + [p for batch in KILL_BATCHES for p in batch] + ABORT_PROMPTS + ANNOUNCE_PROMPTS
-               + [LATE_PROMPT])
+    prompts = (
+        vp.make_prompts()
+        + [p for batch in KILL_BATCHES for p in batch]
+        + ABORT_PROMPTS
+        + ANNOUNCE_PROMPTS
+        + [LATE_PROMPT]
+    )
     with vp.Engines() as engines:
         engines.start("reference", vp.reference_body, vp.engine_env(0), model=tiny_model, prompts=prompts)
         outputs = engines.wait(["reference"], timeout=240)["reference"]
     return {tuple(p): o["tokens"] for p, o in zip(prompts, outputs, strict=True)}
 
 
-def run_pair(model: str, producer_batches: list, consumer_batches: list,
-             multiprocess: tuple[bool, bool] = (False, False), kill_producer: bool = False, announce: bool = False,
-             timeout: float = 240, consumer_connector: tuple[str, str] = vp.KVBRIDGE_CONNECTOR,
-             producer_extra: dict | None = None, consumer_policy: str = "fail") -> dict:
+def run_pair(
+    model: str,
+    producer_batches: list,
+    consumer_batches: list,
+    multiprocess: tuple[bool, bool] = (False, False),
+    kill_producer: bool = False,
+    announce: bool = False,
+    timeout: float = 240,
+    consumer_connector: tuple[str, str] = vp.KVBRIDGE_CONNECTOR,
+    producer_extra: dict | None = None,
+    consumer_policy: str = "fail",
+) -> dict:
     """A producer and a consumer engine; ``multiprocess`` per side (vLLM's default mode: the connector
     is then found by its plugin); with ``announce``, the consumer's requests carry the producer's
     kv_transfer_params, as behind a proxy. The consumer fails a request whose load failed
@@ -878,16 +1088,39 @@ def run_pair(model: str, producer_batches: list, consumer_batches: list,
     with vp.Engines() as engines:
         prefilled, done = engines.event(), engines.event()
         announcements = engines.queue() if announce else None
-        producer = engines.start("producer", vp.producer_body, vp.engine_env(0, multiprocess[0]), model=model,
-                                 transfer=vp.kv_transfer_config("kv_producer", port, module_path=not multiprocess[0],
-                                                                **(producer_extra or {})),
-                                 batches=producer_batches, prefilled=prefilled, consumer_done=done, timeout=timeout,
-                                 announce=announcements)
-        engines.start("consumer", vp.consumer_body, vp.engine_env(1, multiprocess[1]), model=model,
-                      transfer=vp.kv_transfer_config("kv_consumer", port, module_path=not multiprocess[1],
-                                                     connector=consumer_connector, failure_policy=consumer_policy),
-                      batches=consumer_batches, prefilled=prefilled, consumer_done=done, timeout=timeout,
-                      kill_pid=producer.pid if kill_producer else None, announced=announcements)
+        producer = engines.start(
+            "producer",
+            vp.producer_body,
+            vp.engine_env(0, multiprocess[0]),
+            model=model,
+            transfer=vp.kv_transfer_config(
+                "kv_producer", port, module_path=not multiprocess[0], **(producer_extra or {})
+            ),
+            batches=producer_batches,
+            prefilled=prefilled,
+            consumer_done=done,
+            timeout=timeout,
+            announce=announcements,
+        )
+        engines.start(
+            "consumer",
+            vp.consumer_body,
+            vp.engine_env(1, multiprocess[1]),
+            model=model,
+            transfer=vp.kv_transfer_config(
+                "kv_consumer",
+                port,
+                module_path=not multiprocess[1],
+                connector=consumer_connector,
+                failure_policy=consumer_policy,
+            ),
+            batches=consumer_batches,
+            prefilled=prefilled,
+            consumer_done=done,
+            timeout=timeout,
+            kill_pid=producer.pid if kill_producer else None,
+            announced=announcements,
+        )
         names = ["consumer"] if kill_producer else ["producer", "consumer"]
         return engines.wait(names, timeout=timeout)
 
@@ -936,11 +1169,9 @@ def test_corrupted_kv_changes_exactly_the_outputs_served_from_it(tiny_model: str
 
 
 @pytest.mark.timeout(300)
-def test_consumer_recomputes_and_keeps_serving_after_the_producer_is_killed(tiny_model: str,
-                                                                           reference: dict) -> None:
+def test_consumer_recomputes_and_keeps_serving_after_the_producer_is_killed(tiny_model: str, reference: dict) -> None:
     prompts = vp.make_prompts()
-    results = run_pair(tiny_model, [prompts], [prompts, *KILL_BATCHES], kill_producer=True,
-                       consumer_policy="recompute")
+    results = run_pair(tiny_model, [prompts], [prompts, *KILL_BATCHES], kill_producer=True, consumer_policy="recompute")
     first, *after_kill = results["consumer"]["outputs"]
     assert [o["tokens"] for o in first] == [reference[tuple(p)] for p in prompts]
     assert_loaded(prompts, first)
@@ -968,9 +1199,15 @@ def test_producer_announces_only_what_it_saved(tiny_model: str, reference: dict)
     """The producer in vLLM's default mode (scheduler and worker in separate processes), so that the
     workers' outcomes travel as worker metadata; the consumer gets its announcements, as behind a proxy."""
     # Without eviction, the full buffer refuses the later saves (with it, they would evict the first).
-    results = run_pair(tiny_model, [ANNOUNCE_PROMPTS], [ANNOUNCE_PROMPTS], multiprocess=(True, False),
-                       announce=True, timeout=360,
-                       producer_extra={"kv_buffer_size": ONE_BLOCK_BUFFER, "kv_evict_unclaimed": False})
+    results = run_pair(
+        tiny_model,
+        [ANNOUNCE_PROMPTS],
+        [ANNOUNCE_PROMPTS],
+        multiprocess=(True, False),
+        announce=True,
+        timeout=360,
+        producer_extra={"kv_buffer_size": ONE_BLOCK_BUFFER, "kv_evict_unclaimed": False},
+    )
     (announced,) = results["producer"]["outputs"]
     assert [o["params"][PARAMS_KEY]["prefix_tokens"] for o in announced] == [32, 0, 0, 0]
     (outputs,) = results["consumer"]["outputs"]
@@ -988,13 +1225,31 @@ def test_a_late_entry_is_waited_for_while_the_other_requests_decode(tiny_model: 
     transfer = {"kv_load_timeout": 60.0}
     with vp.Engines() as engines:
         go, done = engines.event(), engines.event()
-        engines.start("producer", vp.late_producer_body, vp.engine_env(0), model=tiny_model,
-                      transfer=vp.kv_transfer_config("kv_producer", port, **transfer), prompt=LATE_PROMPT, go=go,
-                      consumer_done=done, timeout=240)
-        engines.start("consumer", vp.late_consumer_body, vp.engine_env(1), model=tiny_model,
-                      transfer=vp.kv_transfer_config("kv_consumer", port, failure_policy="fail", **transfer),
-                      streams=STREAMS, stream_tokens=STREAM_TOKENS, prompt=LATE_PROMPT, waiting_steps=WAITING_STEPS,
-                      go=go, consumer_done=done, timeout=240)
+        engines.start(
+            "producer",
+            vp.late_producer_body,
+            vp.engine_env(0),
+            model=tiny_model,
+            transfer=vp.kv_transfer_config("kv_producer", port, **transfer),
+            prompt=LATE_PROMPT,
+            go=go,
+            consumer_done=done,
+            timeout=240,
+        )
+        engines.start(
+            "consumer",
+            vp.late_consumer_body,
+            vp.engine_env(1),
+            model=tiny_model,
+            transfer=vp.kv_transfer_config("kv_consumer", port, failure_policy="fail", **transfer),
+            streams=STREAMS,
+            stream_tokens=STREAM_TOKENS,
+            prompt=LATE_PROMPT,
+            waiting_steps=WAITING_STEPS,
+            go=go,
+            consumer_done=done,
+            timeout=240,
+        )
         results = engines.wait(["producer", "consumer"], timeout=280)
     consumer = results["consumer"]
     history = consumer["history"]

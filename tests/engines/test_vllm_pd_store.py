@@ -126,8 +126,9 @@ def test_prefill_loads_stored_prefixes_and_decode_takes_the_rest_over_the_pipe(t
         9 * vp.transfer_prefix(p) + (vp.transfer_prefix(p) // B - _full_chunks(p) * CHUNK // B) * BLOCK_BYTES
         for p in piped
     )
-    assert stats["loaded_bytes"] < sum(9 * vp.transfer_prefix(p) + vp.transfer_prefix(p) // B * BLOCK_BYTES
-                                       for p in piped)
+    assert stats["loaded_bytes"] < sum(
+        9 * vp.transfer_prefix(p) + vp.transfer_prefix(p) // B * BLOCK_BYTES for p in piped
+    )
     assert stats["load_misses"] == stats["load_errors"] == 0
     # The sharing prompt's store held its whole transfer prefix: its pipe entry was taken and dropped.
     assert stats["load_hits"] == len(piped) and stats["load_hits"] + stats["drained"] == len(prompts)

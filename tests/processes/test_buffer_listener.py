@@ -27,19 +27,38 @@ from lookup_buffer.protocol import ControlSigner, Refusal, decode_connect_answer
 pytestmark = pytest.mark.timeout(120)
 
 HOST = "127.0.0.1"
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64, torch.bool, torch.uint8,
-          torch.int64, torch.complex64, torch.float8_e4m3fn)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.float64,
+    torch.bool,
+    torch.uint8,
+    torch.int64,
+    torch.complex64,
+    torch.float8_e4m3fn,
+)
 SHAPES = ((3, 5), (1,), (2, 3, 7), (17,), (4, 1, 9))
 
 
 def producer_config(port: int, **changes: object) -> KVTransferConfig:
-    return KVTransferConfig(**{"kv_role": "kv_producer", "kv_ip": HOST, "kv_port": port, "kv_timeout": 5.0,
-                               "kv_buffer_size": 1 << 22, **changes})
+    return KVTransferConfig(
+        **{
+            "kv_role": "kv_producer",
+            "kv_ip": HOST,
+            "kv_port": port,
+            "kv_timeout": 5.0,
+            "kv_buffer_size": 1 << 22,
+            **changes,
+        }
+    )
 
 
 def consumer_config(**changes: object) -> KVTransferConfig:
-    return KVTransferConfig(**{"kv_role": "kv_consumer", "kv_rank": 1, "kv_timeout": 5.0,
-                               "kv_buffer_size": 1 << 22, **changes})
+    return KVTransferConfig(
+        **{"kv_role": "kv_consumer", "kv_rank": 1, "kv_timeout": 5.0, "kv_buffer_size": 1 << 22, **changes}
+    )
 
 
 class Entry:
@@ -57,8 +76,13 @@ class Entry:
         listener.insert(self.tokens, self.roi, self.key, self.value, self.hidden)
 
     def matches(self, got: list) -> bool:
-        return (same_bits(got[0], self.tokens) and same_bits(got[1], self.roi) and same_bits(got[2], self.key)
-                and same_bits(got[3], self.value) and same_bits(got[4], self.hidden))
+        return (
+            same_bits(got[0], self.tokens)
+            and same_bits(got[1], self.roi)
+            and same_bits(got[2], self.key)
+            and same_bits(got[3], self.value)
+            and same_bits(got[4], self.hidden)
+        )
 
 
 def entries(count: int, seed: int = 0) -> list[Entry]:
@@ -87,8 +111,7 @@ def wait_until(condition, timeout: float = 30.0) -> None:  # noqa: ANN001 - any 
 # ---------------------------------------------------------------------------------------------- many consumers
 
 
-def test_three_consumers_take_disjoint_entries_in_any_order_each_bit_exact(listener: BufferListener,
-                                                                          port: int) -> None:
+def test_three_consumers_take_disjoint_entries_in_any_order_each_bit_exact(listener: BufferListener, port: int) -> None:
     wanted = entries(24, seed=1)
     consumers = [dial(consumer_config(), HOST, port) for _ in range(3)]
     try:
@@ -122,6 +145,7 @@ def test_an_entry_asked_for_by_two_consumers_goes_to_exactly_one(listener: Buffe
     wanted = entries(12, seed=2)
     consumers = [dial(consumer_config(), HOST, port) for _ in range(2)]
     try:
+
         def take_all(consumer_index: int) -> list[int]:
             taken = []
             for index, entry in enumerate(wanted):
@@ -154,8 +178,7 @@ def _select_and_wait_to_die(port: int, tokens: list[int], waiting: object) -> No
     raise AssertionError("the parked select returned although nothing was inserted")
 
 
-def test_a_consumer_killed_while_selecting_does_not_disturb_the_others(listener: BufferListener,
-                                                                      port: int) -> None:
+def test_a_consumer_killed_while_selecting_does_not_disturb_the_others(listener: BufferListener, port: int) -> None:
     results, waiting = procs.new_queue(), multiprocessing.get_context("spawn").Event()
     victim = procs.start(_select_and_wait_to_die, (port, [7, 7, 7], waiting), results, 0)
     survivor = dial(consumer_config(), HOST, port)
@@ -186,8 +209,9 @@ def _in_own_segment(listener: BufferListener, tensor: torch.Tensor) -> bool:
     return segment.address <= tensor.data_ptr() < segment.address + segment.nbytes
 
 
-def test_tensors_made_by_the_listener_reach_whichever_consumer_selects_them_bit_exact(listener: BufferListener,
-                                                                                      port: int) -> None:
+def test_tensors_made_by_the_listener_reach_whichever_consumer_selects_them_bit_exact(
+    listener: BufferListener, port: int
+) -> None:
     """With one consumer connected, ``empty`` is that consumer's pipe memory (sent without a copy);
     otherwise pooled memory. Either way the entry reaches any consumer intact, also one that
     connected later, and also after the consumer whose memory it is has gone."""
@@ -240,8 +264,10 @@ def test_tensors_made_by_the_listener_reach_whichever_consumer_selects_them_bit_
 def test_entries_nobody_takes_expire_and_free_their_bytes(port: int) -> None:
     config = producer_config(port, kv_buffer_size=1 << 20)
     expiring = BufferConfig(kv_entry_timeout=1.0)
-    with BufferListener(config, buffer_config=expiring) as listener, \
-            dial(consumer_config(kv_buffer_size=1 << 20), HOST, port) as consumer:
+    with (
+        BufferListener(config, buffer_config=expiring) as listener,
+        dial(consumer_config(kv_buffer_size=1 << 20), HOST, port) as consumer,
+    ):
         tokens = [torch.tensor([index, index + 1]) for index in range(3)]
         roi = torch.ones(2, dtype=torch.bool)
         big = torch.zeros(600_000, dtype=torch.uint8)
@@ -329,8 +355,9 @@ def test_a_wrong_or_missing_secret_is_refused_and_the_listener_keeps_serving(por
 
 
 @pytest.mark.parametrize("frames", [[b"junk"], [b"\x81\xa4type\xa7connect"], [b"a", b"b"], [os.urandom(3000)]])
-def test_junk_on_the_listening_port_gets_a_refusal_and_harms_no_one(listener: BufferListener, port: int,
-                                                                     frames: list[bytes]) -> None:
+def test_junk_on_the_listening_port_gets_a_refusal_and_harms_no_one(
+    listener: BufferListener, port: int, frames: list[bytes]
+) -> None:
     context = zmq.Context()
     try:
         sock = context.socket(zmq.DEALER)
@@ -387,8 +414,9 @@ def test_close_wakes_a_blocked_insert_and_ends_every_connection(port: int) -> No
     roi = torch.ones(1, dtype=torch.bool)
     listener.insert(torch.tensor([1]), roi, torch.zeros(700_000, dtype=torch.uint8), None, None)
     with ThreadPoolExecutor(2) as pool:
-        blocked = pool.submit(listener.insert, torch.tensor([2]), roi, torch.zeros(700_000, dtype=torch.uint8),
-                              None, None, 60.0)
+        blocked = pool.submit(
+            listener.insert, torch.tensor([2]), roi, torch.zeros(700_000, dtype=torch.uint8), None, None, 60.0
+        )
         waiting = pool.submit(consumer.drop_select, torch.tensor([3]), roi, 60.0)
         wait_until(lambda: listener.stats().inserts_blocked == 1 and listener.stats().pending == 1)
         listener.close()

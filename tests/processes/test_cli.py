@@ -30,14 +30,18 @@ def test_version_falls_back_to_the_source_tree(monkeypatch: pytest.MonkeyPatch) 
     assert cli.version() == launch.__version__
 
 
-@pytest.mark.parametrize(("argv", "missing", "extra"), [
-    (["pair"], "transformers", "pair"),
-    (["pair", "--num-prompts", "3"], "tqdm", "pair"),
-    (["serve", "MODEL"], "aiohttp", "serve"),
-    (["serve", "MODEL"], "vllm", "vllm"),
-])
-def test_a_missing_dependency_names_its_extra(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
-                                               argv: list[str], missing: str, extra: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "missing", "extra"),
+    [
+        (["pair"], "transformers", "pair"),
+        (["pair", "--num-prompts", "3"], "tqdm", "pair"),
+        (["serve", "MODEL"], "aiohttp", "serve"),
+        (["serve", "MODEL"], "vllm", "vllm"),
+    ],
+)
+def test_a_missing_dependency_names_its_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, argv: list[str], missing: str, extra: str
+) -> None:
     monkeypatch.setitem(sys.modules, missing, None)  # what an uninstalled module looks like to import
     assert cli.main(argv) == 2
     error = capsys.readouterr().err
@@ -45,14 +49,18 @@ def test_a_missing_dependency_names_its_extra(monkeypatch: pytest.MonkeyPatch, c
     assert f"pip install 'kvbridge[{extra}]'" in error
 
 
-@pytest.mark.parametrize(("module", "missing", "extra"), [
-    ("launch.proxy", "aiohttp", "serve"),
-    ("launch.serve", "aiohttp", "serve"),
-    ("launch.model", "transformers", "pair"),
-    ("launch.pair", "tqdm", "pair"),
-])
-def test_launcher_modules_name_the_extra_they_miss(monkeypatch: pytest.MonkeyPatch, module: str, missing: str,
-                                                   extra: str) -> None:
+@pytest.mark.parametrize(
+    ("module", "missing", "extra"),
+    [
+        ("launch.proxy", "aiohttp", "serve"),
+        ("launch.serve", "aiohttp", "serve"),
+        ("launch.model", "transformers", "pair"),
+        ("launch.pair", "tqdm", "pair"),
+    ],
+)
+def test_launcher_modules_name_the_extra_they_miss(
+    monkeypatch: pytest.MonkeyPatch, module: str, missing: str, extra: str
+) -> None:
     for name in ("proxy", "serve", "model", "pair"):  # imported afresh here, the originals restored afterwards
         monkeypatch.delitem(sys.modules, f"launch.{name}", raising=False)
         monkeypatch.delattr(launch, name, raising=False)

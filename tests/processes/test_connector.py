@@ -43,8 +43,14 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.G
     return (torch.randn(shape, generator=generator) * 3 + 0.5).to(dtype)
 
 
-def random_caches(layout: PagedKVLayout, num_blocks: int, dtype: torch.dtype, seed: int,
-                  block_size: int = BLOCK_SIZE, num_layers: int = NUM_LAYERS) -> list[torch.Tensor]:
+def random_caches(
+    layout: PagedKVLayout,
+    num_blocks: int,
+    dtype: torch.dtype,
+    seed: int,
+    block_size: int = BLOCK_SIZE,
+    num_layers: int = NUM_LAYERS,
+) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [random_tensor(cache_shape(layout, num_blocks, block_size), dtype, generator) for _ in range(num_layers)]
 
@@ -106,10 +112,14 @@ def _arranged(cache: torch.Tensor, layout: PagedKVLayout, arrangement: str) -> t
 def test_paged_round_trip_whatever_the_memory_arrangement(layout: PagedKVLayout, arrangement: str) -> None:
     # Runs of consecutive ids on one side only, on both sides, and single blocks.
     src_ids, dst_ids = torch.tensor([3, 4, 5, 0, 7, 8, 1]), torch.tensor([8, 9, 2, 3, 4, 0, 6])
-    source = [_arranged(cache, layout, arrangement)
-              for cache in random_caches(layout, num_blocks=9, dtype=torch.bfloat16, seed=11)]
-    dest = [_arranged(cache, layout, arrangement)
-            for cache in random_caches(layout, num_blocks=10, dtype=torch.bfloat16, seed=12)]
+    source = [
+        _arranged(cache, layout, arrangement)
+        for cache in random_caches(layout, num_blocks=9, dtype=torch.bfloat16, seed=11)
+    ]
+    dest = [
+        _arranged(cache, layout, arrangement)
+        for cache in random_caches(layout, num_blocks=10, dtype=torch.bfloat16, seed=12)
+    ]
     dest_before = [cache.clone() for cache in dest]
     gathered = gather_blocks(source, layout, src_ids)
     # The blocks a consumer writes may be a narrowed view of what arrived (a prefix it had already).
@@ -164,11 +174,13 @@ def test_paged_mismatch_reasons() -> None:
     assert "layer count 2" in consumer.mismatch(good[:2], None)
     assert "block count 1" in consumer.mismatch(good[:, :, :1], None)
     assert "dtype" in consumer.mismatch(good.to(torch.bfloat16), None)
-    other_block_size = gather_blocks(random_caches(layout, 6, torch.float16, seed=9, block_size=4), layout,
-                                     torch.tensor([0, 3]))
+    other_block_size = gather_blocks(
+        random_caches(layout, 6, torch.float16, seed=9, block_size=4), layout, torch.tensor([0, 3])
+    )
     assert "block shape" in consumer.mismatch(other_block_size, None)
-    other_layout = gather_blocks(random_caches(VLLM_CPU_LAYOUT, 6, torch.float16, seed=9), VLLM_CPU_LAYOUT,
-                                 torch.tensor([0, 3]))
+    other_layout = gather_blocks(
+        random_caches(VLLM_CPU_LAYOUT, 6, torch.float16, seed=9), VLLM_CPU_LAYOUT, torch.tensor([0, 3])
+    )
     assert consumer.mismatch(other_layout, None) is not None
 
 
@@ -216,8 +228,9 @@ class _FixedEntryBuffer(KVLookupBufferBase):
     def insert(self, *args: object, **kwargs: object) -> None:
         raise AssertionError("not used")
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> list:
+    def drop_select(
+        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False
+    ) -> list:
         return list(self.entry)
 
     def stats(self) -> BufferStats:
@@ -237,8 +250,10 @@ class _FixedEntryBuffer(KVLookupBufferBase):
 )
 def test_recv_never_uses_an_entry_for_other_tokens(tokens: torch.Tensor, roi: torch.Tensor, reason: str) -> None:
     generator = torch.Generator().manual_seed(12)
-    sent = ContiguousKV([random_tensor((2, 3, 4), torch.float32, generator) for _ in range(2)],
-                        [random_tensor((2, 3, 4), torch.float32, generator) for _ in range(2)])
+    sent = ContiguousKV(
+        [random_tensor((2, 3, 4), torch.float32, generator) for _ in range(2)],
+        [random_tensor((2, 3, 4), torch.float32, generator) for _ in range(2)],
+    )
     key, value = sent.pack()
     dest = ContiguousKV([torch.zeros(2, 3, 4) for _ in range(2)], [torch.zeros(2, 3, 4) for _ in range(2)])
     buffer = _FixedEntryBuffer([tokens, roi, key, value, None])
@@ -247,8 +262,9 @@ def test_recv_never_uses_an_entry_for_other_tokens(tokens: torch.Tensor, roi: to
     assert all(torch.count_nonzero(t) == 0 for t in [*dest.keys, *dest.values])  # nothing written
 
     [result] = recv_kv_caches_and_hidden_states(
-        _FixedEntryBuffer([torch.tensor([1, 2, 3], dtype=torch.int32), torch.ones(3, dtype=torch.bool), key, value,
-                           None]),
+        _FixedEntryBuffer(
+            [torch.tensor([1, 2, 3], dtype=torch.int32), torch.ones(3, dtype=torch.bool), key, value, None]
+        ),
         [KVRequest(torch.tensor([1, 2, 3]), dest)],
     )
     assert result.hit and result.reason is None  # the same tokens in another integer dtype do match
@@ -270,8 +286,10 @@ def _hidden(seed: int) -> torch.Tensor:
 
 def _contiguous(seed: int, num_tokens: int) -> ContiguousKV:
     generator = torch.Generator().manual_seed(seed)
-    return ContiguousKV([random_tensor((2, num_tokens, 4), torch.float16, generator) for _ in range(NUM_LAYERS)],
-                        [random_tensor((2, num_tokens, 4), torch.float16, generator) for _ in range(NUM_LAYERS)])
+    return ContiguousKV(
+        [random_tensor((2, num_tokens, 4), torch.float16, generator) for _ in range(NUM_LAYERS)],
+        [random_tensor((2, num_tokens, 4), torch.float16, generator) for _ in range(NUM_LAYERS)],
+    )
 
 
 #: name -> (tokens, producer block ids, consumer block ids); block size 5. Lengths 12, 5, 23, 1.
@@ -296,8 +314,14 @@ NUM_SENT = len(PAGED_REQUESTS) + 5
 
 
 def _buffer(port: int, rank: int) -> SimpleBuffer:
-    config = KVTransferConfig(kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_rank=rank, kv_port=port,
-                              kv_timeout=10, kv_connect_timeout=30, kv_buffer_size=64 << 20)
+    config = KVTransferConfig(
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_rank=rank,
+        kv_port=port,
+        kv_timeout=10,
+        kv_connect_timeout=30,
+        kv_buffer_size=64 << 20,
+    )
     return SimpleBuffer(TorchDistributedPipe(config), config)
 
 
@@ -314,8 +338,10 @@ def _connector_producer(port: int, lend: bool) -> tuple[list[int], list[str | No
     caches = PagedKVCaches(random_caches(layout, PRODUCER_BLOCKS, torch.bfloat16, seed=20), layout)
     if lend:
         caches = _exported(list(caches.caches))
-    requests = [KVRequest(tokens, PagedKV(caches, src), _hidden(i)) for i, (tokens, src, _) in
-                enumerate(PAGED_REQUESTS.values())]
+    requests = [
+        KVRequest(tokens, PagedKV(caches, src), _hidden(i))
+        for i, (tokens, src, _) in enumerate(PAGED_REQUESTS.values())
+    ]
     requests.append(KVRequest(CONTIGUOUS_TOKENS, _contiguous(21, len(CONTIGUOUS_TOKENS)), _hidden(30)))
     two_layers = PagedKVCaches(random_caches(layout, 4, torch.bfloat16, seed=22, num_layers=2), layout)
     if lend:  # lent, and refused by the consumer's checks: it must give it back all the same
@@ -372,8 +398,9 @@ def _connector_consumer(port: int) -> dict[str, tuple[bool, str | None, int]]:
         for other in set(range(CONSUMER_BLOCKS)) - written:
             assert same_bits(dest[layer][other], before[layer][other]), (layer, other)
     sent = _contiguous(21, len(CONTIGUOUS_TOKENS))
-    assert all(same_bits(d, s) for d, s in
-               zip([*contiguous.keys, *contiguous.values], [*sent.keys, *sent.values], strict=True))
+    assert all(
+        same_bits(d, s) for d, s in zip([*contiguous.keys, *contiguous.values], [*sent.keys, *sent.values], strict=True)
+    )
     assert same_bits(requests["contiguous"].hidden, _hidden(30))
     return {name: (r.hit, r.reason, r.num_bytes) for name, r in outcome.items()}
 

@@ -48,7 +48,7 @@ def test_export_keeps_contents_addresses_and_views(dtype):
     assert same_bits(tensor[5:9, 3:], replacement)
     with open(f"/proc/self/fd/{export.descriptor.fd}", "rb") as file:
         in_file = torch.frombuffer(bytearray(file.read()), dtype=torch.uint8)
-    inside = _flat_bits(tensor)[export.address - start: export.address - start + export.nbytes]
+    inside = _flat_bits(tensor)[export.address - start : export.address - start + export.nbytes]
     assert torch.equal(in_file, inside)
     assert fcntl.fcntl(export.descriptor.fd, fcntl.F_GET_SEALS) & REQUIRED_SEALS == REQUIRED_SEALS
     assert export_host_memory(tensor) == export  # once per storage
@@ -135,12 +135,21 @@ def test_nobody_but_the_exporter_can_write_an_export():
     descriptor = export.descriptor
     intruder = subprocess.Popen(
         [sys.executable, "-c", _INTRUDER, str(os.getpid()), str(descriptor.fd), str(descriptor.inode), str(nbytes)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=procs.REPO)
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=procs.REPO,
+    )
     try:
         assert select.select([intruder.stdout], [], [], 120)[0], "the intruder did not report in time"
         outcomes = json.loads(intruder.stdout.readline())
-        assert outcomes == {"map writable": "EPERM", "pwrite": "EPERM", "write": "EPERM", "punch a hole": "EPERM",
-                            "make the peer mapping writable": "EACCES"}, outcomes
+        assert outcomes == {
+            "map writable": "EPERM",
+            "pwrite": "EPERM",
+            "write": "EPERM",
+            "punch a hole": "EPERM",
+            "make the peer mapping writable": "EACCES",
+        }, outcomes
         assert same_bits(tensor, before)  # not a bit changed
         # The exporter's own mapping, made before the seal, still writes; the peer's mapping sees it.
         replacement = random_tensor(generator, torch.float32, (3, 3001))
@@ -152,7 +161,7 @@ def test_nobody_but_the_exporter_can_write_an_export():
             intruder.kill()
         intruder.wait(timeout=30)
     assert intruder.returncode == 0
-    assert bytes.fromhex(seen.strip()) == _flat_bits(replacement)[head:head + nbytes].numpy().tobytes()
+    assert bytes.fromhex(seen.strip()) == _flat_bits(replacement)[head : head + nbytes].numpy().tobytes()
 
 
 # Run as root, a process gives up CAP_SYS_PTRACE: it is then an ordinary process of its user, that may
@@ -171,7 +180,9 @@ if os.geteuid() == 0:
 """
 
 # Exports 64 MiB of random bytes when told, then reports whether they are still what they were.
-_EXPORTER = _UNPRIVILEGED + r"""
+_EXPORTER = (
+    _UNPRIVILEGED
+    + r"""
 import json, sys, torch
 from kv_pipe import exported_memory
 
@@ -186,10 +197,13 @@ print(json.dumps({"fd": export.descriptor.fd, "nbytes": export.nbytes, "dumpable
 sys.stdin.readline()
 print(json.dumps(bool(torch.equal(tensor, before))), flush=True)
 """
+)
 
 # Polls the exporter's descriptors and opens and maps read-write every export it sees, as early as it
 # can; once told the export is done, writes through all it got. Reports what it opened and changed.
-_POLLER = _UNPRIVILEGED + r"""
+_POLLER = (
+    _UNPRIVILEGED
+    + r"""
 import json, mmap, sys, threading
 
 pid = int(sys.argv[1])
@@ -232,6 +246,7 @@ for name, (fd, mapping) in held.items():
         pass
 print(json.dumps(outcome), flush=True)
 """
+)
 
 
 def _line(process: subprocess.Popen, what: str) -> str:
@@ -244,12 +259,19 @@ def test_whoever_opens_the_export_while_it_is_made_cannot_write_it():
     into it: a writable mapping made then would outlive the seal. Nobody may get one at any moment."""
     started = []
     try:
-        exporter = subprocess.Popen([sys.executable, "-c", _EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    text=True, cwd=procs.REPO, env={**os.environ, "PYTHONPATH": str(procs.REPO)})
+        exporter = subprocess.Popen(
+            [sys.executable, "-c", _EXPORTER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=procs.REPO,
+            env={**os.environ, "PYTHONPATH": str(procs.REPO)},
+        )
         started.append(exporter)
         assert _line(exporter, "exporter") == "ready\n"
-        poller = subprocess.Popen([sys.executable, "-c", _POLLER, str(exporter.pid)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        poller = subprocess.Popen(
+            [sys.executable, "-c", _POLLER, str(exporter.pid)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         started.append(poller)
         assert _line(poller, "poller") == "polling\n"
         exporter.stdin.write("go\n")
@@ -294,8 +316,14 @@ def test_no_export_where_the_kernel_cannot_seal_it_against_writes(monkeypatch):
 
 
 def _config(rank: int, port: int, mode: str = "on") -> KVTransferConfig:
-    return KVTransferConfig(kv_rank=rank, kv_port=port, kv_timeout=5.0, kv_connect_timeout=30.0, kv_shared_memory=mode,
-                            kv_buffer_size=16 << 20)
+    return KVTransferConfig(
+        kv_rank=rank,
+        kv_port=port,
+        kv_timeout=5.0,
+        kv_connect_timeout=30.0,
+        kv_shared_memory=mode,
+        kv_buffer_size=16 << 20,
+    )
 
 
 def _descriptor_tensor(descriptor: ExportDescriptor, *extra: int) -> torch.Tensor:
@@ -320,20 +348,24 @@ def body_read_peer_export(rank: int, port: int) -> dict:
         descriptor = ExportDescriptor(fd, inode, nbytes)
         mapped = pipe.map_peer_memory(descriptor)
         report = {"same mapping": pipe.map_peer_memory(descriptor) is mapped}
-        report["first"] = torch.equal(_bytes_at(mapped.address_of(0, nbytes), nbytes),
-                                      _flat_bits(first)[head:head + nbytes])
+        report["first"] = torch.equal(
+            _bytes_at(mapped.address_of(0, nbytes), nbytes), _flat_bits(first)[head : head + nbytes]
+        )
         pipe.send_tensor(torch.tensor([1]))
         assert pipe.recv_tensor(timeout=30).item() == 2
-        report["second"] = torch.equal(_bytes_at(mapped.address_of(0, nbytes), nbytes),
-                                       _flat_bits(second)[head:head + nbytes])
+        report["second"] = torch.equal(
+            _bytes_at(mapped.address_of(0, nbytes), nbytes), _flat_bits(second)[head : head + nbytes]
+        )
         with open("/proc/self/maps") as maps:
             line = next(line for line in maps if int(line.split("-")[0], 16) == mapped.address)
         report["permissions"] = line.split()[1]
-        for name, call in [("past the end", lambda: mapped.address_of(nbytes - 8, 16)),
-                           ("negative", lambda: mapped.address_of(-8, 8)),
-                           ("wrong inode", lambda: pipe.map_peer_memory(ExportDescriptor(fd, inode + 1, nbytes))),
-                           ("wrong size", lambda: pipe.map_peer_memory(ExportDescriptor(fd, inode, nbytes + PAGE))),
-                           ("wrong fd", lambda: pipe.map_peer_memory(ExportDescriptor(0, inode, nbytes)))]:
+        for name, call in [
+            ("past the end", lambda: mapped.address_of(nbytes - 8, 16)),
+            ("negative", lambda: mapped.address_of(-8, 8)),
+            ("wrong inode", lambda: pipe.map_peer_memory(ExportDescriptor(fd, inode + 1, nbytes))),
+            ("wrong size", lambda: pipe.map_peer_memory(ExportDescriptor(fd, inode, nbytes + PAGE))),
+            ("wrong fd", lambda: pipe.map_peer_memory(ExportDescriptor(0, inode, nbytes))),
+        ]:
             try:
                 call()
                 report[name] = "accepted"
@@ -360,8 +392,11 @@ def body_forged_exports(rank: int, port: int) -> dict:
             os.ftruncate(other, 1 << 20)
             fcntl.fcntl(other, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
             read, write = os.pipe()
-            forged = [(unsealed, os.fstat(unsealed).st_ino, 1 << 20), (other, os.fstat(other).st_ino, 1 << 20),
-                      (read, os.fstat(read).st_ino, 0)]
+            forged = [
+                (unsealed, os.fstat(unsealed).st_ino, 1 << 20),
+                (other, os.fstat(other).st_ino, 1 << 20),
+                (read, os.fstat(read).st_ino, 0),
+            ]
             pipe.send_tensor(torch.tensor(forged, dtype=torch.int64))
             assert pipe.recv_tensor(timeout=30) is None
             return {}

@@ -88,8 +88,14 @@ def orders(seed: int, count: int) -> tuple[list[int], list[int]]:
 
 
 def config(rank: int, port: int, connect_timeout: float = CONNECT_TIMEOUT) -> KVTransferConfig:
-    return KVTransferConfig(kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_rank=rank, kv_port=port,
-                            kv_timeout=KV_TIMEOUT, kv_connect_timeout=connect_timeout, kv_buffer_size=BUDGET)
+    return KVTransferConfig(
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_rank=rank,
+        kv_port=port,
+        kv_timeout=KV_TIMEOUT,
+        kv_connect_timeout=connect_timeout,
+        kv_buffer_size=BUDGET,
+    )
 
 
 # ---------------------------------------------------------------- one side (a spawned process)
@@ -109,8 +115,9 @@ def _run_workload(buffer: SimpleBuffer, rank: int, seed: int, count: int, conn: 
         deadline = time.monotonic() + 60
         while buffer.stats().hits < count:
             assert time.monotonic() < deadline, "the consumer did not take every entry"
-            buffer.insert(torch.tensor([-1]), torch.ones(1, dtype=torch.bool), torch.zeros(1), None, None,
-                          timeout=30)  # a probe that raises once the consumer is gone
+            buffer.insert(
+                torch.tensor([-1]), torch.ones(1, dtype=torch.bool), torch.zeros(1), None, None, timeout=30
+            )  # a probe that raises once the consumer is gone
             time.sleep(0.05)
         return
     for index in selects:
@@ -147,8 +154,7 @@ def _die_on_entry(owner: Any, name: str) -> None:
     setattr(owner, name, sigkill_self)
 
 
-def side(conn: Connection, rank: int, port: int, seed: int, count: int, after_failure: str,
-         die_at: str = "") -> dict:
+def side(conn: Connection, rank: int, port: int, seed: int, count: int, after_failure: str, die_at: str = "") -> dict:
     """Build this side's buffer and run the workload; report progress and the failure it sees.
 
     ``after_failure``: ``rebuild`` closes the broken buffer and runs a short second workload on a
@@ -190,8 +196,7 @@ def restarted(conn: Connection, rank: int, port: int, seed: int, count: int) -> 
         stage = "first call"
         _run_workload(buffer, rank, seed, count, conn)
     except KVTransferError as exc:
-        return {"refused": type(exc).__name__, "stage": stage, "message": str(exc),
-                "seconds": time.monotonic() - start}
+        return {"refused": type(exc).__name__, "stage": stage, "message": str(exc), "seconds": time.monotonic() - start}
     return {"refused": None, **_close(buffer)}
 
 
@@ -301,8 +306,10 @@ def test_sigkill_during_workload_then_survivor_rebuilds(victim: int, seed: int) 
     assert again["refused"] is None, again
     assert outcome["rebuilt"]["close_error"] is None, outcome
     assert sorted(check_hits(after, seed + 1000)) == list(range(WINDOW * 2))
-    print(f"killed rank {victim} after {kill_after} selects: survivor {outcome['error']} after "
-          f"{outcome['at'] - killed_at:.2f} s, close {outcome['close_seconds']:.2f} s; rebuilt and served")
+    print(
+        f"killed rank {victim} after {kill_after} selects: survivor {outcome['error']} after "
+        f"{outcome['at'] - killed_at:.2f} s, close {outcome['close_seconds']:.2f} s; rebuilt and served"
+    )
 
 
 @pytest.mark.timeout(90)
@@ -332,13 +339,16 @@ def test_sigkill_during_connection_setup(victim: int, stage: str) -> None:
     if victim == 0:
         check_hits(sides[1].events, seed)
     expected_phase = {"rendezvous": "setup", "group": "setup", "buffer": "workload"}.get(stage)
-    assert outcome["phase"] == expected_phase or (stage == "random" and outcome["phase"] in ("setup", "workload")), \
+    assert outcome["phase"] == expected_phase or (stage == "random" and outcome["phase"] in ("setup", "workload")), (
         outcome
+    )
     assert outcome.get("error") == "KVPeerLostError", outcome
     bound = (CONNECT_TIMEOUT if outcome["phase"] == "setup" else 0) + KV_TIMEOUT + SLACK
     assert outcome["at"] - killed_at <= bound, (outcome["at"] - killed_at, outcome)
-    print(f"rank {victim} killed during setup ({stage}): survivor {outcome['error']} in phase {outcome['phase']} "
-          f"after {outcome['at'] - killed_at:.2f} s: {outcome['message'][:150]}")
+    print(
+        f"rank {victim} killed during setup ({stage}): survivor {outcome['error']} in phase {outcome['phase']} "
+        f"after {outcome['at'] - killed_at:.2f} s: {outcome['message'][:150]}"
+    )
 
 
 @pytest.mark.timeout(90)

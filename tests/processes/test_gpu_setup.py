@@ -39,8 +39,14 @@ UUID_B = bytes(range(16, 32))
 
 
 def config(rank: int, port: int, **changes) -> KVTransferConfig:
-    values = dict(kv_rank=rank, kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_port=port,
-                  kv_timeout=5.0, kv_connect_timeout=20.0, kv_shared_memory="off")
+    values = dict(
+        kv_rank=rank,
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_port=port,
+        kv_timeout=5.0,
+        kv_connect_timeout=20.0,
+        kv_shared_memory="off",
+    )
     values.update(changes)
     return KVTransferConfig(**values)
 
@@ -198,8 +204,9 @@ def test_nccl_groups_are_connected_eagerly_in_one_order_on_the_configured_gpu(mo
     monkeypatch.setattr(rendezvous, "_create_group", spy)
     gpu = torch.device("cuda", 1)
     for rank in (0, 1):
-        outgoing, incoming = rendezvous._create_groups(config(rank, 1, kv_buffer_device="cuda", kv_device_index=1),
-                                                       dist.HashStore(), gpu)
+        outgoing, incoming = rendezvous._create_groups(
+            config(rank, 1, kv_buffer_device="cuda", kv_device_index=1), dist.HashStore(), gpu
+        )
         assert isinstance(outgoing, FakeNCCL) and isinstance(incoming, FakeNCCL)
         assert created.index(("connect", rank, gpu)) >= 0
     assert labels == [(0, "0to1"), (0, "1to0"), (1, "0to1"), (1, "1to0")]
@@ -231,7 +238,8 @@ class _RecordingGroup:
 
 @pytest.mark.parametrize("secret", [None, "s3cret"], ids=["plain", "with-secret"])
 def test_both_sides_create_and_prime_their_groups_in_one_order_before_any_frame(
-        monkeypatch: pytest.MonkeyPatch, secret: str | None) -> None:
+    monkeypatch: pytest.MonkeyPatch, secret: str | None
+) -> None:
     log: list[tuple] = []
     original = rendezvous._create_group
 
@@ -253,13 +261,19 @@ def test_both_sides_create_and_prime_their_groups_in_one_order_before_any_frame(
         close_all(*ends)
     for rank in (0, 1):
         mine = [entry for entry in log if entry[0] == rank]
-        assert [entry[1:3] for entry in mine[:4]] == [("create", "0to1"), ("created", "0to1"),
-                                                      ("create", "1to0"), ("created", "1to0")]
+        assert [entry[1:3] for entry in mine[:4]] == [
+            ("create", "0to1"),
+            ("created", "0to1"),
+            ("create", "1to0"),
+            ("created", "1to0"),
+        ]
         operations = [entry for entry in mine if entry[1] in ("send", "recv")]
         # The first operation on each group is its primer, 0 -> 1 first, on both sides.
         assert [entry[1:4] for entry in operations[:2]] == (
-            [("send", "0to1", rendezvous._PRIMER_TAG), ("recv", "1to0", rendezvous._PRIMER_TAG)] if rank == 0
-            else [("recv", "0to1", rendezvous._PRIMER_TAG), ("send", "1to0", rendezvous._PRIMER_TAG)])
+            [("send", "0to1", rendezvous._PRIMER_TAG), ("recv", "1to0", rendezvous._PRIMER_TAG)]
+            if rank == 0
+            else [("recv", "0to1", rendezvous._PRIMER_TAG), ("send", "1to0", rendezvous._PRIMER_TAG)]
+        )
         first_frame = min(entry[4] for entry in operations if entry[3] == TAG_FRAME)
         assert max(entry[4] for entry in mine if entry[1] == "created") < first_frame
         # Each side sends only on its outgoing group and receives only on its incoming one.
@@ -341,8 +355,7 @@ def test_greeting_carries_the_gpu_identity() -> None:
     assert devices.describe_gpu(UUID_A) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
 
 
-def test_same_gpu_on_both_sides_is_refused_at_once_naming_the_host_staged_mode(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_gpu_on_both_sides_is_refused_at_once_naming_the_host_staged_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "gpu_identity", lambda device: UUID_A)
     started = time.monotonic()
     ends = pipe_pair(procs.free_port())
@@ -393,7 +406,8 @@ GPU_LAYOUTS = [
 @pytest.mark.parametrize("layout, shape", GPU_LAYOUTS, ids=[layout.name for layout, _ in GPU_LAYOUTS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8])
 def test_indexed_gather_and_scatter_match_the_host_copies_bit_for_bit(
-        layout: PagedKVLayout, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    layout: PagedKVLayout, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
     """What runs on a GPU (one indexed copy per layer) gives the bits the host path gives."""
     generator = torch.Generator().manual_seed(7)
     caches = [random_tensor(generator, dtype, shape) for _ in range(3)]

@@ -68,8 +68,12 @@ BOUND = 30.0
 #: A generous bound on the producer's memory growth over a long fuzz burst: a correctness check
 #: (no per-message leak: the burst sends several hundred MB of junk), not a performance threshold.
 RSS_GROWTH_LIMIT = 200 << 20
-FUZZ = settings(deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 # ---------------------------------------------------------------- real traffic (spawned processes)
@@ -77,8 +81,15 @@ FUZZ = settings(deadline=None, database=None, derandomize=True,
 
 def traffic_side(rank: int, port: int, seed: int, stop: Any, done: Any, progress: Any, secret: str | None) -> dict:
     """Rank 0 inserts request after request; rank 1 selects them (shuffled per window) and checks each."""
-    cfg = KVTransferConfig(kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_rank=rank, kv_port=port,
-                           kv_timeout=5.0, kv_connect_timeout=30.0, kv_buffer_size=TRAFFIC_BUDGET, kv_secret=secret)
+    cfg = KVTransferConfig(
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_rank=rank,
+        kv_port=port,
+        kv_timeout=5.0,
+        kv_connect_timeout=30.0,
+        kv_buffer_size=TRAFFIC_BUDGET,
+        kv_secret=secret,
+    )
     buffer = SimpleBuffer(TorchDistributedPipe(cfg), cfg)
     try:
         if rank == 0:
@@ -138,8 +149,9 @@ def running_pair(secret: str | None = None) -> Iterator[LivePair]:
     ctx = procs._CTX
     stop, done, progress = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
     results = procs.new_queue()
-    processes = [procs.start(traffic_side, (rank, port, SEED, stop, done, progress, secret), results, rank)
-                 for rank in (0, 1)]
+    processes = [
+        procs.start(traffic_side, (rank, port, SEED, stop, done, progress, secret), results, rank) for rank in (0, 1)
+    ]
     try:
         pair = LivePair(f"tcp://127.0.0.1:{port + 1}", port, processes, results, stop, progress)
         deadline = time.monotonic() + 60
@@ -246,8 +258,9 @@ def expected_reason(frame: bytes) -> str:
     tokens, roi, session = message.get("tokens"), message.get("roi"), message.get("session")
     if not (is_int(message.get("request_id"), 0, (1 << 63) - 1) and is_int(message.get("wait_ms"), 0, MAX_WAIT_MS)):
         return "malformed"
-    if not (isinstance(session, bytes) and len(session) == SESSION_BYTES and is_int(message.get("counter"), 1,
-                                                                                    MAX_COUNTER)):
+    if not (
+        isinstance(session, bytes) and len(session) == SESSION_BYTES and is_int(message.get("counter"), 1, MAX_COUNTER)
+    ):
         return "malformed"
     if not (isinstance(tokens, bytes) and isinstance(roi, bytes)) or len(tokens) > MAX_TOKENS * 8:
         return "malformed"
@@ -258,9 +271,13 @@ def expected_reason(frame: bytes) -> str:
     # Optional, each [dim, start, stop]: the part of the entry a select takes, and the span of that.
     for name in ("part", "span"):
         found = message.get(name)
-        if found is not None and not (isinstance(found, list) and len(found) == 3 and is_int(found[0], 0, MAX_NDIM)
-                                      and is_int(found[1], 0, MAX_PART_INDEX - 1)
-                                      and is_int(found[2], found[1] + 1, MAX_PART_INDEX)):
+        if found is not None and not (
+            isinstance(found, list)
+            and len(found) == 3
+            and is_int(found[0], 0, MAX_NDIM)
+            and is_int(found[1], 0, MAX_PART_INDEX - 1)
+            and is_int(found[2], found[1] + 1, MAX_PART_INDEX)
+        ):
             return "malformed"
     return "stale"
 
@@ -268,20 +285,32 @@ def expected_reason(frame: bytes) -> str:
 # ---------------------------------------------------------------- strategies
 
 _ANY_VALUE = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1), st.floats(),
-    st.text(max_size=12), st.binary(max_size=40), st.lists(st.integers(-3, 3), max_size=4),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(),
+    st.text(max_size=12),
+    st.binary(max_size=40),
+    st.lists(st.integers(-3, 3), max_size=4),
     st.dictionaries(st.text(max_size=4), st.integers(0, 9), max_size=2),
 )
-_EDGE_INTS = st.sampled_from([-(2**63), -1, 0, 1, 2, PROTOCOL_VERSION + 1, 99, MAX_WAIT_MS, MAX_WAIT_MS + 1,
-                              2**63 - 1, 2**63, 2**64 - 1])
+_EDGE_INTS = st.sampled_from(
+    [-(2**63), -1, 0, 1, 2, PROTOCOL_VERSION + 1, 99, MAX_WAIT_MS, MAX_WAIT_MS + 1, 2**63 - 1, 2**63, 2**64 - 1]
+)
 
 
 #: A part's or a span's ``[dim, start, stop]``: well-formed, at and past its bounds, or not three integers.
 _RANGES = st.one_of(
     st.tuples(st.integers(0, MAX_NDIM), st.integers(0, 9)).map(lambda pair: [pair[0], pair[1], pair[1] + 3]),
-    st.lists(st.sampled_from([-1, 0, 1, MAX_NDIM, MAX_NDIM + 1, MAX_PART_INDEX - 1, MAX_PART_INDEX,
-                              MAX_PART_INDEX + 1, 2**63 - 1]), min_size=3, max_size=3),
-    st.lists(st.integers(0, 4), max_size=5), _ANY_VALUE,
+    st.lists(
+        st.sampled_from(
+            [-1, 0, 1, MAX_NDIM, MAX_NDIM + 1, MAX_PART_INDEX - 1, MAX_PART_INDEX, MAX_PART_INDEX + 1, 2**63 - 1]
+        ),
+        min_size=3,
+        max_size=3,
+    ),
+    st.lists(st.integers(0, 4), max_size=5),
+    _ANY_VALUE,
 )
 
 
@@ -299,15 +328,27 @@ def mutated_selects(draw: Any) -> bytes:
     """A well-formed select with some fields replaced by wrong types or out-of-range values, some
     dropped, unknown ones added: raw msgpack maps, or msgspec Structs built without validation."""
     tokens, roi = draw(negative_tokens())
-    fields: dict[str, Any] = dict(type="select", v=PROTOCOL_VERSION, request_id=draw(st.integers(0, 2**63 - 1)),
-                                  session=draw(st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)),
-                                  counter=draw(st.integers(1, MAX_COUNTER)), tokens=tokens, roi=roi,
-                                  wait_ms=draw(st.integers(0, 20)))
+    fields: dict[str, Any] = dict(
+        type="select",
+        v=PROTOCOL_VERSION,
+        request_id=draw(st.integers(0, 2**63 - 1)),
+        session=draw(st.binary(min_size=SESSION_BYTES, max_size=SESSION_BYTES)),
+        counter=draw(st.integers(1, MAX_COUNTER)),
+        tokens=tokens,
+        roi=roi,
+        wait_ms=draw(st.integers(0, 20)),
+    )
     for name in draw(st.sets(st.sampled_from(["part", "span"]))):
         fields[name] = draw(_RANGES)
     for name in draw(st.sets(st.sampled_from(sorted(fields)), max_size=3)):
-        fields[name] = draw(st.one_of(_ANY_VALUE, _EDGE_INTS, st.sampled_from(["refusal", "select", "", "SELECT"]),
-                                      st.binary(min_size=SESSION_BYTES - 1, max_size=SESSION_BYTES + 1)))
+        fields[name] = draw(
+            st.one_of(
+                _ANY_VALUE,
+                _EDGE_INTS,
+                st.sampled_from(["refusal", "select", "", "SELECT"]),
+                st.binary(min_size=SESSION_BYTES - 1, max_size=SESSION_BYTES + 1),
+            )
+        )
     for name in draw(st.sets(st.sampled_from(sorted(fields)), max_size=2)):
         del fields[name]
     fields.update(draw(st.dictionaries(st.text(min_size=1, max_size=6), _ANY_VALUE, max_size=2)))
@@ -331,11 +372,24 @@ def defang(fields: dict[str, Any]) -> dict[str, Any]:
 _INT64 = st.one_of(st.integers(-(2**63), 2**63 - 1), _EDGE_INTS.filter(lambda v: v < 2**63))
 #: The library's own Struct types, filled with anything (msgspec does not validate on construction).
 struct_messages = st.one_of(
-    st.fixed_dictionaries(dict(v=_INT64, request_id=_INT64, session=st.binary(max_size=SESSION_BYTES + 1),
-                               counter=_INT64, tokens=st.binary(max_size=33), roi=st.binary(max_size=5),
-                               wait_ms=_INT64)).map(lambda fields: SelectRequest(**defang(fields))),
-    st.builds(Refusal, v=_INT64, request_id=_INT64, reason=st.sampled_from(["stale", "malformed", "miss", "x"]),
-              message=st.text(max_size=20)),
+    st.fixed_dictionaries(
+        dict(
+            v=_INT64,
+            request_id=_INT64,
+            session=st.binary(max_size=SESSION_BYTES + 1),
+            counter=_INT64,
+            tokens=st.binary(max_size=33),
+            roi=st.binary(max_size=5),
+            wait_ms=_INT64,
+        )
+    ).map(lambda fields: SelectRequest(**defang(fields))),
+    st.builds(
+        Refusal,
+        v=_INT64,
+        request_id=_INT64,
+        reason=st.sampled_from(["stale", "malformed", "miss", "x"]),
+        message=st.text(max_size=20),
+    ),
 ).map(msgspec.msgpack.encode)
 
 
@@ -411,9 +465,18 @@ def test_truncated_and_oversized_frames(live_pair: LivePair, prober: Prober) -> 
         assert prober.ask(sock, [valid + b"\0"]).reason == "malformed"  # trailing bytes
         assert prober.ask(sock, [valid]).reason == "stale"
         # One token over the limit: still under ZeroMQ's size cap, so the schema must refuse it.
-        too_many = msgspec.msgpack.encode(dict(type="select", v=PROTOCOL_VERSION, request_id=5, session=GUESSED_SESSION,
-                                               counter=1, tokens=b"\xff" * 8 * (MAX_TOKENS + 1),
-                                               roi=b"\x01" * (MAX_TOKENS + 1), wait_ms=0))
+        too_many = msgspec.msgpack.encode(
+            dict(
+                type="select",
+                v=PROTOCOL_VERSION,
+                request_id=5,
+                session=GUESSED_SESSION,
+                counter=1,
+                tokens=b"\xff" * 8 * (MAX_TOKENS + 1),
+                roi=b"\x01" * (MAX_TOKENS + 1),
+                wait_ms=0,
+            )
+        )
         assert len(too_many) <= MAX_REQUEST_BYTES
         refusal = prober.ask(sock, [too_many])
         assert (refusal.reason, refusal.request_id) == ("malformed", 5), refusal
@@ -547,8 +610,10 @@ def test_producer_memory_stays_bounded_under_a_long_fuzz_burst(live_pair: LivePa
             for sock in dealers:
                 sock.close(linger=0)
     rss_after = _rss_bytes(producer_pid)
-    print(f"fuzz burst: {sent} messages, {junk_bytes >> 20} MiB of junk; producer RSS "
-          f"{rss_before >> 20} -> {rss_after >> 20} MiB")
+    print(
+        f"fuzz burst: {sent} messages, {junk_bytes >> 20} MiB of junk; producer RSS "
+        f"{rss_before >> 20} -> {rss_after >> 20} MiB"
+    )
     assert junk_bytes > 3 * RSS_GROWTH_LIMIT  # a leak of a third of each message would show
     assert rss_after - rss_before < RSS_GROWTH_LIMIT, (rss_before, rss_after)
     assert_still_serving(live_pair, prober, before)
@@ -578,8 +643,9 @@ def test_junk_on_every_listening_port_of_both_sides(live_pair: LivePair, prober:
         for port in ports[0] + ports[1]:
             kept += _junk_to("127.0.0.1", port, rng, 10)
         # A stranger speaking the store's own protocol, meddling with the rendezvous keys of a running pipe.
-        stranger = torch.distributed.TCPStore("127.0.0.1", live_pair.port, is_master=False,
-                                              timeout=datetime.timedelta(seconds=10))
+        stranger = torch.distributed.TCPStore(
+            "127.0.0.1", live_pair.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+        )
         stranger.set("kvbridge/hello/1", b"junk")
         stranger.delete_key("kvbridge/hello/0")
         stranger.add("kvbridge/counter", 5)
@@ -599,14 +665,24 @@ def test_real_traffic_survived_the_fuzzing(live_pair: LivePair) -> None:
     assert consumer["selected"] >= 2 * WINDOW and consumer["stats"]["hits"] == consumer["selected"]
     assert consumer["stats"]["misses"] == 0
     assert producer["stats"]["hits"] == consumer["selected"]
-    print(f"real traffic: {consumer['selected']} entries selected bit-exact; producer refused "
-          f"{producer['stats']['bad_messages']} control messages")
+    print(
+        f"real traffic: {consumer['selected']} entries selected bit-exact; producer refused "
+        f"{producer['stats']['bad_messages']} control messages"
+    )
 
 
 # ---------------------------------------------------------------- forged pipe headers
 
-_BASE = pipe_protocol.FrameHeader(kind=pipe_protocol.FrameKind.TENSOR, seq=0, consumed=0, want_credit=False,
-                                  dtype=torch.float32, shape=(4, 4), nbytes=64, inline=True)
+_BASE = pipe_protocol.FrameHeader(
+    kind=pipe_protocol.FrameKind.TENSOR,
+    seq=0,
+    consumed=0,
+    want_credit=False,
+    dtype=torch.float32,
+    shape=(4, 4),
+    nbytes=64,
+    inline=True,
+)
 _INLINE_CAPACITY = pipe_protocol.HOST_FRAME_BYTES - pipe_protocol.HEADER_BYTES
 PIPE_BUDGET = 4 << 20  # above the host inline capacity, so that an inline-flag lie is not also over budget
 P = pipe_protocol  # word positions: _W_MAGIC, _W_SEQ, ...
@@ -624,8 +700,9 @@ def _edit(words: list[int], **positions: int) -> list[int]:
 
 
 def _keepalive(consumed: int) -> list[int]:
-    return pipe_protocol.encode_header(pipe_protocol.FrameHeader(
-        kind=pipe_protocol.FrameKind.KEEPALIVE, seq=0, consumed=consumed, want_credit=False))
+    return pipe_protocol.encode_header(
+        pipe_protocol.FrameHeader(kind=pipe_protocol.FrameKind.KEEPALIVE, seq=0, consumed=consumed, want_credit=False)
+    )
 
 
 _SECOND_RECORD = P.next_record_offset(0, _BASE.nbytes)  # where a record after _BASE starts
@@ -633,21 +710,33 @@ _SECOND_RECORD = P.next_record_offset(0, _BASE.nbytes)  # where a record after _
 
 def _freed() -> list[int]:
     """A FREED record giving back one region (offset 0, as the frame's zeroed inline bytes say)."""
-    return pipe_protocol.encode_header(pipe_protocol.FrameHeader(
-        kind=pipe_protocol.FrameKind.FREED, seq=0, consumed=0, want_credit=False, dtype=torch.int64, shape=(1,),
-        nbytes=8, inline=True))
+    return pipe_protocol.encode_header(
+        pipe_protocol.FrameHeader(
+            kind=pipe_protocol.FrameKind.FREED,
+            seq=0,
+            consumed=0,
+            want_credit=False,
+            dtype=torch.int64,
+            shape=(1,),
+            nbytes=8,
+            inline=True,
+        )
+    )
 
 
 def _close(seq: int = 0) -> list[int]:
-    return pipe_protocol.encode_header(pipe_protocol.FrameHeader(
-        kind=pipe_protocol.FrameKind.CLOSE, seq=seq, consumed=0, want_credit=False))
+    return pipe_protocol.encode_header(
+        pipe_protocol.FrameHeader(kind=pipe_protocol.FrameKind.CLOSE, seq=seq, consumed=0, want_credit=False)
+    )
 
 
 #: name -> (the frames: header words at offset 0, or {offset: header words} for several records;
 #: what the refusal must say)
 HOSTILE_HEADERS: dict[str, tuple[list[list[int] | dict[int, list[int]]], str]] = {
-    "over the budget": ([_header(dtype=torch.uint8, shape=(PIPE_BUDGET + 1,), nbytes=PIPE_BUDGET + 1)],
-                        "refused before allocating"),
+    "over the budget": (
+        [_header(dtype=torch.uint8, shape=(PIPE_BUDGET + 1,), nbytes=PIPE_BUDGET + 1)],
+        "refused before allocating",
+    ),
     "one TiB": ([_header(dtype=torch.uint8, shape=(1 << 40,), nbytes=1 << 40)], "refused before allocating"),
     "nbytes below the shape": ([_edit(_header(shape=(1 << 20,), nbytes=1 << 22), nbytes=64)], "inconsistent"),
     "nbytes above the shape": ([_edit(_header(), nbytes=1 << 19)], "inconsistent"),
@@ -664,43 +753,73 @@ HOSTILE_HEADERS: dict[str, tuple[list[list[int] | dict[int, list[int]]], str]] =
     "ndim over the limit": ([_edit(_header(), ndim=pipe_protocol.MAX_NDIM + 1)], "ndim"),
     "negative ndim": ([_edit(_header(), ndim=-1)], "ndim"),
     "words after the shape": ([_edit(_header(), ndim=1, shape=16)], "malformed shape"),
-    "inline flag lie": ([_edit(_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,),
-                                       nbytes=_INLINE_CAPACITY + 1), inline=1)], "inline flag"),
+    "inline flag lie": (
+        [_edit(_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,), nbytes=_INLINE_CAPACITY + 1), inline=1)],
+        "inline flag",
+    ),
     "keepalive with tensor fields": ([_edit(_keepalive(0), dtype=8)], "tensor fields"),
     "want_credit 2": ([_edit(_header(), want_credit=2)], "malformed"),
     "negative consumed": ([_edit(_header(), consumed=-1)], "malformed"),
     "consumed more than was sent": ([_keepalive(4096)], "was sent at most"),
     "more word 2": ([_edit(_header(), more=2)], "malformed"),
     "keepalive claiming a next record": ([_edit(_keepalive(0), more=1)], "claims another record"),
-    "next record past the frame": ([_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY,), nbytes=_INLINE_CAPACITY,
-                                            more=True)], "past the end of its frame"),
-    "records disagreeing on credit": ([{0: _header(more=True), _SECOND_RECORD: _edit(_header(seq=1), consumed=64)}],
-                                      "disagree on credit"),
+    "next record past the frame": (
+        [_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY,), nbytes=_INLINE_CAPACITY, more=True)],
+        "past the end of its frame",
+    ),
+    "records disagreeing on credit": (
+        [{0: _header(more=True), _SECOND_RECORD: _edit(_header(seq=1), consumed=64)}],
+        "disagree on credit",
+    ),
     "close after a record": ([{0: _header(more=True), _SECOND_RECORD: _close(seq=1)}], "after another record"),
     "bad second record": ([{0: _header(more=True), _SECOND_RECORD: _edit(_header(seq=1), magic=7)}], "bad magic"),
-    "second record out of sequence": ([{0: _header(more=True), _SECOND_RECORD: _header(seq=3)}],
-                                      "arrived where 1 was due"),
+    "second record out of sequence": (
+        [{0: _header(more=True), _SECOND_RECORD: _header(seq=3)}],
+        "arrived where 1 was due",
+    ),
     # The forger's shared-memory segment, which the victim maps, holds PIPE_BUDGET bytes after its first page.
-    "payload placed past the segment": ([_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,),
-                                                 nbytes=_INLINE_CAPACITY + 1, inline=False, place=PIPE_BUDGET)],
-                                        "refused before reading it"),
-    "payload placed off a region start": ([_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,),
-                                                   nbytes=_INLINE_CAPACITY + 1, inline=False,
-                                                   place=P.SHARED_DATA_START + 8)],
-                                          "refused before reading it"),
-    "payload placed in the proof page": ([_edit(_header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,),
-                                                        nbytes=_INLINE_CAPACITY + 1, inline=False),
-                                               place=-P.SHARED_DATA_START)],
-                                         "refused before reading it"),
+    "payload placed past the segment": (
+        [
+            _header(
+                dtype=torch.uint8,
+                shape=(_INLINE_CAPACITY + 1,),
+                nbytes=_INLINE_CAPACITY + 1,
+                inline=False,
+                place=PIPE_BUDGET,
+            )
+        ],
+        "refused before reading it",
+    ),
+    "payload placed off a region start": (
+        [
+            _header(
+                dtype=torch.uint8,
+                shape=(_INLINE_CAPACITY + 1,),
+                nbytes=_INLINE_CAPACITY + 1,
+                inline=False,
+                place=P.SHARED_DATA_START + 8,
+            )
+        ],
+        "refused before reading it",
+    ),
+    "payload placed in the proof page": (
+        [
+            _edit(
+                _header(dtype=torch.uint8, shape=(_INLINE_CAPACITY + 1,), nbytes=_INLINE_CAPACITY + 1, inline=False),
+                place=-P.SHARED_DATA_START,
+            )
+        ],
+        "refused before reading it",
+    ),
     "inline tensor with a place": ([_edit(_header(), place=P.SHARED_DATA_START)], "inline flag"),
     "freeing a region never given": ([_freed()], "never gave it"),
     "giving back a region never given, in a header": ([_header(freed=P.SHARED_DATA_START)], "never gave it"),
-    "giving back an offset off a region start": ([_edit(_header(), freed=P.SHARED_DATA_START + 8)],
-                                                 "no region start"),
+    "giving back an offset off a region start": ([_edit(_header(), freed=P.SHARED_DATA_START + 8)], "no region start"),
     "giving back a negative offset": ([_edit(_keepalive(0), freed=-P.SHARED_DATA_START)], "no region start"),
-    "giving back a region in a second record": ([{0: _header(more=True),
-                                                  _SECOND_RECORD: _header(seq=1, freed=P.SHARED_DATA_START)}],
-                                                "other than its frame's first"),
+    "giving back a region in a second record": (
+        [{0: _header(more=True), _SECOND_RECORD: _header(seq=1, freed=P.SHARED_DATA_START)}],
+        "other than its frame's first",
+    ),
     "FREED record of floats": ([_edit(_freed(), dtype=P.DTYPE_TO_CODE[torch.float64])], "malformed FREED"),
 }
 
@@ -709,8 +828,9 @@ def body_hostile_headers(rank: int, port: int) -> dict:
     """One pipe per forged header (port offsets 0, 2, 4, ...): rank 1 forges, rank 0 must refuse."""
     verdicts = {}
     for offset, (name, (frames, _)) in enumerate(HOSTILE_HEADERS.items()):
-        cfg = KVTransferConfig(kv_rank=rank, kv_port=port, kv_timeout=3.0, kv_connect_timeout=30.0,
-                               kv_buffer_size=PIPE_BUDGET)
+        cfg = KVTransferConfig(
+            kv_rank=rank, kv_port=port, kv_timeout=3.0, kv_connect_timeout=30.0, kv_buffer_size=PIPE_BUDGET
+        )
         if rank == 1:
             connection = connect_as_forger(cfg, port_offset=2 * offset)
             for records in frames:
@@ -750,8 +870,12 @@ def test_forged_pipe_headers_are_refused_before_allocation() -> None:
     failures = []
     for name, (_, gist) in HOSTILE_HEADERS.items():
         verdict = verdicts[name]
-        if (verdict["error"] != "KVProtocolError" or gist not in verdict.get("message", "")
-                or verdict["allocations"] or verdict["after"] != "KVProtocolError"):
+        if (
+            verdict["error"] != "KVProtocolError"
+            or gist not in verdict.get("message", "")
+            or verdict["allocations"]
+            or verdict["after"] != "KVProtocolError"
+        ):
             failures.append(f"{name}: {verdict}")
     assert not failures, "\n".join(failures)
 
@@ -785,10 +909,12 @@ def pipe_friend_server(rank: int, port: int, attempts: int) -> dict:
 
 def _stranger_handshake(port: int, mode: bytes, forge: str) -> None:
     """Play rank 1 at the rendezvous without the secret, speaking the pipe's own rendezvous protocol."""
-    store = torch.distributed.TCPStore("127.0.0.1", port, world_size=2, is_master=False,
-                                       timeout=datetime.timedelta(seconds=BOUND))
-    hello = pipe_protocol.Hello(frame_bytes=pipe_protocol.HOST_FRAME_BYTES, max_in_flight=1 << 30, device="cpu",
-                                timeout_ms=3000)
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", port, world_size=2, is_master=False, timeout=datetime.timedelta(seconds=BOUND)
+    )
+    hello = pipe_protocol.Hello(
+        frame_bytes=pipe_protocol.HOST_FRAME_BYTES, max_in_flight=1 << 30, device="cpu", timeout_ms=3000
+    )
     store.set("kvbridge/hello/1", hello.pack())
     store.set("kvbridge/auth/1", mode)
     if mode == b"required":
@@ -829,8 +955,14 @@ def test_pipe_rendezvous_refuses_strangers_then_serves_the_friend() -> None:
 def buffer_side_with_secret(rank: int, port: int, seed: int, count: int, sync: dict) -> dict:
     """Rank 0 inserts ``count`` entries; rank 1 (the friend) selects every entry once the test's
     strangers are done."""
-    cfg = KVTransferConfig(kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_rank=rank, kv_port=port,
-                           kv_timeout=5.0, kv_connect_timeout=30.0, kv_secret=SECRET)
+    cfg = KVTransferConfig(
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_rank=rank,
+        kv_port=port,
+        kv_timeout=5.0,
+        kv_connect_timeout=30.0,
+        kv_secret=SECRET,
+    )
     buffer = SimpleBuffer(TorchDistributedPipe(cfg), cfg)
     try:
         if rank == 0:
@@ -893,8 +1025,9 @@ def test_control_channel_refuses_strangers_and_forged_sessions_then_serves_the_f
     ctx = procs._CTX
     sync = {name: ctx.Event() for name in ("inserted", "stranger_done", "friend_done")}
     results = procs.new_queue()
-    processes = [procs.start(buffer_side_with_secret, (rank, port, seed, count, sync), results, rank)
-                 for rank in (0, 1)]
+    processes = [
+        procs.start(buffer_side_with_secret, (rank, port, seed, count, sync), results, rank) for rank in (0, 1)
+    ]
     verdicts: dict[str, Any] = {}
     try:
         assert sync["inserted"].wait(60), "the producer did not insert"
@@ -906,13 +1039,17 @@ def test_control_channel_refuses_strangers_and_forged_sessions_then_serves_the_f
             return select_request(request_id, tokens, roi, wait_ms, session=GUESSED_SESSION, counter=request_id)
 
         body = encode_request(unsigned, request(1001))
-        signed_absent = encode_request(friend, select_request(
-            1002, *token_arrays(torch.tensor([-1]), torch.ones(1, dtype=torch.bool)), 0, GUESSED_SESSION, 1002))
+        signed_absent = encode_request(
+            friend,
+            select_request(
+                1002, *token_arrays(torch.tensor([-1]), torch.ones(1, dtype=torch.bool)), 0, GUESSED_SESSION, 1002
+            ),
+        )
         attempts = {
             "unsigned": body,
             "wrong secret": encode_request(guess, request(1003)),
-            "tampered": body + signed_absent[-auth.TAG_BYTES:],
-            "tag only": signed_absent[-auth.TAG_BYTES:],
+            "tampered": body + signed_absent[-auth.TAG_BYTES :],
+            "tag only": signed_absent[-auth.TAG_BYTES :],
             "truncated tag": encode_request(friend, request(1004))[:-1],
             # With the secret but without the session, which only the data pipe carries.
             "signed, guessed session": encode_request(friend, request(1005)),
@@ -954,4 +1091,3 @@ def _exchange(sock: zmq.Socket, frame: bytes) -> bytes:
 def _stranger_reply(frame: bytes) -> str:
     """The reason a stranger reads in a refusal (signed, so it checks no tag: it strips one)."""
     return decode_refusal(ControlSigner(None), frame[: -auth.TAG_BYTES]).reason
-

@@ -26,13 +26,22 @@ ROI = torch.ones(3, dtype=torch.bool)
 
 
 def producer_config(port: int, **changes: object) -> KVTransferConfig:
-    return KVTransferConfig(**{"kv_role": "kv_producer", "kv_ip": HOST, "kv_port": port, "kv_timeout": 5.0,
-                               "kv_buffer_size": 1 << 22, **changes})
+    return KVTransferConfig(
+        **{
+            "kv_role": "kv_producer",
+            "kv_ip": HOST,
+            "kv_port": port,
+            "kv_timeout": 5.0,
+            "kv_buffer_size": 1 << 22,
+            **changes,
+        }
+    )
 
 
 def consumer_config(**changes: object) -> KVTransferConfig:
-    return KVTransferConfig(**{"kv_role": "kv_consumer", "kv_rank": 1, "kv_timeout": 5.0,
-                               "kv_buffer_size": 1 << 22, **changes})
+    return KVTransferConfig(
+        **{"kv_role": "kv_consumer", "kv_rank": 1, "kv_timeout": 5.0, "kv_buffer_size": 1 << 22, **changes}
+    )
 
 
 def wait_until(condition, timeout: float = 30.0) -> None:  # noqa: ANN001 - any callable

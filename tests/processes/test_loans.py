@@ -104,13 +104,30 @@ def test_loan_descriptors_round_trip_and_refuse_every_inconsistency():
         return torch.from_numpy(bad)
 
     at_pieces = len(words) - 9
-    for bad in [changed(0, 1), changed(1, 999), changed(2, -1), changed(2, 49), changed(3, -3), changed(5, 3),
-                changed(6, -1), changed(8, 0), changed(12, 2), changed(13, -8), changed(at_pieces - 1, 4),
-                changed(at_pieces, 2), changed(at_pieces + 1, -4096), changed(at_pieces + 2, 2049),
-                changed(at_pieces + 1, (1 << 20) - 1024), changed(13, 4092),  # a piece, the stamp past the end
-                changed(at_pieces + 2, 1 << 62), changed(at_pieces + 5, -1),
-                torch.from_numpy(words[:-1]), torch.from_numpy(words[:5]), torch.from_numpy(words.astype(np.int32)),
-                torch.from_numpy(words).reshape(1, -1)]:
+    for bad in [
+        changed(0, 1),
+        changed(1, 999),
+        changed(2, -1),
+        changed(2, 49),
+        changed(3, -3),
+        changed(5, 3),
+        changed(6, -1),
+        changed(8, 0),
+        changed(12, 2),
+        changed(13, -8),
+        changed(at_pieces - 1, 4),
+        changed(at_pieces, 2),
+        changed(at_pieces + 1, -4096),
+        changed(at_pieces + 2, 2049),
+        changed(at_pieces + 1, (1 << 20) - 1024),
+        changed(13, 4092),  # a piece, the stamp past the end
+        changed(at_pieces + 2, 1 << 62),
+        changed(at_pieces + 5, -1),
+        torch.from_numpy(words[:-1]),
+        torch.from_numpy(words[:5]),
+        torch.from_numpy(words.astype(np.int32)),
+        torch.from_numpy(words).reshape(1, -1),
+    ]:
         with pytest.raises(KVProtocolError):
             parse_loan_descriptor(bad)
 
@@ -155,8 +172,10 @@ def producer_lends(buffer: SimpleBuffer, sync: dict, seed: int, count: int) -> l
     loans = []
     for index, lends in enumerate(_lend_plan(seed, count)):
         tokens, roi, *items = bodies.make_request(seed, index)
-        items = [_scattered(rng, arena, used, item) if lend and item is not None else item
-                 for item, lend in zip(items, lends, strict=True)]
+        items = [
+            _scattered(rng, arena, used, item) if lend and item is not None else item
+            for item, lend in zip(items, lends, strict=True)
+        ]
         loans.append(buffer.insert(tokens, roi, *items, timeout=bodies.BOUND))
     return [None if loan is None else loan.wait(bodies.BOUND) for loan in loans]
 
@@ -183,13 +202,16 @@ def consumer_borrows(buffer: SimpleBuffer, sync: dict, seed: int, count: int, bo
     return kinds
 
 
-def _pair(producer, consumer, producer_args: tuple, consumer_args: tuple, clean: bool = True,
-          **changes) -> tuple[dict, dict]:
+def _pair(
+    producer, consumer, producer_args: tuple, consumer_args: tuple, clean: bool = True, **changes
+) -> tuple[dict, dict]:
     port = procs.free_port()
     sync = {name: procs.new_event() for name in bodies.SYNC_EVENTS}
     results = procs.new_queue()
-    processes = [procs.start(bodies.run_side, (0, port, producer, changes, sync, *producer_args), results, 0),
-                 procs.start(bodies.run_side, (1, port, consumer, changes, sync, *consumer_args), results, 1)]
+    processes = [
+        procs.start(bodies.run_side, (0, port, producer, changes, sync, *producer_args), results, 0),
+        procs.start(bodies.run_side, (1, port, consumer, changes, sync, *consumer_args), results, 1),
+    ]
     outcomes = procs.collect(processes, results, 150)
     for side in outcomes.values():
         assert not clean or side["close_error"] is None, side["close_error"]
@@ -197,19 +219,30 @@ def _pair(producer, consumer, producer_args: tuple, consumer_args: tuple, clean:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("path", "borrow_every", "expected"), [
-    ("on", 1, "returned"),  # every select borrows: each loan ends when its consumer released it
-    ("on", 0, "sent"),  # no select borrows: the producer copies lent items into the pipe
-    ("off", 1, "sent"),  # borrowing over the transport: the producer copies them too
-])
+@pytest.mark.parametrize(
+    ("path", "borrow_every", "expected"),
+    [
+        ("on", 1, "returned"),  # every select borrows: each loan ends when its consumer released it
+        ("on", 0, "sent"),  # no select borrows: the producer copies lent items into the pipe
+        ("off", 1, "sent"),  # borrowing over the transport: the producer copies them too
+    ],
+)
 def test_lent_entries_arrive_bit_exact_borrowed_or_copied(path, borrow_every, expected):
     seed, count = 31, 24
-    producer, consumer = _pair(producer_lends, consumer_borrows, (seed, count), (seed, count, borrow_every),
-                               kv_shared_memory=path, kv_buffer_size=32 << 20)
+    producer, consumer = _pair(
+        producer_lends,
+        consumer_borrows,
+        (seed, count),
+        (seed, count, borrow_every),
+        kv_shared_memory=path,
+        kv_buffer_size=32 << 20,
+    )
     plan = _lend_plan(seed, count)
     requests = [bodies.make_request(seed, index) for index in range(count)]
-    lent = [any(lend and item is not None for item, lend in zip(request[2:], lends, strict=True))
-            for request, lends in zip(requests, plan, strict=True)]
+    lent = [
+        any(lend and item is not None for item, lend in zip(request[2:], lends, strict=True))
+        for request, lends in zip(requests, plan, strict=True)
+    ]
     assert producer["result"] == [expected if any_lent else None for any_lent in lent]
     kinds = consumer["result"]
     assert ("BorrowedTensor" in kinds) == (expected == "returned"), kinds
@@ -281,8 +314,7 @@ def consumer_closes_holding(buffer: SimpleBuffer, sync: dict, seed: int) -> str:
 
 @pytest.mark.timeout(120)
 def test_loans_end_when_unselected_and_when_the_borrower_leaves():
-    producer, consumer = _pair(producer_lends_unselected, consumer_closes_holding, (43,), (43,),
-                               kv_entry_timeout=1.0)
+    producer, consumer = _pair(producer_lends_unselected, consumer_closes_holding, (43,), (43,), kv_entry_timeout=1.0)
     assert producer["result"] == ["expired", "dropped"]
     assert consumer["result"] == "taken back"  # its stamp was cleared before the loan ended
 
@@ -315,6 +347,7 @@ def test_a_consumer_may_send_releases_only():
     assert "KVProtocolError" in producer["result"] and "sends only releases" in producer["result"]
     assert "sends only releases" in producer["close_error"]  # close reports the failure too
     assert "refused" in consumer["result"]["after garbage"]
+
 
 # --- a loan taken back while the producer copies it out for a consumer that does not borrow -------
 # The take-back waits for the copy at most ``kv_timeout``; past that the memory changes under it, so
@@ -365,7 +398,6 @@ def consumer_selects_without_borrowing(buffer: SimpleBuffer, sync: dict, seed: i
 
 @pytest.mark.timeout(120)
 def test_a_copy_out_that_outlasts_the_take_back_is_answered_as_a_miss() -> None:
-    producer, consumer = _pair(producer_takes_back_during_a_copy_out, consumer_selects_without_borrowing,
-                               (47,), (47,))
+    producer, consumer = _pair(producer_takes_back_during_a_copy_out, consumer_selects_without_borrowing, (47,), (47,))
     assert producer["result"] == {"in_time": False, "outcome": TAKEN_BACK, "hits": 0}
     assert consumer["result"] is True

@@ -239,7 +239,11 @@ def test_hit_header_round_trip(dtype: torch.dtype) -> None:
             stamp_header(header, request_id, waited)
             got = parse_header(torch.from_numpy(header))
             assert (got.request_id, got.waited, got.has_value, got.has_hidden) == (
-                request_id, waited, has_value, has_hidden)
+                request_id,
+                waited,
+                has_value,
+                has_hidden,
+            )
             assert bodies.same_bits(got.input_tokens, tokens) and bodies.same_bits(got.roi, roi)
             assert got.match_key == MatchKey(*token_arrays(tokens, roi))
             assert got.status is OutcomeStatus.HIT
@@ -765,8 +769,9 @@ def _kill_the_producer_under(producer_body: Any, consumer_body: Any, ready: str)
 
 @pytest.mark.timeout(120)
 def test_producer_killed_while_consumer_waits() -> None:
-    outcome = _kill_the_producer_under(bodies.producer_parks_then_sleeps, bodies.consumer_waits_for_death,
-                                       "the consumer's select was never parked")
+    outcome = _kill_the_producer_under(
+        bodies.producer_parks_then_sleeps, bodies.consumer_waits_for_death, "the consumer's select was never parked"
+    )
     assert outcome["first"] == "KVPeerLostError", outcome  # an error, not a miss
     assert outcome["second"] == "KVPeerLostError"
     assert outcome["close"] == "ok"  # the failure was reported already
@@ -775,8 +780,9 @@ def test_producer_killed_while_consumer_waits() -> None:
 @pytest.mark.timeout(120)
 def test_producer_killed_while_the_consumer_is_idle_is_reported_by_close() -> None:
     """No select reads the data pipe while none runs; close() must still report the dead producer."""
-    outcome = _kill_the_producer_under(bodies.producer_sleeps, bodies.consumer_idle_while_producer_dies,
-                                       "the consumer never got ready")
+    outcome = _kill_the_producer_under(
+        bodies.producer_sleeps, bodies.consumer_idle_while_producer_dies, "the consumer never got ready"
+    )
     assert outcome == {"pending": 0, "close": "KVPeerLostError", "after_close": "KVPeerLostError"}, outcome
 
 
@@ -962,7 +968,15 @@ def test_a_captured_select_replayed_later_or_to_a_restarted_producer_is_refused(
         assert (producer["result"]["hits"], producer["result"]["entries"]) == (count + 1, 0)
         assert producer["result"]["bad_messages"] == 3 + len(verdicts[-1]["from an earlier producer"])
         assert_clean(producer, consumer)
-    assert verdicts[0] == {"from an earlier producer": [], "at once": "stale", "later": "stale",
-                           "a miss's, later": "stale"}
-    assert verdicts[1] == {"from an earlier producer": ["stale", "stale"], "at once": "stale", "later": "stale",
-                           "a miss's, later": "stale"}
+    assert verdicts[0] == {
+        "from an earlier producer": [],
+        "at once": "stale",
+        "later": "stale",
+        "a miss's, later": "stale",
+    }
+    assert verdicts[1] == {
+        "from an earlier producer": ["stale", "stale"],
+        "at once": "stale",
+        "later": "stale",
+        "a miss's, later": "stale",
+    }

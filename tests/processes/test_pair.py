@@ -24,12 +24,16 @@ def test_greedy_continue_matches_transformers_generate() -> None:
     model = build_model(None, seed=0)
     prompt = torch.randint(0, model.config.vocab_size, (37,), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        reference = model.generate(prompt.view(1, -1), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+        reference = model.generate(prompt.view(1, -1), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
     assert len(reference) == 8
     assert greedy_generate(model, prompt, 8) == reference
     state = prefill(model, prompt)
-    received = dataclasses.replace(state, keys=[k.clone() for k in state.keys],
-                                   values=[v.clone() for v in state.values], hidden=state.hidden.clone())
+    received = dataclasses.replace(
+        state,
+        keys=[k.clone() for k in state.keys],
+        values=[v.clone() for v in state.values],
+        hidden=state.hidden.clone(),
+    )
     assert greedy_continue(model, received, 8) == reference
     assert all(torch.equal(a, b) for a, b in zip(received.keys, state.keys, strict=True))  # cache left intact
 
@@ -42,8 +46,9 @@ def test_weights_digest_follows_the_seed() -> None:
 
 
 def test_settings_prompts_and_order() -> None:
-    settings = PairSettings.from_env({"KVBRIDGE_NUM_PROMPTS": "7", "KVBRIDGE_MIN_PROMPT_LEN": "3",
-                                      "KVBRIDGE_MAX_PROMPT_LEN": "9"})
+    settings = PairSettings.from_env(
+        {"KVBRIDGE_NUM_PROMPTS": "7", "KVBRIDGE_MIN_PROMPT_LEN": "3", "KVBRIDGE_MAX_PROMPT_LEN": "9"}
+    )
     assert (settings.num_prompts, settings.max_new_tokens, settings.min_prompt_len) == (7, 16, 3)
     prompts = make_prompts(settings, vocab_size=50)
     assert [p.tolist() for p in prompts] == [p.tolist() for p in make_prompts(settings, vocab_size=50)]
@@ -51,8 +56,12 @@ def test_settings_prompts_and_order() -> None:
     order = decode_order(settings)
     assert sorted(order) == list(range(7)) and order != list(range(7))
     assert decode_order(dataclasses.replace(settings, num_prompts=2)) == [1, 0]
-    for bad in ({"KVBRIDGE_NUM_PROMPTS": "0"}, {"KVBRIDGE_SEED": "x"},
-                {"KVBRIDGE_MIN_PROMPT_LEN": "10", "KVBRIDGE_MAX_PROMPT_LEN": "9"}, {"KVBRIDGE_SELECT_TIMEOUT": "-1"}):
+    for bad in (
+        {"KVBRIDGE_NUM_PROMPTS": "0"},
+        {"KVBRIDGE_SEED": "x"},
+        {"KVBRIDGE_MIN_PROMPT_LEN": "10", "KVBRIDGE_MAX_PROMPT_LEN": "9"},
+        {"KVBRIDGE_SELECT_TIMEOUT": "-1"},
+    ):
         with pytest.raises(KVConfigError, match=next(iter(bad))):
             PairSettings.from_env(bad)
 
@@ -67,8 +76,16 @@ def test_cli_builds_torchrun_command() -> None:
 
 
 def torchrun(port: int, *args: str, module: str = "launch.pair") -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--master-addr=127.0.0.1", f"--master-port={port}",
-            *args, "-m", module]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        *args,
+        "-m",
+        module,
+    ]
 
 
 def with_fault(port: int, fault: str) -> list[str]:
@@ -84,8 +101,14 @@ def test_console_script_pair_matches_with_a_secret_file(tmp_path: Path) -> None:
     secret.write_text("correct horse battery staple\n")
     secret.chmod(0o600)
     port = procs.free_port(span=6)
-    command = [console_script(), "pair", "--num-prompts", str(NUM_PROMPTS),
-               "--master-addr=127.0.0.1", f"--master-port={port}"]
+    command = [
+        console_script(),
+        "pair",
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+    ]
     [result] = run_processes([(command, {"KVBRIDGE_KV_SECRET_FILE": str(secret)})], tmp_path, timeout=140)
     assert result.returncode == 0, explain(result)
     assert len(table_rows(result.stdout, "yes")) == NUM_PROMPTS, explain(result)
@@ -109,8 +132,9 @@ def test_pair_negative_control_corrupt_kv_fails(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_lost_entry_is_a_miss_recomputed_and_reported(tmp_path: Path) -> None:
     port = procs.free_port(span=6)
-    [result] = run_processes([(with_fault(port, "lose-insert=2"), {"KVBRIDGE_SELECT_TIMEOUT": "1"})], tmp_path,
-                             timeout=140)
+    [result] = run_processes(
+        [(with_fault(port, "lose-insert=2"), {"KVBRIDGE_SELECT_TIMEOUT": "1"})], tmp_path, timeout=140
+    )
     assert result.returncode == 1, explain(result)  # the check fails: an entry was lost
     [missed] = [line for line in result.stdout.splitlines() if "| miss, recomputed " in line]
     assert missed.startswith("|       2 |"), missed
@@ -130,21 +154,36 @@ def test_pair_as_two_separate_launches(tmp_path: Path) -> None:
     assert f"{NUM_PROMPTS}/{NUM_PROMPTS} sequences matching" in prefill_side.stdout
 
 
-def plain_ranks(port: int, env: dict[str, str] | None = None, per_rank: dict[int, dict[str, str]] | None = None,
-                module: list[str] | None = None) -> list[tuple[list[str], dict[str, str]]]:
+def plain_ranks(
+    port: int,
+    env: dict[str, str] | None = None,
+    per_rank: dict[int, dict[str, str]] | None = None,
+    module: list[str] | None = None,
+) -> list[tuple[list[str], dict[str, str]]]:
     """Both ranks as plain processes, configured as torchrun would (each survives the other's death)."""
-    return [([sys.executable, "-m", *(module or ["launch.pair"])],
-             {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-              **(env or {}), **(per_rank or {}).get(rank, {})})
-            for rank in (0, 1)]
+    return [
+        (
+            [sys.executable, "-m", *(module or ["launch.pair"])],
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                **(env or {}),
+                **(per_rank or {}).get(rank, {}),
+            },
+        )
+        for rank in (0, 1)
+    ]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("crashing", [0, 1])
 def test_survivor_reports_a_crashed_peer(tmp_path: Path, crashing: int) -> None:
     port = procs.free_port(span=6)
-    ranks = plain_ranks(port, {"KVBRIDGE_KV_TIMEOUT": "5"},
-                        module=["harness.fault_injection", f"crash-rank={crashing}"])
+    ranks = plain_ranks(
+        port, {"KVBRIDGE_KV_TIMEOUT": "5"}, module=["harness.fault_injection", f"crash-rank={crashing}"]
+    )
     results = run_processes(ranks, tmp_path, timeout=110)
     crashed, survivor = results[crashing], results[1 - crashing]
     assert crashed.returncode == 2 and "fault injection: rank" in crashed.stderr, explain(crashed)

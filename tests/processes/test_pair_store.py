@@ -20,8 +20,16 @@ CHUNKED = {"KVBRIDGE_KV_CHUNK_SIZE": "16"}
 
 def pair_with_store(tmp_path: Path, spec: str, env: dict[str, str] | None = None) -> procs.Finished:
     port = procs.free_port(span=6)
-    command = [console_script(), "pair", "--num-prompts", str(NUM_PROMPTS), "--store", spec,
-               "--master-addr=127.0.0.1", f"--master-port={port}"]
+    command = [
+        console_script(),
+        "pair",
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--store",
+        spec,
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+    ]
     [result] = run_processes([(command, {**CHUNKED, **(env or {})})], tmp_path, timeout=140)
     return result
 
@@ -67,8 +75,9 @@ def test_a_memory_store_is_refused_for_the_pair() -> None:
 
 
 def test_the_cli_passes_the_store_to_the_ranks() -> None:
-    environment = KVConnectorConfig.from_env(KVTransferConfig(), {"KVBRIDGE_KV_STORE": "disk:/tmp/kv",
-                                                                  "KVBRIDGE_KV_CHUNK_SIZE": "64"})
+    environment = KVConnectorConfig.from_env(
+        KVTransferConfig(), {"KVBRIDGE_KV_STORE": "disk:/tmp/kv", "KVBRIDGE_KV_CHUNK_SIZE": "64"}
+    )
     assert (environment.kv_store, environment.kv_chunk_size) == ("disk:/tmp/kv", 64)
     assert KVConnectorConfig.from_env(KVTransferConfig(), {}).kv_store is None
     with pytest.raises(KVConfigError, match="KVBRIDGE_KV_CHUNK_SIZE"):

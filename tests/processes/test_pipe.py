@@ -72,8 +72,14 @@ def payload_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
 def config(rank: int, port: int, **changes) -> KVTransferConfig:
     path = os.environ.get(_PATH_VARIABLE, "auto")
-    values = dict(kv_rank=rank, kv_role="kv_producer" if rank == 0 else "kv_consumer", kv_port=port,
-                  kv_timeout=5.0, kv_connect_timeout=30.0, kv_shared_memory="off" if path == SPLIT else path)
+    values = dict(
+        kv_rank=rank,
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_port=port,
+        kv_timeout=5.0,
+        kv_connect_timeout=30.0,
+        kv_shared_memory="off" if path == SPLIT else path,
+    )
     values.update(changes)
     return KVTransferConfig(**values)
 
@@ -83,14 +89,19 @@ def open_pipe(cfg: KVTransferConfig) -> TorchDistributedPipe:
     return TorchDistributedPipe(cfg, split=os.environ.get(_PATH_VARIABLE) == SPLIT)
 
 
-
-
-
-
 def dtype_cases() -> list[tuple[torch.dtype, tuple[int, ...]]]:
     # INLINE_CAPACITY // 8 + 1 elements: inside the frame (itemsize 1, 2, 4) or a payload after it (8, 16).
-    shapes = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (1, 1, 1, 1, 1, 1, 1, 1, 3), (INLINE_CAPACITY // 8 + 1,),
-              (33, 17, 129)]
+    shapes = [
+        (),
+        (0,),
+        (1,),
+        (7,),
+        (3, 5),
+        (2, 0, 3),
+        (1, 1, 1, 1, 1, 1, 1, 1, 3),
+        (INLINE_CAPACITY // 8 + 1,),
+        (33, 17, 129),
+    ]
     return [(dtype, shape) for dtype in DTYPE_TO_CODE for shape in shapes]
 
 
@@ -103,8 +114,10 @@ def tensor_stream(seed: int) -> list[torch.Tensor | None]:
     items += [base.t(), base[::3, 1::2], base[5], torch.randn(4, 4, dtype=torch.complex64, generator=generator).conj()]
     # Contiguous tensors whose memory is not their values as it stands (a negative view), or that
     # autograd tracks.
-    items += [torch._neg_view(random_tensor(generator, torch.float32, (3, 5))),
-              random_tensor(generator, torch.float32, (6,)).requires_grad_()]
+    items += [
+        torch._neg_view(random_tensor(generator, torch.float32, (3, 5))),
+        random_tensor(generator, torch.float32, (6,)).requires_grad_(),
+    ]
     return items
 
 
@@ -115,8 +128,12 @@ def body_every_dtype(rank: int, port: int) -> int:
     """Both sides send the same stream at the same time and check what they receive."""
     expected = tensor_stream(seed=1234)
     with open_pipe(config(rank, port)) as pipe:
-        unsendable = [[1, 2, 3], torch.randn(4, 4).to_sparse(), torch.zeros([1] * (MAX_NDIM + 1)),
-                      torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)]
+        unsendable = [
+            [1, 2, 3],
+            torch.randn(4, 4).to_sparse(),
+            torch.zeros([1] * (MAX_NDIM + 1)),
+            torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8),
+        ]
         for item in unsendable:
             with pytest.raises(KVTransferError):
                 pipe.send_tensor(item)
@@ -160,6 +177,7 @@ def body_random_stress(rank: int, port: int, count: int) -> int:
 def body_concurrent_senders(rank: int, port: int, threads: int, per_thread: int) -> int:
     with open_pipe(config(rank, port)) as pipe:
         if rank == 0:
+
             def send(thread_id: int) -> None:
                 for seq in range(per_thread):
                     pipe.send_tensor(torch.tensor([thread_id, seq, thread_id * 1000 + seq]))
@@ -201,13 +219,23 @@ def body_frame_boundaries(rank: int, port: int) -> int:
     """Sizes around the inline area's edges, both ways at once. Every received tensor is kept until
     the end: none may be overwritten by the frames and payloads that follow it."""
     half = INLINE_CAPACITY // 2
-    sizes = [1, half - 1, half, half + 1, INLINE_CAPACITY - 1, INLINE_CAPACITY, INLINE_CAPACITY + 1,
-             2 * INLINE_CAPACITY] * 3
+    sizes = [
+        1,
+        half - 1,
+        half,
+        half + 1,
+        INLINE_CAPACITY - 1,
+        INLINE_CAPACITY,
+        INLINE_CAPACITY + 1,
+        2 * INLINE_CAPACITY,
+    ] * 3
     streams = []
     for seed in (rank, 1 - rank):
         generator = torch.Generator().manual_seed(seed)
-        streams.append([random_tensor(generator, torch.uint8, (size,)) for size in sizes]
-                       + [random_tensor(generator, torch.float32, (INLINE_CAPACITY // 4,))])
+        streams.append(
+            [random_tensor(generator, torch.uint8, (size,)) for size in sizes]
+            + [random_tensor(generator, torch.float32, (INLINE_CAPACITY // 4,))]
+        )
     mine, theirs = streams
     with open_pipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
         sender = threading.Thread(target=lambda: [pipe.send_tensor(item, timeout=30) for item in mine])
@@ -243,8 +271,16 @@ def batch_stream(seed: int) -> list[list[torch.Tensor | None]]:
     half = INLINE_CAPACITY // 2
     sizes = [half - 1, half, INLINE_CAPACITY - 600, INLINE_CAPACITY - 512, INLINE_CAPACITY, INLINE_CAPACITY + 1]
     around = [random_tensor(generator, torch.uint8, (size,)) for size in sizes]
-    return [singles[:40], [None], tiny, [], [header, *around], singles[40:], [header, None, around[-1], header],
-            [random_tensor(generator, torch.float64, (3, 3))]]
+    return [
+        singles[:40],
+        [None],
+        tiny,
+        [],
+        [header, *around],
+        singles[40:],
+        [header, None, around[-1], header],
+        [random_tensor(generator, torch.float64, (3, 3))],
+    ]
 
 
 def body_batches(rank: int, port: int) -> int:
@@ -252,6 +288,7 @@ def body_batches(rank: int, port: int) -> int:
     received item is kept to the end: none may be overwritten by later frames."""
     mine, theirs = batch_stream(seed=rank), batch_stream(seed=1 - rank)
     with open_pipe(config(rank, port, kv_buffer_size=64 << 20)) as pipe:
+
         def send_all() -> None:
             for batch in mine:
                 pipe.send_tensors(batch, timeout=30)
@@ -281,12 +318,19 @@ def body_concurrent_batches(rank: int, port: int, threads: int, batches: int) ->
     budget = 8 << 20
     with open_pipe(config(rank, port, kv_buffer_size=budget)) as pipe:
         if rank == 0:
+
             def send(thread_id: int) -> None:
                 generator = torch.Generator().manual_seed(thread_id)
                 for number in range(batches):
                     size = [1, 5, 3000, 200_000][number % 4]
-                    pipe.send_tensors([torch.tensor([thread_id, number, index, size]) if index % 2 == 0
-                                       else random_tensor(generator, torch.uint8, (size,)) for index in range(6)])
+                    pipe.send_tensors(
+                        [
+                            torch.tensor([thread_id, number, index, size])
+                            if index % 2 == 0
+                            else random_tensor(generator, torch.uint8, (size,))
+                            for index in range(6)
+                        ]
+                    )
 
             workers = [threading.Thread(target=send, args=(t,)) for t in range(threads)]
             for worker in workers:
@@ -525,7 +569,6 @@ def body_backpressure(rank: int, port: int) -> int:
         return 40
 
 
-
 def body_credit_in_turn(rank: int, port: int) -> dict:
     """Rank 0 keeps the budget full with a stream of small tensors from one thread, then sends a
     large one from another; rank 1 takes one item a millisecond. The large one must get its credit
@@ -569,17 +612,18 @@ def body_credit_in_turn(rank: int, port: int) -> dict:
         return {"small ones received before the large one": position}
 
 
-
 def body_sent_from_where_it_lies(rank: int, port: int) -> dict:
     """Rank 0 sends tensors it filled in pipe memory, each twice (a buffer sent again), and one
     whose caller owns the bytes in front of it; rank 1 checks each and sends the large inline ones
     back as it received them. Each side reports which tensors went as a frame posted from the
     tensor's own memory (its header in front of it), and rank 0 that nothing it holds changed."""
     generator = torch.Generator().manual_seed(31)
-    cases = [(torch.float32, (INLINE_CAPACITY // 4,)),  # fills a frame's inline area
-             (torch.bfloat16, (3, 100_003)),  # inline, from the size a received one is a view
-             (torch.uint8, (INLINE_VIEW_MIN_BYTES - 1,)),  # inline, below that size
-             (torch.float64, (INLINE_CAPACITY // 8 + 1,))]  # a payload after its frame
+    cases = [
+        (torch.float32, (INLINE_CAPACITY // 4,)),  # fills a frame's inline area
+        (torch.bfloat16, (3, 100_003)),  # inline, from the size a received one is a view
+        (torch.uint8, (INLINE_VIEW_MIN_BYTES - 1,)),  # inline, below that size
+        (torch.float64, (INLINE_CAPACITY // 8 + 1,)),
+    ]  # a payload after its frame
     wants = [random_tensor(generator, dtype, shape) for dtype, shape in cases]
     echoed = 2
     posted_frames = set()
@@ -738,9 +782,22 @@ def body_hostile_header(rank: int, port: int) -> str:
 
     if rank == 1:
         connection = connect_as_forger(config(rank, port))
-        send_records(connection, {0: protocol.encode_header(protocol.FrameHeader(
-            kind=protocol.FrameKind.TENSOR, seq=0, consumed=0, want_credit=False,
-            dtype=torch.uint8, shape=(1 << 40,), nbytes=1 << 40))})
+        send_records(
+            connection,
+            {
+                0: protocol.encode_header(
+                    protocol.FrameHeader(
+                        kind=protocol.FrameKind.TENSOR,
+                        seq=0,
+                        consumed=0,
+                        want_credit=False,
+                        dtype=torch.uint8,
+                        shape=(1 << 40,),
+                        nbytes=1 << 40,
+                    )
+                )
+            },
+        )
         drain_until_dropped(connection)
         return "sent"
     pipe = open_pipe(config(rank, port))
@@ -826,8 +883,10 @@ def body_payload_receives_only_behind_frames(rank: int, port: int) -> dict[str, 
         connection = connect(*args, **kwargs)
         assert connection.payloads is not None, "a split pipe has payload groups"
         connection.incoming = _CompletionRecordingGroup(connection.incoming, log, "frames")
-        connection.payloads = (connection.payloads[0],
-                               _CompletionRecordingGroup(connection.payloads[1], log, "payloads"))
+        connection.payloads = (
+            connection.payloads[0],
+            _CompletionRecordingGroup(connection.payloads[1], log, "payloads"),
+        )
         return connection
 
     rendezvous.connect = recording_connect
@@ -847,17 +906,24 @@ def body_payload_receives_only_behind_frames(rank: int, port: int) -> dict[str, 
         log.clear()
         time.sleep(1.5)  # idle: keepalives only, several kv_timeout/4 apart
         idle = list(log)
-    misplaced = [index for index, entry in enumerate(busy) if entry == "payloads:recv"
-                 and (index == 0 or busy[index - 1] not in ("frames:arrived", "payloads:arrived"))]
-    return {"payload receives": busy.count("payloads:recv"), "misplaced": misplaced,
-            "idle payload operations": [entry for entry in idle if entry.startswith("payloads")],
-            "idle frames arrived": idle.count("frames:arrived") > 0}
+    misplaced = [
+        index
+        for index, entry in enumerate(busy)
+        if entry == "payloads:recv" and (index == 0 or busy[index - 1] not in ("frames:arrived", "payloads:arrived"))
+    ]
+    return {
+        "payload receives": busy.count("payloads:recv"),
+        "misplaced": misplaced,
+        "idle payload operations": [entry for entry in idle if entry.startswith("payloads")],
+        "idle frames arrived": idle.count("frames:arrived") > 0,
+    }
 
 
 def body_bug_in_a_transfer_thread(rank: int, port: int) -> str:
     """A bug in the receiver thread reaches the caller as itself, not as a lost peer, and fails the pipe."""
     pipe = open_pipe(config(rank, port))
     if rank == 1:
+
         def broken_read_inline(start, header):
             raise TypeError("a bug in the pipe")
 
@@ -985,8 +1051,14 @@ def stranger_tampering(port: int, how: str) -> str:
     deadline = time.monotonic() + 30
     while True:
         try:
-            store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=20))
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                world_size=None,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=20),
+            )
             break
         except (RuntimeError, OSError):
             assert time.monotonic() < deadline, "the rendezvous never listened"
@@ -1075,7 +1147,9 @@ def test_recv_timeout_then_continue_and_long_idle():
 def test_a_short_timeout_holds_while_keepalives_are_seconds_apart():
     port = procs.free_port()
     assert procs.run_pair(body_short_timeouts_beside_a_long_kv_timeout, (0, port), (1, port), timeout=100) == (
-        "ok", "ok")
+        "ok",
+        "ok",
+    )
 
 
 @also_split
@@ -1186,8 +1260,12 @@ def test_protocol_version_mismatch_is_refused_clearly():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "secrets, outcome",
-    [(("s3cret", "s3cret"), "served"), (("s3cret", "guess"), "refused"), (("s3cret", None), "refused"),
-     ((None, "s3cret"), "refused")],
+    [
+        (("s3cret", "s3cret"), "served"),
+        (("s3cret", "guess"), "refused"),
+        (("s3cret", None), "refused"),
+        ((None, "s3cret"), "refused"),
+    ],
 )
 def test_shared_secret_serves_friends_and_refuses_strangers(secrets, outcome):
     port = procs.free_port()
@@ -1261,8 +1339,15 @@ def test_launch_under_torchrun(tmp_path):
     )
     port = procs.free_port()
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-               f"--master-port={port}", str(script)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        str(script),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=150)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
@@ -1294,8 +1379,15 @@ def test_bad_config_values_name_the_field(changes, field):
 
 
 def test_config_from_env_maps_torchrun_variables():
-    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500",
-           "KVBRIDGE_KV_BUFFER_SIZE": "123456", "KVBRIDGE_KV_TIMEOUT": "7.5"}
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.1.2.3",
+        "MASTER_PORT": "29500",
+        "KVBRIDGE_KV_BUFFER_SIZE": "123456",
+        "KVBRIDGE_KV_TIMEOUT": "7.5",
+    }
     cfg = KVTransferConfig.from_env(env)
     assert (cfg.kv_rank, cfg.kv_role, cfg.kv_ip, cfg.kv_port) == (1, "kv_consumer", "10.1.2.3", 29501)
     assert (cfg.kv_buffer_size, cfg.kv_timeout) == (123456, 7.5)
@@ -1327,11 +1419,30 @@ def test_header_codec_round_trips_in_a_reused_frame():
     generator = random.Random(7)
     frame = memoryview(bytearray(HEADER_BYTES))
     inline_capacity = HOST_FRAME_BYTES - HEADER_BYTES
-    headers = [FrameHeader(kind, seq=generator.randrange(1 << 40), consumed=generator.randrange(1 << 50),
-                           want_credit=generator.random() < 0.5, freed=4096 * generator.randrange(0, 9))
-               for kind in FrameKind if kind not in (FrameKind.TENSOR, FrameKind.FREED)]
-    headers.append(FrameHeader(FrameKind.FREED, seq=0, consumed=5, want_credit=False, dtype=torch.int64,
-                               shape=(3,), nbytes=24, inline=True, more=True))
+    headers = [
+        FrameHeader(
+            kind,
+            seq=generator.randrange(1 << 40),
+            consumed=generator.randrange(1 << 50),
+            want_credit=generator.random() < 0.5,
+            freed=4096 * generator.randrange(0, 9),
+        )
+        for kind in FrameKind
+        if kind not in (FrameKind.TENSOR, FrameKind.FREED)
+    ]
+    headers.append(
+        FrameHeader(
+            FrameKind.FREED,
+            seq=0,
+            consumed=5,
+            want_credit=False,
+            dtype=torch.int64,
+            shape=(3,),
+            nbytes=24,
+            inline=True,
+            more=True,
+        )
+    )
     for dtype in DTYPE_TO_CODE:
         for ndim in (MAX_NDIM, 0, 7, 1, 3):  # long before short: stale shape words would be caught
             shape = tuple(generator.choice((1, 1, 2, 3)) for _ in range(ndim))
@@ -1339,14 +1450,23 @@ def test_header_codec_round_trips_in_a_reused_frame():
                 shape = (0,) + shape[1:]
             nbytes = math.prod(shape) * dtype.itemsize
             inline = nbytes <= inline_capacity
-            headers.append(FrameHeader(FrameKind.TENSOR, seq=generator.randrange(1 << 40), consumed=0,
-                                       want_credit=True, dtype=dtype, shape=shape, nbytes=nbytes, inline=inline,
-                                       place=0 if inline or not nbytes else 4096 * generator.randrange(1, 9),
-                                       freed=4096 * generator.randrange(0, 9)))
+            headers.append(
+                FrameHeader(
+                    FrameKind.TENSOR,
+                    seq=generator.randrange(1 << 40),
+                    consumed=0,
+                    want_credit=True,
+                    dtype=dtype,
+                    shape=shape,
+                    nbytes=nbytes,
+                    inline=inline,
+                    place=0 if inline or not nbytes else 4096 * generator.randrange(1, 9),
+                    freed=4096 * generator.randrange(0, 9),
+                )
+            )
     for header in headers:
         pack_header(header, frame)
-        assert decode_header(frame, max_nbytes=1 << 62, inline_capacity=inline_capacity,
-                             shared_bytes=1 << 62) == header
+        assert decode_header(frame, max_nbytes=1 << 62, inline_capacity=inline_capacity, shared_bytes=1 << 62) == header
 
 
 @pytest.mark.timeout(60)
@@ -1376,7 +1496,9 @@ def test_split_pipe_posts_a_payload_receive_only_behind_its_frame_and_none_while
 def test_a_bug_in_a_transfer_thread_surfaces_as_itself():
     port = procs.free_port()
     assert procs.run_pair(body_bug_in_a_transfer_thread, (0, port), (1, port), timeout=50) == (
-        "peer saw it", "surfaced")
+        "peer saw it",
+        "surfaced",
+    )
 
 
 @pytest.mark.timeout(90)
@@ -1391,8 +1513,10 @@ def test_a_bug_while_sending_surfaces_as_itself_to_every_caller(where: str):
 @pytest.mark.timeout(90)
 def test_a_sender_waiting_for_credit_is_told_when_the_peer_closes():
     port = procs.free_port()
-    assert procs.run_pair(body_peer_closes_while_a_send_waits_for_credit, (0, port), (1, port),
-                          timeout=80) == ("told", "closed")
+    assert procs.run_pair(body_peer_closes_while_a_send_waits_for_credit, (0, port), (1, port), timeout=80) == (
+        "told",
+        "closed",
+    )
 
 
 @pytest.mark.timeout(90)

@@ -66,8 +66,13 @@ def test_the_server_answers_only_with_its_password_which_no_command_line_shows(d
         with pytest.raises(redis.AuthenticationError):
             client(server.port, "wrong").ping()
         settings = client(server.port, PASSWORD).config_get("*")
-        assert (settings["bind"], settings["maxmemory"], settings["maxmemory-policy"], settings["save"],
-                settings["appendonly"]) == ("127.0.0.1", str(64 << 20), "allkeys-lru", "", "no")
+        assert (
+            settings["bind"],
+            settings["maxmemory"],
+            settings["maxmemory-policy"],
+            settings["save"],
+            settings["appendonly"],
+        ) == ("127.0.0.1", str(64 << 20), "allkeys-lru", "", "no")
     finally:
         server.stop()
     assert_gone(server, process, directory)
@@ -113,7 +118,8 @@ sys.exit(3)
 
 @pytest.mark.parametrize("ending", ["instance exits", "interrupt"])
 def test_serve_starts_the_server_for_its_instances_and_stops_it_however_it_ends(
-        ending: str, tmp_path: Path, directories: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    ending: str, tmp_path: Path, directories: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     started: list[tuple[redis_server.ManagedRedis, object]] = []
 
     class Recorded(redis_server.ManagedRedis):
@@ -127,16 +133,27 @@ def test_serve_starts_the_server_for_its_instances_and_stops_it_however_it_ends(
         raise KeyboardInterrupt
 
     monkeypatch.setattr(serve.redis_server, "ManagedRedis", Recorded)
-    monkeypatch.setattr(serve, "vllm_serve_command",
-                        lambda model, host, port, transfer, extra: [sys.executable, "-c", INSTANCE,
-                                                                    json.dumps(transfer)])
+    monkeypatch.setattr(
+        serve,
+        "vllm_serve_command",
+        lambda model, host, port, transfer, extra: [sys.executable, "-c", INSTANCE, json.dumps(transfer)],
+    )
     if ending == "interrupt":
         monkeypatch.setattr(serve, "wait_healthy", interrupted)
     for name in ("KVBRIDGE_KV_SECRET", "KVBRIDGE_KV_SECRET_FILE", "KVBRIDGE_STORE_PASSWORD"):
         monkeypatch.delenv(name, raising=False)
     report = tmp_path / "report.json"
-    argv = ["/models/tiny", "--kv-store", "memory,redis", "--kv-store-redis-memory", "32mb",
-            "--prefill-port", str(procs.free_port(1)), "--prefill-env", f"REPORT={report}"]
+    argv = [
+        "/models/tiny",
+        "--kv-store",
+        "memory,redis",
+        "--kv-store-redis-memory",
+        "32mb",
+        "--prefill-port",
+        str(procs.free_port(1)),
+        "--prefill-env",
+        f"REPORT={report}",
+    ]
     previous = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(KeyboardInterrupt if ending == "interrupt" else RuntimeError):

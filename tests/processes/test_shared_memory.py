@@ -25,8 +25,14 @@ from kv_pipe.shared_memory import RegionAllocator
 
 
 def config(rank: int, port: int, mode: str, **changes) -> KVTransferConfig:
-    values = dict(kv_rank=rank, kv_port=port, kv_timeout=3.0, kv_connect_timeout=30.0, kv_shared_memory=mode,
-                  kv_buffer_size=64 << 20)
+    values = dict(
+        kv_rank=rank,
+        kv_port=port,
+        kv_timeout=3.0,
+        kv_connect_timeout=30.0,
+        kv_shared_memory=mode,
+        kv_buffer_size=64 << 20,
+    )
     values.update(changes)
     return KVTransferConfig(**values)
 
@@ -211,7 +217,7 @@ def body_long_payload_over_the_socket(rank: int, port: int) -> str:
 
             def slow_write(self, data):  # 256 KiB every 20 ms: about 13 MB/s
                 for start in range(0, len(data), 256 << 10):
-                    write(self, data[start:start + (256 << 10)])
+                    write(self, data[start : start + (256 << 10)])
                     if len(data) > mib:
                         time.sleep(0.02)
 
@@ -299,12 +305,15 @@ def test_empty_gives_sendable_memory_on_the_transport_path_too():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("modes, expected", [
-    (("auto", "auto"), ("shared memory", "shared memory")),
-    (("on", "on"), ("shared memory", "shared memory")),
-    (("off", "off"), ("transport", "transport")),
-    (("auto", "off"), ("transport", "transport")),
-])
+@pytest.mark.parametrize(
+    "modes, expected",
+    [
+        (("auto", "auto"), ("shared memory", "shared memory")),
+        (("on", "on"), ("shared memory", "shared memory")),
+        (("off", "off"), ("transport", "transport")),
+        (("auto", "off"), ("transport", "transport")),
+    ],
+)
 def test_the_path_chosen_is_the_one_expected(modes, expected):
     port = procs.free_port()
     outcomes = procs.run_pair(body_path, (0, port, modes), (1, port, modes), timeout=100)
@@ -341,11 +350,19 @@ def test_no_segment_survives_and_nobody_else_can_open_one(victim: int):
             mappings = _segment_mappings(pid)
             assert mappings, "no segment is mapped: the test would prove nothing"
             stranger = subprocess.run(
-                [sys.executable, "-c", "import os, sys\nos.setgid(65534); os.setuid(65534)\n"
-                 "for path in sys.argv[1:]:\n"
-                 "    try:\n        os.open(path, os.O_RDONLY)\n        print('opened', path)\n"
-                 "    except OSError as exc:\n        print('refused', exc.errno)\n", *mappings],
-                capture_output=True, text=True, timeout=30)
+                [
+                    sys.executable,
+                    "-c",
+                    "import os, sys\nos.setgid(65534); os.setuid(65534)\n"
+                    "for path in sys.argv[1:]:\n"
+                    "    try:\n        os.open(path, os.O_RDONLY)\n        print('opened', path)\n"
+                    "    except OSError as exc:\n        print('refused', exc.errno)\n",
+                    *mappings,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert stranger.returncode == 0, stranger.stderr
             assert "opened" not in stranger.stdout and stranger.stdout.count("refused") == len(mappings)
         os.kill(pids[victim], signal.SIGKILL)
@@ -370,8 +387,11 @@ def test_region_allocator_reuses_merges_and_refuses_what_it_never_gave():
     first = allocator.allocate(1)
     second = allocator.allocate(3 * SHARED_REGION_ALIGN)
     third = allocator.allocate(SHARED_REGION_ALIGN + 1)
-    assert (first, second, third) == (SHARED_DATA_START, SHARED_DATA_START + SHARED_REGION_ALIGN,
-                                      SHARED_DATA_START + 4 * SHARED_REGION_ALIGN)
+    assert (first, second, third) == (
+        SHARED_DATA_START,
+        SHARED_DATA_START + SHARED_REGION_ALIGN,
+        SHARED_DATA_START + 4 * SHARED_REGION_ALIGN,
+    )
     assert allocator.allocate(5 * SHARED_REGION_ALIGN) is None  # 4 pages are left
     allocator.release(second)
     allocator.release(first)  # merged with the region after it: 4 pages in one piece
@@ -439,8 +459,9 @@ def test_the_local_socket_turns_away_everyone_but_the_peer_process_with_the_nonc
             procs.reap([friend])
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 4097, parallel_copy.PARALLEL_MIN_BYTES - 1,
-                                    parallel_copy.PARALLEL_MIN_BYTES, (16 << 20) + 12345])
+@pytest.mark.parametrize(
+    "nbytes", [0, 1, 4097, parallel_copy.PARALLEL_MIN_BYTES - 1, parallel_copy.PARALLEL_MIN_BYTES, (16 << 20) + 12345]
+)
 def test_parallel_copy_is_bit_exact_at_every_size(nbytes: int):
     generator = torch.Generator().manual_seed(nbytes)
     source = torch.randint(0, 256, (nbytes + 16,), dtype=torch.uint8, generator=generator)
@@ -478,8 +499,11 @@ def test_parallel_copy_works_in_a_forked_child():
     import ctypes
 
     nbytes = 9 << 20
-    parallel_copy.copy_bytes(ctypes.addressof(ctypes.create_string_buffer(nbytes)),
-                             ctypes.addressof(ctypes.create_string_buffer(nbytes)), nbytes)
+    parallel_copy.copy_bytes(
+        ctypes.addressof(ctypes.create_string_buffer(nbytes)),
+        ctypes.addressof(ctypes.create_string_buffer(nbytes)),
+        nbytes,
+    )
     pid = os.fork()
     if pid == 0:
         try:
@@ -510,8 +534,7 @@ def test_a_received_tensor_may_die_while_another_thread_holds_the_pipe():
 @pytest.mark.timeout(120)
 def test_a_long_payload_over_the_socket_keeps_the_peer_alive_and_its_caller_free():
     port = procs.free_port()
-    assert procs.run_pair(body_long_payload_over_the_socket, (0, port), (1, port), timeout=110) == (
-        "sent", "received")
+    assert procs.run_pair(body_long_payload_over_the_socket, (0, port), (1, port), timeout=110) == ("sent", "received")
 
 
 @pytest.mark.timeout(120)

@@ -96,8 +96,9 @@ def test_two_processes_writing_the_same_keys_store_each_object_once_and_whole(tm
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True, text=True, timeout=30)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True, timeout=30
+    )
     if mounted.returncode:
         pytest.skip(f"a full disk is simulated with a tiny tmpfs, which needs root: {mounted.stderr.strip()}")
     try:

@@ -61,8 +61,11 @@ def raw(index: int, nbytes: int) -> tuple[MatchKey, Entry]:
 
 
 def same_entry(got: Entry | None, want: Entry) -> bool:
-    return got is not None and len(got.items) == len(want.items) and all(
-        same_bits(a, b) for a, b in zip(got.items, want.items, strict=True))
+    return (
+        got is not None
+        and len(got.items) == len(want.items)
+        and all(same_bits(a, b) for a, b in zip(got.items, want.items, strict=True))
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the store
@@ -111,7 +114,12 @@ def test_a_full_store_evicts_the_oldest_unclaimed_entries_for_new_ones() -> None
         store.put(key, entry, timeout=0)  # never waits, never refused
     counters = store.counters()
     assert (counters.evicted, counters.entries, counters.bytes, counters.inserts, counters.rejected) == (
-        2, 3, 3 * size, 5, 0)
+        2,
+        3,
+        3 * size,
+        5,
+        0,
+    )
     assert [entry.loan.outcome for _, entry, _ in made] == [EVICTED, EVICTED, None, None, None]
     for key, _, _ in made[:2]:
         assert store.pop(key) is None  # evicted: a select misses
@@ -188,8 +196,9 @@ def test_without_eviction_a_full_store_still_refuses_after_its_timeout() -> None
     assert [entry.loan.outcome for _, entry in made] == [None, None, None]
 
 
-def test_evictions_are_logged_with_their_counts_at_most_once_per_interval(monkeypatch: pytest.MonkeyPatch,
-                                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_evictions_are_logged_with_their_counts_at_most_once_per_interval(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(store_module, "EVICTION_LOG_INTERVAL", 3600.0)
     store = EntryStore(capacity_bytes=2000, max_item_bytes=2000, evict_unclaimed=True)
     with caplog.at_level(logging.WARNING, logger=store_module.__name__):
@@ -224,8 +233,9 @@ def test_the_setting_is_validated_read_from_the_environment_and_on_in_the_vllm_c
         BufferConfig(kv_entry_timeout=math.inf)
     producer = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_ip": HOST}, {})
     assert producer.buffer.kv_evict_unclaimed is True
-    backpressure = ConnectorSettings.from_vllm("kv_producer", 20000, "cpu", {"kv_evict_unclaimed": False,
-                                                                              "kv_entry_timeout": 9}, {})
+    backpressure = ConnectorSettings.from_vllm(
+        "kv_producer", 20000, "cpu", {"kv_evict_unclaimed": False, "kv_entry_timeout": 9}, {}
+    )
     assert backpressure.buffer == BufferConfig(kv_entry_timeout=9, kv_evict_unclaimed=False)
     # A lookup buffer's settings are not the transport's: the pipe's config refuses them.
     with pytest.raises(TypeError, match="kv_evict_unclaimed"):
@@ -265,8 +275,10 @@ def test_a_simple_buffer_pair_misses_the_evicted_entries_and_hits_the_newest() -
     sync = {name: mp.get_context("spawn").Event() for name in bodies.SYNC_EVENTS}
     changes = {"kv_buffer_size": BUDGET, "kv_evict_unclaimed": True}
     results = procs.new_queue()
-    processes = [procs.start(bodies.run_side, (rank, port, body, changes, sync), results, rank)
-                 for rank, body in ((0, producer_evicts), (1, consumer_after_evictions))]
+    processes = [
+        procs.start(bodies.run_side, (rank, port, body, changes, sync), results, rank)
+        for rank, body in ((0, producer_evicts), (1, consumer_after_evictions))
+    ]
     outcomes = procs.collect(processes, results, 100)
     producer, consumer = outcomes[0], outcomes[1]
     assert consumer["result"] == {"missed": [1, 0], "hit": [5, 4, 3, 2]}
@@ -295,8 +307,11 @@ def test_a_listener_full_of_abandoned_entries_still_saves_and_serves_new_ones() 
             bodies.check_entry(buffer.drop_select(given[0], given[1], timeout=0), given, "a live request")
         oldest, newest_abandoned = request(0, size), request(15, size)
         assert buffer.drop_select(oldest[0], oldest[1], timeout=0) == [None] * 5
-        bodies.check_entry(buffer.drop_select(newest_abandoned[0], newest_abandoned[1], timeout=0), newest_abandoned,
-                           "the newest abandoned request")
+        bodies.check_entry(
+            buffer.drop_select(newest_abandoned[0], newest_abandoned[1], timeout=0),
+            newest_abandoned,
+            "the newest abandoned request",
+        )
         stats = listener.stats()
         assert (stats.evicted, stats.inserts, stats.rejected, stats.hits) == (18 - 5, 18, 0, 3)
         assert stats.entries == 2 and stats.peak_bytes <= budget
@@ -328,8 +343,9 @@ def _splittable(index: int) -> list[torch.Tensor | None]:
 
 def _select_in_thread(buffer: Any, given: list, **kwargs: Any) -> tuple[threading.Thread, list]:
     outcome: list = []
-    thread = threading.Thread(target=lambda: outcome.append(buffer.drop_select(given[0], given[1], **kwargs)),
-                              daemon=True)
+    thread = threading.Thread(
+        target=lambda: outcome.append(buffer.drop_select(given[0], given[1], **kwargs)), daemon=True
+    )
     thread.start()
     return thread, outcome
 
@@ -340,12 +356,16 @@ def test_selects_for_evicted_entries_miss_at_once_and_unrelated_ones_still_wait(
     on and hits once its entry comes."""
     port = procs.free_port()
     size = 40_000
-    producer = KVTransferConfig(kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0,
-                                kv_buffer_size=3 * size + 2000)
+    producer = KVTransferConfig(
+        kv_role="kv_producer", kv_ip=HOST, kv_port=port, kv_timeout=5.0, kv_buffer_size=3 * size + 2000
+    )
     consumer = KVTransferConfig(kv_role="kv_consumer", kv_rank=1, kv_timeout=5.0, kv_buffer_size=1 << 20)
     forever = 3600.0
-    with BufferListener(producer, buffer_config=EVICTING) as listener, dial(consumer, HOST, port) as buffer, \
-            dial(consumer, HOST, port) as other:
+    with (
+        BufferListener(producer, buffer_config=EVICTING) as listener,
+        dial(consumer, HOST, port) as buffer,
+        dial(consumer, HOST, port) as other,
+    ):
         split = _splittable(0)
         listener.insert(*split, timeout=0)
         half = buffer.drop_select(split[0], split[1], timeout=0, part=(1, 0, 2))
@@ -381,8 +401,7 @@ def test_departures_of_copied_entries_are_told_in_order_and_lent_ones_never() ->
     (a split entry at its first part), eviction, expiry, the store's end; a lent entry's end is its
     loan's outcome, and its copy out of the loan is not the inserter's copy."""
     sizes = {index: make_entry(*request(index, 2048))[1].nbytes for index in range(3)}
-    store = EntryStore(capacity_bytes=3 * sizes[0], max_item_bytes=1 << 20, entry_timeout=100.0,
-                       evict_unclaimed=True)
+    store = EntryStore(capacity_bytes=3 * sizes[0], max_item_bytes=1 << 20, entry_timeout=100.0, evict_unclaimed=True)
     told: list[MatchKey] = []
     store.watch_departures(told.append)
     copies = [make_entry(*request(index, 2048)) for index in range(3)]

@@ -16,8 +16,16 @@ from kv_store import ChunkKey, KVStoreConfigError, chunk_keys, namespace
 
 pytestmark = pytest.mark.timeout(120)
 
-IDENTITY = {"model": "meta-llama/Llama-3.2-1B", "kv_dtype": "bfloat16", "layout": "NHD", "layers": 16,
-            "kv_heads": 8, "head_size": 64, "format_version": 1, "tp_part": "0/1"}
+IDENTITY = {
+    "model": "meta-llama/Llama-3.2-1B",
+    "kv_dtype": "bfloat16",
+    "layout": "NHD",
+    "layers": 16,
+    "kv_heads": 8,
+    "head_size": 64,
+    "format_version": 1,
+    "tp_part": "0/1",
+}
 TOKENS = [int(t) for t in range(1000, 1000 + 2 * 97 + 13)]
 _PRINT_KEYS = (
     "from kv_store import chunk_keys, namespace; import json, sys; "
@@ -31,8 +39,14 @@ def test_keys_are_the_same_in_processes_with_different_hash_seeds():
     outputs = set()
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-c", _PRINT_KEYS, argument], env=env, capture_output=True,
-                              text=True, timeout=120, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _PRINT_KEYS, argument],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         outputs.add(done.stdout.strip())
     mine = " ".join(key.key.hex() for key in chunk_keys(namespace(IDENTITY), TOKENS, 97))
     assert outputs == {mine}
@@ -93,8 +107,15 @@ def test_bad_arguments_are_config_errors():
         namespace({"layers": True})
 
 
-NOT_INT64 = {"bool": [5, True, 7], "numpy bool": [np.True_], "float": [1.0, 2.0], "int64 overflow": [2**63],
-             "too big": [2**64], "uint64 overflow": np.array([2**63], dtype=np.uint64), "str": ["5"]}
+NOT_INT64 = {
+    "bool": [5, True, 7],
+    "numpy bool": [np.True_],
+    "float": [1.0, 2.0],
+    "int64 overflow": [2**63],
+    "too big": [2**64],
+    "uint64 overflow": np.array([2**63], dtype=np.uint64),
+    "str": ["5"],
+}
 
 
 @pytest.mark.parametrize("tokens", NOT_INT64.values(), ids=NOT_INT64.keys())

@@ -45,8 +45,22 @@ def run_bench_peers(tmp_path: Path, *options: str) -> procs.Finished:
     hidden = tmp_path / "hidden" / "nixl"
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text('raise ModuleNotFoundError("hidden from the benchmark", name="nixl")\n')
-    command = [sys.executable, "-m", "benchmarks.bench_peers", "--sizes", "4K,64K", "--rounds", "1", "--iters", "2",
-               "--plot", str(tmp_path / "peers.png"), "--timeout", "240", *options]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_peers",
+        "--sizes",
+        "4K,64K",
+        "--rounds",
+        "1",
+        "--iters",
+        "2",
+        "--plot",
+        str(tmp_path / "peers.png"),
+        "--timeout",
+        "240",
+        *options,
+    ]
     env = {"PYTHONPATH": os.pathsep.join([str(procs.REPO), str(tmp_path / "hidden")])}
     [result] = procs.run_commands([(command, env)], tmp_path, timeout=280)
     return result
@@ -64,11 +78,13 @@ def assert_peers_and_ratios(stdout: str) -> None:
         assert table_cells(stdout, nixl)[1:] == ["not installed: pip install 'kvbridge[peers]'", "-", "-", "-"]
     mooncake = table_cells(stdout, "Mooncake TE (tcp)")
     if not re.fullmatch(NUMBER, mooncake[1]):
-        assert re.match(r"(not installed: pip install 'kvbridge\[peers\]'|cannot load: .+|failed to start: .+)$",
-                        mooncake[1]) and mooncake[2:] == ["-", "-", "-"], mooncake
+        assert re.match(
+            r"(not installed: pip install 'kvbridge\[peers\]'|cannot load: .+|failed to start: .+)$", mooncake[1]
+        ) and mooncake[2:] == ["-", "-", "-"], mooncake
     assert table_cells(stdout, "kvbridge/NIXL")[1:] == ["n/a (NIXL (UCX): see above)"] * len(PEER_SIZES)
     assert table_cells(stdout, "kvbridge/NIXL told")[1:] == ["n/a (NIXL (UCX), told, ping-pong: see above)"] * len(
-        PEER_SIZES)
+        PEER_SIZES
+    )
     for ratio in ("kvbridge/memcpy", "kvbridge/raw gloo"):
         cells = table_cells(stdout, ratio)
         assert len(cells) == 3 and all(re.fullmatch(rf"{NUMBER}x", cell) for cell in cells[1:]), cells
@@ -91,8 +107,10 @@ def test_bench_peers_times_every_transport_and_reports_an_absent_peer(tmp_path: 
     for name in (*ALWAYS_THERE, "kvbridge (shared memory)"):
         assert_timed(result.stdout, name)
     assert_peers_and_ratios(result.stdout)
-    assert "the path the pipe takes by itself here" in result.stdout and "kvbridge is kvbridge (shared memory)" in \
-        result.stdout
+    assert (
+        "the path the pipe takes by itself here" in result.stdout
+        and "kvbridge is kvbridge (shared memory)" in result.stdout
+    )
     assert_plot(result.stdout, tmp_path / "peers.png")
 
 
@@ -112,8 +130,9 @@ def test_bench_peers_across_network_namespaces_takes_the_transport(tmp_path: Pat
 
 @pytest.mark.timeout(200)
 def test_bench_buffer_compares_drop_select_with_the_raw_pipe_and_fills(tmp_path: Path) -> None:
-    [result] = procs.run_commands([([sys.executable, "-m", "benchmarks.bench_buffer", "--max-mib", "1"], {})],
-                                  tmp_path, timeout=180)
+    [result] = procs.run_commands(
+        [([sys.executable, "-m", "benchmarks.bench_buffer", "--max-mib", "1"], {})], tmp_path, timeout=180
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     for size in ("4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB"):
         cells = table_cells(result.stdout, size)
@@ -127,10 +146,21 @@ def test_bench_buffer_compares_drop_select_with_the_raw_pipe_and_fills(tmp_path:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("path", "extra"), [("shared-memory", []), ("transport", []), ("shared-memory", ["--stored"])])
-def test_bench_connector_compares_a_paged_transfer_with_the_pipe_alone(tmp_path: Path, path: str,
-                                                                        extra: list[str]) -> None:
-    command = [sys.executable, "-m", "benchmarks.bench_connector", "--mib", "2,4", "--repeats", "1", "--path", path,
-               *extra]
+def test_bench_connector_compares_a_paged_transfer_with_the_pipe_alone(
+    tmp_path: Path, path: str, extra: list[str]
+) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_connector",
+        "--mib",
+        "2,4",
+        "--repeats",
+        "1",
+        "--path",
+        path,
+        *extra,
+    ]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-4000:]
     assert ("through shared memory" if path == "shared-memory" else "over the transport") in result.stdout
@@ -170,8 +200,18 @@ def test_bench_store_measures_every_tier_and_every_answer_matches_recompute(tmp_
     command = [sys.executable, "-m", "benchmarks.bench_store", "--quick", "--documents", "2", "--doc-tokens", "300"]
     [result] = procs.run_commands([(command, {})], tmp_path, timeout=840)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    rows = ("plain (recompute)", "plain + prefix cache, later rounds", "memory, cold", "memory, warm", "disk, cold",
-            "disk, warm", "disk, new instance", "redis, cold", "redis, warm", "redis, new instance")
+    rows = (
+        "plain (recompute)",
+        "plain + prefix cache, later rounds",
+        "memory, cold",
+        "memory, warm",
+        "disk, cold",
+        "disk, warm",
+        "disk, new instance",
+        "redis, cold",
+        "redis, warm",
+        "redis, new instance",
+    )
     for name in rows:
         cells = table_cells(result.stdout, name)
         assert len(cells) == 10 and all(re.fullmatch(rf"{NUMBER}x?", cell) for cell in cells[1:6]), cells

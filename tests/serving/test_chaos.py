@@ -21,8 +21,18 @@ from benchmarks import bench_chaos as chaos
 #: here), then load for 20 s more (at least 90 s of load in all). Half of the requests are long
 #: prefills, which is where vLLM preempts (a few times a minute here). Abandoned entries expire after
 #: 20 s, so that the gauges are idle soon after the load.
-SETTINGS = chaos.Settings(duration=90, kill_every=25, clients=6, seed=1, abandon_every=8, long_share=0.5,
-                          kill_roles=("prefill", "decode"), max_kills=2, after_restart=20, entry_timeout=20)
+SETTINGS = chaos.Settings(
+    duration=90,
+    kill_every=25,
+    clients=6,
+    seed=1,
+    abandon_every=8,
+    long_share=0.5,
+    kill_roles=("prefill", "decode"),
+    max_kills=2,
+    after_restart=20,
+    entry_timeout=20,
+)
 
 
 @pytest.mark.timeout(1200)  # about 5 min alone; more when the cores are shared

@@ -52,8 +52,9 @@ class _TimedSelects:
         self.hits, self.wait, self.receive, self.tells = hits, wait, receive, tells
         self.failure: Exception | None = None
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False) -> list:
+    def drop_select(
+        self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None, borrow: bool = False
+    ) -> list:
         time.sleep(self.wait)
         arrived = time.perf_counter()
         time.sleep(self.receive)
@@ -70,14 +71,21 @@ class _TimedSelects:
 
 
 def _consumer(buffer: _TimedSelects) -> Any:
-    return vp.fake_worker("kv_consumer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 1.0},
-                          dialer=lambda settings, host, port, on_connect: buffer)
+    return vp.fake_worker(
+        "kv_consumer",
+        1,
+        vp.FAKE_BLOCK_SIZE,
+        vp.fake_caches(2),
+        {"kv_load_timeout": 1.0},
+        dialer=lambda settings, host, port, on_connect: buffer,
+    )
 
 
 def test_a_load_splits_its_time_at_the_arrival_of_the_header_the_buffer_reports() -> None:
     a, b = random_blocks(1, 2), random_blocks(2, 3)
-    worker = _consumer(_TimedSelects({FAKE_TOKENS["a"][0]: a, FAKE_TOKENS["b"][0]: b}, wait=0.2, receive=0.1,
-                                     tells=True))
+    worker = _consumer(
+        _TimedSelects({FAKE_TOKENS["a"][0]: a, FAKE_TOKENS["b"][0]: b}, wait=0.2, receive=0.1, tells=True)
+    )
     worker.start_loads([LoadSpec("a", FAKE_TOKENS["a"], [5, 0], 0), LoadSpec("x", FAKE_TOKENS["x"], [3], 0)])
     poll_until_reported(worker, {"a", "x"})
     worker.start_loads([LoadSpec("b", FAKE_TOKENS["b"], [2, 1, 6], 0)])
@@ -125,8 +133,14 @@ class _Inserts:
 
 
 def test_each_save_observes_its_copy() -> None:
-    worker = vp.fake_worker("kv_producer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(1), {},
-                            listener_factory=lambda settings, offset, on_connect: _Inserts())
+    worker = vp.fake_worker(
+        "kv_producer",
+        1,
+        vp.FAKE_BLOCK_SIZE,
+        vp.fake_caches(1),
+        {},
+        listener_factory=lambda settings, offset, on_connect: _Inserts(),
+    )
     with torch.inference_mode():
         worker.save([SaveSpec("a", FAKE_TOKENS["a"], [0, 1]), SaveSpec("b", FAKE_TOKENS["b"], [2, 3, 4])])
     phases = _phases(worker)
@@ -199,8 +213,9 @@ def phase_consumer_body(port: int, saved: Any, done: Any, timeout: float) -> dic
         if not saved.wait(timeout):
             raise TimeoutError(f"the producer did not save within {timeout} s")
         time.sleep(DELAY)
-        failed = vp.load_and_wait(worker, [LoadSpec("a", FAKE_TOKENS["a"], [0, 5], 0),
-                                           LoadSpec("b", FAKE_TOKENS["b"], [6, 8, 1], 0)], timeout)
+        failed = vp.load_and_wait(
+            worker, [LoadSpec("a", FAKE_TOKENS["a"], [0, 5], 0), LoadSpec("b", FAKE_TOKENS["b"], [6, 8, 1], 0)], timeout
+        )
         return {"failed": sorted(failed), "phases": _phases(worker)}
     finally:
         done.set()
@@ -233,20 +248,34 @@ def test_workers_over_a_real_pipe_observe_every_phase_once_per_request(lend: boo
 
 def test_phases_travel_through_the_stats_and_become_histograms_with_vllms_labels() -> None:
     assert set(PHASES) <= set(SAMPLES)
-    ranks = [KVBridgeStats.of_worker(*taken) for taken in (
-        (SimpleNamespace(data={"load_hits": 1}),
-         SimpleNamespace(transfer_seconds=[0.01], load_wait_seconds=[0.02], gauges={},
-                         phases={"load_entry_wait_seconds": [0.0004], "load_copy_seconds": [0.003]})),
-        (SimpleNamespace(data={"load_hits": 1}),
-         SimpleNamespace(transfer_seconds=[], load_wait_seconds=[], gauges={},
-                         phases={"load_entry_wait_seconds": [2.0]})))]
+    ranks = [
+        KVBridgeStats.of_worker(*taken)
+        for taken in (
+            (
+                SimpleNamespace(data={"load_hits": 1}),
+                SimpleNamespace(
+                    transfer_seconds=[0.01],
+                    load_wait_seconds=[0.02],
+                    gauges={},
+                    phases={"load_entry_wait_seconds": [0.0004], "load_copy_seconds": [0.003]},
+                ),
+            ),
+            (
+                SimpleNamespace(data={"load_hits": 1}),
+                SimpleNamespace(
+                    transfer_seconds=[], load_wait_seconds=[], gauges={}, phases={"load_entry_wait_seconds": [2.0]}
+                ),
+            ),
+        )
+    ]
     total = ranks[0].aggregate(ranks[1])
     assert total.data["load_entry_wait_seconds"] == [0.0004, 2.0] and total.data["load_receive_seconds"] == []
     assert "load_entry_wait_seconds" not in total.reduce()  # the log line keeps to counters
     registry = CollectorRegistry()
     types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
-    metrics = KVBridgePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
-                                  {0: ["tiny", "0"]})
+    metrics = KVBridgePromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
     metrics.observe(total.data, engine_idx=0)
 
     def value(name: str, **extra: str) -> float | None:
@@ -283,8 +312,10 @@ def test_a_live_pair_exports_every_phase_histogram_after_pd_requests(tiny_model:
         for prompt in moved:
             answer, params = xp.by_hand(prefill.url, decode.url, prompt)
             assert answer.cached, f"the decode request did not load its KV: {answer}, {params}"
-        expected = {prefill.url: ("save_copy_seconds_count", "entry_wait_seconds_count"),
-                    decode.url: ("load_entry_wait_seconds_count", "load_copy_seconds_count")}
+        expected = {
+            prefill.url: ("save_copy_seconds_count", "entry_wait_seconds_count"),
+            decode.url: ("load_entry_wait_seconds_count", "load_copy_seconds_count"),
+        }
         deadline = time.monotonic() + 60
         while True:  # vLLM records a step's stats after it; an idle engine still reports each interval
             samples = {url: scrape(url) for url in expected}

@@ -78,10 +78,14 @@ def test_preempted_prefill_requests_never_serve_wrong_kv(pair: tuple[Any, Any], 
         results = list(pool.map(lambda p: _prefill_then_decode(producer, consumer, p), PROMPTS))
     preemptions = xp.metric(producer.url, "vllm:num_preemptions_total")
     assert preemptions > 0, "the prefill instance preempted nothing: the test proves nothing"
-    wrong = [len(prompt) for prompt, (_, answer) in zip(PROMPTS, results, strict=True)
-             if answer.tokens != reference[tuple(prompt)]]
-    assert wrong == [], f"{len(wrong)} of {len(PROMPTS)} answers differ from the plain server's ({preemptions:g} "\
-                        f"preemptions)"
+    wrong = [
+        len(prompt)
+        for prompt, (_, answer) in zip(PROMPTS, results, strict=True)
+        if answer.tokens != reference[tuple(prompt)]
+    ]
+    assert wrong == [], (
+        f"{len(wrong)} of {len(PROMPTS)} answers differ from the plain server's ({preemptions:g} preemptions)"
+    )
     # Every answer was computed from its whole transfer prefix, loaded (the decode instance fails a
     # request whose load failed) and announced by the producer after its last save.
     for prompt, (params, answer) in zip(PROMPTS, results, strict=True):

@@ -48,8 +48,15 @@ def _engine(model: str, tp: int, transfer: dict[str, Any]) -> Any:
     return vp._llm(kwargs)
 
 
-def tp_prefill_body(model: str, tp: int, transfer: dict[str, Any], prompts: list[list[int]], announce: Any,
-                    decoded: vp.Flag, timeout: float) -> list[dict[str, Any]]:
+def tp_prefill_body(
+    model: str,
+    tp: int,
+    transfer: dict[str, Any],
+    prompts: list[list[int]],
+    announce: Any,
+    decoded: vp.Flag,
+    timeout: float,
+) -> list[dict[str, Any]]:
     """Prefill ``prompts`` (max_tokens=1) at TP size ``tp``; hand their kv_transfer_params on; stay up
     until the decode engine is done."""
     llm = _engine(model, tp, transfer)
@@ -63,8 +70,15 @@ def tp_prefill_body(model: str, tp: int, transfer: dict[str, Any], prompts: list
         vp._shutdown(llm)
 
 
-def tp_decode_body(model: str, tp: int, transfer: dict[str, Any], prompts: list[list[int]], announced: Any,
-                   decoded: vp.Flag, timeout: float) -> list[dict[str, Any]]:
+def tp_decode_body(
+    model: str,
+    tp: int,
+    transfer: dict[str, Any],
+    prompts: list[list[int]],
+    announced: Any,
+    decoded: vp.Flag,
+    timeout: float,
+) -> list[dict[str, Any]]:
     """Decode ``prompts`` at TP size ``tp`` with the prefill engine's kv_transfer_params."""
     try:
         llm = _engine(model, tp, transfer)
@@ -88,26 +102,50 @@ def _env(tp: int) -> dict[str, str]:
 SWAPPING_CONNECTOR = ("HeadSwappingKVBridgeConnector", "harness.swapping_connector")
 
 
-def run_tp_pair(model: str, prefill_tp: int, decode_tp: int, prompts: list[list[int]], timeout: float = 240,
-                decode_connector: tuple[str, str] = vp.KVBRIDGE_CONNECTOR) -> tuple[list[dict], list[dict]]:
+def run_tp_pair(
+    model: str,
+    prefill_tp: int,
+    decode_tp: int,
+    prompts: list[list[int]],
+    timeout: float = 240,
+    decode_connector: tuple[str, str] = vp.KVBRIDGE_CONNECTOR,
+) -> tuple[list[dict], list[dict]]:
     port = free_port(span=prefill_tp)
     with vp.Engines() as engines:
         decoded, announcements = engines.event(), engines.queue()
-        engines.start("prefill", tp_prefill_body, _env(prefill_tp), model=model, tp=prefill_tp,
-                      transfer=vp.kv_transfer_config("kv_producer", port), prompts=prompts, announce=announcements,
-                      decoded=decoded, timeout=timeout)
-        engines.start("decode", tp_decode_body, _env(decode_tp), model=model, tp=decode_tp,
-                      transfer=vp.kv_transfer_config("kv_consumer", port, failure_policy="fail",
-                                                     connector=decode_connector), prompts=prompts,
-                      announced=announcements, decoded=decoded, timeout=timeout)
+        engines.start(
+            "prefill",
+            tp_prefill_body,
+            _env(prefill_tp),
+            model=model,
+            tp=prefill_tp,
+            transfer=vp.kv_transfer_config("kv_producer", port),
+            prompts=prompts,
+            announce=announcements,
+            decoded=decoded,
+            timeout=timeout,
+        )
+        engines.start(
+            "decode",
+            tp_decode_body,
+            _env(decode_tp),
+            model=model,
+            tp=decode_tp,
+            transfer=vp.kv_transfer_config("kv_consumer", port, failure_policy="fail", connector=decode_connector),
+            prompts=prompts,
+            announced=announcements,
+            decoded=decoded,
+            timeout=timeout,
+        )
         results = engines.wait(["prefill", "decode"], timeout=timeout + 30)
     return results["prefill"], results["decode"]
 
 
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (1, 2), (2, 1)], ids=["2to2", "1to2", "2to1"])
-def test_tp_engines_give_one_plain_engines_tokens_from_loaded_kv(tiny_model: str, reference: dict,
-                                                                 prefill_tp: int, decode_tp: int) -> None:
+def test_tp_engines_give_one_plain_engines_tokens_from_loaded_kv(
+    tiny_model: str, reference: dict, prefill_tp: int, decode_tp: int
+) -> None:
     """Prompts of 7 to 200 tokens (chunked prefill on both sides) and a duplicate; the tiny model's
     2 KV heads split over the TP ranks (one each at TP 2)."""
     prompts = vp.make_prompts()
@@ -125,7 +163,8 @@ def test_tp_engines_give_one_plain_engines_tokens_from_loaded_kv(tiny_model: str
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)], ids=["1to2", "2to1"])
 def test_heads_loaded_into_the_wrong_slice_change_exactly_the_outputs_served_from_them(
-        tiny_model: str, reference: dict, prefill_tp: int, decode_tp: int) -> None:
+    tiny_model: str, reference: dict, prefill_tp: int, decode_tp: int
+) -> None:
     prompts = vp.make_prompts()
     _, decoded = run_tp_pair(tiny_model, prefill_tp, decode_tp, prompts, decode_connector=SWAPPING_CONNECTOR)
     assert [o["cached"] for o in decoded] == [vp.transfer_prefix(p) for p in prompts]  # loaded all the same
@@ -136,16 +175,36 @@ def test_heads_loaded_into_the_wrong_slice_change_exactly_the_outputs_served_fro
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (1, 2)], ids=["2to2", "1to2"])
-def test_kvbridge_serve_with_tp_behind_its_proxy_and_vllm_router(tiny_model: str, reference: dict, tmp_path: Path,
-                                                                prefill_tp: int, decode_tp: int) -> None:
+def test_kvbridge_serve_with_tp_behind_its_proxy_and_vllm_router(
+    tiny_model: str, reference: dict, tmp_path: Path, prefill_tp: int, decode_tp: int
+) -> None:
     """``kvbridge serve --prefill-tp P --decode-tp D``: the proxy's answers, then vllm-router's over the
     same instances, are one plain engine's, from loaded KV (the decode instance's hit counter)."""
     ports = {name: free_port() for name in ("proxy", "prefill", "decode", "kv")}
-    command = [sys.executable, "-m", "launch.serve", tiny_model, "--port", str(ports["proxy"]),
-               "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--prefill-port", str(ports["prefill"]),
-               "--decode-port", str(ports["decode"]),
-               "--kv-port", str(ports["kv"]), "--kv-extra", '{"kv_timeout": 20, "kv_load_timeout": 20}',
-               "--ready-timeout", str(xp.READY_TIMEOUT), "--", *SERVE_ARGS]
+    command = [
+        sys.executable,
+        "-m",
+        "launch.serve",
+        tiny_model,
+        "--port",
+        str(ports["proxy"]),
+        "--prefill-tp",
+        str(prefill_tp),
+        "--decode-tp",
+        str(decode_tp),
+        "--prefill-port",
+        str(ports["prefill"]),
+        "--decode-port",
+        str(ports["decode"]),
+        "--kv-port",
+        str(ports["kv"]),
+        "--kv-extra",
+        '{"kv_timeout": 20, "kv_load_timeout": 20}',
+        "--ready-timeout",
+        str(xp.READY_TIMEOUT),
+        "--",
+        *SERVE_ARGS,
+    ]
     server = Server(command, tmp_path / "serve.log", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     router = None
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}

@@ -54,14 +54,21 @@ def hosts() -> Iterator[netns.TwoHosts]:
 
 
 def config(rank: int, ip: str, **changes: Any) -> KVTransferConfig:
-    values: dict[str, Any] = dict(kv_rank=rank, kv_role="kv_producer" if rank == 0 else "kv_consumer",
-                                  kv_ip=ip, kv_port=PORT, kv_timeout=5.0, kv_connect_timeout=30.0)
+    values: dict[str, Any] = dict(
+        kv_rank=rank,
+        kv_role="kv_producer" if rank == 0 else "kv_consumer",
+        kv_ip=ip,
+        kv_port=PORT,
+        kv_timeout=5.0,
+        kv_connect_timeout=30.0,
+    )
     values.update(changes)
     return KVTransferConfig(**values)
 
 
-def run_both(hosts: netns.TwoHosts, tmp_path: Path, target: str, args: tuple[list, list],
-             timeout: float) -> tuple[Any, Any]:
+def run_both(
+    hosts: netns.TwoHosts, tmp_path: Path, target: str, args: tuple[list, list], timeout: float
+) -> tuple[Any, Any]:
     children = [hosts.spawn(rank, f"{MODULE}:{target}", args[rank], tmp_path, f"rank{rank}") for rank in (0, 1)]
     with netns.reaping(*children):
         return children[0].result(timeout), children[1].result(timeout)
@@ -206,7 +213,9 @@ def test_pipe_across_hosts_both_ways_bit_exact(hosts: netns.TwoHosts, tmp_path: 
 def test_shared_memory_required_across_hosts_is_refused(hosts: netns.TwoHosts, tmp_path: Path) -> None:
     ip = hosts.addresses[0]
     assert run_both(hosts, tmp_path, "body_shared_memory_required", ([0, ip], [1, ip]), timeout=100) == (
-        "refused", "refused")
+        "refused",
+        "refused",
+    )
 
 
 @pytest.mark.timeout(120)
@@ -215,8 +224,9 @@ def test_lookup_buffer_across_hosts_out_of_order(hosts: netns.TwoHosts, tmp_path
     sizes = [sum(t.nbytes for t in buffer_bodies.make_request(seed, i) if t is not None) for i in range(count)]
     budget = max(sum(sizes) // 2, 1 << 16)
     ip = hosts.addresses[0]
-    producer, consumer = run_both(hosts, tmp_path, "body_buffer",
-                                  ([0, ip, seed, count, budget], [1, ip, seed, count, budget]), timeout=100)
+    producer, consumer = run_both(
+        hosts, tmp_path, "body_buffer", ([0, ip, seed, count, budget], [1, ip, seed, count, budget]), timeout=100
+    )
     assert consumer["result"]["selected"] == list(range(count))  # each checked bit for bit
     assert producer["hits"] == consumer["hits"] == count
     assert producer["insert_waits"] > 0 and producer["peak"] <= budget  # backpressure across the link
@@ -228,9 +238,18 @@ def test_torchrun_pair_across_hosts(hosts: netns.TwoHosts, tmp_path: Path) -> No
     processes = []
     try:
         for rank in (0, 1):
-            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
-                       "--nproc-per-node=1", f"--master-addr={master}", f"--master-port={PORT}", "-m",
-                       "launch.pair"]
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={rank}",
+                "--nproc-per-node=1",
+                f"--master-addr={master}",
+                f"--master-port={PORT}",
+                "-m",
+                "launch.pair",
+            ]
             env = netns.child_env({**SMALL_RUN, "KVBRIDGE_KV_TIMEOUT": "10"})
             processes.append(hosts.popen(rank, command, env, tmp_path, f"pair{rank}"))
         for process in processes:
@@ -239,8 +258,10 @@ def test_torchrun_pair_across_hosts(hosts: netns.TwoHosts, tmp_path: Path) -> No
         for process in processes:
             netns.kill_session(process)
     outputs = [((tmp_path / f"pair{r}.out").read_text(), (tmp_path / f"pair{r}.err").read_text()) for r in (0, 1)]
-    explain = "\n".join(f"--- rank {r} exit {p.returncode}\n{out}\n{err[-4000:]}"
-                        for r, (p, (out, err)) in enumerate(zip(processes, outputs, strict=True)))
+    explain = "\n".join(
+        f"--- rank {r} exit {p.returncode}\n{out}\n{err[-4000:]}"
+        for r, (p, (out, err)) in enumerate(zip(processes, outputs, strict=True))
+    )
     assert [p.returncode for p in processes] == [0, 0], explain
     assert len(table_rows(outputs[1][0], "yes")) == NUM_PROMPTS, explain
     assert outputs[1][0].count("| transferred ") == NUM_PROMPTS, explain
@@ -254,8 +275,9 @@ def test_link_cut_mid_transfer_fails_both_sides_within_bound(
 ) -> None:
     # Slow the producer's direction so that each 12 MiB item is a second on the wire: the cut then
     # lands inside a transfer, not between two.
-    hosts.tc(0, "qdisc", "add", "dev", hosts.links[0], "root", "tbf", "rate", SLOW_RATE, "burst", "256kb",
-             "latency", "100ms")
+    hosts.tc(
+        0, "qdisc", "add", "dev", hosts.links[0], "root", "tbf", "rate", SLOW_RATE, "burst", "256kb", "latency", "100ms"
+    )
     ip = hosts.addresses[0]
     target = f"{MODULE}:body_cut_{layer}"
     children = [hosts.spawn(rank, target, [rank, ip], tmp_path, f"rank{rank}") for rank in (0, 1)]
@@ -266,9 +288,13 @@ def test_link_cut_mid_transfer_fails_both_sides_within_bound(
         cut_at = time.monotonic()
         outcomes = [child.result(timeout=60) for child in children]
     bound = FAULT_TIMEOUT + SLACK
-    print(f"link cut during item {cut_index}: " + "; ".join(
-        f"rank {r} {o.get('error')} after {o['at'] - cut_at:.2f} s, close {o['close_seconds']:.2f} s"
-        for r, o in enumerate(outcomes)))
+    print(
+        f"link cut during item {cut_index}: "
+        + "; ".join(
+            f"rank {r} {o.get('error')} after {o['at'] - cut_at:.2f} s, close {o['close_seconds']:.2f} s"
+            for r, o in enumerate(outcomes)
+        )
+    )
     for rank, outcome in enumerate(outcomes):
         assert outcome.get("error") is not None, f"rank {rank} never failed: {outcome}"
         assert outcome["error"] == "KVPeerLostError", (rank, outcome)
@@ -303,8 +329,21 @@ def _qdisc_counters(hosts: netns.TwoHosts, host: int) -> dict[str, int]:
 def test_slow_lossy_link_still_bit_exact(hosts: netns.TwoHosts, tmp_path: Path) -> None:
     """A rate-limited link with a short queue: packets are dropped and retransmitted, data stays exact."""
     for host in (0, 1):
-        hosts.tc(host, "qdisc", "add", "dev", hosts.links[host], "root", "tbf", "rate", "400mbit", "burst", "32kb",
-                 "limit", "48kb")
+        hosts.tc(
+            host,
+            "qdisc",
+            "add",
+            "dev",
+            hosts.links[host],
+            "root",
+            "tbf",
+            "rate",
+            "400mbit",
+            "burst",
+            "32kb",
+            "limit",
+            "48kb",
+        )
     ip = hosts.addresses[0]
     first, second = run_both(hosts, tmp_path, "body_pipe", ([0, ip], [1, ip]), timeout=130)
     assert first["items"] == len(pipe_stream(1)) and second["items"] == len(pipe_stream(0))
@@ -316,11 +355,14 @@ def test_slow_lossy_link_still_bit_exact(hosts: netns.TwoHosts, tmp_path: Path) 
 
 @pytest.mark.timeout(150)
 def test_netem_delay_and_loss_still_bit_exact(hosts: netns.TwoHosts, tmp_path: Path) -> None:
-    probe = hosts.tc(0, "qdisc", "add", "dev", hosts.links[0], "root", "netem", "delay", "20ms", "loss", "2%",
-                     check=False)
+    probe = hosts.tc(
+        0, "qdisc", "add", "dev", hosts.links[0], "root", "netem", "delay", "20ms", "loss", "2%", check=False
+    )
     if probe.returncode != 0:
-        pytest.skip(f"this kernel has no sch_netem (tc says: {probe.stderr.strip()}); "
-                    f"test_slow_lossy_link_still_bit_exact covers loss with tbf")
+        pytest.skip(
+            f"this kernel has no sch_netem (tc says: {probe.stderr.strip()}); "
+            f"test_slow_lossy_link_still_bit_exact covers loss with tbf"
+        )
     hosts.tc(1, "qdisc", "add", "dev", hosts.links[1], "root", "netem", "delay", "20ms", "loss", "2%")
     ip = hosts.addresses[0]
     first, second = run_both(hosts, tmp_path, "body_pipe", ([0, ip], [1, ip]), timeout=130)

@@ -22,6 +22,7 @@ def stack(model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     with serving.serve_stack(model, tmp_path_factory.mktemp("stack")) as urls:
         yield urls
 
+
 NAME = serving.NAME
 PROMPTS = vp.make_prompts(seed=11)
 #: Gauges that are 0 on an idle instance.
@@ -44,8 +45,9 @@ def wait_for(urls: list[str], names: tuple[str, ...], expected: float) -> list[d
 def test_both_instances_export_kvbridge_series_after_traffic(stack: dict[str, str]) -> None:
     openai = serving.client(stack["proxy"])
     for prompt in PROMPTS:
-        openai.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0,
-                                  extra_body={"ignore_eos": True})
+        openai.completions.create(
+            model=NAME, prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+        )
     moved = sum(1 for p in PROMPTS[:-1] if vp.transfer_prefix(p))  # the last one duplicates a prompt
     # The duplicate is saved again, and loaded or found in the decode instance's prefix cache (drained).
     decodes = wait_for(stack["decodes"], ("load_hits_total", "drained_total"), moved + 1)
@@ -57,10 +59,22 @@ def test_both_instances_export_kvbridge_series_after_traffic(stack: dict[str, st
         ((_, connections),) = values(samples, "vllm:kvbridge_connections")
         assert 1 <= connections <= 2  # one per instance of the other kind it exchanged KV with
     positive = {
-        "decode": ["load_hits_total", "loaded_bytes_total", "loaded_blocks_total", "load_seconds_total",
-                   "transfer_seconds_count", "transfer_seconds_sum", "load_wait_seconds_count"],
-        "prefill": ["saved_requests_total", "saved_bytes_total", "saved_blocks_total", "save_seconds_total",
-                    "transfer_seconds_count"],
+        "decode": [
+            "load_hits_total",
+            "loaded_bytes_total",
+            "loaded_blocks_total",
+            "load_seconds_total",
+            "transfer_seconds_count",
+            "transfer_seconds_sum",
+            "load_wait_seconds_count",
+        ],
+        "prefill": [
+            "saved_requests_total",
+            "saved_bytes_total",
+            "saved_blocks_total",
+            "save_seconds_total",
+            "transfer_seconds_count",
+        ],
     }
     for instance, every in (("decode", decodes), ("prefill", prefills)):
         for samples in every:  # the proxy's round robin gave each instance some of the traffic

@@ -34,26 +34,41 @@ def ask_all(base_url: str) -> dict[str, list[Any]]:
     """Every request of the test, in a fixed order; greedy, fixed lengths."""
     openai = client(base_url)
     extra = {"ignore_eos": True, "return_token_ids": True}
-    answers: dict[str, list[Any]] = {"completions": [], "cached": [], "stream": [], "chat": [], "chat_cached": [],
-                                     "chat_stream": []}
+    answers: dict[str, list[Any]] = {
+        "completions": [],
+        "cached": [],
+        "stream": [],
+        "chat": [],
+        "chat_cached": [],
+        "chat_stream": [],
+    }
     for prompt in PROMPTS:
-        reply = openai.completions.create(model=NAME, prompt=prompt, max_tokens=vp.MAX_TOKENS, temperature=0,
-                                          extra_body=extra)
+        reply = openai.completions.create(
+            model=NAME, prompt=prompt, max_tokens=vp.MAX_TOKENS, temperature=0, extra_body=extra
+        )
         choice = reply.choices[0]
         answers["completions"].append((choice.text, choice.model_extra["token_ids"]))
         answers["cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
     for index in STREAMED:
-        chunks = openai.completions.create(model=NAME, prompt=PROMPTS[index], max_tokens=vp.MAX_TOKENS,
-                                           temperature=0, stream=True, extra_body=extra)
+        chunks = openai.completions.create(
+            model=NAME, prompt=PROMPTS[index], max_tokens=vp.MAX_TOKENS, temperature=0, stream=True, extra_body=extra
+        )
         answers["stream"].append("".join(chunk.choices[0].text for chunk in chunks if chunk.choices))
     for prompt in CHAT_PROMPTS:
         messages = [{"role": "user", "content": words(prompt)}]
-        reply = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
-                                               temperature=0, extra_body={"ignore_eos": True})
+        reply = openai.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        )
         answers["chat"].append(reply.choices[0].message.content)
         answers["chat_cached"].append(reply.usage.prompt_tokens_details.cached_tokens)
-        stream = openai.chat.completions.create(model=NAME, messages=messages, max_tokens=vp.MAX_TOKENS,
-                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+        stream = openai.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=vp.MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         answers["chat_stream"].append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
     return answers
 
@@ -63,8 +78,18 @@ def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     """The answers of one plain ``vllm serve`` (no connector), stopped before the pair starts."""
     port = free_port()
     log = tmp_path_factory.mktemp("reference") / "server.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-               "--port", str(port), *SERVE_ARGS]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SERVE_ARGS,
+    ]
     server = Server(command, log, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
     try:
         server.wait_ready(f"http://127.0.0.1:{port}")
@@ -98,8 +123,9 @@ def test_disaggregated_serving_equals_a_single_server(stack: dict, reference: di
 
 @pytest.mark.timeout(300)
 @pytest.mark.timeout(900)
-def test_serving_through_a_store_equals_a_single_server(model: str, reference: dict,
-                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_serving_through_a_store_equals_a_single_server(
+    model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """``kvbridge serve --kv-store disk:DIR``: prefill and decode instances with one disk store beside
     their pipe: a decode instance loads the stored prefix (whole chunks) from the store and the rest
     over the pipe. Every answer equals the plain server's, and decode instances did load KV."""
@@ -127,8 +153,13 @@ def test_proxy_falls_back_to_the_decode_instance_when_prefill_is_down(stack: dic
         # (except the duplicate, from its own prefix cache).
         assert cached == [0] * (len(new_prompts) - 1) + [vp.transfer_prefix(new_prompts[-1])]
         # And it still answers the known prompts exactly.
-        reply = openai.completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=vp.MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+        reply = openai.completions.create(
+            model=NAME,
+            prompt=PROMPTS[6],
+            max_tokens=vp.MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         assert (reply.choices[0].text, reply.choices[0].model_extra["token_ids"]) == reference["completions"][6]
     finally:
         fallback.close()
@@ -141,11 +172,24 @@ def test_proxy_returns_client_errors_of_the_prefill_instance(stack: dict) -> Non
 
 
 def test_prefill_request_asks_for_one_token_without_streaming() -> None:
-    body = {"model": NAME, "prompt": [5, 6], "max_tokens": 9, "max_completion_tokens": 9, "stream": True, "n": 2,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": NAME,
+        "prompt": [5, 6],
+        "max_tokens": 9,
+        "max_completion_tokens": 9,
+        "stream": True,
+        "n": 2,
+        "stream_options": {"include_usage": True},
+    }
     prefill = proxy.prefill_body(body)
-    assert prefill == {"model": NAME, "prompt": [5, 6], "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
-                       "n": 1}
+    assert prefill == {
+        "model": NAME,
+        "prompt": [5, 6],
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "stream": False,
+        "n": 1,
+    }
     assert body["max_tokens"] == 9 and body["stream_options"] == {"include_usage": True}  # the original is intact
     params = {"kvbridge": {"prefix_tokens": 32}}
     assert proxy.decode_body(body, params) == {**body, "kv_transfer_params": params}

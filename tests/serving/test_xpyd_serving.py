@@ -39,13 +39,24 @@ PAIR_PROMPTS = {pair: _distinct(seed=10 + index) for index, pair in enumerate(PA
 PROXY_PROMPTS = _distinct(seed=20) + _distinct(seed=21)
 ROUTER_PROMPTS = _distinct(seed=30) + _distinct(seed=31)
 ROUTER_WARMUP = _distinct(seed=32)[3]
-PREFILL_KILL = {"flow": _distinct(seed=40) + _distinct(seed=41), "after": _distinct(seed=42),
-                "restarted": {d: _distinct(seed=43 + d) for d in range(2)}}
-DECODE_KILL = {"flow": _distinct(seed=50) + _distinct(seed=51), "after": _distinct(seed=52),
-               "restarted": {p: _distinct(seed=53 + p) for p in range(2)}}
-ALL_PROMPTS = [*(p for prompts in PAIR_PROMPTS.values() for p in prompts), *PROXY_PROMPTS, *ROUTER_PROMPTS,
-               ROUTER_WARMUP, *(p for case in (PREFILL_KILL, DECODE_KILL) for p in case["flow"] + case["after"]),
-               *(p for case in (PREFILL_KILL, DECODE_KILL) for prompts in case["restarted"].values() for p in prompts)]
+PREFILL_KILL = {
+    "flow": _distinct(seed=40) + _distinct(seed=41),
+    "after": _distinct(seed=42),
+    "restarted": {d: _distinct(seed=43 + d) for d in range(2)},
+}
+DECODE_KILL = {
+    "flow": _distinct(seed=50) + _distinct(seed=51),
+    "after": _distinct(seed=52),
+    "restarted": {p: _distinct(seed=53 + p) for p in range(2)},
+}
+ALL_PROMPTS = [
+    *(p for prompts in PAIR_PROMPTS.values() for p in prompts),
+    *PROXY_PROMPTS,
+    *ROUTER_PROMPTS,
+    ROUTER_WARMUP,
+    *(p for case in (PREFILL_KILL, DECODE_KILL) for p in case["flow"] + case["after"]),
+    *(p for case in (PREFILL_KILL, DECODE_KILL) for prompts in case["restarted"].values() for p in prompts),
+]
 CLIENTS = 4
 
 
@@ -59,8 +70,9 @@ def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[tupl
     """(text, token ids) of every prompt of the module from one plain ``vllm serve`` (no connector),
     stopped before the instances start."""
     assert len({tuple(p) for p in ALL_PROMPTS}) == len(ALL_PROMPTS), "the tests need distinct prompts"
-    return xp.plain_answers(model, ALL_PROMPTS, tmp_path_factory.mktemp("reference") / "server.log", SERVE_ARGS,
-                            clients=1)
+    return xp.plain_answers(
+        model, ALL_PROMPTS, tmp_path_factory.mktemp("reference") / "server.log", SERVE_ARGS, clients=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +97,10 @@ def _assert_loaded_by_hand(cluster: xp.TwoByTwo, p: int, d: int, prompts: list[l
         assert answer.cached == vp.transfer_prefix(prompt), (prefill.name, decode.name, len(prompt))
         announced = params["kvbridge"]
         assert (announced["host"], announced["port"], announced["prefix_tokens"]) == (
-            "127.0.0.1", prefill.kv_port, vp.transfer_prefix(prompt))
+            "127.0.0.1",
+            prefill.kv_port,
+            vp.transfer_prefix(prompt),
+        )
     grown = xp.metric(decode.url, xp.HIT_METRIC) - hits_before
     assert grown == sum(vp.transfer_prefix(p) for p in prompts), (prefill.name, decode.name)
 
@@ -94,8 +109,9 @@ def _assert_loaded_by_hand(cluster: xp.TwoByTwo, p: int, d: int, prompts: list[l
 def test_every_pairing_loads_the_prefix_its_prefill_announces(cluster: xp.TwoByTwo, reference: dict) -> None:
     for p, d in PAIRINGS:
         _assert_loaded_by_hand(cluster, p, d, PAIR_PROMPTS[(p, d)], reference)
-    engine_ids = {xp.prefill(cluster.prefills[p].url, PAIR_PROMPTS[(p, 0)][0])["kvbridge"]["engine_id"]
-                  for p in range(2)}
+    engine_ids = {
+        xp.prefill(cluster.prefills[p].url, PAIR_PROMPTS[(p, 0)][0])["kvbridge"]["engine_id"] for p in range(2)
+    }
     assert len(engine_ids) == 2
 
 
@@ -104,8 +120,13 @@ def test_every_pairing_loads_the_prefix_its_prefill_announces(cluster: xp.TwoByT
 
 def xpyd_proxy(cluster: xp.TwoByTwo, decode_policy: str = "least_outstanding") -> ThreadedProxy:
     """kvbridge's proxy over every instance of ``cluster``, round robin over the prefill instances."""
-    return ThreadedProxy([i.url for i in cluster.prefills], [i.url for i in cluster.decodes], xp.REQUEST_TIMEOUT,
-                         prefill_policy="round_robin", decode_policy=decode_policy)
+    return ThreadedProxy(
+        [i.url for i in cluster.prefills],
+        [i.url for i in cluster.decodes],
+        xp.REQUEST_TIMEOUT,
+        prefill_policy="round_robin",
+        decode_policy=decode_policy,
+    )
 
 
 def _ask_concurrently(url: str, prompts: list[list[int]]) -> list[xp.Answer]:
@@ -136,8 +157,9 @@ def test_proxy_over_two_prefills_and_two_decodes(cluster: xp.TwoByTwo, reference
 @pytest.fixture()
 def router(cluster: xp.TwoByTwo, tmp_path: Path) -> Iterator[str]:
     # The test extra installs it: missing is a failure, not a skip.
-    assert shutil.which("vllm-router") or (Path(sys.executable).parent / "vllm-router").exists(), \
+    assert shutil.which("vllm-router") or (Path(sys.executable).parent / "vllm-router").exists(), (
         "vllm-router is not installed (pip install -e '.[test]')"
+    )
     port = free_port(1)
     command = xp.router_command([i.url for i in cluster.prefills], [i.url for i in cluster.decodes], port)
     server = Server(command, tmp_path / "router.log")
@@ -225,7 +247,8 @@ def _assert_flow(outcomes: dict[int, Any], prompts: list[list[int]], reference: 
 
 @pytest.mark.timeout(600)
 def test_a_killed_prefill_instance_is_routed_around_and_serves_again_after_a_restart(
-        cluster: xp.TwoByTwo, reference: dict) -> None:
+    cluster: xp.TwoByTwo, reference: dict
+) -> None:
     victim = cluster.prefills[1]
     with _front(cluster) as send:
         outcomes = _flow_with_kill(send, PREFILL_KILL["flow"], victim.kill)
@@ -240,7 +263,8 @@ def test_a_killed_prefill_instance_is_routed_around_and_serves_again_after_a_res
 
 @pytest.mark.timeout(600)
 def test_a_killed_decode_instance_is_routed_around_and_loads_again_after_a_restart(
-        cluster: xp.TwoByTwo, reference: dict) -> None:
+    cluster: xp.TwoByTwo, reference: dict
+) -> None:
     victim = cluster.decodes[1]
     with _front(cluster) as send:
         outcomes = _flow_with_kill(send, DECODE_KILL["flow"], victim.kill)

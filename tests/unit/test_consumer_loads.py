@@ -37,16 +37,23 @@ class Buffer:
     """A consumer's lookup buffer answering each select by the request's first token: the blocks
     in ``hits`` (taken once), else a miss; a select whose token has a gate waits for it first."""
 
-    def __init__(self, hits: dict[int, torch.Tensor] | None = None,
-                 gates: dict[int, threading.Event] | None = None) -> None:
+    def __init__(
+        self, hits: dict[int, torch.Tensor] | None = None, gates: dict[int, threading.Event] | None = None
+    ) -> None:
         self.hits, self.gates = dict(hits or {}), gates or {}
         self.selected: list[int] = []
         self.entered = threading.Event()  # a select reached the buffer
         self.failure: Exception | None = None
         self.closed = threading.Event()
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, span: tuple[int, int, int] | None = None) -> list:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        span: tuple[int, int, int] | None = None,
+    ) -> list:
         first = int(input_tokens[0])
         self.selected.append(first)
         self.entered.set()
@@ -81,8 +88,9 @@ def consumer(dialer: Dialer):
     def dial(settings: object, host: str, port: int, on_connect: object) -> object:
         return dialer(settings, host, port, on_connect)
 
-    return vp.fake_worker("kv_consumer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 1.0},
-                          dialer=dial)
+    return vp.fake_worker(
+        "kv_consumer", 1, vp.FAKE_BLOCK_SIZE, vp.fake_caches(2), {"kv_load_timeout": 1.0}, dialer=dial
+    )
 
 
 class Reports:
@@ -100,8 +108,9 @@ class Reports:
     def until(self, req_ids: set[str]) -> None:
         deadline = time.monotonic() + WAIT  # a hang guard, not a timing claim
         while not req_ids <= self.finished():
-            assert time.monotonic() < deadline, \
+            assert time.monotonic() < deadline, (
                 f"{req_ids - self.finished()} never reported; got {[p for p in self.polls if p != (set(), set())]}"
+            )
             self.poll()
             time.sleep(0.005)
 
@@ -136,8 +145,10 @@ def test_loads_naming_an_unreachable_producer_never_delay_another_producers_load
     dialer = Dialer({DEAD: [stuck], ALIVE: [alive]})
     worker = consumer(dialer)
     reports = Reports(worker)
-    dead = [LoadSpec(f"dead{i}", tokens(10 + i), [i % vp.FAKE_BLOCKS], 0, wait=True, producer=DEAD)
-            for i in range(LOAD_THREADS + 4)]
+    dead = [
+        LoadSpec(f"dead{i}", tokens(10 + i), [i % vp.FAKE_BLOCKS], 0, wait=True, producer=DEAD)
+        for i in range(LOAD_THREADS + 4)
+    ]
     try:
         worker.start_loads(dead)  # returns while the attempt to reach the dead producer is blocked
         assert stuck.entered.wait(WAIT)
@@ -165,7 +176,8 @@ def test_loads_naming_an_unreachable_producer_never_delay_another_producers_load
 
 
 def test_while_a_producers_circuit_is_open_its_loads_fail_at_once_then_exactly_one_attempt_is_made(
-        clock: list[float], caplog: pytest.LogCaptureFixture) -> None:
+    clock: list[float], caplog: pytest.LogCaptureFixture
+) -> None:
     first = Gate(KVPeerLostError("no producer answered at 10.0.0.66:9000"))
     half_open = Gate(None)
     back = Buffer({200: blocks(3, 1)})
@@ -181,8 +193,10 @@ def test_while_a_producers_circuit_is_open_its_loads_fail_at_once_then_exactly_o
         assert reports.failed_with("first") == {0}
         # Open: loads fail at once, without an attempt, each reported once with its blocks.
         with caplog.at_level(logging.WARNING, logger="connector.vllm_worker"):
-            open_loads = [LoadSpec(f"open{i}", tokens(20 + i), [1 + i % 4], 0, wait=True, producer=DEAD)
-                          for i in range(LOAD_THREADS + 2)]
+            open_loads = [
+                LoadSpec(f"open{i}", tokens(20 + i), [1 + i % 4], 0, wait=True, producer=DEAD)
+                for i in range(LOAD_THREADS + 2)
+            ]
             worker.start_loads(open_loads)
             reports.until({spec.req_id for spec in open_loads})
         for spec in open_loads:
@@ -195,8 +209,10 @@ def test_while_a_producers_circuit_is_open_its_loads_fail_at_once_then_exactly_o
         # thread, and another producer's loads go ahead meanwhile.
         clock[0] += FIRST_BACKOFF
         waiting = [LoadSpec("half0", tokens(200), [5], 0, producer=DEAD)]  # a hit
-        waiting += [LoadSpec(f"half{i}", tokens(40 + i), [6 + i % 3], 0, producer=DEAD)  # misses
-                    for i in range(1, LOAD_THREADS + 2)]
+        waiting += [
+            LoadSpec(f"half{i}", tokens(40 + i), [6 + i % 3], 0, producer=DEAD)  # misses
+            for i in range(1, LOAD_THREADS + 2)
+        ]
         worker.start_loads(waiting)
         assert half_open.entered.wait(WAIT)
         worker.start_loads([LoadSpec("other", tokens(300), [8], 0, producer=ALIVE)])
@@ -210,7 +226,8 @@ def test_while_a_producers_circuit_is_open_its_loads_fail_at_once_then_exactly_o
             assert set(spec.block_ids) <= reports.failed_with(spec.req_id)
         assert dialer.count(DEAD) == 2 and len(back.selected) == len(waiting)
         assert sorted(reports.reported()) == sorted(
-            ["first", "other"] + [s.req_id for s in open_loads] + [s.req_id for s in waiting])
+            ["first", "other"] + [s.req_id for s in open_loads] + [s.req_id for s in waiting]
+        )
     finally:
         first.opened.set()
         half_open.opened.set()
@@ -218,14 +235,17 @@ def test_while_a_producers_circuit_is_open_its_loads_fail_at_once_then_exactly_o
     assert no_dial_threads()
 
 
-def test_a_load_finished_by_vllm_while_waiting_for_its_connection_reports_no_failed_blocks(
-        clock: list[float]) -> None:
+def test_a_load_finished_by_vllm_while_waiting_for_its_connection_reports_no_failed_blocks(clock: list[float]) -> None:
     stuck = Gate(KVPeerLostError("no producer answered"))
     worker = consumer(Dialer({DEAD: [stuck]}))
     reports = Reports(worker)
     try:
-        worker.start_loads([LoadSpec("aborted", tokens(10), [3], 0, wait=True, producer=DEAD),
-                            LoadSpec("kept", tokens(11), [4], 0, wait=True, producer=DEAD)])
+        worker.start_loads(
+            [
+                LoadSpec("aborted", tokens(10), [3], 0, wait=True, producer=DEAD),
+                LoadSpec("kept", tokens(11), [4], 0, wait=True, producer=DEAD),
+            ]
+        )
         assert stuck.entered.wait(WAIT)
         assert reports.poll({"aborted"}) == (set(), set())  # vLLM finished it; it is still waiting
         stuck.opened.set()
@@ -312,8 +332,10 @@ def test_a_producer_that_stops_answering_holds_at_most_its_share_of_the_load_thr
     dialer = Dialer({DEAD: [silent], ALIVE: [alive]})
     worker = consumer(dialer)
     reports = Reports(worker)
-    dead = [LoadSpec(f"dead{i}", tokens(10 + i), [i % vp.FAKE_BLOCKS], 0, wait=True, producer=DEAD)
-            for i in range(LOAD_THREADS + 4)]
+    dead = [
+        LoadSpec(f"dead{i}", tokens(10 + i), [i % vp.FAKE_BLOCKS], 0, wait=True, producer=DEAD)
+        for i in range(LOAD_THREADS + 4)
+    ]
     try:
         worker.start_loads(dead)
         deadline = time.monotonic() + WAIT  # a hang guard, not a timing claim
@@ -348,8 +370,14 @@ class _Rank:
     def __init__(self, key: torch.Tensor, barrier: threading.Barrier) -> None:
         self.key, self.barrier, self.failure = key, barrier, None
 
-    def drop_select(self, input_tokens: torch.Tensor, roi: torch.Tensor, timeout: float | None = None,
-                    borrow: bool = False, part: tuple[int, int, int] | None = None) -> list:
+    def drop_select(
+        self,
+        input_tokens: torch.Tensor,
+        roi: torch.Tensor,
+        timeout: float | None = None,
+        borrow: bool = False,
+        part: tuple[int, int, int] | None = None,
+    ) -> list:
         self.barrier.wait()
         return [input_tokens.clone(), roi.clone(), self.key, None, None]
 
@@ -360,7 +388,7 @@ def test_gathers_from_four_ranks_in_every_load_thread_select_from_all_ranks_at_o
     thread another gather holds; each gather gets its ranks' heads, bit-exact."""
     ranks = 4
     full = torch.randn((2, 3, 2 * ranks, 3, 10), generator=torch.Generator().manual_seed(9))
-    quarters = [full[:, :, 2 * rank:2 * rank + 2].contiguous() for rank in range(ranks)]
+    quarters = [full[:, :, 2 * rank : 2 * rank + 2].contiguous() for rank in range(ranks)]
     plan = tuple(Source(rank, None, (2 * rank, 2 * rank + 2)) for rank in range(ranks))
     barrier = threading.Barrier(LOAD_THREADS * ranks, timeout=WAIT)  # a hang guard, not a timing claim
     gathered: list = []

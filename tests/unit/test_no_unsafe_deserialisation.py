@@ -20,19 +20,52 @@ SCANNED = ("kv_pipe", "kv_store", "lookup_buffer", "connector", "launch")
 
 #: Fully qualified names whose use is unsafe on untrusted bytes.
 UNSAFE_NAMES = {
-    *(f"{module}.{name}" for module in ("pickle", "_pickle", "cPickle", "cloudpickle", "dill")
-      for name in ("load", "loads", "Unpickler")),
-    "marshal.load", "marshal.loads", "shelve.open", "jsonpickle.decode", "pandas.read_pickle",
-    "torch.load", "torch.serialization.load", "numpy.lib.format.read_array",
-    "yaml.load", "yaml.load_all", "yaml.unsafe_load", "yaml.unsafe_load_all", "yaml.full_load",
-    "yaml.full_load_all", "yaml.UnsafeLoader", "yaml.Loader",
-    *(f"torch.distributed.{name}" for name in ("recv_object_list", "broadcast_object_list", "all_gather_object",
-                                                "gather_object", "scatter_object_list")),
-    "builtins.eval", "builtins.exec",
+    *(
+        f"{module}.{name}"
+        for module in ("pickle", "_pickle", "cPickle", "cloudpickle", "dill")
+        for name in ("load", "loads", "Unpickler")
+    ),
+    "marshal.load",
+    "marshal.loads",
+    "shelve.open",
+    "jsonpickle.decode",
+    "pandas.read_pickle",
+    "torch.load",
+    "torch.serialization.load",
+    "numpy.lib.format.read_array",
+    "yaml.load",
+    "yaml.load_all",
+    "yaml.unsafe_load",
+    "yaml.unsafe_load_all",
+    "yaml.full_load",
+    "yaml.full_load_all",
+    "yaml.UnsafeLoader",
+    "yaml.Loader",
+    *(
+        f"torch.distributed.{name}"
+        for name in (
+            "recv_object_list",
+            "broadcast_object_list",
+            "all_gather_object",
+            "gather_object",
+            "scatter_object_list",
+        )
+    ),
+    "builtins.eval",
+    "builtins.exec",
 }
 #: Method names unsafe whatever object they are called on (the receiver's type is unknown statically).
-UNSAFE_METHODS = {"recv_pyobj", "recv_serialized", "recv_object_list", "broadcast_object_list",
-                  "all_gather_object", "gather_object", "scatter_object_list", "read_pickle", "unsafe_load"}
+UNSAFE_METHODS = {
+    "recv_pyobj",
+    "recv_serialized",
+    "recv_object_list",
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "read_pickle",
+    "unsafe_load",
+}
 #: Loaders that are safe unless a keyword enables pickle.
 PICKLE_KEYWORD_LOADERS = {"numpy.load": "allow_pickle"}
 

@@ -9,8 +9,9 @@ from lookup_buffer.listener import pipe_memory
 
 
 def _config(device: str) -> KVTransferConfig:
-    return KVTransferConfig(kv_rank=0, kv_role="kv_producer", kv_buffer_device=device,
-                            kv_device_index=0 if device == "cuda" else None)
+    return KVTransferConfig(
+        kv_rank=0, kv_role="kv_producer", kv_buffer_device=device, kv_device_index=0 if device == "cuda" else None
+    )
 
 
 def test_a_cuda_connection_is_charged_its_host_frames_and_its_nccl_buffers(monkeypatch: pytest.MonkeyPatch):

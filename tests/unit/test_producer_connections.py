@@ -86,7 +86,8 @@ def test_a_producer_being_dialed_delays_no_other_producer(clock: list[float]) ->
 
 
 def test_a_failed_attempt_opens_the_circuit_and_after_the_backoff_exactly_one_attempt_is_made(
-        clock: list[float]) -> None:
+    clock: list[float],
+) -> None:
     first = Gate(KVPeerLostError("no producer answered at 10.0.0.66:9000"))
     second = Gate(KVPeerLostError("still nobody"))
     buffer = FakeBuffer("back")
@@ -159,8 +160,10 @@ def test_a_refusal_and_a_faulty_dialer_reach_every_waiter_and_open_the_circuit(c
     dialer = Dialer({DEAD: [refused], ALIVE: [faulty]})
     connections = make(dialer)
     try:
-        for address, gate, kind, text in ((DEAD, refused, KVProtocolError, "authentication failed"),
-                                           (ALIVE, faulty, ValueError, "a bug")):
+        for address, gate, kind, text in (
+            (DEAD, refused, KVProtocolError, "authentication failed"),
+            (ALIVE, faulty, ValueError, "a bug"),
+        ):
             waiters = [Told() for _ in range(3)]
             for told in waiters:
                 connections.when_ready(address, told)
@@ -181,6 +184,7 @@ def test_a_faulty_callback_does_not_keep_the_others_from_being_told(clock: list[
     gate = Gate(FakeBuffer("p"))
     connections = make(Dialer({ALIVE: [gate]}))
     try:
+
         def faulty(result: object) -> None:
             raise RuntimeError("a bug in a callback")
 
@@ -221,7 +225,8 @@ def test_close_tells_the_waiters_at_once_closes_a_late_connection_and_leaves_no_
 
 
 def test_a_dial_thread_that_cannot_start_fails_the_waiter_and_the_next_request_dials(
-        clock: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    clock: list[float], monkeypatch: pytest.MonkeyPatch
+) -> None:
     buffer = FakeBuffer("p")
     dialer = Dialer({ALIVE: [buffer]})
     connections = make(dialer)

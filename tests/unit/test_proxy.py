@@ -35,8 +35,14 @@ class FakeInstance:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        self.requests.append({"method": request.method, "path": request.rel_url.path_qs,
-                              "headers": request.headers.copy(), "json": json.loads(body) if body else None})
+        self.requests.append(
+            {
+                "method": request.method,
+                "path": request.rel_url.path_qs,
+                "headers": request.headers.copy(),
+                "json": json.loads(body) if body else None,
+            }
+        )
         return await self.handler(request)
 
     @property
@@ -93,9 +99,9 @@ def unanswered(status: int) -> Handler:
 
 
 @contextlib.asynccontextmanager
-async def proxied(prefill: Handler | str, decode: Handler | str,
-                  timeouts: proxy.Timeouts | None = None) -> AsyncIterator[tuple[str, FakeInstance | None,
-                                                                                  FakeInstance | None]]:
+async def proxied(
+    prefill: Handler | str, decode: Handler | str, timeouts: proxy.Timeouts | None = None
+) -> AsyncIterator[tuple[str, FakeInstance | None, FakeInstance | None]]:
     """The proxy in front of fake instances (a handler) or of a given URL; yields its URL and the fakes."""
     fakes: list[FakeInstance | None] = []
     urls = []
@@ -153,10 +159,19 @@ def test_client_headers_reach_both_instances() -> None:
 
 
 def test_forwarded_headers_leave_out_connection_and_body_encoding() -> None:
-    headers = {"Authorization": "Bearer k", "Host": "proxy:8000", "Connection": "keep-alive", "Content-Length": "9",
-               "Content-Type": "application/json", "Transfer-Encoding": "chunked", "Accept": "text/event-stream"}
-    assert proxy.forwarded_headers(headers, json_body=True) == {"Authorization": "Bearer k",
-                                                                "Accept": "text/event-stream"}
+    headers = {
+        "Authorization": "Bearer k",
+        "Host": "proxy:8000",
+        "Connection": "keep-alive",
+        "Content-Length": "9",
+        "Content-Type": "application/json",
+        "Transfer-Encoding": "chunked",
+        "Accept": "text/event-stream",
+    }
+    assert proxy.forwarded_headers(headers, json_body=True) == {
+        "Authorization": "Bearer k",
+        "Accept": "text/event-stream",
+    }
     assert proxy.forwarded_headers(headers, json_body=False)["Content-Type"] == "application/json"
 
 
@@ -257,6 +272,7 @@ def test_stream_stalling_after_it_started_ends_with_an_sse_error_event() -> None
 
 def test_unreachable_decode_instance_is_a_504_after_the_connect_timeout() -> None:
     with full_listener() as port:
+
         async def scenario() -> None:
             async with proxied(prefill_answer, f"http://127.0.0.1:{port}", SHORT) as (url, _, _):
                 status, body = await post(url + "/v1/completions", completion())
@@ -278,15 +294,22 @@ def test_only_the_openai_routes_and_health_are_served() -> None:
         async with proxied(prefill_answer, decode_answer) as (url, prefill, decode), aiohttp.ClientSession() as client:
             async with client.get(url + "/v1/models?limit=2", headers={"Authorization": "Bearer k"}) as response:
                 assert response.status == 200
-            for method, path in (("GET", "/metrics"), ("POST", "/v1/embeddings"), ("GET", "/v1/completions"),
-                                 ("POST", "/reset_prefix_cache"), ("GET", "/")):
+            for method, path in (
+                ("GET", "/metrics"),
+                ("POST", "/v1/embeddings"),
+                ("GET", "/v1/completions"),
+                ("POST", "/reset_prefix_cache"),
+                ("GET", "/"),
+            ):
                 async with client.request(method, url + path) as response:
                     assert response.status == 404, (method, path)
                     assert path in (await response.json())["error"]["message"]
             async with client.get(url + "/health") as response:
                 assert response.status == 200
-        assert [(r["method"], r["path"]) for r in decode.requests] == [("GET", "/v1/models?limit=2"),
-                                                                       ("GET", "/health")]
+        assert [(r["method"], r["path"]) for r in decode.requests] == [
+            ("GET", "/v1/models?limit=2"),
+            ("GET", "/health"),
+        ]
         assert decode.requests[0]["headers"]["Authorization"] == "Bearer k"
         assert [(r["method"], r["path"]) for r in prefill.requests] == [("GET", "/health")]
 
@@ -310,6 +333,7 @@ def test_health_names_the_instance_that_is_not_healthy() -> None:
 
 def prefill_named(index: int) -> Handler:
     """A prefill instance whose kv_transfer_params name it."""
+
     async def handler(request: web.Request) -> web.Response:
         params = {"kvbridge": {"prefix_tokens": 32, "host": f"p{index}", "port": 14579}}
         return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
@@ -319,6 +343,7 @@ def prefill_named(index: int) -> Handler:
 
 def decode_named(index: int, gate: asyncio.Event | None = None) -> Handler:
     """A decode instance that says who it is and which params it got; it waits for ``gate`` first."""
+
     async def handler(request: web.Request) -> web.Response:
         if gate is not None:
             await gate.wait()
@@ -329,8 +354,9 @@ def decode_named(index: int, gate: asyncio.Event | None = None) -> Handler:
 
 
 @contextlib.asynccontextmanager
-async def cluster(prefills: list[Handler | str], decodes: list[Handler | str],
-                  **options: Any) -> AsyncIterator[tuple[str, proxy.Proxy, list[FakeInstance | None]]]:
+async def cluster(
+    prefills: list[Handler | str], decodes: list[Handler | str], **options: Any
+) -> AsyncIterator[tuple[str, proxy.Proxy, list[FakeInstance | None]]]:
     """The proxy over several instances (handlers become fakes; strings are URLs as they are)."""
     fakes: list[FakeInstance | None] = []
     for spec in (*prefills, *decodes):
@@ -339,7 +365,7 @@ async def cluster(prefills: list[Handler | str], decodes: list[Handler | str],
             await fake.server.start_server()
         fakes.append(fake)
     urls = [spec if fake is None else fake.url for spec, fake in zip((*prefills, *decodes), fakes, strict=True)]
-    front = proxy.Proxy(urls[:len(prefills)], urls[len(prefills):], **{"health_interval": 3600, **options})
+    front = proxy.Proxy(urls[: len(prefills)], urls[len(prefills) :], **{"health_interval": 3600, **options})
     server = TestServer(front.app())
     await server.start_server()
     try:
@@ -353,8 +379,9 @@ async def cluster(prefills: list[Handler | str], decodes: list[Handler | str],
 
 def test_each_decode_request_carries_the_params_of_the_prefill_that_served_it() -> None:
     async def scenario() -> None:
-        async with cluster([prefill_named(0), prefill_named(1)], [decode_named(0), decode_named(1)],
-                           decode_policy="least_outstanding") as (url, _, fakes):
+        async with cluster(
+            [prefill_named(0), prefill_named(1)], [decode_named(0), decode_named(1)], decode_policy="least_outstanding"
+        ) as (url, _, fakes):
             answers = [json.loads((await post(url + "/v1/completions", completion()))[1]) for _ in range(4)]
         assert [a["params"]["kvbridge"]["host"] for a in answers] == ["p0", "p1", "p0", "p1"]
         assert [len(fake.requests) for fake in fakes] == [2, 2, 2, 2]
@@ -364,8 +391,9 @@ def test_each_decode_request_carries_the_params_of_the_prefill_that_served_it() 
 
 def test_every_prefill_meets_every_decode_when_the_policies_turn_at_different_rates() -> None:
     async def scenario() -> None:
-        async with cluster([prefill_named(0), prefill_named(1)],
-                           [decode_named(0), decode_named(1), decode_named(2)]) as (url, _, _):
+        async with cluster(
+            [prefill_named(0), prefill_named(1)], [decode_named(0), decode_named(1), decode_named(2)]
+        ) as (url, _, _):
             answers = [json.loads((await post(url + "/v1/completions", completion()))[1]) for _ in range(6)]
         pairs = {(a["params"]["kvbridge"]["host"], a["decode"]) for a in answers}
         assert pairs == {(f"p{p}", d) for p in range(2) for d in range(3)}
@@ -376,8 +404,9 @@ def test_every_prefill_meets_every_decode_when_the_policies_turn_at_different_ra
 def test_least_outstanding_sends_new_requests_to_the_idle_decode_instance() -> None:
     async def scenario() -> None:
         gate = asyncio.Event()
-        async with cluster([prefill_answer], [decode_named(0, gate), decode_named(1)],
-                           decode_policy="least_outstanding") as (url, front, _):
+        async with cluster(
+            [prefill_answer], [decode_named(0, gate), decode_named(1)], decode_policy="least_outstanding"
+        ) as (url, front, _):
             held = asyncio.create_task(post(url + "/v1/completions", completion()))
             while front.decode.instances[0].outstanding == 0:  # the first request waits at decode 0
                 await asyncio.sleep(0.01)
@@ -447,8 +476,11 @@ def test_an_instance_marked_down_comes_back_after_a_passing_check() -> None:
 def test_health_is_served_while_one_instance_of_each_kind_is_healthy() -> None:
     async def scenario() -> None:
         dead = f"http://127.0.0.1:{closed_port()}"
-        async with cluster([dead, prefill_answer], [decode_answer, dead]) as (url, _, _), \
-                aiohttp.ClientSession() as client, client.get(url + "/health") as response:
+        async with (
+            cluster([dead, prefill_answer], [decode_answer, dead]) as (url, _, _),
+            aiohttp.ClientSession() as client,
+            client.get(url + "/health") as response,
+        ):
             assert response.status == 200
             state = await response.json()
         assert [i["healthy"] for i in state["prefill"]] == [False, True]
@@ -468,18 +500,38 @@ def test_a_request_id_is_made_when_the_client_sends_none_and_both_legs_share_it(
     run(scenario())
 
 
-@pytest.mark.parametrize("argv", [["--prefill", "http://a"], ["--decode", "http://b"],
-                                  ["--prefill", "http://a", "--decode", "http://b", "--decode-policy", "random"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--prefill", "http://a"],
+        ["--decode", "http://b"],
+        ["--prefill", "http://a", "--decode", "http://b", "--decode-policy", "random"],
+    ],
+)
 def test_the_command_line_needs_both_kinds_and_known_policies(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         proxy.parser().parse_args(argv)
 
 
 def test_the_command_line_takes_several_instances_of_each_kind() -> None:
-    args = proxy.parser().parse_args(["--prefill", "http://a", "--prefill", "http://b", "--decode", "http://c",
-                                      "--prefill-policy", "least_outstanding"])
+    args = proxy.parser().parse_args(
+        [
+            "--prefill",
+            "http://a",
+            "--prefill",
+            "http://b",
+            "--decode",
+            "http://c",
+            "--prefill-policy",
+            "least_outstanding",
+        ]
+    )
     assert (args.prefill, args.decode, args.prefill_policy, args.decode_policy) == (
-        ["http://a", "http://b"], ["http://c"], "least_outstanding", "round_robin")
+        ["http://a", "http://b"],
+        ["http://c"],
+        "least_outstanding",
+        "round_robin",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- helpers

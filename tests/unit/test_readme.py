@@ -42,7 +42,7 @@ def ci_test_command(lines: list[str]) -> str | None:
     window: list[str] = []
     for index, line in enumerate(lines):
         if MARKER in line:
-            window.extend(lines[index:index + 4])
+            window.extend(lines[index : index + 4])
     return next((line for line in window if re.match(r"\s*python -m pytest", line)), None)
 
 
@@ -117,8 +117,9 @@ def test_every_test_the_docs_cite_exists() -> None:
     """The failure tables name the test behind each row: a renamed or deleted test must not leave a
     row citing nothing."""
     pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
-    cited = {match for page in pages
-             for match in re.findall(r"(test_\w+\.py)::(test_\w+)", page.read_text(encoding="utf-8"))}
+    cited = {
+        match for page in pages for match in re.findall(r"(test_\w+\.py)::(test_\w+)", page.read_text(encoding="utf-8"))
+    }
     assert cited, "no page cites a test"
     defined: dict[str, set[str]] = {}
     missing = []
@@ -126,21 +127,25 @@ def test_every_test_the_docs_cite_exists() -> None:
         if file_name not in defined:
             paths = sorted((ROOT / "tests").rglob(file_name))  # test files live in tier folders under tests/
             tree = ast.parse(paths[0].read_text(encoding="utf-8")) if paths else ast.Module(body=[])
-            defined[file_name] = {node.name for node in ast.walk(tree)
-                                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            defined[file_name] = {
+                node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            }
         if test_name not in defined[file_name]:
             missing.append(f"{file_name}::{test_name}")
     assert not missing, f"the docs cite tests that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("text, is_history", [
-    ("what session " + "12 measured", True),
-    ("in Session-" + "3", True),
-    ("two sessions " + "5 and 6", True),
-    ("the round 2 " + "of work", True),
-    ("a session key is derived per purpose", False),
-    ("three rounds of 5 round trips", False),
-])
+@pytest.mark.parametrize(
+    "text, is_history",
+    [
+        ("what session " + "12 measured", True),
+        ("in Session-" + "3", True),
+        ("two sessions " + "5 and 6", True),
+        ("the round 2 " + "of work", True),
+        ("a session key is derived per purpose", False),
+        ("three rounds of 5 round trips", False),
+    ],
+)
 def test_history_pattern(text: str, is_history: bool) -> None:
     assert bool(HISTORY.search(text)) is is_history
 

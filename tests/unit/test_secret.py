@@ -32,25 +32,31 @@ def test_secret_from_the_environment_or_a_file(tmp_path: Path) -> None:
     assert read_secret_file(secret_file(tmp_path, SECRET, mode=0o640)) == SECRET  # shared with a group: allowed
 
 
-@pytest.mark.parametrize(("environ", "key", "named"), [
-    ({SECRET_ENV: SECRET, SECRET_FILE_ENV: "/some/file"}, None, f"{SECRET_ENV} and {SECRET_FILE_ENV}"),
-    ({SECRET_ENV: SECRET}, "/some/file", f"{SECRET_ENV} and kv_secret_file"),
-    ({SECRET_ENV: ""}, None, "set but empty"),
-    ({SECRET_FILE_ENV: ""}, None, "path of a file"),
-])
+@pytest.mark.parametrize(
+    ("environ", "key", "named"),
+    [
+        ({SECRET_ENV: SECRET, SECRET_FILE_ENV: "/some/file"}, None, f"{SECRET_ENV} and {SECRET_FILE_ENV}"),
+        ({SECRET_ENV: SECRET}, "/some/file", f"{SECRET_ENV} and kv_secret_file"),
+        ({SECRET_ENV: ""}, None, "set but empty"),
+        ({SECRET_FILE_ENV: ""}, None, "path of a file"),
+    ],
+)
 def test_ambiguous_or_empty_secret_settings_are_refused(environ: dict, key: str | None, named: str) -> None:
     with pytest.raises(KVConfigError, match=named) as error:
         resolve_secret(environ, key)
     assert SECRET not in str(error.value)
 
 
-@pytest.mark.parametrize(("text", "mode", "named"), [
-    (SECRET, 0o644, "accessible to every user of the host .* chmod 600"),
-    (SECRET, 0o602, "accessible to every user"),
-    ("", 0o600, "is empty"),
-    ("\n", 0o600, "is empty"),
-    ("x" * (1 << 17), 0o600, "larger than"),
-])
+@pytest.mark.parametrize(
+    ("text", "mode", "named"),
+    [
+        (SECRET, 0o644, "accessible to every user of the host .* chmod 600"),
+        (SECRET, 0o602, "accessible to every user"),
+        ("", 0o600, "is empty"),
+        ("\n", 0o600, "is empty"),
+        ("x" * (1 << 17), 0o600, "larger than"),
+    ],
+)
 def test_unfit_secret_files_are_refused(tmp_path: Path, text: str, mode: int, named: str) -> None:
     path = secret_file(tmp_path, text, mode)
     with pytest.raises(KVConfigError, match=named) as error:

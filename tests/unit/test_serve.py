@@ -19,8 +19,9 @@ SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "512"]
 
 
 def args(*extra: str) -> object:
-    return serve.parser().parse_args(["/models/tiny", "--prefill-port", "8101", "--decode-port", "8201",
-                                      "--kv-port", "15000", *extra])
+    return serve.parser().parse_args(
+        ["/models/tiny", "--prefill-port", "8101", "--decode-port", "8201", "--kv-port", "15000", *extra]
+    )
 
 
 def option(command: list[str], name: str) -> str | None:
@@ -46,8 +47,10 @@ def test_available_memory_is_the_tightest_of_host_numa_nodes_and_cgroup(tmp_path
     assert kv_memory.available_memory(str(tmp_path)) is None  # a host that says nothing
     write(tmp_path, "proc/meminfo", "MemTotal:       24000000 kB\nMemAvailable:   20971520 kB\n")  # 20 GiB
     assert kv_memory.available_memory(str(tmp_path)) == 20 * GIB
-    node = "Node {n} MemFree: {free} kB\nNode {n} Active(file): 1048576 kB\nNode {n} Inactive(file): 524288 kB\n" \
-           "Node {n} SReclaimable: 524288 kB\nNode {n} Active(anon): 999999999 kB\n"
+    node = (
+        "Node {n} MemFree: {free} kB\nNode {n} Active(file): 1048576 kB\nNode {n} Inactive(file): 524288 kB\n"
+        "Node {n} SReclaimable: 524288 kB\nNode {n} Active(anon): 999999999 kB\n"
+    )
     write(tmp_path, "sys/devices/system/node/node0/meminfo", node.format(n=0, free=6 * 1048576))  # 8 GiB
     write(tmp_path, "sys/devices/system/node/node1/meminfo", node.format(n=1, free=10 * 1048576))  # 12 GiB
     assert kv_memory.available_memory(str(tmp_path)) == 8 * GIB
@@ -75,21 +78,27 @@ def test_each_cpu_instance_gets_a_kv_cache_size_and_the_choice_is_logged(caplog:
         command = instance.command
         assert command[command.index("--model") + 1] == "/models/tiny"
         assert option(command, "--port") == str(instance.port)
-        assert command[-len(SERVE_ARGS) - 2:] == [*SERVE_ARGS, "--kv-cache-memory-bytes", str(2 * GIB)]
+        assert command[-len(SERVE_ARGS) - 2 :] == [*SERVE_ARGS, "--kv-cache-memory-bytes", str(2 * GIB)]
         transfer = json.loads(option(command, "--kv-transfer-config"))
-        assert (transfer["kv_role"], transfer["kv_port"], transfer["kv_connector"]) == (role, 15000,
-                                                                                        "KVBridgeConnector")
+        assert (transfer["kv_role"], transfer["kv_port"], transfer["kv_connector"]) == (
+            role,
+            15000,
+            "KVBridgeConnector",
+        )
     assert json.loads(option(decode.command, "--kv-transfer-config"))["kv_load_failure_policy"] == "recompute"
     logged = [r.getMessage() for r in caplog.records if "--kv-cache-memory-bytes" in r.getMessage()]
     assert len(logged) == 2 and "2048 MiB" in logged[0] and "8192 MiB available" in logged[0]
 
 
-@pytest.mark.parametrize(("serve_args", "env_option", "sized"), [
-    (["--kv-cache-memory-bytes", "123456789"], [], {"prefill", "decode"}),
-    (["--kv-cache-memory-bytes=123456789"], [], {"prefill", "decode"}),
-    (["--gpu-memory-utilization", "0.3"], [], {"prefill", "decode"}),
-    ([], ["--decode-env", "VLLM_CPU_KVCACHE_SPACE=2"], {"decode"}),
-])
+@pytest.mark.parametrize(
+    ("serve_args", "env_option", "sized"),
+    [
+        (["--kv-cache-memory-bytes", "123456789"], [], {"prefill", "decode"}),
+        (["--kv-cache-memory-bytes=123456789"], [], {"prefill", "decode"}),
+        (["--gpu-memory-utilization", "0.3"], [], {"prefill", "decode"}),
+        ([], ["--decode-env", "VLLM_CPU_KVCACHE_SPACE=2"], {"decode"}),
+    ],
+)
 def test_the_users_kv_cache_size_stands(serve_args: list[str], env_option: list[str], sized: set[str]) -> None:
     for instance in serve.plan(args(*env_option), serve_args, {}, kv_budget=8 * GIB):
         chosen = instance.command.count("--kv-cache-memory-bytes") - serve_args.count("--kv-cache-memory-bytes")
@@ -110,8 +119,9 @@ def transfer_of(instance: serve.Instance) -> dict:
 
 @pytest.mark.parametrize(("tp_args", "tp"), [([], 1), (["-tp", "2"], 2), (["--tensor-parallel-size=2"], 2)])
 def test_two_prefill_and_two_decode_instances_get_ports_of_their_own(tp_args: list[str], tp: int) -> None:
-    instances = serve.plan(args("--prefill-instances", "2", "--decode-instances", "2"), [*SERVE_ARGS, *tp_args],
-                           {}, kv_budget=8 * GIB)
+    instances = serve.plan(
+        args("--prefill-instances", "2", "--decode-instances", "2"), [*SERVE_ARGS, *tp_args], {}, kv_budget=8 * GIB
+    )
     assert [i.name for i in instances] == ["prefill-0", "prefill-1", "decode-0", "decode-1"]
     assert [i.port for i in instances] == [8101, 8102, 8201, 8202]
     transfers = [transfer_of(i) for i in instances]
@@ -124,17 +134,25 @@ def test_two_prefill_and_two_decode_instances_get_ports_of_their_own(tp_args: li
 
 
 def test_instances_are_spread_over_the_cores_or_share_them_when_there_are_too_few() -> None:
-    many = serve.plan(args("--prefill-instances", "2", "--decode-instances", "2"), SERVE_ARGS, {}, None,
-                      cores=[0, 1, 2, 3, 4, 5, 6, 7, 8])
+    many = serve.plan(
+        args("--prefill-instances", "2", "--decode-instances", "2"),
+        SERVE_ARGS,
+        {},
+        None,
+        cores=[0, 1, 2, 3, 4, 5, 6, 7, 8],
+    )
     assert [i.env[serve.BIND_ENV] for i in many] == ["0,1", "2,3", "4,5", "6,7"]
     few = serve.plan(args("--prefill-instances", "2", "--decode-instances", "1"), SERVE_ARGS, {}, None, cores=[3, 5])
     assert [i.env[serve.BIND_ENV] for i in few] == ["3", "5", "3"]
 
 
-@pytest.mark.parametrize(("given", "environ", "tp_args"), [
-    (["--decode-env", "VLLM_CPU_OMP_THREADS_BIND=7"], {}, []),
-    ([], {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, []),
-])
+@pytest.mark.parametrize(
+    ("given", "environ", "tp_args"),
+    [
+        (["--decode-env", "VLLM_CPU_OMP_THREADS_BIND=7"], {}, []),
+        ([], {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, []),
+    ],
+)
 def test_a_users_binding_stands(given: list[str], environ: dict, tp_args: list[str]) -> None:
     # Tensor-parallel instances get a bind per rank: tests/engines/test_tensor_parallel.py.
     instances = serve.plan(args(*given), [*SERVE_ARGS, *tp_args], environ, None, cores=[0, 1, 2, 3])
@@ -166,8 +184,12 @@ def test_the_secret_reaches_the_instances_through_their_environment(tmp_path: Pa
     plans = {
         "env": serve.plan(args(), SERVE_ARGS, {"KVBRIDGE_KV_SECRET": SECRET, "HOME": "/h"}, None),
         "file env": serve.plan(args(), SERVE_ARGS, {"KVBRIDGE_KV_SECRET_FILE": str(path), "HOME": "/h"}, None),
-        "file key": serve.plan(args("--kv-extra", json.dumps({"kv_secret_file": str(path), "kv_timeout": 7})),
-                               SERVE_ARGS, {"HOME": "/h"}, None),
+        "file key": serve.plan(
+            args("--kv-extra", json.dumps({"kv_secret_file": str(path), "kv_timeout": 7})),
+            SERVE_ARGS,
+            {"HOME": "/h"},
+            None,
+        ),
     }
     for how, instances in plans.items():
         for instance in instances:
@@ -177,19 +199,23 @@ def test_the_secret_reaches_the_instances_through_their_environment(tmp_path: Pa
     assert extra == {"kv_ip": "127.0.0.1", "kv_timeout": 7}
 
 
-@pytest.mark.parametrize("given", [
-    ["--kv-extra", json.dumps({"kv_secret": SECRET})],
-    ["--prefill-env", f"KVBRIDGE_KV_SECRET={SECRET}"],
-    ["--decode-env", "KVBRIDGE_KV_SECRET_FILE=/run/secret"],
-])
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--kv-extra", json.dumps({"kv_secret": SECRET})],
+        ["--prefill-env", f"KVBRIDGE_KV_SECRET={SECRET}"],
+        ["--decode-env", "KVBRIDGE_KV_SECRET_FILE=/run/secret"],
+    ],
+)
 def test_a_secret_on_the_command_line_is_refused(given: list[str]) -> None:
     with pytest.raises(KVConfigError, match="visible to every user") as error:
         serve.plan(args(*given), SERVE_ARGS, {}, None)
     assert SECRET not in str(error.value)
 
 
-def test_serve_refuses_before_starting_anything_and_logs_no_secret(caplog: pytest.LogCaptureFixture,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_refuses_before_starting_anything_and_logs_no_secret(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(serve.subprocess, "Popen", None)  # nothing may be started
     with caplog.at_level(logging.INFO):
         assert serve.main(["/models/tiny", "--kv-extra", json.dumps({"kv_secret": SECRET})]) == 2
@@ -226,13 +252,20 @@ def extra_of(instance: serve.Instance) -> dict:
 
 def test_with_a_store_prefill_and_decode_instances_have_it_beside_their_pipe() -> None:
     spec = "memory,disk:/var/cache/kv,redis://127.0.0.1:6379"
-    options = ("--prefill-instances", "2", "--decode-instances", "2", "--kv-store", spec,
-               "--kv-extra", '{"kv_buffer_size": 1000000}')
+    options = (
+        "--prefill-instances",
+        "2",
+        "--decode-instances",
+        "2",
+        "--kv-store",
+        spec,
+        "--kv-extra",
+        '{"kv_buffer_size": 1000000}',
+    )
     instances = serve.plan(args(*options), SERVE_ARGS, {}, None)
     assert [transfer_of(i)["kv_role"] for i in instances] == ["kv_producer"] * 2 + ["kv_consumer"] * 2
     assert [transfer_of(i)["kv_port"] for i in instances] == [15000, 15001, 15000, 15000]
-    assert [extra_of(i) for i in instances] == [{"kv_ip": "127.0.0.1", "kv_buffer_size": 1000000,
-                                                 "kv_store": spec}] * 4
+    assert [extra_of(i) for i in instances] == [{"kv_ip": "127.0.0.1", "kv_buffer_size": 1000000, "kv_store": spec}] * 4
     # Both load: a failed load is recomputed, never served from wrong KV.
     assert all(transfer_of(i)["kv_load_failure_policy"] == "recompute" for i in instances)
     # What the instances will parse: the store's and the pipe's settings accept their parts.
@@ -255,8 +288,14 @@ def test_without_a_store_the_instances_get_no_store_setting() -> None:
 def test_the_managed_redis_is_named_by_url_and_its_password_goes_only_into_the_environment() -> None:
     url = "redis://127.0.0.1:23456"
     environ = {"HOME": "/h", serve.STORE_PASSWORD_FILE_ENV: "/etc/other-redis-password"}
-    instances = serve.plan(args("--kv-store", "memory,redis"), SERVE_ARGS, environ, None,
-                           secret=serve.LaunchSecret(SECRET, generated=False), managed_redis=url)
+    instances = serve.plan(
+        args("--kv-store", "memory,redis"),
+        SERVE_ARGS,
+        environ,
+        None,
+        secret=serve.LaunchSecret(SECRET, generated=False),
+        managed_redis=url,
+    )
     password = redis_server.password_from_secret(SECRET)
     assert password != SECRET and SECRET not in password
     for instance in instances:
@@ -267,23 +306,31 @@ def test_the_managed_redis_is_named_by_url_and_its_password_goes_only_into_the_e
 
 def test_a_kv_store_object_in_kv_extra_sizes_the_tiers_that_kv_store_names() -> None:
     sizes = {"memory_bytes": 123 * MIB, "chunk_size": 128}
-    (prefill, _) = serve.plan(args("--kv-store", "memory,disk:/x", "--kv-extra", json.dumps({"kv_store": sizes})),
-                              SERVE_ARGS, {}, None)
+    (prefill, _) = serve.plan(
+        args("--kv-store", "memory,disk:/x", "--kv-extra", json.dumps({"kv_store": sizes})), SERVE_ARGS, {}, None
+    )
     assert extra_of(prefill)["kv_store"] == {**sizes, "tiers": "memory,disk:/x"}
     for given in ("disk:/x", {"tiers": "disk:/x"}):
         with pytest.raises(KVConfigError, match="give them once"):
-            serve.plan(args("--kv-store", "memory,disk:/y", "--kv-extra", json.dumps({"kv_store": given})),
-                       SERVE_ARGS, {}, None)
+            serve.plan(
+                args("--kv-store", "memory,disk:/y", "--kv-extra", json.dumps({"kv_store": given})),
+                SERVE_ARGS,
+                {},
+                None,
+            )
 
 
-@pytest.mark.parametrize(("spec", "match"), [
-    ("memory,tape", "'tape' is not one of"),
-    ("disk:", "'disk:' is not one of"),
-    ("memory,memory", "two memory tiers"),
-    ("redis,redis://10.0.0.5:6379", "two redis tiers"),
-    ("redis://:" + SECRET + "@10.0.0.5:6379", "password in --kv-store would be visible"),
-    ("redis://", "names no host"),
-])
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("memory,tape", "'tape' is not one of"),
+        ("disk:", "'disk:' is not one of"),
+        ("memory,memory", "two memory tiers"),
+        ("redis,redis://10.0.0.5:6379", "two redis tiers"),
+        ("redis://:" + SECRET + "@10.0.0.5:6379", "password in --kv-store would be visible"),
+        ("redis://", "names no host"),
+    ],
+)
 def test_a_store_that_cannot_work_is_refused_without_echoing_a_password(spec: str, match: str) -> None:
     with pytest.raises(KVConfigError, match=match) as error:
         serve.plan(args("--kv-store", spec), SERVE_ARGS, {}, None, managed_redis="redis://127.0.0.1:1")
@@ -320,8 +367,9 @@ def test_without_a_secret_every_instance_holds_the_same_generated_one() -> None:
 def test_the_generated_secret_derives_the_managed_redis_password() -> None:
     launch = serve.launch_secret({}, {})
     assert launch.generated and launch.value not in repr(launch)
-    for instance in serve.plan(args("--kv-store", "redis"), SERVE_ARGS, {}, None, secret=launch,
-                               managed_redis="redis://127.0.0.1:23456"):
+    for instance in serve.plan(
+        args("--kv-store", "redis"), SERVE_ARGS, {}, None, secret=launch, managed_redis="redis://127.0.0.1:23456"
+    ):
         assert instance.env["KVBRIDGE_KV_SECRET"] == launch.value
         assert instance.env[serve.STORE_PASSWORD_ENV] == redis_server.password_from_secret(launch.value)
 
@@ -334,7 +382,8 @@ def warnings_of(caplog: pytest.LogCaptureFixture, *given: str, environ: dict | N
 
 
 def test_an_address_beyond_loopback_that_has_only_a_generated_secret_is_warned_about(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     (warning,) = warnings_of(caplog, "--kv-ip", "0.0.0.0")
     assert "0.0.0.0" in warning and "KVBRIDGE_KV_SECRET" in warning
     assert warnings_of(caplog, "--kv-ip", "0.0.0.0", environ={"KVBRIDGE_KV_SECRET": SECRET}) == []
@@ -346,14 +395,17 @@ def test_a_store_beyond_loopback_without_a_password_is_warned_about(caplog: pyte
     given = {"KVBRIDGE_KV_SECRET": SECRET}
     (warning,) = warnings_of(caplog, "--kv-store", "redis://10.0.0.5:6379", environ=given)
     assert "redis://10.0.0.5:6379" in warning and "KVBRIDGE_STORE_PASSWORD" in warning
-    assert warnings_of(caplog, "--kv-store", "redis://10.0.0.5:6379",
-                       environ={**given, "KVBRIDGE_STORE_PASSWORD": "pw"}) == []
+    assert (
+        warnings_of(caplog, "--kv-store", "redis://10.0.0.5:6379", environ={**given, "KVBRIDGE_STORE_PASSWORD": "pw"})
+        == []
+    )
     assert warnings_of(caplog, "--kv-store", "redis://127.0.0.1:6379", environ=given) == []
 
 
 @pytest.mark.parametrize("tier", ["disk:/var/cache/kv", "redis://127.0.0.1:6379"])
 def test_a_store_that_outlives_the_launch_with_a_generated_secret_is_warned_about(
-        tier: str, caplog: pytest.LogCaptureFixture) -> None:
+    tier: str, caplog: pytest.LogCaptureFixture
+) -> None:
     (warning,) = warnings_of(caplog, "--kv-store", f"memory,{tier}")
     assert tier in warning and "another launch refuses them" in warning
     assert warnings_of(caplog, "--kv-store", f"memory,{tier}", environ={"KVBRIDGE_KV_SECRET": SECRET}) == []

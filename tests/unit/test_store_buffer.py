@@ -196,7 +196,7 @@ def test_stored_chunks_are_not_written_again_and_prefixes_are_shared() -> None:
     result = store.drop_select(longer, full(len(longer)))
     # The shared chunks hold the first prompt's KV (the same for the same tokens in a real model).
     assert same_bits(result[2][:, :, :, : 2 * CHUNK], key[:, :, :, : 2 * CHUNK])
-    assert same_bits(result[2][:, :, :, 2 * CHUNK:], other_key[:, :, :, 2 * CHUNK:])
+    assert same_bits(result[2][:, :, :, 2 * CHUNK :], other_key[:, :, :, 2 * CHUNK :])
     assert same_bits(result[4], other_hidden)
 
 
@@ -337,7 +337,8 @@ def test_a_partial_entry_from_a_buffer_without_prefixes_stays_a_miss() -> None:
     key, value, hidden = entry(CHUNK)
     request = contiguous_request(prompt)
     [result] = recv_kv_caches_and_hidden_states(
-        _PartialBuffer([prompt, prefix_roi(len(prompt), CHUNK), key, value, hidden]), [request])
+        _PartialBuffer([prompt, prefix_roi(len(prompt), CHUNK), key, value, hidden]), [request]
+    )
     assert (result.hit, result.num_tokens) == (False, 0)
     assert "other token positions" in result.reason
     assert all(bool((tensor == 7).all()) for tensor in [*request.kv.keys, *request.kv.values])
@@ -347,8 +348,9 @@ def test_a_partial_entry_from_a_buffer_without_prefixes_stays_a_miss() -> None:
 
 
 def test_the_transfer_group_over_a_disk_store_is_built_once_and_shut_down(tmp_path) -> None:
-    config = KVConnectorConfig(KVTransferConfig(kv_role="kv_both", kv_secret="s3cret"),
-                               kv_store=f"disk:{tmp_path}", kv_chunk_size=CHUNK)
+    config = KVConnectorConfig(
+        KVTransferConfig(kv_role="kv_both", kv_secret="s3cret"), kv_store=f"disk:{tmp_path}", kv_chunk_size=CHUNK
+    )
     assert not transfer_state.has_kv_transfer_group()
     with pytest.raises(KVConfigError, match="not initialized"):
         transfer_state.get_kv_transfer_group()

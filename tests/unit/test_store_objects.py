@@ -23,8 +23,9 @@ MAC = mac_key_from_secret("store secret")
 
 def chunk_tensors(seed: int) -> list[torch.Tensor | None]:
     generator = torch.Generator().manual_seed(seed)
-    tensors: list[torch.Tensor | None] = [random_tensor(generator, dtype, shape)
-                                          for dtype in DTYPE_TO_CODE for shape in SHAPES]
+    tensors: list[torch.Tensor | None] = [
+        random_tensor(generator, dtype, shape) for dtype in DTYPE_TO_CODE for shape in SHAPES
+    ]
     tensors.insert(3, None)
     tensors.append(None)
     return tensors
@@ -66,8 +67,14 @@ def test_a_flipped_bit_is_refused():
     body_start = 16 + 2 * 32
     generator = torch.Generator().manual_seed(4)
     # The checksum itself, the body's header, the tensor bytes.
-    for position in [16, 47, body_start, body_start + 40, len(blob) - 1,
-                     *torch.randint(body_start, len(blob), (20,), generator=generator).tolist()]:
+    for position in [
+        16,
+        47,
+        body_start,
+        body_start + 40,
+        len(blob) - 1,
+        *torch.randint(body_start, len(blob), (20,), generator=generator).tolist(),
+    ]:
         damaged = bytearray(blob)
         damaged[position] ^= 1 << position % 8
         assert refused(bytes(damaged)) == "checksum"
@@ -119,8 +126,8 @@ def test_a_forged_header_with_a_valid_checksum_is_refused_field_by_field():
     body = bytes(blob[body_start:])
     dtype_at = struct.calcsize("<HII") + len(KEY) + 8 * len(TOKENS)
     unknown_dtype = body[:dtype_at] + bytes([250]) + body[dtype_at + 1 :]
-    bigger_shape = body[:dtype_at + 2] + struct.pack("<q", 7) + body[dtype_at + 10 :]
-    negative_shape = body[:dtype_at + 2] + struct.pack("<q", -6) + body[dtype_at + 10 :]
+    bigger_shape = body[: dtype_at + 2] + struct.pack("<q", 7) + body[dtype_at + 10 :]
+    negative_shape = body[: dtype_at + 2] + struct.pack("<q", -6) + body[dtype_at + 10 :]
     for case in (unknown_dtype, bigger_shape, negative_shape, body[:-1], body + b"\0"):
         assert refused(forged(case)) == "malformed"
     assert same_bits(decode_chunk(forged(body), KEY, TOKENS, None)[0], torch.arange(6, dtype=torch.int32))
@@ -151,5 +158,8 @@ def test_without_copies_the_tensors_view_the_blob_bit_exact_and_keep_it_alive():
     del blob
     assert all(same_bits(a, b) for a, b in zip(views, tensors, strict=True))
     copies = decode_chunk(encode_chunk(KEY, TOKENS, tensors, None), KEY, TOKENS, None)
-    assert all(copy.data_ptr() != view.data_ptr() for copy, view in zip(copies, views, strict=True)
-               if view is not None and view.numel())
+    assert all(
+        copy.data_ptr() != view.data_ptr()
+        for copy, view in zip(copies, views, strict=True)
+        if view is not None and view.numel()
+    )

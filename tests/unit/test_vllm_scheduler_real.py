@@ -49,8 +49,13 @@ B = vp.BLOCK_SIZE
 PRODUCER_PORT = vllm_scheduler.PRODUCER_PORT
 #: Sampled by the fake workers: never the tiny Llama's EOS, so requests stop at ``max_tokens``.
 TOKEN = 7
-HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished")
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+)
 
 
 # ---------------------------------------------------------------------- vLLM in this process
@@ -63,48 +68,76 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
     return ModelConfig(model=path, dtype="float32", seed=0, max_model_len=512, skip_tokenizer_init=True)
 
 
-def make_scheduler(model_config: ModelConfig, role: str, num_blocks: int = 64,
-                   failure_policy: str = "fail") -> Scheduler:
+def make_scheduler(
+    model_config: ModelConfig, role: str, num_blocks: int = 64, failure_policy: str = "fail"
+) -> Scheduler:
     """vLLM's Scheduler with KVBridgeConnector loaded from its kv-transfer config, as vLLM loads it."""
     scheduler = vllm_scheduler.make_scheduler(model_config, role, num_blocks, failure_policy)
     assert isinstance(scheduler.connector, KVBridgeConnector), type(scheduler.connector)
     assert not scheduler.scheduler_config.async_scheduling, (
-        "vLLM assumption: on CPU each step's output is processed before the next step is scheduled")
+        "vLLM assumption: on CPU each step's output is processed before the next step is scheduled"
+    )
     return scheduler
 
 
-def make_request(req_id: str, num_tokens: int, max_tokens: int, seed: int,
-                 kv_transfer_params: dict[str, Any] | None = None) -> Request:
+def make_request(
+    req_id: str, num_tokens: int, max_tokens: int, seed: int, kv_transfer_params: dict[str, Any] | None = None
+) -> Request:
     rng = random.Random(seed)
-    request = Request(request_id=req_id, prompt_token_ids=[rng.randrange(5, vp.VOCAB) for _ in range(num_tokens)],
-                      sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None,
-                      block_hasher=get_request_block_hasher(B, sha256))
+    request = Request(
+        request_id=req_id,
+        prompt_token_ids=[rng.randrange(5, vp.VOCAB) for _ in range(num_tokens)],
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(B, sha256),
+    )
     request.kv_transfer_params = kv_transfer_params
     return request
 
 
 def announcement(prefix_tokens: int) -> dict[str, Any]:
     """``kv_transfer_params`` as a producer announces a saved prefix."""
-    return {PARAMS_KEY: {"prefix_tokens": prefix_tokens, "host": "127.0.0.1", "port": PRODUCER_PORT,
-                         "engine_id": "prefill-0", "tp_size": 1}}
+    return {
+        PARAMS_KEY: {
+            "prefix_tokens": prefix_tokens,
+            "host": "127.0.0.1",
+            "port": PRODUCER_PORT,
+            "engine_id": "prefill-0",
+            "tp_size": 1,
+        }
+    }
 
 
-def worker_output(scheduler: Scheduler, step: SchedulerOutput, *, finished_sending: Iterable[str] = (),
-                  finished_recving: Iterable[str] = (), invalid_block_ids: Iterable[int] = (),
-                  saved: Iterable[str] = (), failed: Iterable[str] = ()) -> ModelRunnerOutput:
+def worker_output(
+    scheduler: Scheduler,
+    step: SchedulerOutput,
+    *,
+    finished_sending: Iterable[str] = (),
+    finished_recving: Iterable[str] = (),
+    invalid_block_ids: Iterable[int] = (),
+    saved: Iterable[str] = (),
+    failed: Iterable[str] = (),
+) -> ModelRunnerOutput:
     """What the workers answer for ``step``: one token per request whose prompt is complete (none
     for a partial prefill chunk), and the connector's outcomes, as one TP rank reports them."""
     req_ids = list(step.num_scheduled_tokens)
-    sampled = [[TOKEN] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
-               for r in req_ids]
+    sampled = [
+        [TOKEN] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens else []
+        for r in req_ids
+    ]
     saved, failed = set(saved), set(failed)
-    kv_output = KVConnectorOutput(finished_sending=set(finished_sending) or None,
-                                  finished_recving=set(finished_recving) or None,
-                                  invalid_block_ids=set(invalid_block_ids),
-                                  kv_connector_worker_meta=KVBridgeWorkerMetadata.of_one_worker(saved, failed)
-                                  if saved or failed else None)
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=sampled, kv_connector_output=kv_output)
+    kv_output = KVConnectorOutput(
+        finished_sending=set(finished_sending) or None,
+        finished_recving=set(finished_recving) or None,
+        invalid_block_ids=set(invalid_block_ids),
+        kv_connector_worker_meta=KVBridgeWorkerMetadata.of_one_worker(saved, failed) if saved or failed else None,
+    )
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=kv_output,
+    )
 
 
 class HookLog:
@@ -120,6 +153,7 @@ class HookLog:
             result = hook(*args)
             self.calls.append((name, args, result))
             return result
+
         return call
 
     def take(self) -> list[tuple[str, tuple[Any, ...], Any]]:
@@ -135,7 +169,8 @@ def metadata(step: SchedulerOutput) -> KVBridgeMetadata:
     meta = step.kv_connector_metadata
     assert isinstance(meta, KVBridgeMetadata), (
         f"vLLM assumption: schedule() puts build_connector_meta's answer into SchedulerOutput."
-        f"kv_connector_metadata (got {type(meta).__name__})")
+        f"kv_connector_metadata (got {type(meta).__name__})"
+    )
     return meta
 
 
@@ -158,8 +193,11 @@ def assert_all_freed(scheduler: Scheduler) -> None:
     assert not scheduler.requests and not scheduler.waiting and not scheduler.running
     assert not scheduler.finished_recving_kv_req_ids
     assert free_blocks(scheduler) == scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1  # the null block
-    left = {name: value for name, value in vars(scheduler_side(scheduler)).items()
-            if isinstance(value, dict | list | set) and value}
+    left = {
+        name: value
+        for name, value in vars(scheduler_side(scheduler)).items()
+        if isinstance(value, dict | list | set) and value
+    }
     assert not left, f"the connector's scheduler side still holds {left}"
 
 
@@ -170,16 +208,16 @@ def run_to_end(scheduler: Scheduler, max_steps: int = 40) -> None:
             return
         step = scheduler.schedule()
         meta = metadata(step)
-        scheduler.update_from_output(step, worker_output(scheduler, step, finished_sending=meta.held,
-                                                         saved=[save.req_id for save in meta.saves]))
+        scheduler.update_from_output(
+            step, worker_output(scheduler, step, finished_sending=meta.held, saved=[save.req_id for save in meta.saves])
+        )
     raise AssertionError(f"requests left after {max_steps} steps: {list(scheduler.requests)}")
 
 
 # ---------------------------------------------------------------------- producer
 
 
-def test_producer_announces_the_saved_prefix_and_keeps_blocks_until_finished_sending(
-        model_config: ModelConfig) -> None:
+def test_producer_announces_the_saved_prefix_and_keeps_blocks_until_finished_sending(model_config: ModelConfig) -> None:
     scheduler = make_scheduler(model_config, "kv_producer")
     log = HookLog(scheduler.connector)
     request = make_request("p-1", num_tokens=3 * B + 5, max_tokens=1, seed=1)
@@ -189,15 +227,17 @@ def test_producer_announces_the_saved_prefix_and_keeps_blocks_until_finished_sen
     step = scheduler.schedule()
     assert step.num_scheduled_tokens == {"p-1": request.num_prompt_tokens}
     blocks = block_ids(scheduler, "p-1")
-    assert metadata(step).saves == [SaveSpec(req_id="p-1", token_ids=request.prompt_token_ids[:prefix],
-                                             block_ids=blocks[: prefix // B])]
+    assert metadata(step).saves == [
+        SaveSpec(req_id="p-1", token_ids=request.prompt_token_ids[:prefix], block_ids=blocks[: prefix // B])
+    ]
     log.take()
 
     outputs = scheduler.update_from_output(step, worker_output(scheduler, step, saved=["p-1"]))
     calls = log.take()
     assert HookLog.names(calls) == ["request_finished", "update_connector_output"], (
         "vLLM assumption: update_from_output calls request_finished for a request that finishes in "
-        f"this step before it hands the step's worker outcomes to update_connector_output (got {calls})")
+        f"this step before it hands the step's worker outcomes to update_connector_output (got {calls})"
+    )
     delay_free, params = calls[0][2]
     assert delay_free, "request_finished must have vLLM keep the blocks the workers were asked to save"
     engine_id = scheduler.vllm_config.kv_transfer_config.engine_id
@@ -205,11 +245,13 @@ def test_producer_announces_the_saved_prefix_and_keeps_blocks_until_finished_sen
     (output,) = outputs[0].outputs
     assert output.finished and output.kv_transfer_params == params, (
         "vLLM assumption: the kv_transfer_params request_finished returned leave the engine core "
-        "after update_connector_output ran (the announcement is completed in place)")
+        "after update_connector_output ran (the announcement is completed in place)"
+    )
     assert output.kv_transfer_params[PARAMS_KEY]["prefix_tokens"] == prefix
 
     assert "p-1" in scheduler.requests and set(block_ids(scheduler, "p-1")) == set(blocks), (
-        "vLLM assumption: delay_free=True from request_finished keeps the request's blocks")
+        "vLLM assumption: delay_free=True from request_finished keeps the request's blocks"
+    )
     step = scheduler.schedule()
     assert metadata(step).held == ["p-1"]
     assert "p-1" in step.finished_req_ids
@@ -251,16 +293,21 @@ def test_chunked_prompt_is_saved_in_the_step_that_completes_its_prefix(model_con
     step = scheduler.schedule()
     cached = step.scheduled_cached_reqs
     assert list(cached.req_ids) == ["p-3"] and list(cached.num_computed_tokens) == [budget], (
-        "vLLM assumption: the next chunk's request is in scheduled_cached_reqs with the tokens computed so far")
-    assert metadata(step).saves == [SaveSpec(req_id="p-3", token_ids=request.prompt_token_ids[:prefix],
-                                             block_ids=block_ids(scheduler, "p-3")[: prefix // B])]
+        "vLLM assumption: the next chunk's request is in scheduled_cached_reqs with the tokens computed so far"
+    )
+    assert metadata(step).saves == [
+        SaveSpec(
+            req_id="p-3",
+            token_ids=request.prompt_token_ids[:prefix],
+            block_ids=block_ids(scheduler, "p-3")[: prefix // B],
+        )
+    ]
     scheduler.update_from_output(step, worker_output(scheduler, step, saved=["p-3"]))
     run_to_end(scheduler)
     assert_all_freed(scheduler)
 
 
-def test_preempted_saved_request_is_taken_back_in_the_step_that_frees_its_blocks(
-        model_config: ModelConfig) -> None:
+def test_preempted_saved_request_is_taken_back_in_the_step_that_frees_its_blocks(model_config: ModelConfig) -> None:
     # 8 blocks (7 usable): two prompts of 2 blocks + 1 token take 3 blocks each, and each needs a
     # 4th one 2 blocks later: the KV cache is too small for both, and vLLM preempts one.
     scheduler = make_scheduler(model_config, "kv_producer", num_blocks=8)
@@ -283,7 +330,8 @@ def test_preempted_saved_request_is_taken_back_in_the_step_that_frees_its_blocks
     assert scheduler.requests[victim].status == RequestStatus.PREEMPTED
     assert metadata(step).take_back == [victim], (
         "vLLM assumption: SchedulerOutput.preempted_req_ids of the step whose forward pass may write the "
-        "preempted request's freed blocks names it, and build_connector_meta sees it")
+        "preempted request's freed blocks names it, and build_connector_meta sees it"
+    )
     assert not metadata(step).saves
     scheduler.update_from_output(step, worker_output(scheduler, step))
 
@@ -315,27 +363,33 @@ def schedule_claimed_load(scheduler: Scheduler, request: Request) -> tuple[Sched
     scheduler.add_request(request)
     step = scheduler.schedule()
     calls = log.take()
-    assert HookLog.names(calls) == ["get_num_new_matched_tokens", "update_state_after_alloc",
-                                    "build_connector_meta"], (
+    assert HookLog.names(calls) == ["get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta"], (
         "vLLM assumption: schedule() asks get_num_new_matched_tokens, allocates, calls "
-        f"update_state_after_alloc, then build_connector_meta (got {HookLog.names(calls)})")
+        f"update_state_after_alloc, then build_connector_meta (got {HookLog.names(calls)})"
+    )
     assert calls[0][2] == (prefix, True), "the connector claims the whole prefix, loaded asynchronously"
     assert calls[1][1][2] == prefix, "vLLM assumption: update_state_after_alloc gets the claimed tokens"
     assert request.request_id not in step.num_scheduled_tokens
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS, (
-        "vLLM assumption: an asynchronous claim parks the request in WAITING_FOR_REMOTE_KVS")
+        "vLLM assumption: an asynchronous claim parks the request in WAITING_FOR_REMOTE_KVS"
+    )
     blocks = block_ids(scheduler, request.request_id)
     (load,) = metadata(step).loads
-    assert load == LoadSpec(req_id=request.request_id, token_ids=request.prompt_token_ids[:prefix],
-                            block_ids=blocks[: prefix // B], skip_blocks=0, wait=True,
-                            producer=("127.0.0.1", PRODUCER_PORT), producer_tp=1)
+    assert load == LoadSpec(
+        req_id=request.request_id,
+        token_ids=request.prompt_token_ids[:prefix],
+        block_ids=blocks[: prefix // B],
+        skip_blocks=0,
+        wait=True,
+        producer=("127.0.0.1", PRODUCER_PORT),
+        producer_tp=1,
+    )
     return step, load
 
 
 def test_consumer_request_waits_for_remote_kvs_until_finished_recving(model_config: ModelConfig) -> None:
     scheduler = make_scheduler(model_config, "kv_consumer")
-    request = make_request("d-1", num_tokens=3 * B + 5, max_tokens=3, seed=3,
-                           kv_transfer_params=announcement(3 * B))
+    request = make_request("d-1", num_tokens=3 * B + 5, max_tokens=3, seed=3, kv_transfer_params=announcement(3 * B))
     step, load = schedule_claimed_load(scheduler, request)
     scheduler.update_from_output(step, worker_output(scheduler, step))
 
@@ -346,7 +400,8 @@ def test_consumer_request_waits_for_remote_kvs_until_finished_recving(model_conf
 
     step = scheduler.schedule()
     assert step.num_scheduled_tokens == {"d-1": request.num_prompt_tokens - 3 * B}, (
-        "vLLM assumption: after finished_recving the request runs with the loaded prefix computed")
+        "vLLM assumption: after finished_recving the request runs with the loaded prefix computed"
+    )
     assert request.status == RequestStatus.RUNNING
     assert block_ids(scheduler, "d-1")[:3] == load.block_ids, "vLLM moved the blocks the load wrote"
     assert not metadata(step).loads
@@ -375,7 +430,8 @@ def test_claim_that_finds_no_free_blocks_is_asked_again_and_loaded_once(model_co
     calls = [name for name, args, _ in log.take() if args and getattr(args[0], "request_id", None) == "d-9"]
     assert calls.count("get_num_new_matched_tokens") > 1 and calls.count("update_state_after_alloc") == 1, (
         "vLLM assumption: a claim whose blocks cannot be allocated gets no update_state_after_alloc and "
-        f"is asked again in a later step (got {calls})")
+        f"is asked again in a later step (got {calls})"
+    )
     assert [load.req_id for load in loads] == ["d-9"]
     assert loads[0].block_ids == block_ids(scheduler, "d-9")[:3]
     scheduler.update_from_output(step, worker_output(scheduler, step, finished_recving=["d-9"]))
@@ -390,15 +446,17 @@ def test_failed_load_is_recomputed_and_not_loaded_again(model_config: ModelConfi
     step, load = schedule_claimed_load(scheduler, request)
     log = HookLog(scheduler.connector)
     # The worker reports the request finished receiving, the blocks from the failed one on failed.
-    scheduler.update_from_output(step, worker_output(scheduler, step, finished_recving=["d-2"],
-                                                     invalid_block_ids=load.block_ids[failed_block:]))
+    scheduler.update_from_output(
+        step, worker_output(scheduler, step, finished_recving=["d-2"], invalid_block_ids=load.block_ids[failed_block:])
+    )
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
     step = scheduler.schedule()
     valid = failed_block * B
     assert step.num_scheduled_tokens == {"d-2": request.num_prompt_tokens - valid}, (
         "vLLM assumption: under kv_load_failure_policy=recompute the request runs, recomputing from "
-        "its first invalid block")
+        "its first invalid block"
+    )
     asked = [result for name, _, result in log.take() if name == "get_num_new_matched_tokens"]
     assert all(result == (0, False) for result in asked), f"a request is loaded at most once (asked: {asked})"
     assert not metadata(step).loads
@@ -411,11 +469,13 @@ def test_failed_load_fails_the_request_under_policy_fail(model_config: ModelConf
     scheduler = make_scheduler(model_config, "kv_consumer", failure_policy="fail")
     request = make_request("d-7", num_tokens=3 * B + 5, max_tokens=2, seed=9, kv_transfer_params=announcement(3 * B))
     step, load = schedule_claimed_load(scheduler, request)
-    outputs = scheduler.update_from_output(step, worker_output(scheduler, step, finished_recving=["d-7"],
-                                                               invalid_block_ids=load.block_ids))
+    outputs = scheduler.update_from_output(
+        step, worker_output(scheduler, step, finished_recving=["d-7"], invalid_block_ids=load.block_ids)
+    )
     (output,) = outputs[0].outputs
     assert output.finished and request.status == RequestStatus.FINISHED_ERROR, (
-        "vLLM assumption: under kv_load_failure_policy=fail a failed load ends the request with an error")
+        "vLLM assumption: under kv_load_failure_policy=fail a failed load ends the request with an error"
+    )
     assert_all_freed(scheduler)
 
 
@@ -431,11 +491,13 @@ def test_aborted_request_waiting_for_its_load_frees_everything(model_config: Mod
     assert [(name, result) for name, _, result in calls] == [("request_finished", (False, None))]
     assert "d-3" in scheduler.requests, (
         "vLLM assumption: an aborted request waiting for its load keeps its blocks until the worker "
-        "reports it finished receiving (the load may still write them)")
+        "reports it finished receiving (the load may still write them)"
+    )
     step = scheduler.schedule()
     assert "d-3" in step.finished_req_ids, (
         "vLLM assumption: the next SchedulerOutput lists the aborted request in finished_req_ids "
-        "(the worker stops its load on it)")
+        "(the worker stops its load on it)"
+    )
     assert not metadata(step).loads
     scheduler.update_from_output(step, worker_output(scheduler, step, finished_recving=["d-3"]))
     assert_all_freed(scheduler)
@@ -448,9 +510,16 @@ def test_aborted_request_before_its_load_drains_the_announced_entry(model_config
     scheduler.finish_requests("d-4", RequestStatus.FINISHED_ABORTED)
     assert not scheduler.requests, "vLLM assumption: a request aborted before it was scheduled holds nothing"
     step = scheduler.schedule()
-    assert metadata(step).loads == [LoadSpec(req_id="d-4", token_ids=request.prompt_token_ids[: 2 * B],
-                                             block_ids=[], skip_blocks=0, producer=("127.0.0.1", PRODUCER_PORT),
-                                             producer_tp=1)]
+    assert metadata(step).loads == [
+        LoadSpec(
+            req_id="d-4",
+            token_ids=request.prompt_token_ids[: 2 * B],
+            block_ids=[],
+            skip_blocks=0,
+            producer=("127.0.0.1", PRODUCER_PORT),
+            producer_tp=1,
+        )
+    ]
     scheduler.update_from_output(step, worker_output(scheduler, step))
     assert_all_freed(scheduler)
 
@@ -469,14 +538,23 @@ def test_prefix_in_the_local_cache_is_drained_not_loaded(model_config: ModelConf
     step = scheduler.schedule()
     (asked,) = [args for name, args, _ in log.take() if name == "get_num_new_matched_tokens"]
     assert asked[1] == 3 * B, (
-        "vLLM assumption: get_num_new_matched_tokens gets the block-aligned local prefix-cache hit")
+        "vLLM assumption: get_num_new_matched_tokens gets the block-aligned local prefix-cache hit"
+    )
     assert step.num_scheduled_tokens == {"d-6": again.num_prompt_tokens - 3 * B}
     assert [new.req_id for new in step.scheduled_new_reqs] == ["d-6"], (
         "vLLM assumption: build_connector_meta sees the request in scheduled_new_reqs of the step that "
-        "asked get_num_new_matched_tokens")
-    assert metadata(step).loads == [LoadSpec(req_id="d-6", token_ids=again.prompt_token_ids[: 3 * B],
-                                             block_ids=block_ids(scheduler, "d-6")[:3], skip_blocks=3,
-                                             producer=("127.0.0.1", PRODUCER_PORT), producer_tp=1)]
+        "asked get_num_new_matched_tokens"
+    )
+    assert metadata(step).loads == [
+        LoadSpec(
+            req_id="d-6",
+            token_ids=again.prompt_token_ids[: 3 * B],
+            block_ids=block_ids(scheduler, "d-6")[:3],
+            skip_blocks=3,
+            producer=("127.0.0.1", PRODUCER_PORT),
+            producer_tp=1,
+        )
+    ]
     scheduler.update_from_output(step, worker_output(scheduler, step))
     run_to_end(scheduler)
     assert_all_freed(scheduler)
@@ -493,10 +571,21 @@ def producer_worker(num_blocks: int, budget: int, lend: bool = False) -> tuple[W
     caches = [torch.randn((num_blocks, 4, B, 128), generator=generator) for _ in range(2)]
     if lend:
         caches = [page_aligned_empty(cache.shape, cache.dtype).copy_(cache) for cache in caches]
-    settings = ConnectorSettings.from_vllm("kv_producer", free_port(), "cpu", {
-        "kv_ip": "127.0.0.1", "kv_buffer_size": budget, "kv_lend_blocks": lend})
-    identity = compat.KVLayoutInfo(version=compat.VERSION, role="kv_producer", model="fake", dtype="", block_size=B,
-                                   num_layers=0, block_shape=(), layout="", tp_size=1, tp_rank=0)
+    settings = ConnectorSettings.from_vllm(
+        "kv_producer", free_port(), "cpu", {"kv_ip": "127.0.0.1", "kv_buffer_size": budget, "kv_lend_blocks": lend}
+    )
+    identity = compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role="kv_producer",
+        model="fake",
+        dtype="",
+        block_size=B,
+        num_layers=0,
+        block_shape=(),
+        layout="",
+        tp_size=1,
+        tp_rank=0,
+    )
     worker = WorkerSide(settings, identity, port_offset=0)
     worker.connect(caches, find_layout(caches[0], num_blocks, B, "CPU_ATTN/fake"))
     return worker, caches
@@ -545,15 +634,15 @@ def announced_until_done(scheduler: Scheduler, *workers: WorkerSide, max_steps: 
     finished: dict[str, int] = {}
     for _ in range(max_steps):
         _, outputs, _ = step_with_workers(scheduler, *workers)
-        finished |= {out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
-                     for out in outputs if out.finished}
+        finished |= {
+            out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"] for out in outputs if out.finished
+        }
         if not scheduler.requests:
             return finished
     raise AssertionError(f"requests left after {max_steps} steps: {list(scheduler.requests)}")
 
 
-def test_producer_announces_nothing_for_a_copy_evicted_before_its_request_finished(
-        model_config: ModelConfig) -> None:
+def test_producer_announces_nothing_for_a_copy_evicted_before_its_request_finished(model_config: ModelConfig) -> None:
     # An entry of 2 blocks is 2 layers x 2 blocks x 64 KiB: the buffer holds one, not two.
     scheduler = make_scheduler(model_config, "kv_producer", num_blocks=16)
     worker, _ = producer_worker(num_blocks=16, budget=400_000)
@@ -569,8 +658,9 @@ def test_producer_announces_nothing_for_a_copy_evicted_before_its_request_finish
         step, outputs, _ = step_with_workers(scheduler, worker)  # saving p-late evicts p-early's copy
         assert [save.req_id for save in metadata(step).saves] == ["p-late"]
         assert (worker.buffer_stats().entries, worker.buffer_stats().evicted) == (1, 1)
-        announced = {out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"]
-                     for out in outputs if out.finished}
+        announced = {
+            out.request_id: out.kv_transfer_params[PARAMS_KEY]["prefix_tokens"] for out in outputs if out.finished
+        }
         assert announced == {"p-late": 2 * B}
 
         finished = announced_until_done(scheduler, worker)
@@ -603,8 +693,7 @@ def test_a_lent_entry_that_expires_while_its_request_still_generates_is_announce
         worker.close()
 
 
-def test_a_copy_taken_before_its_request_finished_is_reported_gone_once_and_saved_again_after_a_preemption(
-) -> None:
+def test_a_copy_taken_before_its_request_finished_is_reported_gone_once_and_saved_again_after_a_preemption() -> None:
     worker, caches = producer_worker(num_blocks=8, budget=1 << 20)
     try:
         tokens = list(range(100, 100 + 2 * B))

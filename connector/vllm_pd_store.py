@@ -34,6 +34,11 @@ them or fails the request, ``kv_load_failure_policy``). A request with no announ
 stored prefix alone, as a storage tier does. When the store holds the whole transfer prefix, the
 pipe's entry is taken and dropped (drained), as when vLLM's own prefix cache holds it.
 
+The store's keys digest each worker's real attention layout, as the storage tier's do: each worker
+tells the scheduler its namespace in vLLM's handshake metadata before the first request
+(:class:`connector.vllm_store_connector.StoreLayoutHandshake`), so instances of other layouts on
+one store keep apart. The pipe sends no handshake metadata: it checks layouts on each connection.
+
 What a decode instance receives over the pipe is not saved into the store: its prefill instance
 stores the same chunks itself, but in the background, after the announcement left; so the decode
 instance cannot count on them at announce time and takes that part over the pipe, and storing it
@@ -53,7 +58,7 @@ from connector.secret import SECRET_FILE_KEY
 from connector.vllm_scheduler import KVBridgeMetadata, SchedulerSide, _announced_prefix
 from connector.vllm_stats import KVBridgeStats
 from connector.vllm_store import STORE_KEY, StoreMetadata, StoreScheduler, StoreSettings, StoreStats, StoreWorker
-from connector.vllm_store_connector import open_store_sides
+from connector.vllm_store_connector import StoreLayoutHandshake, open_store_sides
 from connector.vllm_v1 import KVBridgeConnector
 from connector.vllm_worker import find_layout
 from kv_pipe.errors import KVConfigError
@@ -170,7 +175,7 @@ class LoadJoin:
         return ready
 
 
-class KVBridgePDStoreConnector(KVBridgeConnector):
+class KVBridgePDStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
     """A prefill or decode instance with a store; see the module docstring."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:

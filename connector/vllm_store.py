@@ -36,8 +36,8 @@ version, TP rank and size) and the worker's full layout (block shape, attention 
 interior variant), which only the worker knows once its caches are registered: each worker tells
 the scheduler its namespace (:class:`StoreHandshake`, through vLLM's handshake metadata, before
 the first request), so instances of one model with other attention layouts keep apart on one
-store. Each object also carries a digest of that layout, checked on load (with ``layout_keys``
-off, as P/D with the store runs, it is what keeps another layout's objects from being loaded).
+store (``kv_both``, and P/D with the store alike). Each object also carries a digest of that
+layout, checked on load.
 
 Tiers: ``memory`` lives in each worker process (a cache in front of the shared tiers, filled by
 saves and by reads); the scheduler's lookups ask the shared tiers (``disk:PATH``, ``redis://``,
@@ -546,12 +546,10 @@ class StagingPool:
 class StoreWorker:
     """One TP rank's loads and saves. Hooks are called from vLLM's model-runner thread."""
 
-    def __init__(self, settings: StoreSettings, identity: compat.KVLayoutInfo, layout_keys: bool = True) -> None:
+    def __init__(self, settings: StoreSettings, identity: compat.KVLayoutInfo) -> None:
         self.settings = settings
         self.identity = identity
-        #: Whether the namespace digests the caches' real layout (from :meth:`register` on), or only
-        #: ``identity``, which the scheduler derives from vLLM's configuration by itself.
-        self.layout_keys = layout_keys
+        #: Digests ``identity``, then (from :meth:`register` on) the caches' real layout too.
         self.namespace = identity_namespace(identity)
         self.mac_key = mac_key_from_secret(settings.secret)
         self.store = settings.open()
@@ -581,8 +579,7 @@ class StoreWorker:
         digest = hashlib.sha256(msgspec.msgpack.encode(full)).digest()
         self._layout_tag = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
         self._layout = full.layout
-        if self.layout_keys:
-            self.namespace = identity_namespace(full)
+        self.namespace = identity_namespace(full)
         logger.info(
             "kvbridge store ready (TP rank %d of %d): tiers %s, chunks of %d tokens",
             self.identity.tp_rank,

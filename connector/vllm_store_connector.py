@@ -20,7 +20,6 @@ from connector.vllm_store import (
     StoreStats,
     StoreWorker,
     config_identity,
-    identity_namespace,
     shared_tiers,
 )
 from connector.vllm_v1 import KVBridgeConnector
@@ -42,43 +41,34 @@ def open_store_sides(
     vllm_config: VllmConfig,
     role: KVConnectorRole,
     kv_cache_config: KVCacheConfig,
-    layout_keys: bool = False,
 ) -> tuple[StoreScheduler | None, StoreWorker | None]:
     """The store's side of an instance in ``role``: (its scheduler side, None) in vLLM's scheduler,
     (None, its worker side) in a worker.
 
     The scheduler looks up every TP rank's object of a chunk, in the shared tiers only (each
-    worker's memory tier is out of its reach). With ``layout_keys`` the namespaces digest the
-    workers' real cache layout, which only they know: the connector must pass the workers'
-    :meth:`StoreWorker.handshake` to :meth:`StoreScheduler.adopt_handshakes` (vLLM's handshake
-    metadata, :class:`StoreLayoutHandshake`); without, they digest what vLLM's configuration says,
-    and an object of another layout is refused on load (a miss)."""
+    worker's memory tier is out of its reach). The namespaces digest the workers' real cache
+    layout, which only they know: the connector must pass the workers' :meth:`StoreWorker.handshake`
+    to :meth:`StoreScheduler.adopt_handshakes` (vLLM's handshake metadata, :class:`StoreLayoutHandshake`)
+    before the scheduler's first lookup."""
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     if role == KVConnectorRole.SCHEDULER:
-        spaces = (
-            None
-            if layout_keys
-            else [
-                identity_namespace(config_identity(vllm_config, kv_cache_config, rank, tp_size))
-                for rank in range(tp_size)
-            ]
-        )
         store = settings.open(shared_tiers(settings.tiers))
         try:
-            return StoreScheduler(settings, vllm_config.cache_config.block_size, spaces, store), None
+            return StoreScheduler(settings, vllm_config.cache_config.block_size, None, store), None
         except BaseException:
             store.close()
             raise
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     identity = config_identity(vllm_config, kv_cache_config, get_tensor_model_parallel_rank(), tp_size)
-    return None, StoreWorker(settings, identity, layout_keys)
+    return None, StoreWorker(settings, identity)
 
 
 class StoreLayoutHandshake:
     """vLLM's handshake hooks for a connector with store sides (``_store_worker``,
-    ``_store_scheduler``) opened with ``layout_keys``: each worker tells its namespace, vLLM hands
-    them all to the scheduler before the first request."""
+    ``_store_scheduler``, from :func:`open_store_sides`): each worker tells its namespace, vLLM
+    hands them all to the scheduler before the first request. The pipe exchanges its layouts on
+    each connection (:mod:`connector.compat`), so this is all a worker's handshake metadata holds."""
 
     _store_worker: StoreWorker | None
     _store_scheduler: StoreScheduler | None
@@ -104,9 +94,7 @@ class KVBridgeStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
         settings = StoreSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler, self._worker = None, None  # the transfer sides: none here
-        self._store_scheduler, self._store_worker = open_store_sides(
-            settings, vllm_config, role, kv_cache_config, layout_keys=True
-        )
+        self._store_scheduler, self._store_worker = open_store_sides(settings, vllm_config, role, kv_cache_config)
 
     # ------------------------------------------------------------------ worker side
 

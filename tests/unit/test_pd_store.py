@@ -5,10 +5,12 @@ the configurations accepted and refused, and the join of a decode request's two 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from vllm import SamplingParams
 from vllm.config import ModelConfig
 from vllm.utils.hashing import sha256
@@ -21,10 +23,18 @@ from vllm.v1.request import Request, RequestStatus
 from connector.transfer_plan import PARAMS_KEY, LoadSpec, SaveSpec
 from connector.vllm_pd_store import KVBridgePDStoreConnector, LoadJoin, PDStoreMetadata
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata
-from connector.vllm_store import StoreLoad, StoreMetadata, StoreSave
+from connector.vllm_store import StoreHandshake, StoreLoad, StoreMetadata, StoreSave
 from connector.vllm_store_connector import KVBridgeStoreConnector
 from harness import vllm_procs as vp
-from harness.vllm_scheduler import PRODUCER_PORT, make_scheduler
+from harness.procs import free_port
+from harness.vllm_scheduler import (
+    PRODUCER_PORT,
+    TINY_HEAD_SIZE,
+    TINY_KV_HEADS,
+    TINY_LAYERS,
+    make_scheduler,
+    make_worker_connector,
+)
 from kv_pipe.errors import KVConfigError
 from kv_store import chunk_keys
 
@@ -39,10 +49,31 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
     return ModelConfig(model=path, dtype="float32", seed=0, max_model_len=512, skip_tokenizer_init=True)
 
 
-def store_scheduler(model_config: ModelConfig, role: str, store: Path, failure_policy: str = "fail") -> Scheduler:
-    extra = {"kv_ip": "127.0.0.1", "kv_store": {"tiers": f"disk:{store}", "chunk_size": CHUNK}}
-    scheduler = make_scheduler(model_config, role, failure_policy=failure_policy, extra=extra)
-    assert type(scheduler.connector) is KVBridgePDStoreConnector
+def store_extra(store: Path) -> dict[str, Any]:
+    return {"kv_ip": "127.0.0.1", "kv_store": {"tiers": f"disk:{store}", "chunk_size": CHUNK}}
+
+
+#: A worker's store layout, as its connector tells it (the scheduler-only tests have no worker).
+WORKER_LAYOUT = StoreHandshake(tp_rank=0, namespace=bytes(range(32)), layout="FullAttentionSpec/CPU_ATTN/vec")
+
+
+def store_scheduler(
+    model_config: ModelConfig,
+    role: str,
+    store: Path,
+    failure_policy: str = "fail",
+    handshake: StoreHandshake = WORKER_LAYOUT,
+) -> Scheduler:
+    """vLLM's scheduler with a P/D + store connector, told the worker's ``handshake`` as vLLM's
+    engine core tells it before the first request."""
+    scheduler = make_scheduler(model_config, role, failure_policy=failure_policy, extra=store_extra(store))
+    connector = scheduler.connector
+    assert type(connector) is KVBridgePDStoreConnector
+    assert connector.get_handshake_metadata() is None  # the scheduler side has no worker
+    with pytest.raises(KVConfigError, match="before the workers told their store layouts"):
+        connector.get_num_new_matched_tokens(request_of("early", CHUNK + 1, 0), 0)
+    connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+    assert connector._store_scheduler.namespaces == (handshake.namespace,)
     return scheduler
 
 
@@ -261,6 +292,86 @@ def test_prefill_loads_the_stored_prefix_then_saves_and_announces_the_whole_tran
     assert output.finished and output.kv_transfer_params[PARAMS_KEY]["prefix_tokens"] == 6 * B
     assert "p-1" in scheduler.requests  # vLLM keeps the blocks the pipe may lend
     run_to_end(scheduler)
+
+
+# ---------------------------------------------------------------------- the workers' layouts in the keys
+
+
+def tiny_caches(seed: int) -> list[torch.Tensor]:
+    """Random caches of the tiny Llama's layers (never zeros), vLLM's CPU shape, 16 blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (16, TINY_KV_HEADS, B, 2 * TINY_HEAD_SIZE)
+    return [torch.randn(shape, generator=generator) * 3 + 0.5 for _ in TINY_LAYERS]
+
+
+def run_store_step(connector: Any, store: StoreMetadata) -> set[int]:
+    """One step of a worker-side connector whose metadata holds the store's ``store`` (the pipe's
+    part empty), polled as vLLM polls until its loads are reported; the failed blocks."""
+    connector.bind_connector_metadata(PDStoreMetadata(store=store))
+    connector.start_load_kv(None)
+    connector.wait_for_save()
+    connector.flush_saves()
+    waiting, failed = {load.req_id for load in store.loads}, set()
+    deadline = time.monotonic() + 60  # a hang guard only: no timing is asserted
+    while waiting:
+        assert time.monotonic() < deadline, f"loads {waiting} not reported"
+        _, recving = connector.get_finished(set())
+        waiting -= recving or set()
+        failed |= connector.get_block_ids_with_load_errors()
+        time.sleep(0.005)
+    connector.clear_connector_metadata()
+    return failed
+
+
+def test_prefill_instances_of_two_attention_layouts_on_one_store_keep_apart(
+    model_config: ModelConfig, tmp_path: Path
+) -> None:
+    """Two prefill instances of one model and configuration whose workers run other CPU attention
+    interiors: each keys its objects by its own layout (told to its scheduler in vLLM's handshake
+    metadata), so each claims and loads only its own, bit-exact, and the other's are a miss, never
+    an object of another layout."""
+    store = tmp_path / "store"
+    sources = {"vec": tiny_caches(1), "amx": tiny_caches(2)}
+    workers = {
+        isa: make_worker_connector(model_config, "kv_producer", free_port(), store_extra(store), caches, isa)
+        for isa, caches in sources.items()
+    }
+    try:
+        handshakes = {isa: worker.get_handshake_metadata() for isa, worker in workers.items()}
+        assert handshakes["vec"].namespace != handshakes["amx"].namespace
+        assert handshakes["vec"].layout != handshakes["amx"].layout
+        schedulers = {
+            isa: store_scheduler(model_config, "kv_producer", store, handshake=handshakes[isa]) for isa in workers
+        }
+        request = request_of("r", 2 * CHUNK + 5, seed=9)
+        tokens = request.prompt_token_ids[: 2 * CHUNK]
+
+        def claimed(isa: str) -> int:
+            return schedulers[isa].connector.get_num_new_matched_tokens(request, 0)[0]
+
+        assert run_store_step(workers["vec"], StoreMetadata(saves=[StoreSave("s", tokens, [3, 7, 1, 5], 0)])) == set()
+        assert claimed("vec") == 2 * CHUNK and claimed("amx") == 0
+        # The other layout's worker misses: its keys hold nothing yet, and it writes nothing.
+        target = [cache.clone() for cache in sources["amx"]]
+        load = StoreLoad("l", tokens, [2, 4, 6, 8], skip_blocks=0, stop_blocks=4)
+        assert run_store_step(workers["amx"], StoreMetadata(loads=[load])) == {2, 4, 6, 8}
+        assert all(torch.equal(cache, before) for cache, before in zip(sources["amx"], target, strict=True))
+        assert workers["amx"].get_kv_connector_stats().data["store_load_errors"] == {"missing": 2}
+        # It stores its own objects beside the first instance's, and each loads its own.
+        assert run_store_step(workers["amx"], StoreMetadata(saves=[StoreSave("t", tokens, [0, 9, 11, 13], 0)])) == set()
+        assert claimed("vec") == claimed("amx") == 2 * CHUNK
+        assert workers["amx"].store_stats().chunks_saved == 2
+        expected = {"vec": [3, 7, 1, 5], "amx": [0, 9, 11, 13]}
+        for isa, worker in workers.items():
+            load = StoreLoad(f"{isa}-load", tokens, [10, 12, 14, 15], skip_blocks=0, stop_blocks=4)
+            assert run_store_step(worker, StoreMetadata(loads=[load])) == set()
+            for layer, cache in enumerate(sources[isa]):
+                for src, dst in zip(expected[isa], [10, 12, 14, 15], strict=True):
+                    assert torch.equal(cache[dst], cache[src]), (isa, layer, src)
+            assert worker.get_kv_connector_stats().data["store_load_errors"] == {}
+    finally:
+        for worker in workers.values():
+            worker.shutdown()
 
 
 # ---------------------------------------------------------------------- configurations

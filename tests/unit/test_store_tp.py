@@ -150,12 +150,10 @@ def _cached(req_id: str, computed: int):
 # ---------------------------------------------------------------------- the workers' layout in the keys
 
 
-def worker(
-    path: Path, layout_name: str, tp_rank: int = 0, layout_keys: bool = True, caches: list[torch.Tensor] | None = None
-) -> StoreWorker:
+def worker(path: Path, layout_name: str, tp_rank: int = 0, caches: list[torch.Tensor] | None = None) -> StoreWorker:
     settings = StoreSettings.from_extra({"kv_store": {"tiers": f"disk:{path}", "chunk_size": FAKE_CHUNK}}, environ={})
     caches = caches if caches is not None else vp.fake_caches(tp_rank + 1)
-    side = StoreWorker(settings, identity(tp_rank, 2), layout_keys)
+    side = StoreWorker(settings, identity(tp_rank, 2))
     side.register(caches, find_layout(caches[0], vp.FAKE_BLOCKS, FB, layout_name), layout_name)
     return side
 
@@ -173,10 +171,7 @@ def test_two_layouts_of_the_same_configuration_store_under_different_keys(tmp_pa
     assert vec.namespace != identity_namespace(identity(0, 2))  # the configuration alone is not the key
     tokens = prompt(4, FAKE_CHUNK)
     assert chunk_keys(vec.namespace, tokens, FAKE_CHUNK) != chunk_keys(amx.namespace, tokens, FAKE_CHUNK)
-    # Without layout keys a worker keys by the configuration alone, as a scheduler derives it.
-    plain = worker(tmp_path, "CPU_ATTN/amx", layout_keys=False)
-    assert plain.namespace == identity_namespace(identity(0, 2))
-    for side in (vec, amx, vec_again, plain):
+    for side in (vec, amx, vec_again):
         side.close()
 
 

@@ -18,7 +18,11 @@ A copy withdrawn (:meth:`lookup_buffer.store.EntryStore.withdraw_copy`) leaves i
 whichever request under its key is withdrawn: the copies are alike, so the withdrawn request gives
 up its place in the key's order instead, and the departure that the withdrawal causes is not
 reported (the first one under that key after it, which may be a select's that came in between: the
-copy the withdrawal then removes is the oldest request's).
+copy the withdrawal then removes is the oldest request's). A copy that a select split into parts
+(a decode instance with more TP ranks takes some of its KV heads) leaves when its first part is
+taken, and its request is reported gone; if that request is then withdrawn, the parts still in the
+buffer leave with it (:meth:`lookup_buffer.store.EntryStore.withdraw_split_copy`) rather than hold
+buffer memory until they expire.
 """
 
 from __future__ import annotations
@@ -67,13 +71,15 @@ class ProducerWorker(WorkerSide):
         # its match key, until finished (in order); the requests whose copies are stored under each
         # key's digest, in the order they were stored; departures of copies not registered yet (a
         # select took one before its insert returned); departures that withdrawals cause, not yet
-        # told; copies of requests in _copied that left before the request was reported, to report.
+        # told; copies of requests in _copied that left before the request was reported, to report;
+        # of those, the ones a select split, with their key (their parts leave if they are withdrawn).
         self._copies_lock = threading.Lock()
         self._copied: dict[str, MatchKey] = {}
         self._copy_keys: dict[bytes, collections.deque[str]] = {}
         self._early_departures: dict[bytes, int] = {}
         self._withdrawing: dict[bytes, int] = {}
         self._gone: set[str] = set()
+        self._split: dict[str, MatchKey] = {}
         self._released: dict[str, None] = {}  # requests taken back, until held or saved again (in order)
         self._ended_early: set[str] = set()  # requests in _kept whose loan ended before they were held, reported
         self._held: dict[str, float] = {}  # finished requests whose blocks vLLM keeps, and since when
@@ -184,9 +190,12 @@ class ProducerWorker(WorkerSide):
             with self._copies_lock:
                 saved_here = req_id in self._kept or req_id in self._copied
                 key = self._give_up_copy(req_id) if req_id in withdrawn else None
+                split_key = self._split.pop(req_id, None)  # taken back: a later departure is its next copy's
             if not saved_here:
                 continue
             if key is not None and self._withdraw_copy(req_id, key):
+                self._add(taken_back=1)
+            if req_id in withdrawn and split_key is not None and self._withdraw_split_copy(split_key):
                 self._add(taken_back=1)
             loan = self._kept.pop(req_id, None)
             self._ended_early.discard(req_id)
@@ -226,6 +235,12 @@ class ProducerWorker(WorkerSide):
         logger.debug("kvbridge: the copy of request %s had already left the buffer", req_id)
         return False
 
+    def _withdraw_split_copy(self, key: MatchKey) -> bool:
+        """Take out of the buffer the parts left of a copy under ``key`` that a select split; whether
+        any were left (the other TP ranks of the decode instance that split it may have taken them all)."""
+        store = entry_store(self._buffer)
+        return store is not None and store.withdraw_split_copy(key)
+
     def take_finished_sending(self) -> set[str]:
         """Held requests whose blocks this worker no longer needs, each once: saved by a copy, taken
         back, or lent and the loan has ended (taken and released, copied for a consumer on another
@@ -245,6 +260,7 @@ class ProducerWorker(WorkerSide):
             with self._copies_lock:
                 self._copied.pop(req_id, None)
                 self._gone.discard(req_id)
+                self._split.pop(req_id, None)
             self._released.pop(req_id, None)
             self._lent_blocks.pop(req_id, None)
         if done:
@@ -287,9 +303,10 @@ class ProducerWorker(WorkerSide):
             self._copy_keys.setdefault(digest, collections.deque()).append(req_id)
             remember(self._copied, req_id, key)
 
-    def _on_departed(self, key: MatchKey) -> None:
+    def _on_departed(self, key: MatchKey, split: bool) -> None:
         """A copy under ``key`` left the buffer (a buffer thread, under its store's lock): the oldest
-        copy this worker stored under it. A request still running whose copy left is reported gone
+        copy this worker stored under it; ``split`` when a select split it (its other parts are in
+        the buffer still). A request still running whose copy left is reported gone
         (:meth:`take_gone`), and its next save after a preemption makes a new copy."""
         digest = key.digest
         with self._copies_lock:
@@ -310,6 +327,8 @@ class ProducerWorker(WorkerSide):
             if req_id in self._copied:
                 del self._copied[req_id]
                 self._gone.add(req_id)
+                if split:
+                    remember(self._split, req_id, key)
 
     def take_gone(self) -> set[str]:
         """Saved requests whose entry left the buffer (taken by a select, evicted, expired) before the

@@ -16,7 +16,9 @@ is no longer there to be selected, whatever took it (a select, eviction, expiry,
 that it does not send a consumer after it, and may withdraw it once it will send none
 (:meth:`EntryStore.withdraw_copy`). Departure watchers (:meth:`EntryStore.watch_departures`) are told
 the key of each tracked entry that leaves; a store's tracked entries under one key leave in the order
-they were stored.
+they were stored. A tracked entry that a select splits into parts leaves when its first part is
+taken (its watchers are told it was split); the parts left are still its inserter's to withdraw
+(:meth:`EntryStore.withdraw_split_copy`): all at once, so that a select of a part gets it or misses.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class Entry:
     """One inserted request: the tensors a hit sends (or lent tensors, with their ``loan``), and the
     bytes it is charged for."""
 
-    __slots__ = ("items", "nbytes", "largest", "expires", "order", "loan", "lent", "stored", "tracked")
+    __slots__ = ("items", "nbytes", "largest", "expires", "order", "loan", "lent", "stored", "tracked", "copy_part")
 
     def __init__(
         self,
@@ -82,6 +84,7 @@ class Entry:
         self.stored: float | None = None  # time.monotonic() when first stored (kept by a copy of it)
         self.loan = loan
         self.tracked = tracked  # its departure is told to the departure watchers (see the module docstring)
+        self.copy_part = False  # a part of a tracked entry that was split (withdrawn with its other parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +152,7 @@ class EntryStore:
         # makes a select miss.
         self._tombstones: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         self._watchers: list[Callable[[MatchKey], object]] = []
-        self._departure_watchers: list[Callable[[MatchKey], object]] = []
+        self._departure_watchers: list[Callable[[MatchKey, bool], object]] = []
 
     def put(self, key: MatchKey, entry: Entry, timeout: float) -> None:
         """Store ``entry``: evicting the oldest unclaimed entries to make room (``evict_unclaimed``),
@@ -267,10 +270,11 @@ class EntryStore:
                     return None
                 queue.popleft()
                 self._forget(key, queue, whole)
-                self._departed(key, whole)  # its first part is taken: the whole is no longer there
+                self._departed(key, whole, split=True)  # its first part is taken: the whole is no longer there
                 entry = None
                 for index, (piece_part, piece) in enumerate(parts):
                     piece.expires, piece.stored, piece.order = whole.expires, whole.stored, (whole.order[0], index + 1)
+                    piece.copy_part = whole.tracked
                     if piece_part == part:
                         entry = piece
                     else:
@@ -311,7 +315,8 @@ class EntryStore:
 
     def withdraw_copy(self, key: MatchKey) -> bool:
         """Remove the oldest tracked entry stored whole under ``key`` (its inserter will send no
-        consumer after it); whether there was one. Lent entries and the parts of split ones stay.
+        consumer after it); whether there was one. Lent entries and the parts of split ones stay
+        (:meth:`withdraw_split_copy` withdraws those).
 
         Tracked entries under one key are alike to a select, and leave in the order they were
         stored: the one removed is the oldest, whichever request the inserter withdraws, and its
@@ -322,6 +327,32 @@ class EntryStore:
             if entry is None:
                 return False
             self._take_out(key, entry)
+            return True
+
+    def withdraw_split_copy(self, key: MatchKey) -> bool:
+        """Remove every part still stored of the oldest tracked entry that a select split under
+        ``key`` (its inserter will send no consumer after them); whether one had parts left.
+
+        Split tracked entries under one key are alike, as whole ones are: the one removed is the
+        oldest whose parts are not all taken. Its parts leave at once, under the lock: a select of
+        a part gets it before, or finds none after (a tombstone makes it miss at once, as after a
+        whole entry's withdrawal). Nothing is told to the departure watchers: the entry left when
+        it was split.
+        """
+        with self._cond:
+            parts = [
+                (sub, entry)
+                for sub, queue in self._entries.items()
+                if isinstance(sub, tuple) and sub[0] == key
+                for entry in queue
+                if entry.copy_part
+            ]
+            if not parts:
+                return False
+            oldest = min(entry.order[0] for _, entry in parts)
+            for sub, entry in parts:
+                if entry.order[0] == oldest:
+                    self._take_out(sub, entry)
             return True
 
     def _take_out(self, key: MatchKey | tuple[MatchKey, Part], entry: Entry) -> None:
@@ -343,19 +374,20 @@ class EntryStore:
             if watcher in self._watchers:
                 self._watchers.remove(watcher)
 
-    def watch_departures(self, watcher: Callable[[MatchKey], object]) -> None:
+    def watch_departures(self, watcher: Callable[[MatchKey, bool], object]) -> None:
         """Call ``watcher`` with the match key of every tracked entry (see the module docstring) once
         it leaves the store: taken by a select (a split entry when its first part is), evicted,
-        expired, withdrawn, or dropped by :meth:`stop`. Under the store's lock: it must neither block
-        nor call the store."""
+        expired, withdrawn, or dropped by :meth:`stop`; and whether it was split (its other parts
+        are stored still). Under the store's lock: it must neither block nor call the store."""
         with self._cond:
             self._departure_watchers.append(watcher)
 
-    def _departed(self, key: MatchKey | tuple[MatchKey, Part], entry: Entry) -> None:
-        """Tell the departure watchers that ``entry``, under ``key``, left (under the lock)."""
+    def _departed(self, key: MatchKey | tuple[MatchKey, Part], entry: Entry, split: bool = False) -> None:
+        """Tell the departure watchers that ``entry``, under ``key``, left (under the lock): ``split``,
+        when a select split it."""
         if entry.tracked:
             for watcher in self._departure_watchers:
-                watcher(key[0] if isinstance(key, tuple) else key)
+                watcher(key[0] if isinstance(key, tuple) else key, split)
 
     def gone(self, key: MatchKey) -> bool:
         """Whether an entry under ``key`` left unselected within :data:`TOMBSTONE_SECONDS` and none

@@ -4,11 +4,13 @@ BufferListener with a consumer over real pipes."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,7 +29,7 @@ from lookup_buffer.config import BufferConfig
 from lookup_buffer.loans import EVICTED, SENT, Loan
 from lookup_buffer.matching import MatchKey, token_arrays
 from lookup_buffer.producer import make_entry
-from lookup_buffer.store import Entry, EntryStore
+from lookup_buffer.store import Entry, EntryStore, Part
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -403,7 +405,8 @@ def test_departures_of_copied_entries_are_told_in_order_and_lent_ones_never() ->
     sizes = {index: make_entry(*request(index, 2048))[1].nbytes for index in range(3)}
     store = EntryStore(capacity_bytes=3 * sizes[0], max_item_bytes=1 << 20, entry_timeout=100.0, evict_unclaimed=True)
     told: list[MatchKey] = []
-    store.watch_departures(told.append)
+    split: list[bool] = []
+    store.watch_departures(lambda key, was_split: (told.append(key), split.append(was_split)))
     copies = [make_entry(*request(index, 2048)) for index in range(3)]
     duplicate = make_entry(*request(0, 2048))  # the same tokens as copies[0]: stored after it
     assert all(entry.tracked for _, entry in copies) and duplicate[1].tracked
@@ -428,6 +431,7 @@ def test_departures_of_copied_entries_are_told_in_order_and_lent_ones_never() ->
     store.put(last_key, last, timeout=0)
     store.stop(KVBufferFullError("closed"))
     assert told[5:] == [last_key] and len(told) == 6
+    assert split == [False, False, False, True, False, False]  # only the whole a select split
 
 
 def test_a_withdrawn_copy_is_the_oldest_copy_under_its_key_and_lent_entries_and_parts_stay() -> None:
@@ -437,7 +441,7 @@ def test_a_withdrawn_copy_is_the_oldest_copy_under_its_key_and_lent_entries_and_
     store = EntryStore(capacity_bytes=1 << 20, max_item_bytes=1 << 20, entry_timeout=100.0)
     told: list[MatchKey] = []
     buried: list[MatchKey] = []
-    store.watch_departures(told.append)
+    store.watch_departures(lambda key, split: told.append(key))
     store.watch(buried.append)
     lent_key, lent, _ = stored(0, 2048)
     lent.tracked = False  # what make_entry makes of lent tensors
@@ -463,3 +467,117 @@ def test_a_withdrawn_copy_is_the_oldest_copy_under_its_key_and_lent_entries_and_
     store.pop_part(whole_key, (1, 0, 1))
     assert not store.withdraw_copy(whole_key) and store.counters().entries == 3  # the parts stay
     assert not store.withdraw_copy(make_entry(*request(9, 2048))[0])  # a key never stored
+
+
+def _split_copy(store: EntryStore, index: int, taken: Part) -> tuple[MatchKey, list, Entry, Entry]:
+    """A tracked copy of :func:`_splittable` ``index`` stored, then split by a select of ``taken``:
+    its key, the tensors given, the whole entry and the part taken."""
+    given = _splittable(index)
+    key, whole = make_entry(*given)
+    assert whole.tracked
+    store.put(key, whole, timeout=0)
+    part = store.pop_part(key, taken)
+    assert part is not None and same_bits(part.items[1], given[2].narrow(*taken[:2], taken[2] - taken[1]))
+    return key, given, whole, part
+
+
+def test_a_split_copys_parts_are_withdrawn_at_once_and_selects_of_them_miss() -> None:
+    """``withdraw_split_copy`` takes every part left of a split copy: their bytes are free, a select
+    of any of them finds none and the key's tombstone makes it miss at once; its departure was told
+    once, when it was split."""
+    store = EntryStore(capacity_bytes=1 << 20, max_item_bytes=1 << 20, entry_timeout=100.0)
+    told: list[tuple[MatchKey, bool]] = []
+    buried: list[MatchKey] = []
+    store.watch_departures(lambda key, split: told.append((key, split)))
+    store.watch(buried.append)
+    key, _, whole, part = _split_copy(store, 0, (1, 2, 3))
+    assert told == [(key, True)]
+    held = store.counters()
+    assert (held.entries, held.bytes) == (3, whole.nbytes - part.nbytes) and not store.gone(key)
+    assert store.withdraw_split_copy(key)
+    after = store.counters()
+    assert (after.entries, after.bytes) == (0, 0)
+    assert (after.expired, after.evicted) == (0, 0)
+    assert told == [(key, True)] and buried == [key, key, key]  # each part's tombstone, under the copy's key
+    assert store.gone(key)
+    for left in ((1, 0, 1), (1, 1, 2), (1, 3, 4)):
+        assert store.pop_part(key, left) is None
+    assert not store.withdraw_split_copy(key) and not store.withdraw_copy(key)
+    # A copy stored again under the key ends the tombstone, as after any departure.
+    again_key, again = make_entry(*_splittable(0))
+    store.put(again_key, again, timeout=0)
+    assert not store.gone(key) and not store.withdraw_split_copy(key)  # whole: withdraw_copy's
+    assert store.withdraw_copy(key) and store.counters().entries == 0
+
+
+def test_the_oldest_split_copy_leaves_whole_copies_and_lent_parts_stay() -> None:
+    """Two split copies, a whole copy and a split lent entry under one key: each withdrawal of a
+    split copy takes the parts left of the oldest whose parts are not all taken, nothing else."""
+    store = EntryStore(capacity_bytes=1 << 20, max_item_bytes=1 << 20, entry_timeout=100.0)
+    first_key, first_given, _, _ = _split_copy(store, 0, (1, 0, 1))
+    second_key, second_given, _, _ = _split_copy(store, 0, (1, 0, 2))  # another width: its own parts
+    assert store.pop_part(first_key, (1, 1, 2)) is not None  # a part of the first copy taken by a select
+    whole_key, whole = make_entry(*_splittable(0))
+    store.put(whole_key, whole, timeout=0)
+    lent_given = _splittable(0)
+    lent_key, lent = make_entry(*lent_given)
+    lent.tracked, lent.loan = False, Loan()  # what make_entry makes of lent tensors
+    store.put(lent_key, lent, timeout=0)
+    lent_part = store.pop_part(lent_key, (1, 1, 2))  # the whole copy is older: it is split, not the lent entry
+    assert same_bits(lent_part.items[1], _splittable(0)[2].narrow(1, 1, 1))
+    # Now under the key: the first copy's parts 2 and 3, the second's part 2, the third copy's parts
+    # 0, 2 and 3 (split by that last select) and the lent entry, whole.
+    assert store.counters().entries == 2 + 1 + 3 + 1
+    assert store.withdraw_split_copy(first_key)
+    assert store.counters().entries == 1 + 3 + 1
+    assert store.pop_part(first_key, (1, 2, 3)) is not None  # the third copy's: the first one's are gone
+    second_part = store.pop_part(second_key, (1, 2, 4))
+    assert second_part is not None and same_bits(second_part.items[1], second_given[2].narrow(1, 2, 2))
+    assert store.withdraw_split_copy(first_key)  # the third copy's parts 0 and 3
+    assert not store.withdraw_split_copy(first_key)
+    assert store.pop(lent_key) is lent and lent.loan.outcome is None
+    assert store.counters().entries == 0
+    assert same_bits(first_given[2], second_given[2])  # one prompt's copies: alike
+
+
+def _race(calls: dict[Any, Callable[[], Any]]) -> dict[Any, Any]:
+    """Run every call in a thread of its own, all released at once; their results by name."""
+    barrier = threading.Barrier(len(calls))
+    outcomes: dict[Any, Any] = {}
+
+    def run(name: Any, call: Callable[[], Any]) -> None:
+        barrier.wait(60)
+        outcomes[name] = call()
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert outcomes.keys() == calls.keys()
+    return outcomes
+
+
+def test_a_withdrawal_racing_selects_leaves_each_select_its_part_whole_or_a_miss() -> None:
+    """Selects in threads racing a withdrawal: each gets all of what it selects, bit-exact, or
+    nothing; a split copy's parts leave all at once, so none is left once the withdrawal returned."""
+    for index in range(40):
+        store = EntryStore(capacity_bytes=1 << 20, max_item_bytes=1 << 20, entry_timeout=100.0)
+        key, given, _, _ = _split_copy(store, index, (1, 0, 1))
+        whole_key, whole = make_entry(*_splittable(index + 100))
+        store.put(whole_key, whole, timeout=0)
+        parts = [(1, 1, 2), (1, 2, 3), (1, 3, 4)]
+        calls: dict[Any, Callable[[], Any]] = {part: functools.partial(store.pop_part, key, part) for part in parts}
+        calls["withdraw split"] = functools.partial(store.withdraw_split_copy, key)
+        calls["select whole"] = functools.partial(store.pop, whole_key)
+        calls["withdraw whole"] = functools.partial(store.withdraw_copy, whole_key)
+        outcomes = _race(calls)
+        taken = [part for part in parts if outcomes[part] is not None]
+        for part in taken:
+            assert same_bits(outcomes[part].items[1], given[2].narrow(1, part[1], 1))
+        assert outcomes["withdraw split"] == (len(taken) < len(parts))
+        assert (outcomes["select whole"] is whole) != outcomes["withdraw whole"]
+        assert outcomes["select whole"] in (whole, None)
+        counters = store.counters()
+        assert (counters.entries, counters.bytes) == (0, 0)

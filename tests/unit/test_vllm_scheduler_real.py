@@ -792,3 +792,38 @@ def test_a_withdrawn_request_gives_up_its_place_among_copies_of_the_same_prompt(
         assert not worker._copied and not worker._copy_keys and not worker._withdrawing
     finally:
         worker.close()
+
+
+def test_a_withdrawn_request_whose_copy_a_select_split_takes_its_parts_out_and_whole_copies_stay() -> None:
+    worker, caches = producer_worker(num_blocks=16, budget=4 << 20)
+    try:
+        tokens = list(range(500, 500 + 2 * B))
+        names = ["x", "r", "y"]  # the same prompt three times: three copies under one key
+        worker.save([SaveSpec(name, tokens, [2 * index + 1, 2 * index + 2]) for index, name in enumerate(names)])
+        assert worker.take_save_outcomes() == (set(names), set())
+        store, key = worker._buffer._store, prefix_key(tokens)
+        whole_bytes = store.counters().bytes // 3
+        # A decode rank of an instance with more TP ranks takes heads 1 of 4 of the oldest copy, x's:
+        # the copy is split, and x, still running, is reported gone.
+        part = store.pop_part(key, (2, 1, 2))
+        assert part is not None and torch.equal(part.items[1][0, 0], caches[0][1][1:2])
+        assert worker.take_gone() == {"x"}
+        assert store.counters().entries == 3 + 2  # x's other three parts, r's and y's copies
+        # r is withdrawn: a whole copy leaves, x's parts stay.
+        worker.take_back([], withdraw=["r"])
+        assert store.counters().entries == 3 + 1 and worker.take_gone() == set()
+        # x is withdrawn (announced with 0 tokens): its parts leave at once, y's copy stays.
+        parts_bytes = store.counters().bytes - whole_bytes
+        worker.take_back([], withdraw=["x"])
+        left = store.counters()
+        assert (left.entries, left.bytes) == (1, whole_bytes) and parts_bytes > 0
+        assert store.gone(key) and worker.take_gone() == set()
+        assert worker.total_stats().data["taken_back"] == 2
+        worker.hold(names)
+        assert worker.take_finished_sending() == set(names)
+        last = store.pop(key)  # y's copy, whole
+        assert last is not None and torch.equal(last.items[1][1, 1], caches[1][6])
+        assert worker.take_gone() == set()  # y finished: nothing to report
+        assert not worker._copied and not worker._copy_keys and not worker._withdrawing and not worker._split
+    finally:
+        worker.close()

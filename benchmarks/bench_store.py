@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help=f"times each document is asked (default {Workload.rounds})")
     parser.add_argument(
         "--tiers",
-        default="memory,disk,redis,redis-unix",
+        default="memory,disk,redis",
         help="store tiers to measure, of memory,disk,redis,redis-unix (empty: none)",
     )
     parser.add_argument(

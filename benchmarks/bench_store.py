@@ -16,7 +16,8 @@ Instances, one after another, each in its own process:
   instance, which never saw the documents, on the same store (``new instance``). ``memory`` is the
   worker's memory tier over a disk tier (the scheduler finds chunks in the shared tiers only);
   ``redis`` is a redis-server started for the run, over TCP on loopback, and ``redis-unix`` the same
-  server over its Unix socket (as ``kvbridge serve --kv-store redis`` reaches the one it starts);
+  server over its Unix socket (as ``kvbridge serve --kv-store redis`` reaches the one it starts), in
+  a database of its own;
 * for each ``--connector-config NAME=JSON``, an instance of another connector (a peer: its
   ``kv_transfer_config`` as JSON, ``kv_role`` ``kv_both``), its cold and warm rounds, and with
   ``--new-instance NAME`` also a new instance. ``{redis}`` in the JSON stands for the URL of the
@@ -422,7 +423,8 @@ def run(workload: Workload, tiers: list[str], peers: Sequence[Peer] = ()) -> tup
         try:
             rows: list[Row] = []
             tcp_url = f"redis://127.0.0.1:{redis.port}" if redis else None
-            instances = plan(workload, tiers, directory, tcp_url, peers, redis.url if redis else None)
+            # Over the socket, another database: its cold round finds nothing the TCP instances stored.
+            instances = plan(workload, tiers, directory, tcp_url, peers, f"{redis.url}?db=1" if redis else None)
             for index, instance in enumerate(tqdm(instances, desc="instances", file=sys.stderr)):
                 engines.start(
                     f"{index}",

@@ -185,3 +185,14 @@ def test_serve_starts_the_server_for_its_instances_and_stops_it_however_it_ends(
     assert json.loads(report.read_text()) == {"store": f"memory,{server.url}", "ping": True}
     assert_gone(server, process, directories[0])
     assert "KVBRIDGE_KV_SECRET" not in os.environ  # generated for the launch, given to the instances only
+
+
+def test_serve_refusing_its_settings_removes_the_directory_made_for_the_server(
+    directories: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("KVBRIDGE_KV_SECRET", "KVBRIDGE_KV_SECRET_FILE", "KVBRIDGE_STORE_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["/models/tiny", "--kv-store", "memory,redis", "--prefill-env", "KVBRIDGE_STORE_PASSWORD=given"]
+    assert serve.main(argv) == 2
+    (directory,) = directories
+    assert not directory.exists()

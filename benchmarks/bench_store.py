@@ -15,7 +15,9 @@ Instances, one after another, each in its own process:
   the store empty (``cold``), its later rounds (``warm``); for ``disk`` and ``redis`` also a new
   instance, which never saw the documents, on the same store (``new instance``). ``memory`` is the
   worker's memory tier over a disk tier (the scheduler finds chunks in the shared tiers only);
-  ``redis`` is a redis-server started for the run;
+  ``redis`` is a redis-server started for the run, over TCP on loopback, and ``redis-unix`` the same
+  server over its Unix socket (as ``kvbridge serve --kv-store redis`` reaches the one it starts), in
+  a database of its own;
 * for each ``--connector-config NAME=JSON``, an instance of another connector (a peer: its
   ``kv_transfer_config`` as JSON, ``kv_role`` ``kv_both``), its cold and warm rounds, and with
   ``--new-instance NAME`` also a new instance. ``{redis}`` in the JSON stands for the URL of the
@@ -34,7 +36,7 @@ at most 0.25x from the memory tier and 0.35x from Redis or a new instance, a col
 Exits 1 when an answer differs.
 
     python -m benchmarks.bench_store [--quick] [--documents N] [--doc-tokens T] [--rounds R]
-        [--tiers memory,disk,redis] [--dtype float32|bfloat16|float16]
+        [--tiers memory,disk,redis,redis-unix] [--dtype float32|bfloat16|float16]
         [--connector-config NAME=JSON [--new-instance NAME]]...
 """
 
@@ -66,6 +68,8 @@ ENGINE_TIMEOUT = 1800.0
 #: The product's targets, as a fraction of the recompute baseline's TTFT p50: a warm hit from the
 #: memory tier, one from Redis or from an instance that never saw the prompt, and a cold round.
 WARM_MEMORY, WARM_SHARED, COLD = 0.25, 0.35, 1.05
+#: The store tiers a run measures with kvbridge ("redis-unix": the run's redis-server over its Unix socket).
+KVBRIDGE_TIERS = ("memory", "disk", "redis", "redis-unix")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +337,7 @@ def parse_peers(configs: list[str], new_instances: list[str]) -> list[Peer]:
         name = name.strip()
         if not sep or not name:
             raise ValueError(f"--connector-config takes NAME=JSON, got {item!r}")
-        if name in {"plain", "plain + prefix cache", "memory", "disk", "redis"} or name in {p.name for p in peers}:
+        if name in {"plain", "plain + prefix cache", *KVBRIDGE_TIERS} or name in {p.name for p in peers}:
             raise ValueError(f"--connector-config name {name!r} is taken")
         try:
             config = json.loads(text.replace("{redis}", "redis://127.0.0.1:0"))
@@ -350,9 +354,15 @@ def parse_peers(configs: list[str], new_instances: list[str]) -> list[Peer]:
 
 
 def plan(
-    workload: Workload, tiers: list[str], directory: Path, redis_url: str | None, peers: Sequence[Peer] = ()
+    workload: Workload,
+    tiers: list[str],
+    directory: Path,
+    redis_url: str | None,
+    peers: Sequence[Peer] = (),
+    redis_socket_url: str | None = None,
 ) -> list[Instance]:
-    """Instances in order: kvbridge's, then the peers'."""
+    """Instances in order: kvbridge's, then the peers'. ``redis_url`` reaches the run's redis-server
+    over TCP, ``redis_socket_url`` over its Unix socket."""
     every, later = list(range(workload.rounds)), list(range(1, workload.rounds))
     instances = [Instance("plain", None, False, every), Instance("plain + prefix cache", None, True, every)]
     for tier in tiers:
@@ -360,6 +370,7 @@ def plan(
             "memory": f"memory,disk:{directory / 'memory'}",
             "disk": f"disk:{directory / 'disk'}",
             "redis": redis_url,
+            "redis-unix": redis_socket_url,
         }[tier]
         instances.append(Instance(tier, spec, True, every))
         if tier != "memory":
@@ -381,12 +392,12 @@ def rows_of(name: str, served: list[int], results: list[dict[str, Any]], rounds:
     if name == "plain + prefix cache":
         return [Row("plain + prefix cache, later rounds", [by_round[i] for i in later], [rounds[i] for i in later])]
     out = []
-    ours = name.split(",")[0] in ("memory", "disk", "redis")  # the targets are kvbridge's
+    ours = name.split(",")[0] in KVBRIDGE_TIERS  # the targets are kvbridge's
     if 0 in served:
         out.append(Row(f"{name}, cold", [by_round[0]], [rounds[0]], ("cold", COLD) if ours else None))
     if later:
         new_instance = name.endswith("new instance")
-        limit = WARM_MEMORY if name == "memory" else WARM_SHARED if new_instance or name == "redis" else None
+        limit = WARM_MEMORY if name == "memory" else WARM_SHARED if new_instance or name.startswith("redis") else None
         limit = limit if ours else None
         out.append(
             Row(
@@ -407,11 +418,13 @@ def run(workload: Workload, tiers: list[str], peers: Sequence[Peer] = ()) -> tup
     with tempfile.TemporaryDirectory(prefix="bench-store-") as scratch, vp.Engines() as engines:
         directory = Path(scratch)
         model = vp.make_heavy_kv_llama(directory / "model", max_positions=max(2048, workload.max_model_len))
-        wants_redis = "redis" in tiers or any(peer.needs_redis for peer in peers)
-        redis = redis_servers.start_server(directory / "redis") if wants_redis else None
+        wants_redis = bool({"redis", "redis-unix"} & set(tiers)) or any(peer.needs_redis for peer in peers)
+        redis = redis_servers.start_server(directory / "redis", unix=True) if wants_redis else None
         try:
             rows: list[Row] = []
-            instances = plan(workload, tiers, directory, redis.url if redis else None, peers)
+            tcp_url = f"redis://127.0.0.1:{redis.port}" if redis else None
+            # Over the socket, another database: its cold round finds nothing the TCP instances stored.
+            instances = plan(workload, tiers, directory, tcp_url, peers, f"{redis.url}?db=1" if redis else None)
             for index, instance in enumerate(tqdm(instances, desc="instances", file=sys.stderr)):
                 engines.start(
                     f"{index}",
@@ -446,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc-tokens", type=int, help=f"tokens per document (default {Workload.doc_tokens})")
     parser.add_argument("--rounds", type=int, help=f"times each document is asked (default {Workload.rounds})")
     parser.add_argument(
-        "--tiers", default="memory,disk,redis", help="store tiers to measure, of memory,disk,redis (empty: none)"
+        "--tiers",
+        default="memory,disk,redis",
+        help="store tiers to measure, of memory,disk,redis,redis-unix (empty: none)",
     )
     parser.add_argument(
         "--dtype",
@@ -481,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     tiers = [tier.strip() for tier in args.tiers.split(",") if tier.strip()]
-    if unknown := set(tiers) - {"memory", "disk", "redis"}:
-        parser.error(f"unknown tiers {sorted(unknown)}: choose from memory, disk, redis")
+    if unknown := set(tiers) - set(KVBRIDGE_TIERS):
+        parser.error(f"unknown tiers {sorted(unknown)}: choose from {', '.join(KVBRIDGE_TIERS)}")
     try:
         peers = parse_peers(args.connector_config, args.new_instance)
     except ValueError as exc:

@@ -4,27 +4,31 @@ No vLLM engine: a :class:`connector.vllm_store.StoreWorker` over per-layer cache
 layout with ``bench_store``'s KV shape (8 layers, 16 KV heads, blocks of 32 tokens, head size 128,
 fp32: 4 MiB per block of all layers, 32 MiB per chunk of 256 tokens). It saves ``--chunks`` chunks,
 then loads them from each tier of ``--tiers`` into a new worker (``memory``: its memory tier, filled
-from the disk tier; ``disk``: the same directory; ``redis``: a redis-server started for the run), with
-and without a secret, and times, per load:
+from the disk tier; ``disk``: the same directory; ``redis``: a redis-server started for the run, over
+TCP on loopback; ``redis-unix``: the same server over its Unix socket), with and without a secret,
+and times, per load:
 
 * ``get_many``: the store read (one call for all chunks);
 * ``verify + decode``: :func:`kv_store.decode_chunk` of every chunk (checksum, tag with a secret,
   header checks; the tensors view the object's bytes);
 * ``scatter``: the copy of every chunk's blocks into the caches' (scattered) blocks;
 * ``whole load``: ``StoreWorker.start_loads(inline=True)`` of the same chunks into other blocks,
-  reported complete when it returns (what vLLM gets in a step that computes nothing else);
+  reported complete when it returns (what vLLM gets in a step that computes nothing else). It reads
+  in a thread of its own and checks and writes each chunk while the next arrives, so it may take
+  less than ``get_many`` plus the two stages after it.
 
-With ``redis``, two more reads of the same objects frame the tier's ``get_many``: the floor, one
-``recv_into`` loop of the pipelined ``GET`` replies from the same redis-server into one preallocated
-buffer (no client at all: the least any client can do), and redis-py's own pipelined ``GET`` (its
-parser, with the tier's socket read size), which the tier's reader (``kv_store/redis_reads.py``) avoids.
+With ``redis`` or ``redis-unix``, more reads of the same objects frame the tier's ``get_many``: the
+floor over TCP and over the Unix socket, one ``recv_into`` loop of the pipelined ``GET`` replies
+from the same redis-server into one preallocated buffer (no client at all: the least any client can
+do over that transport), and redis-py's own pipelined ``GET`` (its parser, with the tier's socket read
+size), which the tier's reader (``kv_store/redis_reads.py``) avoids.
 
 And per save: ``save (engine thread)`` (the gather in ``wait_for_save``) and ``save (to the fastest
 tier)`` (until :meth:`StoreWorker.flush`). The baseline, measured in the same run, is one copy of the
 same bytes between two warm tensors: the least a load that writes every byte once can cost. Ratios
 are to it (medians of ``--repeat`` runs).
 
-    python -m benchmarks.bench_store_path [--chunks 4] [--repeat 5] [--tiers memory,disk,redis]
+    python -m benchmarks.bench_store_path [--chunks 4] [--repeat 5] [--tiers memory,disk,redis,redis-unix]
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from connector import compat
 from connector.paged import scatter_blocks
 from connector.vllm_store import StoreLoad, StoreSave, StoreSettings, StoreWorker
 from connector.vllm_worker import find_layout
+from harness import redis_servers
 from kv_store import chunk_keys, decode_chunk
 from kv_store.redis_tier import KEY_PREFIX, SOCKET_READ_BYTES
 
@@ -127,11 +132,12 @@ def load_stages(side: StoreWorker, tokens: list[int], chunks: int, repeat: int, 
     return stages
 
 
-def redis_read_rows(url: str, keys: list[bytes], repeat: int) -> list[tuple[str, str, float]]:
-    """The floor and redis-py's pipelined GET of ``keys`` (the tier's names) from the server at ``url``."""
+def redis_read_rows(server: redis_servers.RedisServer, keys: list[bytes], repeat: int) -> list[tuple[str, str, float]]:
+    """The floors (over TCP and over the Unix socket) and redis-py's pipelined GET of ``keys`` (the
+    tier's names) from ``server``."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_read_size=SOCKET_READ_BYTES, socket_timeout=60)
+    client = redis.Redis.from_url(server.url, socket_read_size=SOCKET_READ_BYTES, socket_timeout=60)
     names = [KEY_PREFIX + key for key in keys]
     sizes = [client.strlen(name) for name in names]
     if not all(sizes):
@@ -139,16 +145,28 @@ def redis_read_rows(url: str, keys: list[bytes], repeat: int) -> list[tuple[str,
     request = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name) for name in names)
     total = sum(len(b"$%d\r\n" % size) + size + 2 for size in sizes)
     into = memoryview(bytearray(total))
-    options = client.connection_pool.connection_kwargs
-    with socket.create_connection((options["host"], options["port"]), timeout=60) as sock:
+    rows = []
+    tcp = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.settimeout(60)
+    unix.connect(str(server.socket_path))
+    for transport, sock in (("TCP on loopback", tcp), ("Unix socket", unix)):
+        with sock:
 
-        def floor() -> None:
-            sock.sendall(request)
-            got = 0
-            while got < total:
-                got += sock.recv_into(into[got:])
+            def floor(sock: socket.socket = sock) -> None:
+                sock.sendall(request)
+                got = 0
+                while got < total:
+                    got += sock.recv_into(into[got:])
 
-        floor_ms = median_ms(floor, repeat)
+            floor_ms = median_ms(floor, repeat)
+        rows.append(
+            (
+                f"redis floor, {transport}: recv_into of the replies, no client",
+                f"{total / floor_ms / 1e6:.2f}",
+                floor_ms,
+            )
+        )
 
     def redis_py() -> list[bytes]:
         pipe = client.pipeline(transaction=False)
@@ -160,10 +178,7 @@ def redis_read_rows(url: str, keys: list[bytes], repeat: int) -> list[tuple[str,
         raise RuntimeError("redis-py read other values")
     redis_py_ms = median_ms(redis_py, repeat)
     client.close()
-    return [
-        ("redis floor: recv_into of the replies, no client", f"{total / floor_ms / 1e6:.2f}", floor_ms),
-        ("get_many, redis through redis-py's parser", f"{sum(sizes) / redis_py_ms / 1e6:.2f}", redis_py_ms),
-    ]
+    return [*rows, ("get_many, redis through redis-py's parser", f"{sum(sizes) / redis_py_ms / 1e6:.2f}", redis_py_ms)]
 
 
 def tier_rows(
@@ -199,8 +214,6 @@ def save_rows(
 
 
 def run(chunks: int, repeat: int, tiers: list[str]) -> str:
-    from harness import redis_servers
-
     generator = torch.Generator().manual_seed(0)
     shape = (4 * chunks * PER_CHUNK, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
     source = [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
@@ -211,11 +224,16 @@ def run(chunks: int, repeat: int, tiers: list[str]) -> str:
     rows = [("one copy of the same bytes (baseline)", "-", floor)]
     round_ = [0]
     with tempfile.TemporaryDirectory(prefix="bench-store-path-") as scratch:
-        redis = redis_servers.start_server(Path(scratch) / "redis") if "redis" in tiers else None
+        wants_redis = bool({"redis", "redis-unix"} & set(tiers))
+        redis = redis_servers.start_server(Path(scratch) / "redis", unix=True) if wants_redis else None
         try:
             for secret in (None, "bench secret"):
                 label = "with a secret" if secret else "no secret"
-                shared = {"disk": f"disk:{Path(scratch) / label}", "redis": redis.url if redis else ""}
+                shared = {
+                    "disk": f"disk:{Path(scratch) / label}",
+                    "redis": f"redis://127.0.0.1:{redis.port}" if redis else "",
+                    "redis-unix": redis.url if redis else "",
+                }
                 saver = worker(
                     ",".join(["memory", shared["disk"]] + ([shared["redis"]] if redis else [])), source, secret
                 )
@@ -227,7 +245,7 @@ def run(chunks: int, repeat: int, tiers: list[str]) -> str:
                 shared["memory"] = f"memory,{shared['disk']}"
                 if redis is not None and secret is None:
                     rows += redis_read_rows(
-                        redis.url, [key.key for key in chunk_keys(saver.namespace, tokens, CHUNK_SIZE)], repeat
+                        redis, [key.key for key in chunk_keys(saver.namespace, tokens, CHUNK_SIZE)], repeat
                     )
                 for tier in tiers:
                     # A worker on this tier alone (memory: over disk, and filled from it first), so
@@ -255,11 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=4, help="chunks per load (default 4: a 1,024-token prompt)")
     parser.add_argument("--repeat", type=int, default=5, help="runs of each stage (default 5)")
-    parser.add_argument("--tiers", default="memory,disk,redis", help="tiers to load from, of memory,disk,redis")
+    parser.add_argument(
+        "--tiers", default="memory,disk,redis,redis-unix", help="tiers to load from, of memory,disk,redis,redis-unix"
+    )
     args = parser.parse_args(argv)
     tiers = [tier.strip() for tier in args.tiers.split(",") if tier.strip()]
-    if unknown := set(tiers) - {"memory", "disk", "redis"}:
-        parser.error(f"unknown tiers {sorted(unknown)}: choose from memory, disk, redis")
+    if unknown := set(tiers) - {"memory", "disk", "redis", "redis-unix"}:
+        parser.error(f"unknown tiers {sorted(unknown)}: choose from memory, disk, redis, redis-unix")
     if args.chunks < 1 or args.repeat < 1:
         parser.error("--chunks and --repeat must be at least 1")
     print(run(args.chunks, args.repeat, tiers))

@@ -21,9 +21,10 @@ Worker side (:class:`StoreWorker`): a load reads its chunks in one :meth:`~kv_st
 in a load thread (:class:`connector.vllm_loads.LoadTracker`), or within the step when the step
 computes nothing else (:attr:`StoreMetadata.load_inline`: no request waits for it, and vLLM learns of
 the load in the same step instead of polling for it in empty steps that compete with the load for
-the cores), decodes and verifies each (:func:`kv_store.decode_chunk`: key, tokens, checksum, tag
-with a secret; then dtype, shape and the worker's layout) and copies its blocks from the object's
-bytes straight into the blocks vLLM allocated. A chunk that is missing
+the cores); the read runs in a thread of its own, and each chunk, as soon as it has arrived (while
+the next is still being received), is decoded and verified (:func:`kv_store.decode_chunk`: key, tokens, checksum, tag
+with a secret; then dtype, shape and the worker's layout) and its blocks are copied from the
+object's bytes straight into the blocks vLLM allocated. A chunk that is missing
 or fails a check has its blocks reported as load errors: vLLM recomputes them or fails the request
 (``kv_load_failure_policy``); wrong KV is never written. A save copies the chunks out of vLLM's
 blocks in ``wait_for_save``, before vLLM may reuse them (one gather per chunk, into host buffers kept
@@ -50,9 +51,10 @@ import dataclasses
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -68,6 +70,7 @@ from connector.vllm_loads import LoadTicket, LoadTracker
 from connector.vllm_stats import STORE_LOAD_ERRORS, STORE_TIER_UP, KVBridgeStats
 from kv_pipe.errors import KVConfigError
 from kv_store import (
+    Blob,
     KVStoreError,
     KVStoreObjectError,
     PutResult,
@@ -94,6 +97,8 @@ PASSWORD_FILE_ENV = "KVBRIDGE_STORE_PASSWORD_FILE"
 SAVE_QUEUE_DEPTH = 16
 #: Host buffers of one chunk's blocks kept for later saves (see :class:`StagingPool`).
 STAGING_CHUNKS = 4
+#: How often a load waiting for its store read looks whether the reading thread still runs.
+READ_POLL_SECONDS = 1.0
 #: Version of the chunk contents (one tensor of all layers' blocks, then the layout digest).
 FORMAT_VERSION = 1
 
@@ -220,11 +225,16 @@ class CountedTier(StoreTier):
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        blobs = self.tier.get_many(keys)
-        with self._lock:
-            self.bytes_read += sum(len(blob) for blob in blobs if blob is not None)
-        return blobs
+    def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
+        return self.get_each(keys, lambda index, blob: None)
+
+    def get_each(self, keys: Sequence[bytes], each: Callable[[int, Blob], None]) -> list[Blob | None]:
+        def counted(index: int, blob: Blob) -> None:
+            with self._lock:
+                self.bytes_read += len(blob)
+            each(index, blob)
+
+        return self.tier.get_each(keys, counted)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return self.tier.contains_many(keys)
@@ -643,13 +653,9 @@ class StoreWorker:
         per_chunk = self.settings.chunk_size // caches.block_size
         first, last = load.skip_blocks // per_chunk, -(-load.stop_blocks // per_chunk)
         keys = chunk_keys(self.namespace, load.token_ids, self.settings.chunk_size)[first:last]
-        try:
-            blobs = self.store.get_many([k.key for k in keys])
-        except KVStoreError as exc:
-            logger.warning("kvbridge store: load of request %s failed: %s", load.req_id, exc)
-            blobs = [None] * len(keys)
         failed: set[int] = set()
-        for index, (key, blob) in enumerate(zip(keys, blobs, strict=True), start=first):
+        for position, blob in self._read(load.req_id, [key.key for key in keys]):
+            index, key = first + position, keys[position]
             lo, hi = max(index * per_chunk, load.skip_blocks), min((index + 1) * per_chunk, load.stop_blocks)
             targets = load.block_ids[lo:hi]
             problem = "missing" if blob is None else None
@@ -683,6 +689,41 @@ class StoreWorker:
             scatter_blocks(caches.caches, caches.layout, torch.tensor(targets, dtype=torch.int64), part)
             self._add(chunks_loaded=1, bytes_loaded=part.numel() * part.element_size())
         return failed
+
+    def _read(self, req_id: str, keys: list[bytes]) -> Iterator[tuple[int, Blob | None]]:
+        """Each key's position and blob (``None``: missing, or the read failed), in the order the
+        store reads them: the store reads in a thread of its own, so that a chunk is checked and
+        written while the next is still arriving; what it found before failing is still given."""
+        arrived: queue.SimpleQueue[tuple[int, Blob] | list[Blob | None] | BaseException] = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                arrived.put(self.store.get_many(keys, lambda index, blob: arrived.put((index, blob))))
+            except BaseException as exc:  # handed to the load, which raises what is not a store error
+                arrived.put(exc)
+
+        reader = threading.Thread(target=read, name="kvbridge-store-read", daemon=True)
+        reader.start()
+        given: set[int] = set()
+        while True:
+            try:
+                item = arrived.get(timeout=READ_POLL_SECONDS)
+            except queue.Empty:
+                # The read is bounded by its tiers' timeouts and always ends with an answer.
+                if reader.is_alive() or not arrived.empty():
+                    continue
+                raise RuntimeError("the store read ended without an answer") from None
+            if isinstance(item, tuple):
+                given.add(item[0])
+                yield item
+                continue
+            if isinstance(item, KVStoreError):
+                logger.warning("kvbridge store: load of request %s failed: %s", req_id, item)
+                item = [None] * len(keys)
+            elif isinstance(item, BaseException):
+                raise item
+            yield from ((index, blob) for index, blob in enumerate(item) if index not in given)
+            return
 
     def _check(self, tensors: list[torch.Tensor | None], per_chunk: int) -> torch.Tensor | None:
         """The chunk's blocks if they fit this worker's caches and layout, else None."""

@@ -1,5 +1,6 @@
 """Real redis-server processes for the store's tests: one server or a three-node cluster on free
-loopback ports, in a temporary directory, nothing persisted, reaped at the end."""
+loopback ports, in a temporary directory, nothing persisted, reaped at the end. A server may also
+listen on a Unix socket in its directory (``unix``), which its ``url`` then names."""
 
 from __future__ import annotations
 
@@ -40,10 +41,15 @@ class RedisServer:
     options: list[str]
     password: str | None = None
     process: subprocess.Popen | None = None
+    unix: bool = False
+
+    @property
+    def socket_path(self) -> Path:
+        return self.directory / "redis.sock"
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"unix://{self.socket_path}" if self.unix else f"redis://127.0.0.1:{self.port}"
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=10)
@@ -68,6 +74,8 @@ class RedisServer:
         ]
         if self.password is not None:
             command += ["--requirepass", self.password]
+        if self.unix:
+            command += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT
         while True:
@@ -98,9 +106,11 @@ class RedisServer:
         self.process.send_signal(signal.SIGCONT)
 
 
-def start_server(directory: Path, *options: str, password: str | None = None) -> RedisServer:
+def start_server(directory: Path, *options: str, password: str | None = None, unix: bool = False) -> RedisServer:
+    """A server on a free loopback port (and, with ``unix``, on ``directory/redis.sock``, which its
+    ``url`` names)."""
     directory.mkdir(parents=True, exist_ok=True)
-    server = RedisServer(procs.free_port(1), directory, list(options), password)
+    server = RedisServer(procs.free_port(1), directory, list(options), password, unix=unix)
     server.start()
     return server
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeAlias
 
 from kv_pipe.errors import KVConfigError, KVTransferError
@@ -73,6 +73,15 @@ class StoreTier(abc.ABC):
     @abc.abstractmethod
     def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
         """The blob of each key, ``None`` where missing; one round trip for all keys."""
+
+    def get_each(self, keys: Sequence[bytes], each: Callable[[int, Blob], None]) -> list[Blob | None]:
+        """:meth:`get_many`, and ``each(index, blob)`` with every blob found (on this thread), as soon
+        as it is read where the tier receives one value after another (Redis). Here: once all are read."""
+        blobs = self.get_many(keys)
+        for index, blob in enumerate(blobs):
+            if blob is not None:
+                each(index, blob)
+        return blobs
 
     @abc.abstractmethod
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:

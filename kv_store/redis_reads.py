@@ -1,5 +1,6 @@
-"""Pipelined ``GET`` of large values from one Redis server, each value received straight into a
-buffer of its announced length.
+"""Pipelined ``GET`` of large values from one Redis server (over TCP or a Unix socket), each value
+received straight into a buffer of its announced length, and handed to the caller as soon as it is
+complete (``each``): the caller checks and copies one value while the next is still arriving.
 
 redis-py's own parser (without hiredis) receives a bulk reply in pieces, joins them and slices the
 result, copying a value of tens of MiB several times in Python; hiredis still copies it from its
@@ -22,7 +23,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy
 
@@ -105,10 +106,12 @@ class _Connection:
             return line[1:]
         raise KVStoreError(f"redis at {self.where} refused {parts[0].decode()}: {line.decode(errors='replace')}")
 
-    def get_many(self, keys: Sequence[bytes], max_bytes: int) -> list[memoryview | None]:
+    def get_many(
+        self, keys: Sequence[bytes], max_bytes: int, each: Callable[[int, memoryview], None] | None
+    ) -> list[memoryview | None]:
         self.sock.sendall(b"".join(_command(b"GET", key) for key in keys))
         values: list[memoryview | None] = []
-        for _ in keys:
+        for index in range(len(keys)):
             line = self._line()
             kind, rest = line[:1], line[1:]
             if kind == b"-":
@@ -124,20 +127,23 @@ class _Connection:
                     f"{max_bytes} bytes an object may have"
                 )
             values.append(None if length < 0 else self._value(length))
+            if each is not None and values[-1] is not None:
+                each(index, values[-1])
         if self._start != self._end:
             raise KVStoreError(f"redis at {self.where} sent {self._end - self._start} bytes after the last reply")
         return values
 
 
 class BulkReader:
-    """Reads values from the Redis server at ``host``:``port`` (database ``db``), on connections of its
-    own kept between calls; thread-safe (a call takes an idle connection or opens one)."""
+    """Reads values from the Redis server at ``address`` (``(host, port)``, or the path of its Unix
+    socket), database ``db``, on connections of its own kept between calls; thread-safe (a call takes
+    an idle connection or opens one)."""
 
     def __init__(
-        self, host: str, port: int, db: int, username: str | None, password: str | None, timeout: float
+        self, address: tuple[str, int] | str, db: int, username: str | None, password: str | None, timeout: float
     ) -> None:
-        self.host, self.port, self.db = host, port, db
-        self.where = f"{host}:{port}"
+        self.address, self.db = address, db
+        self.where = address if isinstance(address, str) else f"{address[0]}:{address[1]}"
         self._username, self._password = username, password
         self.timeout = timeout
         self._idle: list[_Connection] = []
@@ -145,8 +151,17 @@ class BulkReader:
         self._closed = False
 
     def _dial(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not isinstance(self.address, str):
+            sock = socket.create_connection(self.address, timeout=self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self.address)
+        except BaseException:
+            sock.close()
+            raise
         return sock
 
     def _open(self) -> _Connection:
@@ -162,9 +177,13 @@ class BulkReader:
             raise
         return connection
 
-    def get_many(self, keys: Sequence[bytes], max_bytes: int) -> list[memoryview | None]:
+    def get_many(
+        self, keys: Sequence[bytes], max_bytes: int, each: Callable[[int, memoryview], None] | None = None
+    ) -> list[memoryview | None]:
         """The value of each key, ``None`` where there is none. A value longer than ``max_bytes`` is
-        refused (:class:`KVStoreError`), not received."""
+        refused (:class:`KVStoreError`), not received. ``each(index, value)`` is called with each value
+        found as soon as it is complete, before the next is received (on this thread; what it raises
+        ends the call, and closes the connection)."""
         with self._lock:
             if self._closed:
                 raise KVStoreError(f"the reader of redis at {self.where} is closed")
@@ -175,7 +194,7 @@ class BulkReader:
         if connection is None:
             connection = self._open()
         try:
-            values = connection.get_many(keys, max_bytes)
+            values = connection.get_many(keys, max_bytes, each)
         except BaseException:
             connection.close()
             raise

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kv_store.base import Blob, KVStoreConfigError, KVStoreUnavailableError, StoreTier, TierStats
 from kv_store.disk import DiskTier
@@ -145,9 +145,9 @@ class TieredStore:
         self._unavailable = dict.fromkeys(names, 0)
         self._promotions = 0
 
-    def _ask(self, tier: StoreTier, method: str, keys: list[bytes]) -> list | None:
+    def _ask(self, tier: StoreTier, method: str, keys: list[bytes], *args: object) -> list | None:
         try:
-            return getattr(tier, method)(keys)
+            return getattr(tier, method)(keys, *args)
         except KVStoreUnavailableError:
             with self._lock:
                 self._unavailable[tier.name] += 1
@@ -167,20 +167,26 @@ class TieredStore:
                 present[index] = found
         return next((index for index, found in enumerate(present) if not found), len(keys))
 
-    def get_many(self, keys: Sequence[bytes]) -> list[Blob | None]:
+    def get_many(self, keys: Sequence[bytes], each: Callable[[int, Blob], None] | None = None) -> list[Blob | None]:
         """The blob of each key from the fastest tier that has it, ``None`` where none has it;
-        a blob found in a slower tier is copied into the faster ones."""
+        a blob found in a slower tier is copied into the faster ones. ``each(index, blob)`` is called
+        (on this thread) with every blob found, as soon as its tier has read it (see
+        :meth:`StoreTier.get_each`): a tier that fails part-way has still delivered those."""
         blobs: list[Blob | None] = [None] * len(keys)
         for level, tier in enumerate(self.tiers):
             missing = [index for index, blob in enumerate(blobs) if blob is None]
             if not missing:
                 break
-            answer = self._ask(tier, "get_many", [keys[index] for index in missing])
-            for index, blob in zip(missing, answer or (), strict=False):
-                if blob is not None:
-                    blobs[index] = blob
-                    if level:
-                        self._promote(level, keys[index], blob)
+
+            def found(position: int, blob: Blob, level: int = level, missing: list[int] = missing) -> None:
+                index = missing[position]
+                blobs[index] = blob
+                if level:
+                    self._promote(level, keys[index], blob)
+                if each is not None:
+                    each(index, blob)
+
+            self._ask(tier, "get_each", [keys[index] for index in missing], found)
         return blobs
 
     def _promote(self, level: int, key: bytes, blob: Blob) -> None:
@@ -246,7 +252,8 @@ def open_store(
     redis_start_down: bool = False,
 ) -> TieredStore:
     """A store from a comma-separated list of tiers, fastest first: ``memory``, ``disk:PATH``,
-    ``redis://HOST:PORT[/DB]`` and ``redis+cluster://HOST:PORT`` (any node of a cluster). With
+    ``redis://HOST:PORT[/DB]``, ``unix://PATH[?db=DB]`` (a Redis server's Unix socket on this host)
+    and ``redis+cluster://HOST:PORT`` (any node of a cluster). With
     ``redis_start_down`` a Redis that cannot be reached now is a tier that starts down (see
     :class:`RedisTier`), not an error."""
     tiers: list[StoreTier] = []
@@ -256,7 +263,7 @@ def open_store(
                 tiers.append(MemoryTier(memory_bytes))
             elif part.startswith("disk:") and part[len("disk:") :]:
                 tiers.append(DiskTier(part[len("disk:") :], disk_bytes))
-            elif part.startswith(("redis://", "rediss://")):
+            elif part.startswith(("redis://", "rediss://", "unix://")):
                 tiers.append(
                     RedisTier(part, password=redis_password, timeout=redis_timeout, start_down=redis_start_down)
                 )
@@ -273,7 +280,7 @@ def open_store(
             else:
                 raise KVStoreConfigError(
                     f"store tier {part!r} in {spec!r} is not one of: memory, disk:PATH, "
-                    "redis://HOST:PORT, redis+cluster://HOST:PORT"
+                    "redis://HOST:PORT, unix://PATH, redis+cluster://HOST:PORT"
                 )
         return TieredStore(tiers, queue_depth=queue_depth)
     except BaseException:

@@ -38,12 +38,12 @@ at least one of them shared: disk or Redis) gives every instance that store besi
 (:mod:`connector.vllm_pd_store`): a prefill instance loads the stored prefix of each prompt before
 it computes the rest, stores what it computed and hands the transfer prefix to its decode
 instance over the pipe, as without a store; a decode instance loads the stored prefix from the
-store and the rest over the pipe. Any instance reuses what any other stored. Plain ``redis`` makes serve
-start a ``redis-server`` of its own on a free loopback port (:mod:`launch.redis_server`), sized by
-``--kv-store-redis-memory``, whose password, derived from the secret, reaches the instances as
-``KVBRIDGE_STORE_PASSWORD``; it is stopped at exit. ``redis://HOST:PORT`` is a server of your own,
-its password read by the instances from ``KVBRIDGE_STORE_PASSWORD`` / ``KVBRIDGE_STORE_PASSWORD_FILE``
-in serve's environment.
+store and the rest over the pipe. Any instance reuses what any other stored. Plain ``redis`` makes
+serve start a ``redis-server`` of its own (:mod:`launch.redis_server`), which the instances reach over
+a Unix socket in its private directory (``unix://PATH``), sized by ``--kv-store-redis-memory``, whose
+password, derived from the secret, reaches the instances as ``KVBRIDGE_STORE_PASSWORD``; it is
+stopped at exit. ``redis://HOST:PORT`` is a server of your own, its password read by the instances
+from ``KVBRIDGE_STORE_PASSWORD`` / ``KVBRIDGE_STORE_PASSWORD_FILE`` in serve's environment.
 
 Memory: on a CPU host, unless the vLLM arguments or an instance's environment size the KV cache,
 each instance gets a ``--kv-cache-memory-bytes`` (vLLM's size per TP rank) chosen from the host's
@@ -592,9 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     budget = _kv_budget()
     cores = sorted(os.sched_getaffinity(0)) if budget is not None else None  # a CPU host: spread the instances
+    managed = None
     try:
         secret = launch_secret(args.kv_extra, os.environ)
-        managed = None
         if args.kv_store is not None and MANAGED_REDIS in store_tiers(args.kv_store):
             managed = redis_server.ManagedRedis(
                 redis_server.password_from_secret(secret.value), args.kv_store_redis_memory
@@ -603,6 +603,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args, serve_args, os.environ, budget, cores, secret, managed.url if managed is not None else None
         )
     except KVConfigError as error:
+        if managed is not None:
+            managed.stop()  # removes the directory made for it
         logger.error("%s", error)
         return 2
     # SIGTERM before the proxy runs (it installs its own handler) must still stop the instances.

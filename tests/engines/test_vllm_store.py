@@ -378,6 +378,50 @@ def test_redis_killed_between_the_lookup_and_the_load_fails_the_claimed_blocks(t
         server.kill()
 
 
+def test_redis_killed_in_the_middle_of_a_load_keeps_the_chunks_that_arrived_whole(tmp_path: Path) -> None:
+    """Over the server's Unix socket: each chunk is checked and written as soon as it has arrived,
+    so the chunk before the one the server died in is loaded bit for bit; the rest fail, unwritten."""
+    from harness import redis_servers
+
+    server = redis_servers.start_server(tmp_path / "redis", unix=True)
+    try:
+        tokens = list(range(70, 70 + 3 * FAKE_CHUNK))
+        source = vp.fake_caches(1)
+        saver = _worker(server.url, source)
+        saver.save([StoreSave("s", tokens, [8, 2, 6, 0, 4, 1], first_chunk=0)])
+        saver.flush()
+        saver.close()
+        target = vp.fake_caches(2)
+        before = [cache.clone() for cache in target]
+        loader = _worker(server.url, target)
+        reader = loader.store.tiers[0].tier._reader
+        assert reader.where == str(server.socket_path)
+        first = server.client().strlen(next(iter(server.client().keys())))  # every chunk's object is this long
+        dial = reader._dial
+
+        def kill_in_the_second(received: int) -> None:
+            if received > first + first // 2:
+                server.kill()
+                # What the reader meets once it has drained what the server sent before it died
+                # (these objects are small enough for the socket's buffer to hold all of them).
+                raise ConnectionResetError("the server died in the middle of the second chunk")
+
+        reader._dial = lambda: redis_servers.WatchedSocket(dial(), lambda: 500, kill_in_the_second)
+        load = StoreLoad("l", tokens, [3, 5, 7, 2, 4, 6], skip_blocks=0, stop_blocks=6)
+        assert _load(loader, load) == {7, 2, 4, 6}
+        for layer, cache in enumerate(target):
+            for src, dst in zip([8, 2], [3, 5], strict=True):
+                assert torch.equal(cache[dst], source[layer][src])
+            for untouched in (0, 1, 2, 4, 6, 7, 8):
+                assert torch.equal(cache[untouched], before[layer][untouched])
+        data = loader.take_stats().data
+        assert data["store_load_errors"] == {"missing": 2} and data["store_tier_up"] == {"redis": 0}
+        assert (loader.stats().chunks_loaded, loader.stats().chunks_failed) == (1, 2)
+        loader.close()
+    finally:
+        server.kill()
+
+
 @pytest.mark.parametrize("change", ["other secret", "other layout", "missing", "corrupted"])
 def test_a_chunk_that_fails_a_check_is_a_load_error_and_writes_nothing(tmp_path: Path, change: str) -> None:
     tokens = list(range(9, 9 + 2 * FAKE_CHUNK))

@@ -1,5 +1,6 @@
-"""The redis-server that ``kvbridge serve --kv-store redis`` starts: loopback only, a password that no
-command line shows, nothing kept, and stopped with its directory removed however serve ends."""
+"""The redis-server that ``kvbridge serve --kv-store redis`` starts: loopback and a Unix socket in a
+private directory only, a password that no command line shows, nothing kept, and stopped with its
+directory removed however serve ends."""
 
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ def test_the_server_answers_only_with_its_password_which_no_command_line_shows(d
         assert PASSWORD.encode() not in Path(f"/proc/{process.pid}/environ").read_bytes()
         assert stat.S_IMODE((directory / "redis.conf").stat().st_mode) == 0o600
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        assert server.socket_path.parent == directory and server.url == f"unix://{server.socket_path}"
+        assert stat.S_ISSOCK(server.socket_path.stat().st_mode)
+        assert stat.S_IMODE(server.socket_path.stat().st_mode) == 0o700
+        over_socket = redis.Redis.from_url(server.url, password=PASSWORD, socket_timeout=10)
+        assert over_socket.set("through the socket", "yes") and client(server.port, PASSWORD).get("through the socket")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url, socket_timeout=10).set("key", "value")  # NOAUTH on the socket too
         assert client(server.port, PASSWORD).ping()
         with pytest.raises(redis.AuthenticationError):
             client(server.port, None).set("key", "value")  # NOAUTH
@@ -73,6 +81,7 @@ def test_the_server_answers_only_with_its_password_which_no_command_line_shows(d
             settings["save"],
             settings["appendonly"],
         ) == ("127.0.0.1", str(64 << 20), "allkeys-lru", "", "no")
+        assert (settings["unixsocket"], settings["unixsocketperm"]) == (str(server.socket_path), "700")
     finally:
         server.stop()
     assert_gone(server, process, directory)
@@ -102,12 +111,24 @@ def test_a_server_that_cannot_start_leaves_nothing_behind(directories: list[Path
     assert not directories[1].exists()
 
 
+def test_a_directory_too_long_for_a_socket_path_is_refused_and_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read again
+    with pytest.raises(KVConfigError, match="TMPDIR"):
+        redis_server.ManagedRedis(PASSWORD)
+    assert list(deep.iterdir()) == []
+
+
 # A stand-in for a vLLM instance: reaches the store it is configured with, with the password in its
 # environment, reports, and exits (code 3) instead of serving.
 INSTANCE = """
 import json, os, sys, redis
 extra = json.loads(sys.argv[1])["kv_connector_extra_config"]
-url = [tier for tier in extra["kv_store"].split(",") if tier.startswith("redis://")][0]
+url = [tier for tier in extra["kv_store"].split(",") if tier.startswith("unix://")][0]
 store = redis.Redis.from_url(url, password=os.environ["KVBRIDGE_STORE_PASSWORD"], socket_timeout=10)
 store.set("seen", os.environ["KVBRIDGE_KV_SECRET"])
 with open(os.environ["REPORT"], "w") as report:
@@ -164,3 +185,14 @@ def test_serve_starts_the_server_for_its_instances_and_stops_it_however_it_ends(
     assert json.loads(report.read_text()) == {"store": f"memory,{server.url}", "ping": True}
     assert_gone(server, process, directories[0])
     assert "KVBRIDGE_KV_SECRET" not in os.environ  # generated for the launch, given to the instances only
+
+
+def test_serve_refusing_its_settings_removes_the_directory_made_for_the_server(
+    directories: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("KVBRIDGE_KV_SECRET", "KVBRIDGE_KV_SECRET_FILE", "KVBRIDGE_STORE_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["/models/tiny", "--kv-store", "memory,redis", "--prefill-env", "KVBRIDGE_STORE_PASSWORD=given"]
+    assert serve.main(argv) == 2
+    (directory,) = directories
+    assert not directory.exists()

@@ -1,7 +1,8 @@
 """The Redis tier against a real redis-server (and a three-node Redis Cluster): objects written once,
 many keys in one round trip, an evicted object is a miss, a dead or frozen server is a quick
 KVStoreUnavailableError and the tiered store answers misses until it is back, Redis's own eviction
-removes whole objects, and settings that cannot work are refused at start."""
+removes whole objects, and settings that cannot work are refused at start. Reads hand each value on
+as soon as it is complete, over TCP or the server's Unix socket."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def server(tmp_path):
     started = redis_servers.start_server(tmp_path / "redis")
+    yield started
+    started.kill()
+
+
+@pytest.fixture(params=["tcp", "unix"])
+def either_server(request, tmp_path):
+    """A server reached over TCP on loopback, or over its Unix socket (its ``url`` says which)."""
+    started = redis_servers.start_server(tmp_path / "redis", unix=request.param == "unix")
     yield started
     started.kill()
 
@@ -97,8 +106,9 @@ def test_many_keys_are_read_and_checked_in_one_round_trip(server):
     assert (stats.hits, stats.misses) == (250, 250)
 
 
-def test_open_store_reaches_redis_with_a_password(tmp_path):
-    server = redis_servers.start_server(tmp_path / "redis", password="pw")
+@pytest.mark.parametrize("unix", [False, True])
+def test_open_store_reaches_redis_with_a_password(tmp_path, unix):
+    server = redis_servers.start_server(tmp_path / "redis", password="pw", unix=unix)
     try:
         store = open_store(f"memory,{server.url}", redis_password="pw", redis_timeout=1.0)
         assert isinstance(store.tiers[1], RedisTier) and not store.tiers[1].cluster
@@ -285,8 +295,8 @@ ODD_SIZES = [0, 1, 2, 13, 65_535, 65_536, 65_537, (1 << 20) + 3, 3 * (1 << 20) +
 
 
 @pytest.mark.parametrize("pieces", ["whole", "cut up"])
-def test_values_of_odd_sizes_and_misses_between_are_read_whole(server, pieces):
-    tier = RedisTier(server.url)
+def test_values_of_odd_sizes_and_misses_between_are_read_whole(either_server, pieces):
+    tier = RedisTier(either_server.url)
     rng = random.Random(len(pieces))
     stored = {key(i): os.urandom(size) for i, size in enumerate(ODD_SIZES)}
     for k, blob in stored.items():
@@ -302,8 +312,8 @@ def test_values_of_odd_sizes_and_misses_between_are_read_whole(server, pieces):
     assert tier.get_many(wanted[:3]) == [stored.get(k) for k in wanted[:3]]  # the connection is reused intact
 
 
-def test_a_stored_object_read_into_a_buffer_decodes_bit_for_bit(server):
-    tier = RedisTier(server.url)
+def test_a_stored_object_read_into_a_buffer_decodes_bit_for_bit(either_server):
+    tier = RedisTier(either_server.url)
     generator = torch.Generator().manual_seed(7)
     tokens = list(range(3, 67))
     chunk_key = chunk_keys(namespace({"model": "odd"}), tokens, 64)[0].key
@@ -319,10 +329,12 @@ def test_a_stored_object_read_into_a_buffer_decodes_bit_for_bit(server):
         assert all(same_bits(a, b) for a, b in zip(got, tensors, strict=True))
 
 
-def test_a_database_other_than_0_and_a_password_reach_the_reader(tmp_path):
-    server = redis_servers.start_server(tmp_path / "redis", password="pw")
+@pytest.mark.parametrize("unix", [False, True])
+def test_a_database_other_than_0_and_a_password_reach_the_reader(tmp_path, unix):
+    server = redis_servers.start_server(tmp_path / "redis", password="pw", unix=unix)
     try:
-        tier = RedisTier(server.url + "/3", password="pw")
+        tier = RedisTier(server.url + ("?db=3" if unix else "/3"), password="pw")
+        assert tier._reader is not None and tier._reader.db == 3
         assert tier.put(key(0), b"in three")
         assert tier.get_many([key(0), key(1)]) == [b"in three", None]
         assert server.client().get(KEY_PREFIX + key(0)) is None  # not in database 0
@@ -330,8 +342,8 @@ def test_a_database_other_than_0_and_a_password_reach_the_reader(tmp_path):
         server.kill()
 
 
-def test_reads_from_many_threads_at_once_each_get_their_values(server):
-    tier = RedisTier(server.url)
+def test_reads_from_many_threads_at_once_each_get_their_values(either_server):
+    tier = RedisTier(either_server.url)
     stored = {key(i): os.urandom(50_000 + 4099 * i) for i in range(40)}
     for k, blob in stored.items():
         tier.put(k, blob)
@@ -346,7 +358,8 @@ def test_reads_from_many_threads_at_once_each_get_their_values(server):
     assert 1 <= len(sockets) <= 6  # connections are kept and shared, one call at a time each
 
 
-def test_a_server_killed_in_the_middle_of_a_value_is_unavailable_then_used_after_restart(server):
+def test_a_server_killed_in_the_middle_of_a_value_is_unavailable_then_used_after_restart(either_server):
+    server = either_server
     tier = RedisTier(server.url, timeout=5.0, backoff=0.0)
     big = os.urandom(64 << 20)  # far more than the socket buffers hold: most of it dies with the server
     assert tier.put(key(0), big) and tier.put(key(1), b"small")
@@ -356,16 +369,63 @@ def test_a_server_killed_in_the_middle_of_a_value_is_unavailable_then_used_after
             server.kill()
 
     sockets = watch_reader(tier, after_receive=kill_once)
+    handed: list[tuple[int, bytes]] = []
     with pytest.raises(KVStoreUnavailableError, match="closed the connection in the middle of a reply|reset"):
-        tier.get_many([key(1), key(0)])
+        tier.get_each([key(1), key(0)], lambda index, blob: handed.append((index, bytes(blob))))
     assert 0 < sockets[0].received < len(big) and not tier.stats().up
+    # The value complete before the server died was handed on, and counted; the one cut short was not.
+    assert handed == [(0, b"small")] and (tier.stats().hits, tier.stats().misses) == (1, 0)
     with pytest.raises(KVStoreUnavailableError):
-        tier.get_many([key(1)])  # nothing listens on the port
+        tier.get_many([key(1)])  # nothing listens any more
     del tier._reader._dial  # unwatched: the hook would kill the new server too
     server.start()  # empty
     assert tier.put(key(2), b"after")
     assert tier.get_many([key(2), key(0)]) == [b"after", None]
     assert tier.stats().up
+
+
+def test_each_value_is_handed_on_before_the_next_is_received(either_server):
+    tier = RedisTier(either_server.url)
+    stored = {key(i): os.urandom(size) for i, size in enumerate([3 << 20, (1 << 20) + 5, (2 << 20) + 1, 1 << 20])}
+    for k, blob in stored.items():
+        assert tier.put(k, blob)
+    wanted = [key(2), key(9), key(0), key(1), key(3)]  # key(9): a miss, never handed on
+    sockets = watch_reader(tier, piece=lambda: 4093)
+    handed: list[tuple[int, bytes, int]] = []
+    found = tier.get_each(wanted, lambda index, blob: handed.append((index, bytes(blob), sockets[0].received)))
+    assert found == [stored.get(k) for k in wanted]
+    assert [(index, blob) for index, blob, _ in handed] == [(i, stored[wanted[i]]) for i in (0, 2, 3, 4)]
+    # Bytes received when each value was handed on: its own and those before it, not all of the next
+    # one (at most a few headers and one receive of 4093 bytes beyond it).
+    before = 0
+    for (_, blob, received), later in zip(handed, [*handed[1:], None], strict=True):
+        before += len(blob)
+        assert received >= before
+        if later is not None:
+            assert received < before + len(later[1])
+    assert (tier.stats().hits, tier.stats().misses) == (4, 1)
+
+
+def test_a_tiered_store_hands_on_each_blob_and_promotes_it_as_redis_reads_it(either_server):
+    memory, redis_tier = MemoryTier(1 << 30), RedisTier(either_server.url)
+    store = TieredStore([memory, redis_tier])
+    stored = {key(i): os.urandom(100_000 + 7 * i) for i in range(5)}
+    for k, blob in stored.items():
+        assert redis_tier.put(k, blob)
+    assert memory.put(key(1), stored[key(1)])
+    wanted = [key(3), key(1), key(50), key(0), key(4), key(2)]
+    handed: dict[int, bytes] = {}
+
+    def each(index: int, blob) -> None:
+        assert index not in handed
+        handed[index] = bytes(blob)
+
+    assert store.get_many(wanted, each) == [stored.get(k) for k in wanted]
+    assert handed == {i: stored[k] for i, k in enumerate(wanted) if k in stored}
+    stats = store.stats()
+    assert stats.promotions == 4 and (stats.tiers["redis"].hits, stats.tiers["redis"].misses) == (4, 1)
+    assert memory.get_many([key(0), key(2), key(3), key(4)]) == [stored[key(i)] for i in (0, 2, 3, 4)]
+    store.close()
 
 
 def test_a_server_frozen_in_the_middle_of_a_value_times_out_and_is_read_again_when_it_thaws(server):
@@ -428,7 +488,7 @@ def test_an_error_reply_names_the_error(server):
 def test_a_reply_that_is_not_a_get_reply_is_refused_by_name(server, reply, named):
     tier = RedisTier(server.url)
     with redis_servers.CannedServer(reply) as canned:
-        tier._reader.port = canned.port
+        tier._reader.address = ("127.0.0.1", canned.port)
         with pytest.raises(KVStoreError, match=named) as refused:
             tier.get_many([key(0)])
     assert not isinstance(refused.value, KVStoreUnavailableError) and tier.stats().up

@@ -51,6 +51,20 @@ def test_a_peers_rows_carry_no_target_of_kvbridges() -> None:
     assert (cold.name, cold.target, warm.name, warm.target) == ("offload, cold", None, "offload, warm", None)
     ours = bs.rows_of("redis, new instance", [1, 2], [result, result], rounds)
     assert ours[0].target == ("warm", bs.WARM_SHARED)
+    _, socket_warm = bs.rows_of("redis-unix", [0, 1, 2], [result] * 3, rounds)
+    assert (socket_warm.name, socket_warm.target) == ("redis-unix, warm", ("warm", bs.WARM_SHARED))
+
+
+def test_redis_over_tcp_and_over_the_unix_socket_are_instances_of_their_own(tmp_path: Path) -> None:
+    instances = bs.plan(
+        bs.Workload(rounds=2), ["redis", "redis-unix"], tmp_path, "redis://127.0.0.1:7001", (), "unix:///r/s.sock"
+    )
+    assert [(i.name, i.tiers, i.rounds) for i in instances[2:]] == [
+        ("redis", "redis://127.0.0.1:7001", [0, 1]),
+        ("redis, new instance", "redis://127.0.0.1:7001", [1]),
+        ("redis-unix", "unix:///r/s.sock", [0, 1]),
+        ("redis-unix, new instance", "unix:///r/s.sock", [1]),
+    ]
 
 
 @pytest.mark.parametrize(

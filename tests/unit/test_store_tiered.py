@@ -1,6 +1,6 @@
 """The memory tier (a byte-capped LRU) and the tiered store over it: lookups of leading chunks,
-promotion of slower hits, bounded background writes that drop and count instead of blocking, no
-duplicate writes, and an unreachable tier read as a miss."""
+promotion of slower hits, blobs handed on as each tier reads them, bounded background writes that
+drop and count instead of blocking, no duplicate writes, and an unreachable tier read as a miss."""
 
 from __future__ import annotations
 
@@ -193,6 +193,44 @@ def test_put_says_what_happened_to_the_object():
     alone = TieredStore([MemoryTier(10)])
     assert alone.put(b"e", b"x" * 11) is PutResult.DROPPED  # one tier, and it is full
     alone.close()
+
+
+class BrokenStreamTier(SlowTier):
+    """Hands on its first ``delivers`` blobs one by one, then fails as a server lost mid-read does."""
+
+    def __init__(self, name: str, delivers: int) -> None:
+        super().__init__(name)
+        self.delivers = delivers
+
+    def get_each(self, keys, each):
+        for index, blob in enumerate(super().get_many(keys)[: self.delivers]):
+            if blob is not None:
+                each(index, blob)
+        raise KVStoreUnavailableError(f"{self.name} went away in the middle of a read")
+
+
+def test_blobs_are_handed_on_as_read_and_a_tier_failing_part_way_keeps_what_it_handed_on():
+    fast, broken, slow = MemoryTier(1 << 20), BrokenStreamTier("broken", delivers=2), SlowTier("slow")
+    store = TieredStore([fast, broken, slow])
+    k = keys(6)
+    values = {key: blob(1000 + index) for index, key in enumerate(k)}
+    fast.put(k[3], values[k[3]])
+    for key in (k[0], k[1], k[4]):
+        broken.preload(key, values[key])
+    for key in (k[2], k[4]):
+        slow.preload(key, values[key])
+    handed: list[tuple[int, bytes]] = []
+    found = store.get_many(k, lambda index, got: handed.append((index, got)))
+    # broken is asked for k0, k1, k2, k4, k5 and hands on k0 and k1 before failing (its k4 is lost
+    # with it); slow is asked for the rest.
+    assert found == [values[k[0]], values[k[1]], values[k[2]], values[k[3]], values[k[4]], None]
+    assert handed == [(3, values[k[3]]), (0, values[k[0]]), (1, values[k[1]]), (2, values[k[2]]), (4, values[k[4]])]
+    broken.wait_written(2)  # slow's hits are queued for broken
+    assert broken.puts == [k[2], k[4]] and slow.puts == []
+    stats = store.stats()
+    assert stats.promotions == 4 and stats.unavailable == {"memory": 0, "broken": 1, "slow": 0}
+    assert fast.contains_many(k) == [True, True, True, True, True, False]
+    store.close()
 
 
 def test_an_unreachable_tier_is_a_counted_miss():

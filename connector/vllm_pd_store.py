@@ -232,7 +232,8 @@ class KVBridgePDStoreConnector(KVBridgeConnector):
         meta = self._pd_meta()
         if (producer := self._producer) is not None:
             producer.save(meta.pipe.saves)
-        self._store_side().save(meta.store.saves)
+        # Copied out here, in the step: the pipe decides whether vLLM keeps a finished request's blocks.
+        self._store_side().save(meta.store.saves, in_step=True)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._join.take_failed_blocks() if self._worker is not None else set()

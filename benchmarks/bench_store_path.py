@@ -19,10 +19,13 @@ With ``redis``, two more reads of the same objects frame the tier's ``get_many``
 buffer (no client at all: the least any client can do), and redis-py's own pipelined ``GET`` (its
 parser, with the tier's socket read size), which the tier's reader (``kv_store/redis_reads.py``) avoids.
 
-And per save: ``save (engine thread)`` (the gather in ``wait_for_save``) and ``save (to the fastest
-tier)`` (until :meth:`StoreWorker.flush`). The baseline, measured in the same run, is one copy of the
-same bytes between two warm tensors: the least a load that writes every byte once can cost. Ratios
-are to it (medians of ``--repeat`` runs).
+And per save: ``save (engine thread)`` (``wait_for_save``: the save handed to the gather thread),
+``save (blocks kept for the gather thread)`` (until :meth:`StoreWorker.take_finished_sending` reports
+the request, finished at once: vLLM keeps its blocks that long), ``save (to the fastest tier)``
+(until :meth:`StoreWorker.flush`), and ``save in the step (engine thread, P/D)``: the same gather on
+the engine thread, as P/D with the store saves (the same chunks again: found present, not written).
+The baseline, measured in the same run, is one copy of the same bytes between two warm tensors: the
+least a load that writes every byte once can cost. Ratios are to it (medians of ``--repeat`` runs).
 
     python -m benchmarks.bench_store_path [--chunks 4] [--repeat 5] [--tiers memory,disk,redis]
 """
@@ -189,12 +192,23 @@ def save_rows(
     saver: StoreWorker, tokens: list[int], chunks: int, when: str, label: str
 ) -> list[tuple[str, str, float]]:
     start = time.perf_counter()
-    saver.save([StoreSave(f"save-{when}", tokens, list(range(chunks * PER_CHUNK)), first_chunk=0)])
+    req_id = f"save-{when}"
+    saver.save([StoreSave(req_id, tokens, list(range(chunks * PER_CHUNK)), first_chunk=0)])
     engine = time.perf_counter() - start
+    while not saver.take_finished_sending({req_id}):  # vLLM's finished_req_ids: the request ended at once
+        time.sleep(0.0005)
+    gathered = time.perf_counter() - start
     saver.flush()
+    stored = time.perf_counter() - start
+    in_step = time.perf_counter()
+    saver.save([StoreSave(f"{req_id}-in-step", tokens, list(range(chunks * PER_CHUNK)), first_chunk=0)], in_step=True)
+    in_step = time.perf_counter() - in_step
+    saver.flush()  # the same chunks again: present, nothing written
     return [
         (f"save (engine thread), {when}, {label}", "-", engine * 1e3),
-        (f"save (to the fastest tier), {when}, {label}", "-", (time.perf_counter() - start) * 1e3),
+        (f"save (blocks kept for the gather thread), {when}, {label}", "-", gathered * 1e3),
+        (f"save (to the fastest tier), {when}, {label}", "-", stored * 1e3),
+        (f"save in the step (engine thread, P/D), {when}, {label}", "-", in_step * 1e3),
     ]
 
 

@@ -25,10 +25,14 @@ the cores), decodes and verifies each (:func:`kv_store.decode_chunk`: key, token
 with a secret; then dtype, shape and the worker's layout) and copies its blocks from the object's
 bytes straight into the blocks vLLM allocated. A chunk that is missing
 or fails a check has its blocks reported as load errors: vLLM recomputes them or fails the request
-(``kv_load_failure_policy``); wrong KV is never written. A save copies the chunks out of vLLM's
-blocks in ``wait_for_save``, before vLLM may reuse them (one gather per chunk, into host buffers kept
-for the next saves: :class:`StagingPool`), then encodes and puts them from a background thread
-(bounded: a save that finds it full is dropped and counted).
+(``kv_load_failure_policy``); wrong KV is never written. A save is handed over in ``wait_for_save``
+and copied out of vLLM's blocks by a gather thread (one gather per chunk, into host buffers kept for
+the next saves: :class:`StagingPool`), then encoded and put by a put thread (bounded: a save that
+finds the queue full is dropped and counted); the engine thread copies nothing. vLLM keeps the
+blocks meanwhile: the scheduler delays the free of every request with a save, and each worker
+reports it finished sending once its gather is done (:meth:`StoreWorker.take_finished_sending`); a
+preempted request's gather is cancelled or waited for in ``handle_preemptions``
+(:meth:`StoreWorker.preempt`).
 
 Keys: the namespace digests the identity of :mod:`connector.compat` from vLLM's configuration
 (model, KV dtype, block size, layers, KV heads per rank, head size, vLLM's KV cache layout, format

@@ -379,6 +379,8 @@ class StoreScheduler:
         self._refused: dict[str, list[int]] = {}
         self._loaded: set[str] = set()  # one load attempt per request
         self._saving: set[str] = set()  # requests with a save: vLLM keeps their blocks once finished
+        #: Whether prompts are saved (a P/D decode instance saves none).
+        self.plans_saves = True
 
     def set_namespaces(self, spaces: Sequence[bytes]) -> None:
         """Look up the objects of the namespaces ``spaces``, one per TP rank in rank order."""
@@ -490,7 +492,7 @@ class StoreScheduler:
             if computed[req_id] + scheduled < end:
                 continue  # not all full chunks computed yet (chunked prefill)
             del self._prompts[req_id]
-            if prompt.stored < prompt.chunks:
+            if prompt.stored < prompt.chunks and self.plans_saves:
                 self._saving.add(req_id)
                 meta.saves.append(
                     StoreSave(
@@ -733,22 +735,16 @@ class StoreWorker:
 
     # ------------------------------------------------------------------ saves
 
-    def save(self, saves: Iterable[StoreSave], *, in_step: bool = False) -> None:
+    def save(self, saves: Iterable[StoreSave]) -> None:
         """Save the chunks of ``saves``: their blocks are copied out by a gather thread, then encoded
         and put in the background, while vLLM keeps the request's blocks (its scheduler delays their
         free: :meth:`StoreScheduler.request_finished`; this worker reports the request in
         :meth:`take_finished_sending` once its gather is done, and waits for it or cancels it in
-        :meth:`preempt`). With ``in_step``, for a connector whose scheduler does not delay the free,
-        the blocks are copied out here, on vLLM's engine thread, before this returns."""
+        :meth:`preempt`). The engine thread copies nothing."""
         for spec in saves:
-            job = _Gather(spec)
-            if not in_step:
-                self._gathers[spec.req_id] = job
+            job = self._gathers[spec.req_id] = _Gather(spec)
             if not self._saves_pending.acquire(blocking=False):
                 self._drop(job, "save queue full")
-                continue
-            if in_step:
-                self._gather(job)
                 continue
             try:
                 self._gatherer.submit(self._gather, job)
@@ -790,6 +786,10 @@ class StoreWorker:
             self._finished.discard(req_id)
             del self._gathers[req_id]
         return done
+
+    def holds(self, req_id: str) -> bool:
+        """Whether vLLM keeps ``req_id``'s blocks for a save of this worker once it finishes."""
+        return req_id in self._gathers
 
     def held_requests(self) -> int:
         """Requests whose blocks vLLM keeps for a save of this worker (until reported finished sending)."""

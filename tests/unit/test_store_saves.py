@@ -260,17 +260,3 @@ def test_closing_finishes_the_gathers_pending(tmp_path: Path, gate: Gate) -> Non
     reader = _worker(tmp_path, vp.fake_caches(8))
     _assert_stored(reader, tokens, original, blocks)
     reader.close()
-
-
-def test_a_save_in_the_step_copies_the_blocks_before_it_returns_and_holds_nothing(tmp_path: Path) -> None:
-    caches = vp.fake_caches(9)
-    original = [cache.clone() for cache in caches]
-    worker = _worker(tmp_path, caches)
-    tokens, blocks = _tokens(800), [4, 0, 7, 5]
-    worker.save([StoreSave("i", tokens, blocks, first_chunk=0)], in_step=True)
-    _overwrite(caches, blocks)  # the pipe's scheduler freed the blocks: nothing delays it for the store
-    worker.flush()
-    _assert_stored(worker, tokens, original, blocks)
-    assert worker.held_requests() == 0
-    assert worker.take_finished_sending({"i"}) == set()
-    worker.close()

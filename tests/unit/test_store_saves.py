@@ -11,14 +11,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm import SamplingParams
+from vllm.config import ModelConfig
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
 
 import connector.vllm_store as vllm_store
 from connector import compat
 from connector.paged import gather_blocks
 from connector.vllm_store import SAVE_QUEUE_DEPTH, StoreSave, StoreScheduler, StoreSettings, StoreWorker
+from connector.vllm_store_connector import KVBridgeStoreConnector
 from connector.vllm_worker import find_layout
 from harness import vllm_procs as vp
 from harness.vllm_fakes import make_request, new_req_data, scheduler_output
+from harness.vllm_scheduler import make_scheduler
 from kv_store import chunk_keys, decode_chunk
 
 FB = vp.FAKE_BLOCK_SIZE
@@ -47,21 +57,24 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     held.opened.set()  # a failed test leaves no gather waiting
 
 
-def _worker(path: Path, caches: list[torch.Tensor]) -> StoreWorker:
-    settings = StoreSettings.from_extra({"kv_store": {"tiers": f"disk:{path}", "chunk_size": CHUNK}}, environ={})
-    identity = compat.KVLayoutInfo(
+def _identity(caches: list[torch.Tensor], block_size: int) -> compat.KVLayoutInfo:
+    return compat.KVLayoutInfo(
         version=compat.VERSION,
         role="kv_both",
         model="fake",
         dtype="float32",
-        block_size=FB,
+        block_size=block_size,
         num_layers=len(caches),
         block_shape=(),
         layout="x",
         tp_size=1,
         tp_rank=0,
     )
-    worker = StoreWorker(settings, identity)
+
+
+def _worker(path: Path, caches: list[torch.Tensor]) -> StoreWorker:
+    settings = StoreSettings.from_extra({"kv_store": {"tiers": f"disk:{path}", "chunk_size": CHUNK}}, environ={})
+    worker = StoreWorker(settings, _identity(caches, FB))
     worker.register(caches, find_layout(caches[0], vp.FAKE_BLOCKS, FB, "CPU_ATTN/vec"), "CPU_ATTN/vec")
     return worker
 
@@ -260,3 +273,72 @@ def test_closing_finishes_the_gathers_pending(tmp_path: Path, gate: Gate) -> Non
     reader = _worker(tmp_path, vp.fake_caches(8))
     _assert_stored(reader, tokens, original, blocks)
     reader.close()
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
+    init_none_hash(sha256)  # what EngineCore does before it hashes any block
+    path = vp.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-store-saves"))
+    return ModelConfig(model=path, dtype="float32", seed=0, max_model_len=512, skip_tokenizer_init=True)
+
+
+def test_vllm_frees_a_saved_requests_blocks_only_once_the_worker_reports_its_gather_done(
+    model_config: ModelConfig, tmp_path: Path, gate: Gate
+) -> None:
+    """vLLM's own scheduler with the store connector, and a worker whose gather is held: the finished
+    request's blocks stay allocated until the worker reports it finished sending."""
+    scheduler: Scheduler = make_scheduler(
+        model_config, "kv_both", extra={"kv_store": {"tiers": f"disk:{tmp_path}", "chunk_size": vp.BLOCK_SIZE}}
+    )
+    connector = scheduler.connector
+    assert isinstance(connector, KVBridgeStoreConnector)
+    caches = vp.fake_caches(11, block_size=vp.BLOCK_SIZE)
+    worker = StoreWorker(connector._store_scheduler.settings, _identity(caches, vp.BLOCK_SIZE))
+    worker.register(caches, find_layout(caches[0], vp.FAKE_BLOCKS, vp.BLOCK_SIZE, "CPU_ATTN/vec"), "CPU_ATTN/vec")
+    connector.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.handshake()})
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks
+    free_at_start = free()
+    request = Request(
+        "r",
+        list(range(40, 40 + 2 * vp.BLOCK_SIZE + 3)),
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(vp.BLOCK_SIZE, sha256),
+    )
+    scheduler.add_request(request)
+    step = scheduler.schedule()
+    saves = step.kv_connector_metadata.saves
+    assert [(save.req_id, save.first_chunk, len(save.block_ids)) for save in saves] == [("r", 0, 2)]
+    worker.save(saves)
+    assert gate.started.wait(WAIT)
+
+    def answer(step: SchedulerOutput, sending: set[str]) -> None:
+        ids = list(step.num_scheduled_tokens)
+        scheduler.update_from_output(
+            step,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={req_id: i for i, req_id in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids],
+                kv_connector_output=KVConnectorOutput(finished_sending=sending or None),
+            ),
+        )
+
+    answer(step, set())  # the request is done (one token): its blocks are kept
+    assert request.is_finished() and free() == free_at_start - 3
+    step = scheduler.schedule()
+    assert step.finished_req_ids == {"r"}
+    sending = worker.take_finished_sending(step.finished_req_ids)
+    assert sending == set()
+    answer(step, sending)
+    assert free() == free_at_start - 3
+    gate.opened.set()
+    worker.flush()
+    step = scheduler.schedule()
+    sending = worker.take_finished_sending(step.finished_req_ids)
+    assert sending == {"r"}
+    answer(step, sending)
+    assert free() == free_at_start and "r" not in scheduler.requests
+    assert worker.held_requests() == 0 and worker.stats().chunks_saved == 2
+    worker.close()
+    connector.shutdown()

@@ -23,10 +23,15 @@ from the same redis-server into one preallocated buffer (no client at all: the l
 do over that transport), and redis-py's own pipelined ``GET`` (its parser, with the tier's socket read
 size), which the tier's reader (``kv_store/redis_reads.py``) avoids.
 
-And per save: ``save (engine thread)`` (the gather in ``wait_for_save``) and ``save (to the fastest
-tier)`` (until :meth:`StoreWorker.flush`). The baseline, measured in the same run, is one copy of the
-same bytes between two warm tensors: the least a load that writes every byte once can cost. Ratios
-are to it (medians of ``--repeat`` runs).
+And per save: ``save (engine thread)`` (``wait_for_save``: the save handed to the gather thread),
+``save (blocks kept for the gather thread)`` (until :meth:`StoreWorker.take_finished_sending` reports
+the request, finished at once: vLLM keeps its blocks that long), ``save (to the fastest tier)``
+(until :meth:`StoreWorker.flush`). Beside them, what the gather costs where it runs on the engine
+thread instead: into kept buffers (:class:`connector.vllm_store.StagingPool`), and into new memory
+each time, as a gather straight into each object's memory would (the store keeps every object, so
+that memory is always new). The baseline, measured in the same run, is one copy of the same bytes
+between two warm tensors: the least a load that writes every byte once can cost. Ratios are to it
+(medians of ``--repeat`` runs).
 
     python -m benchmarks.bench_store_path [--chunks 4] [--repeat 5] [--tiers memory,disk,redis,redis-unix]
 """
@@ -45,8 +50,8 @@ from pathlib import Path
 import torch
 
 from connector import compat
-from connector.paged import scatter_blocks
-from connector.vllm_store import StoreLoad, StoreSave, StoreSettings, StoreWorker
+from connector.paged import gather_blocks, scatter_blocks
+from connector.vllm_store import StagingPool, StoreLoad, StoreSave, StoreSettings, StoreWorker
 from connector.vllm_worker import find_layout
 from harness import redis_servers
 from kv_store import chunk_keys, decode_chunk
@@ -204,12 +209,40 @@ def save_rows(
     saver: StoreWorker, tokens: list[int], chunks: int, when: str, label: str
 ) -> list[tuple[str, str, float]]:
     start = time.perf_counter()
-    saver.save([StoreSave(f"save-{when}", tokens, list(range(chunks * PER_CHUNK)), first_chunk=0)])
+    req_id = f"save-{when}"
+    saver.save([StoreSave(req_id, tokens, list(range(chunks * PER_CHUNK)), first_chunk=0)])
     engine = time.perf_counter() - start
+    while not saver.take_finished_sending({req_id}):  # vLLM's finished_req_ids: the request ended at once
+        time.sleep(0.0005)
+    gathered = time.perf_counter() - start
     saver.flush()
+    stored = time.perf_counter() - start
     return [
         (f"save (engine thread), {when}, {label}", "-", engine * 1e3),
-        (f"save (to the fastest tier), {when}, {label}", "-", (time.perf_counter() - start) * 1e3),
+        (f"save (blocks kept for the gather thread), {when}, {label}", "-", gathered * 1e3),
+        (f"save (to the fastest tier), {when}, {label}", "-", stored * 1e3),
+    ]
+
+
+def gather_rows(source: list[torch.Tensor], chunks: int, repeat: int) -> list[tuple[str, str, float]]:
+    """The gather of ``chunks`` chunks on the engine thread, into kept buffers (:class:`StagingPool`)
+    and into new ones, as a gather straight into each object's own memory would be."""
+    layout = find_layout(source[0], source[0].shape[0], BLOCK_SIZE, LAYOUT_NAME)
+    ids = [torch.arange(c * PER_CHUNK, (c + 1) * PER_CHUNK) for c in range(chunks)]
+    pool = StagingPool(chunks)
+
+    def kept() -> None:
+        for part in [gather_blocks(source, layout, chunk, pool.empty) for chunk in ids]:
+            pool.give_back(part)
+
+    kept()  # the buffers exist from then on
+    return [
+        ("gather in the step instead, into kept buffers", "-", median_ms(kept, repeat)),
+        (
+            "gather in the step instead, into new buffers",
+            "-",
+            median_ms(lambda: [gather_blocks(source, layout, chunk) for chunk in ids], repeat),
+        ),
     ]
 
 
@@ -221,7 +254,7 @@ def run(chunks: int, repeat: int, tiers: list[str]) -> str:
     warm_from, warm_to = torch.randn(chunks * chunk_bytes // 4), torch.empty(chunks * chunk_bytes // 4)
     warm_to.copy_(warm_from)
     floor = median_ms(lambda: warm_to.copy_(warm_from), repeat)
-    rows = [("one copy of the same bytes (baseline)", "-", floor)]
+    rows = [("one copy of the same bytes (baseline)", "-", floor), *gather_rows(source, chunks, repeat)]
     round_ = [0]
     with tempfile.TemporaryDirectory(prefix="bench-store-path-") as scratch:
         wants_redis = bool({"redis", "redis-unix"} & set(tiers))

@@ -21,8 +21,10 @@ forwards each of vLLM's hooks to both; ``kv_store`` configures the store, every 
 Prefill (``kv_producer``): the store claims the stored prefix beyond vLLM's prefix cache and loads
 it asynchronously; vLLM computes the rest; the store saves the full chunks it did not find, and the
 pipe saves the transfer prefix (loaded and computed KV alike) into the lookup buffer and announces
-it in ``kv_transfer_params``, exactly as without a store. The pipe may lend the request's blocks
-after it finished; the store's save copies them out in the step that computed them, before that.
+it in ``kv_transfer_params``, exactly as without a store. vLLM keeps a finished request's blocks
+while either needs them (the pipe may lend them; the store's gather thread may still copy them
+out): each side says whether it holds the request, and it is reported finished sending once every
+side that holds it is done with it (a second :class:`LoadJoin`).
 
 Decode (``kv_consumer``): the claim is the longer of the stored prefix ``s`` and the transfer prefix
 ``n`` the prefill instance announced (:class:`PDStoreScheduler`). The store loads the blocks from
@@ -90,6 +92,7 @@ class PDStoreScheduler:
     def __init__(self, pipe: SchedulerSide, store: StoreScheduler) -> None:
         self.pipe = pipe
         self.store = store
+        store.plans_saves = not pipe.is_consumer  # a decode instance does not store: see the module docstring
         self._parts: dict[str, tuple[int, int]] = {}  # req_id -> (store's tokens, pipe's tokens) last claimed
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -118,22 +121,22 @@ class PDStoreScheduler:
 
     def build_meta(self, scheduler_output: Any, block_ids_of: Any) -> PDStoreMetadata:
         store = self.store.build_meta(scheduler_output, block_ids_of)
-        if self.pipe.is_consumer:
-            store.saves = []  # a decode instance does not store: see the module docstring
         return PDStoreMetadata(pipe=self.pipe.build_meta(scheduler_output, block_ids_of), store=store)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        """The store forgets the request (its saves copied their blocks already); the pipe says
-        whether vLLM keeps the blocks, and announces the prefix it saved."""
+        """vLLM keeps the blocks if the store (a save) or the pipe (a save, maybe lent) holds them;
+        the pipe announces the prefix it saved."""
         self._parts.pop(request.request_id, None)
-        self.store.request_finished(request)
-        return self.pipe.request_finished(request)
+        store_holds, _ = self.store.request_finished(request)
+        pipe_holds, params = self.pipe.request_finished(request)
+        return store_holds or pipe_holds, params
 
 
 class LoadJoin:
     """Requests loaded in two parts, one by the store and one by the pipe: each is reported finished
     once both parts are, and the failed blocks of a part are held back until then (vLLM must not
-    act on a request whose other part still writes into its blocks).
+    act on a request whose other part still writes into its blocks). The same for the finished
+    requests whose blocks both keep (:meth:`expect_requests`): reported once both are done with them.
 
     Called from vLLM's model-runner thread only.
     """
@@ -151,6 +154,11 @@ class LoadJoin:
         pipe_parts.update(pipe.refused)
         for req_id in store_parts.keys() & pipe_parts.keys():
             self._waiting[req_id] = set(store_parts[req_id]) | set(pipe_parts[req_id])
+
+    def expect_requests(self, req_ids: Iterable[str]) -> None:
+        """Note requests that both the store and the pipe will report (no blocks to hold back)."""
+        for req_id in req_ids:
+            self._waiting[req_id] = set()
 
     def settle(self, store_done: Iterable[str], pipe_done: Iterable[str], failed: set[int]) -> set[str]:
         """The requests to report finished, given the parts that completed (``failed``: their failed blocks)."""
@@ -194,6 +202,7 @@ class KVBridgePDStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
         if self._scheduler is not None and self._store_scheduler is not None:
             self._both = PDStoreScheduler(self._scheduler, self._store_scheduler)
         self._join = LoadJoin()
+        self._sends = LoadJoin()  # finished requests whose blocks both the store and the pipe keep
 
     def _pipe_extra(self, extra: Any) -> Any:
         return {key: value for key, value in extra.items() if key != STORE_KEY} if isinstance(extra, Mapping) else extra
@@ -208,17 +217,19 @@ class KVBridgePDStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
         self._store_side().register(caches, layout, layout_name)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # The pipe takes back the entries of preempted requests and withdraws those never announced; the store's
-        # saves copied their blocks out already.
+        # The pipe takes back the entries of preempted requests and withdraws those never announced; the store
+        # cancels or waits for their gathers.
+        meta = _pd_metadata(kv_connector_metadata)
         if (producer := self._producer) is not None:
-            pipe_meta = _pd_metadata(kv_connector_metadata).pipe
-            producer.take_back(pipe_meta.take_back, pipe_meta.withdraw)
+            producer.take_back(meta.pipe.take_back, meta.pipe.withdraw)
+        self._store_side().preempt(meta.store.preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._pd_meta()
         self._join.expect(meta.store, meta.pipe)
         if (producer := self._producer) is not None:
             producer.hold(meta.pipe.held)
+            self._sends.expect_requests(req_id for req_id in meta.pipe.held if self._store_side().holds(req_id))
         if (consumer := self._consumer) is not None:
             consumer.start_loads(meta.pipe.loads)
             consumer.refuse_loads(meta.pipe.refused)
@@ -230,14 +241,15 @@ class KVBridgePDStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
         pipe_failed = consumer.take_failed_blocks() if consumer is not None else set()
         store_done = store.take_finished_loads(finished_req_ids)
         recving = self._join.settle(store_done, pipe_done, pipe_failed | store.take_failed_blocks())
-        sending = producer.take_finished_sending() if producer is not None else set()
+        pipe_sending = producer.take_finished_sending() if producer is not None else set()
+        sending = self._sends.settle(store.take_finished_sending(finished_req_ids), pipe_sending, set())
         return sending or None, recving or None
 
     def wait_for_save(self) -> None:
         meta = self._pd_meta()
         if (producer := self._producer) is not None:
             producer.save(meta.pipe.saves)
-        self._store_side().save(meta.store.saves)
+        self._store_side().save(meta.store.saves)  # copied out in a thread: see StoreWorker.save
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._join.take_failed_blocks() if self._worker is not None else set()

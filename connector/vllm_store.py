@@ -26,10 +26,14 @@ the next is still being received), is decoded and verified (:func:`kv_store.deco
 with a secret; then dtype, shape and the worker's layout) and its blocks are copied from the
 object's bytes straight into the blocks vLLM allocated. A chunk that is missing
 or fails a check has its blocks reported as load errors: vLLM recomputes them or fails the request
-(``kv_load_failure_policy``); wrong KV is never written. A save copies the chunks out of vLLM's
-blocks in ``wait_for_save``, before vLLM may reuse them (one gather per chunk, into host buffers kept
-for the next saves: :class:`StagingPool`), then encodes and puts them from a background thread
-(bounded: a save that finds it full is dropped and counted).
+(``kv_load_failure_policy``); wrong KV is never written. A save is handed over in ``wait_for_save``
+and copied out of vLLM's blocks by a gather thread (one gather per chunk, into host buffers kept for
+the next saves: :class:`StagingPool`), then encoded and put by a put thread (bounded: a save that
+finds the queue full is dropped and counted); the engine thread copies nothing. vLLM keeps the
+blocks meanwhile: the scheduler delays the free of every request with a save, and each worker
+reports it finished sending once its gather is done (:meth:`StoreWorker.take_finished_sending`); a
+preempted request's gather is cancelled or waited for in ``handle_preemptions``
+(:meth:`StoreWorker.preempt`).
 
 Keys: the namespace digests the identity of :mod:`connector.compat` from vLLM's configuration
 (model, KV dtype, block size, layers, KV heads per rank, head size, vLLM's KV cache layout, format
@@ -93,8 +97,10 @@ STORE_KEY = "kv_store"
 #: Where the Redis password comes from: this variable, or the file named by the ``_FILE`` one.
 PASSWORD_ENV = "KVBRIDGE_STORE_PASSWORD"
 PASSWORD_FILE_ENV = "KVBRIDGE_STORE_PASSWORD_FILE"
-#: Saves copied out of vLLM's blocks and waiting for their encoding and put, at most.
+#: Saves waiting for their blocks' gather, their encoding and put, at most.
 SAVE_QUEUE_DEPTH = 16
+#: Seconds ``handle_preemptions`` waits for a preempted request's gather under way (then its save is dropped).
+PREEMPT_WAIT_SECONDS = 10.0
 #: Host buffers of one chunk's blocks kept for later saves (see :class:`StagingPool`).
 STAGING_CHUNKS = 4
 #: How often a load waiting for its store read looks whether the reading thread still runs.
@@ -333,6 +339,8 @@ class StoreMetadata(KVConnectorMetadata):
     #: The step computes nothing: the workers load in it, and report the loads in the same step,
     #: rather than in a thread (no other request waits for the step; see StoreWorker.start_loads).
     load_inline: bool = False
+    #: Requests with a save that vLLM preempted: their blocks may be written once handle_preemptions returns.
+    preempted: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +388,9 @@ class StoreScheduler:
         self._loads: list[StoreLoad] = []
         self._refused: dict[str, list[int]] = {}
         self._loaded: set[str] = set()  # one load attempt per request
+        self._saving: set[str] = set()  # requests with a save: vLLM keeps their blocks once finished
+        #: Whether prompts are saved (a P/D decode instance saves none).
+        self.plans_saves = True
 
     def set_namespaces(self, spaces: Sequence[bytes]) -> None:
         """Look up the objects of the namespaces ``spaces``, one per TP rank in rank order."""
@@ -478,6 +489,7 @@ class StoreScheduler:
             load_inline=bool(self._loads) and not scheduler_output.num_scheduled_tokens,
         )
         self._loads, self._refused = [], {}
+        meta.preempted = sorted(self._saving.intersection(scheduler_output.preempted_req_ids or ()))
         computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -490,7 +502,8 @@ class StoreScheduler:
             if computed[req_id] + scheduled < end:
                 continue  # not all full chunks computed yet (chunked prefill)
             del self._prompts[req_id]
-            if prompt.stored < prompt.chunks:
+            if prompt.stored < prompt.chunks and self.plans_saves:
+                self._saving.add(req_id)
                 meta.saves.append(
                     StoreSave(
                         req_id=req_id,
@@ -502,12 +515,16 @@ class StoreScheduler:
         return meta
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
-        """Forget the request; its blocks are free at once (saves copy them out in the step)."""
+        """Forget the request. A request with a save keeps its blocks (True) until every worker
+        reports it finished sending (:meth:`StoreWorker.take_finished_sending`: its gather is done,
+        which it is in practice by then); any other's are free at once."""
+        held = request.request_id in self._saving
+        self._saving.discard(request.request_id)
         self._prompts.pop(request.request_id, None)
         self._refused.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
         self._loads = [load for load in self._loads if load.req_id != request.request_id]
-        return False, None
+        return held, None
 
 
 # ---------------------------------------------------------------------- worker side
@@ -553,6 +570,16 @@ class StagingPool:
                 self._idle.append(buffer)
 
 
+@dataclasses.dataclass(eq=False)
+class _Gather:
+    """One request's save, from ``wait_for_save`` until its blocks are copied out (``done``)."""
+
+    spec: StoreSave
+    started: bool = False
+    dropped: bool = False  # preempted: not started, or not waited for; nothing is stored
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
 class StoreWorker:
     """One TP rank's loads and saves. Hooks are called from vLLM's model-runner thread."""
 
@@ -568,7 +595,14 @@ class StoreWorker:
         self._layout_tag = torch.zeros(0, dtype=torch.uint8)
         self._layout = ""
         self._tracker = LoadTracker()
+        # Gathers run apart from the puts, so that a slow tier holds no request's blocks.
+        self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-store-gather")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-store-save")
+        self._gather_lock = threading.Lock()  # guards each _Gather's started and dropped
+        # Requests with a save whose blocks vLLM keeps until take_finished_sending reports them (engine
+        # thread only), and those of them vLLM finished.
+        self._gathers: dict[str, _Gather] = {}
+        self._finished: set[str] = set()
         self._saves_pending = threading.BoundedSemaphore(SAVE_QUEUE_DEPTH)
         self._staging = StagingPool(STAGING_CHUNKS)
         self._lock = threading.Lock()  # guards _stats and the interval's numbers below
@@ -740,30 +774,109 @@ class StoreWorker:
     # ------------------------------------------------------------------ saves
 
     def save(self, saves: Iterable[StoreSave]) -> None:
-        """Copy the chunks of ``saves`` out of vLLM's blocks now; encode and put them in the background."""
-        caches = self._require_caches()
-        per_chunk = self.settings.chunk_size // caches.block_size
+        """Save the chunks of ``saves``: their blocks are copied out by a gather thread, then encoded
+        and put in the background, while vLLM keeps the request's blocks (its scheduler delays their
+        free: :meth:`StoreScheduler.request_finished`; this worker reports the request in
+        :meth:`take_finished_sending` once its gather is done, and waits for it or cancels it in
+        :meth:`preempt`). The engine thread copies nothing."""
         for spec in saves:
+            job = self._gathers[spec.req_id] = _Gather(spec)
             if not self._saves_pending.acquire(blocking=False):
-                self._add(saves_dropped=len(spec.block_ids) // per_chunk - spec.first_chunk)
-                logger.warning("kvbridge store: save queue full: request %s not stored", spec.req_id)
+                self._drop(job, "save queue full")
                 continue
             try:
-                # One gather per chunk, into a kept buffer: each chunk is one tensor, encoded as it is.
-                ids = spec.block_ids[spec.first_chunk * per_chunk :]
-                chunks = [
-                    gather_blocks(
-                        caches.caches,
-                        caches.layout,
-                        torch.tensor(ids[start : start + per_chunk], dtype=torch.int64),
-                        self._staging.empty,
-                    )
-                    for start in range(0, len(ids) - per_chunk + 1, per_chunk)
-                ]
-                self._saver.submit(self._put, spec, chunks)
-            except BaseException:  # closing, or a copy that failed: the slot is free again
+                self._gatherer.submit(self._gather, job)
+            except BaseException:  # closing: the slot is free again
+                self._drop(job, "closing")
                 self._saves_pending.release()
                 raise
+
+    def preempt(self, req_ids: Iterable[str], timeout: float = PREEMPT_WAIT_SECONDS) -> None:
+        """vLLM preempted ``req_ids`` and may write their blocks once this returns (its
+        ``handle_preemptions``): a gather not started is cancelled (the save is dropped), one under
+        way is waited for; one still under way after ``timeout`` is dropped once done, whatever it
+        read. The requests stay held: their next finish is reported as for any other."""
+        for req_id in req_ids:
+            job = self._gathers.get(req_id)
+            if job is None or job.done.is_set():
+                continue
+            with self._gather_lock:
+                cancel = job.dropped = not job.started
+            if cancel:
+                self._drop(job, "preempted before its blocks were copied")
+                self._saves_pending.release()
+            elif not job.done.wait(timeout):
+                with self._gather_lock:
+                    job.dropped = True
+                logger.error(
+                    "kvbridge store: the blocks of preempted request %s were still being copied after %g s; "
+                    "its save is dropped",
+                    req_id,
+                    timeout,
+                )
+
+    def take_finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
+        """Requests that vLLM finished (``finished_req_ids``, from this or an earlier step) and whose
+        blocks no save reads any more, each once: vLLM frees their blocks then."""
+        self._finished.update(req_id for req_id in finished_req_ids if req_id in self._gathers)
+        done = {req_id for req_id in self._finished if self._gathers[req_id].done.is_set()}
+        for req_id in done:
+            self._finished.discard(req_id)
+            del self._gathers[req_id]
+        return done
+
+    def holds(self, req_id: str) -> bool:
+        """Whether vLLM keeps ``req_id``'s blocks for a save of this worker once it finishes."""
+        return req_id in self._gathers
+
+    def held_requests(self) -> int:
+        """Requests whose blocks vLLM keeps for a save of this worker (until reported finished sending)."""
+        return len(self._gathers)
+
+    def _drop(self, job: _Gather, why: str) -> None:
+        per_chunk = self.settings.chunk_size // self._require_caches().block_size
+        self._add(saves_dropped=len(job.spec.block_ids) // per_chunk - job.spec.first_chunk)
+        logger.warning("kvbridge store: %s: request %s not stored", why, job.spec.req_id)
+        job.done.set()
+
+    def _gather(self, job: _Gather) -> None:
+        """Copy the chunks of ``job`` out of vLLM's blocks (one gather per chunk, into a kept buffer:
+        each chunk is one tensor, encoded as it is), then hand them to the saver thread."""
+        with self._gather_lock:
+            if job.dropped:  # cancelled by a preemption, which freed the slot
+                return
+            job.started = True
+        spec = job.spec
+        handed_over = False
+        try:
+            caches = self._require_caches()
+            per_chunk = self.settings.chunk_size // caches.block_size
+            ids = spec.block_ids[spec.first_chunk * per_chunk :]
+            chunks = [
+                gather_blocks(
+                    caches.caches,
+                    caches.layout,
+                    torch.tensor(ids[start : start + per_chunk], dtype=torch.int64),
+                    self._staging.empty,
+                )
+                for start in range(0, len(ids) - per_chunk + 1, per_chunk)
+            ]
+            with self._gather_lock:
+                dropped = job.dropped
+                job.done.set()
+            if dropped:  # preempted, and not waited for long enough: the blocks may be another request's
+                self._add(saves_dropped=len(chunks))
+                for part in chunks:
+                    self._staging.give_back(part)
+                return
+            self._saver.submit(self._put, spec, chunks)
+            handed_over = True
+        except Exception:
+            logger.exception("kvbridge store: copying the blocks of request %s failed", spec.req_id)
+        finally:
+            job.done.set()
+            if not handed_over:
+                self._saves_pending.release()
 
     def _put(self, spec: StoreSave, chunks: list[torch.Tensor]) -> None:
         try:
@@ -836,10 +949,12 @@ class StoreWorker:
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every save handed over so far is put (the fastest tier written)."""
+        self._gatherer.submit(lambda: None).result(timeout=timeout)
         self._saver.submit(lambda: None).result(timeout=timeout)
 
     def close(self) -> None:
         self._tracker.close()
+        self._gatherer.shutdown(wait=True)  # vLLM still holds the blocks of the gathers pending
         self._saver.shutdown(wait=True)
         self.store.close()
 

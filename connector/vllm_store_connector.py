@@ -109,24 +109,28 @@ class KVBridgeStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
         KVConnectorBase_V1.bind_connector_metadata(self, connector_metadata)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # Nothing to take back: a save copies its blocks out within the step that computed them, and
-        # vLLM does not preempt a request while its load is in flight.
-        return
+        # A preempted request's blocks may be written once this returns: its save's gather, run in a
+        # thread, is cancelled or waited for. vLLM does not preempt a request while its load is in flight.
+        if not isinstance(kv_connector_metadata, StoreMetadata):
+            raise KVConfigError(f"kvbridge store: unexpected connector metadata {type(kv_connector_metadata).__name__}")
+        self._worker_side().preempt(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._store_metadata()
         self._worker_side().start_loads(meta.loads, meta.refused, meta.load_inline)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker_side().take_finished_loads(finished_req_ids) or None
+        worker = self._worker_side()
+        sending = worker.take_finished_sending(finished_req_ids)
+        return sending or None, worker.take_finished_loads(finished_req_ids) or None
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        return  # a chunk holds every layer: wait_for_save copies them all at once
+        return  # a chunk holds every layer: wait_for_save hands them all over at once
 
     def wait_for_save(self) -> None:
-        self._worker_side().save(self._store_metadata().saves)
+        self._worker_side().save(self._store_metadata().saves)  # copied out in a thread: see StoreWorker.save
 
     def build_connector_worker_meta(self) -> None:
         return None

@@ -438,3 +438,14 @@ def test_both_parts_done_in_one_step_report_the_request_once() -> None:
     join.expect(StoreMetadata(refused={"r": [1, 2]}), KVBridgeMetadata(loads=[LoadSpec("r", [], [1, 2, 3], 2)]))
     assert join.settle(["r"], ["r"], {1, 2}) == {"r"}
     assert join.take_failed_blocks() == {1, 2}
+
+
+def test_a_finished_request_whose_blocks_both_sides_keep_is_reported_once_both_are_done() -> None:
+    join = LoadJoin()
+    join.expect_requests(["both", "both-at-once"])
+    # The store's gather of "both" is done first: vLLM still keeps the blocks the pipe may have lent.
+    assert join.settle(["both", "store-only"], ["pipe-only"], set()) == {"store-only", "pipe-only"}
+    assert join.settle([], ["both"], set()) == {"both"}
+    assert join.settle(["both-at-once"], ["both-at-once"], set()) == {"both-at-once"}
+    assert join.settle([], [], set()) == set()
+    assert join.take_failed_blocks() == set()

@@ -15,7 +15,10 @@ and times, per load:
 * ``whole load``: ``StoreWorker.start_loads(inline=True)`` of the same chunks into other blocks,
   reported complete when it returns (what vLLM gets in a step that computes nothing else). It reads
   in a thread of its own and checks and writes each chunk while the next arrives, so it may take
-  less than ``get_many`` plus the two stages after it.
+  less than ``get_many`` plus the two stages after it;
+* ``whole load, read then check``: the same load with the chunks checked and written only after
+  all have arrived (the worker's reader replaced by one plain ``get_many``): what the overlap saves.
+  The two alternate, one of each per repeat.
 
 With ``redis`` or ``redis-unix``, more reads of the same objects frame the tier's ``get_many``: the
 floor over TCP and over the Unix socket, one ``recv_into`` loop of the pipelined ``GET`` replies
@@ -44,7 +47,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -54,7 +58,7 @@ from connector.paged import gather_blocks, scatter_blocks
 from connector.vllm_store import StagingPool, StoreLoad, StoreSave, StoreSettings, StoreWorker
 from connector.vllm_worker import find_layout
 from harness import redis_servers
-from kv_store import chunk_keys, decode_chunk
+from kv_store import Blob, KVStoreError, chunk_keys, decode_chunk
 from kv_store.redis_tier import KEY_PREFIX, SOCKET_READ_BYTES
 
 LAYERS, HEADS, BLOCK_SIZE, HEAD_SIZE = 8, 16, 32, 128
@@ -126,15 +130,34 @@ def load_stages(side: StoreWorker, tokens: list[int], chunks: int, repeat: int, 
     stages["scatter"] = median_ms(scatter_all, repeat)
     blocks = list(range(caches.num_blocks - chunks * PER_CHUNK, caches.num_blocks))
 
-    def whole() -> None:
+    def whole() -> float:
         round_[0] += 1
         load = StoreLoad(f"load-{round_[0]}", tokens, blocks, skip_blocks=0, stop_blocks=len(blocks))
+        start = time.perf_counter()
         side.start_loads([load], {}, inline=True)
+        seconds = time.perf_counter() - start
         if side.take_finished_loads(set()) != {load.req_id} or side.take_failed_blocks():
             raise RuntimeError("an inline load did not complete whole")
+        return seconds
 
-    stages["whole load"] = median_ms(whole, repeat)
+    overlapped = side._read
+    times: dict[str, list[float]] = {"whole load": [], "whole load, read then check": []}
+    for _ in range(repeat):
+        for name in times:
+            side._read = overlapped if name == "whole load" else types.MethodType(read_then_check, side)
+            times[name].append(whole())
+    side._read = overlapped
+    stages.update((name, statistics.median(seconds) * 1e3) for name, seconds in times.items())
     return stages
+
+
+def read_then_check(side: StoreWorker, req_id: str, keys: list[bytes]) -> Iterator[tuple[int, Blob | None]]:
+    """``StoreWorker._read`` without its reading thread: every chunk arrives before the first is checked."""
+    try:
+        blobs = side.store.get_many(keys)
+    except KVStoreError:
+        blobs = [None] * len(keys)
+    yield from enumerate(blobs)
 
 
 def redis_read_rows(server: redis_servers.RedisServer, keys: list[bytes], repeat: int) -> list[tuple[str, str, float]]:

@@ -1,8 +1,8 @@
 """A ``redis-server`` that ``kvbridge serve`` starts for its instances' store, and stops at exit.
 
 It listens on a Unix socket in a private temporary directory (mode 0700, so only this user can
-reach the socket), which the instances use (``unix://PATH``: on one host a read of tens of MiB
-costs less over it than over TCP), and on a free loopback port; it asks for a password on both,
+reach the socket), which the instances use (``unix://PATH``: no other user of the host can connect;
+it reads as fast as TCP on loopback here), and on a free loopback port; it asks for a password on both,
 keeps nothing on disk (``save ""``, ``appendonly no``) and evicts least-recently-used objects once it
 holds ``maxmemory``: a cache of KV, not a database. Everything it is told is in a configuration file
 (mode 0600) in that directory, so its password never appears on a command line (``ps``,

@@ -1,5 +1,6 @@
-"""Chaos soak: 2 prefill + 2 decode ``vllm serve`` instances with kvbridge's connector behind kvbridge's
-proxy, under memory pressure, while instances are SIGKILLed and restarted and clients go away.
+"""Chaos soak: prefill and decode ``vllm serve`` instances (``--prefills`` and ``--decodes``, 2 of each
+by default) with kvbridge's connector behind kvbridge's proxy, under memory pressure, while instances
+are SIGKILLed and restarted and clients go away.
 
 Setup (one host, the instances pinned to cores 0 and 1):
 
@@ -14,7 +15,8 @@ Load, for ``--duration`` seconds, from ``--clients`` client threads, each prompt
 
 * ``proxy``: a completion through kvbridge's proxy (in this process; round robin over the prefill
   instances, least outstanding over the decode ones), greedy, ``ignore_eos``, 8 tokens, token ids
-  returned; about one in four streamed;
+  returned; about one in four streamed; none while every decode instance is down (with one decode
+  instance: while it restarts), since the proxy has nowhere to send it then;
 * ``long`` (a share ``--long-share`` of the requests): the P/D flow by hand, its prefill request
   generating ``--long-tokens`` tokens after its KV was saved, as in
   ``tests/serving/test_serving_under_pressure.py``: prefill-only requests never preempt (a request leaves
@@ -36,8 +38,11 @@ Every answer is compared with the reference (tokens and text). Faults injected:
   fails the run. What is left of it is then killed and it is restarted like the others.
 
 Tensor parallelism: ``--prefill-tp`` and ``--decode-tp`` give the prefill and decode instances that
-many TP ranks (vLLM worker processes, rank r of an instance on core ``(its core + r) % 2``); the
-reference server runs at the decode instances' TP size, so its sums run in the same order.
+many TP ranks (vLLM worker processes, rank r of an instance on core ``(its core + r) % 2``; prefill i
+on core ``i % 2``, decode j on core ``(1 + j) % 2``); the reference server runs at the decode
+instances' TP size, so its sums run in the same order. On a 2-core host four TP 2 instances are too
+many (8 workers, 4 engine cores, 4 API servers): ``--prefills 1 --decodes 1`` with one role at TP 2
+is the fleet that fits.
 
 Errors are classified by cause and each is checked against the kills: an error is *expected* only
 when an instance of the role its cause names (for the P/D flow by hand, that very instance) was
@@ -47,7 +52,8 @@ killed while the request was in flight; after a rank kill, an error of a request
 * ``decode killed``: the decode instance's connection broke (the proxy answers 502, cuts a JSON
   answer or ends a stream with an error event);
 * ``prefill killed``: the prefill instance's connection broke or it answered 500 (P/D flow by hand
-  only: the proxy sends such a request to the other prefill instance);
+  only: the proxy sends such a request to the next prefill instance, and with none left to a decode
+  instance told that nothing was saved, which computes the prompt);
 * ``load failed``: the decode instance answered 500 (its load failed and ``fail`` failed the
   request): expected when a prefill instance was killed meanwhile, or when the request took longer
   than ``--entry-timeout`` from its start to the decode instance's answer. An entry's
@@ -61,8 +67,9 @@ killed while the request was in flight; after a rank kill, an error of a request
 After the load, the gauges of every live instance (``vllm:kvbridge_entries_held``,
 ``_bytes_buffered``, ``_loans_out``, ``_blocks_lent``, ``_loads_in_flight``, ``_connections``) and
 vLLM's ``vllm:kv_cache_usage_perc`` are polled until they are idle (0, connections at most one per
-pair of ranks of an instance of the other role, the KV cache usage what it was when that life of the instance started,
-before any request: every block vLLM lent or held is free again), for
+pair of ranks sharing KV heads with an instance of the other role, the KV cache usage what it was
+when that life of the instance started, before any request: every block vLLM lent or held is free
+again), for
 ``--entry-timeout`` plus 30 s; an instance still not idle then gets one small request to make its
 engine step (said in the output), and is polled again. Counters (preemptions, loads, entries) are
 read from ``/metrics`` just before each kill and at the end, and summed over an instance's lives.
@@ -71,7 +78,8 @@ Prints a table; ``--out`` writes every figure as JSON. Exit status 0 when no ans
 hung, every error was expected and every gauge came back to idle, else 1.
 
     python -m benchmarks.bench_chaos [--duration 600] [--kill-every 60] [--clients 6] [--seed 0]
-        [--prefill-tp 2 --decode-tp 2 --kill-roles prefill-rank,decode-rank,prefill,decode] [--out chaos.json]
+        [--prefills 1 --decodes 1] [--prefill-tp 2 --decode-tp 2 --kill-roles prefill-rank,decode-rank,prefill,decode]
+        [--out chaos.json]
 """
 
 from __future__ import annotations
@@ -169,6 +177,9 @@ class Settings:
     ready_timeout: float = xp.READY_TIMEOUT
     #: kvbridge's ``kv_timeout`` and ``kv_load_timeout`` of every instance (None: the harness's 5 and 8 s).
     kv_timeout: float | None = None
+    #: How many prefill and decode instances: fewer fit a small host with TP (each rank a process).
+    prefills: int = 2
+    decodes: int = 2
 
 
 # ---------------------------------------------------------------------- prompts, reference, cluster
@@ -192,13 +203,14 @@ def reference_answers(
     return xp.plain_answers(model, prompts, logs / "reference.log", ROOMY_ARGS, clients, tp)
 
 
-def chaos_cluster(model: str, logs: Path, settings: Settings) -> xp.TwoByTwo:
-    """Two prefill instances (pressed KV cache, ``kv_entry_timeout`` of the settings) and two decode instances
-    (roomy, ``fail`` on a failed load), each pinned to one of the two cores (its ranks on both)."""
+def chaos_cluster(model: str, logs: Path, settings: Settings) -> xp.Fleet:
+    """The settings' prefill instances (pressed KV cache, ``kv_entry_timeout`` of the settings) and
+    decode instances (roomy, ``fail`` on a failed load), each pinned to one of the two cores (its ranks
+    on both)."""
     kv_extra: dict[str, Any] = {"kv_entry_timeout": settings.entry_timeout}
     if settings.kv_timeout is not None:
         kv_extra |= {"kv_timeout": settings.kv_timeout, "kv_load_timeout": settings.kv_timeout}
-    return xp.TwoByTwo(
+    return xp.Fleet(
         model,
         logs,
         prefill_args=PRESSED_ARGS,
@@ -207,6 +219,8 @@ def chaos_cluster(model: str, logs: Path, settings: Settings) -> xp.TwoByTwo:
         prefill_tp=settings.prefill_tp,
         decode_tp=settings.decode_tp,
         ready_timeout=settings.ready_timeout,
+        prefills=settings.prefills,
+        decodes=settings.decodes,
     )
 
 
@@ -237,11 +251,12 @@ def gauges_idle(gauges: dict[str, float], usage_at_start: float, most_connection
     )
 
 
-def most_connections(prefill_tp: int, decode_tp: int) -> int:
-    """Connections an idle instance may keep, summed over its ranks: each pair of a prefill and a
-    decode rank that share KV heads keeps one, and each instance has two of the other role, so
-    ``2 x max(prefill_tp, decode_tp)`` (TP sizes divide one another)."""
-    return 2 * max(prefill_tp, decode_tp)
+def most_connections(settings: Settings, role: str) -> int:
+    """Connections an idle instance of ``role`` may keep, summed over its ranks: each pair of a
+    prefill and a decode rank that share KV heads keeps one, ``max(prefill_tp, decode_tp)`` per
+    instance of the other role (TP sizes divide one another)."""
+    others = settings.decodes if role == "prefill" else settings.prefills
+    return others * max(settings.prefill_tp, settings.decode_tp)
 
 
 def kv_cache_usage(instance: xp.Instance) -> float:
@@ -260,11 +275,11 @@ def settle(
     instances: list[xp.Instance],
     usage_at_start: dict[str, float],
     wait: float,
-    connections: int = 2,
+    connections: dict[str, int],
     poll: float = 2.0,
 ) -> dict[str, Any]:
     """Poll the gauges of every live instance until all are idle (``usage_at_start``: each instance's
-    KV cache usage when its life started; ``connections``: the most it may keep) or ``wait`` seconds
+    KV cache usage when its life started; ``connections``: the most each may keep) or ``wait`` seconds
     passed; then nudge those still busy (one small request each) and poll again for 30 s."""
     start = time.monotonic()
     live = [i for i in instances if i.alive]
@@ -281,7 +296,7 @@ def settle(
                     logger.warning("reading the gauges of %s failed: %s", instance.name, exc)
                     continue
                 if idle_after[instance.name] is None and gauges_idle(
-                    gauges[instance.name], usage_at_start[instance.name], connections
+                    gauges[instance.name], usage_at_start[instance.name], connections[instance.name]
                 ):
                     idle_after[instance.name] = round(time.monotonic() - start, 1)
             if all(value is not None for value in idle_after.values()) or time.monotonic() >= deadline:
@@ -409,7 +424,7 @@ class Chaos:
     def __init__(
         self,
         settings: Settings,
-        cluster: xp.TwoByTwo,
+        cluster: xp.Fleet,
         proxy_url: str,
         prompts: list[list[int]],
         abandon_prompts: list[list[int]],
@@ -508,26 +523,50 @@ class Chaos:
         rng = random.Random(f"{self.settings.seed}-client-{index}")
         while not self._stop.is_set():
             prompt = rng.randrange(len(self.prompts))
-            if rng.random() < self.settings.long_share:
-                prefills, decodes = self._up(self.cluster.prefills), self._up(self.cluster.decodes)
-                if not prefills or not decodes:
-                    time.sleep(0.2)
-                    continue
-                self._request("long", prompt, rng.choice(prefills), rng.choice(decodes), False)
-            else:
-                self._request("proxy", prompt, None, None, rng.random() < self.settings.stream_share)
+            flow = "long" if rng.random() < self.settings.long_share else "proxy"
+            stream = flow == "proxy" and rng.random() < self.settings.stream_share
+            begun = self.begin(flow, rng)
+            if begun is None:
+                time.sleep(0.2)
+                continue
+            self._request(*begun, flow, prompt, stream)
+
+    def begin(self, flow: str, rng: random.Random) -> tuple[int, xp.Instance | None, xp.Instance | None] | None:
+        """Register a request of ``flow`` as in flight: (its serial, its prefill and decode instances
+        for the P/D flow by hand, None through the proxy), or None when no instance it needs is up.
+        Done under the lock the killer takes to mark its victim down, so that a request is either
+        sent before the kill (in flight at it) or not to the victim at all. The proxy computes at a
+        decode instance when every prefill instance failed, but needs a decode instance: with one,
+        nothing goes through the proxy while it is down."""
+        with self._lock:
+            prefills = [i for i in self.cluster.prefills if i.name not in self.down]
+            decodes = [i for i in self.cluster.decodes if i.name not in self.down]
+            if not decodes or (flow == "long" and not prefills):
+                return None
+            self._serial += 1
+            self.in_flight[self._serial] = (flow, self.now())
+            if flow == "long":
+                return self._serial, rng.choice(prefills), rng.choice(decodes)
+            return self._serial, None, None
 
     def _request(
-        self, flow: str, index: int, prefill: xp.Instance | None, decode: xp.Instance | None, stream: bool
+        self,
+        serial: int,
+        prefill: xp.Instance | None,
+        decode: xp.Instance | None,
+        flow: str,
+        index: int,
+        stream: bool,
     ) -> None:
         prompt = self.prompts[index]
         body = xp.completion_body(prompt, stream)
-        with self._lock:
-            self._serial += 1
-            serial = self._serial
-            self.in_flight[serial] = (flow, self.now())
         outcome = Outcome(
-            flow, index, self.now(), 0.0, prefill.name if prefill else None, decode.name if decode else None
+            flow,
+            index,
+            self.in_flight[serial][1],
+            0.0,
+            prefill.name if prefill else None,
+            decode.name if decode else None,
         )
         stage = "prefill" if prefill is not None else "decode"
         try:
@@ -825,13 +864,22 @@ def passed(report: dict[str, Any]) -> bool:
     )
 
 
-def run_chaos(settings: Settings, root: Path, progress: bool = True) -> dict[str, Any]:
-    """Everything: model, reference, cluster, proxy, load, settling; every process is stopped on
-    the way out, whatever happens. Returns the report (see :meth:`Chaos.report`)."""
+def check(settings: Settings) -> None:
+    """Raise ValueError for settings the soak cannot run."""
+    if settings.prefills < 1 or settings.decodes < 1:
+        raise ValueError(f"--prefills and --decodes must be at least 1, not {settings.prefills} and {settings.decodes}")
+    if settings.prefill_tp < 1 or settings.decode_tp < 1:
+        raise ValueError(f"TP sizes must be at least 1, not {settings.prefill_tp} and {settings.decode_tp}")
     for role in settings.kill_roles:
         tp = {"prefill-rank": settings.prefill_tp, "decode-rank": settings.decode_tp}.get(role)
         if role not in ("prefill", "decode") and (tp is None or tp < 2):
             raise ValueError(f"kill role {role!r}: prefill, decode, or prefill-rank / decode-rank with a TP size >= 2")
+
+
+def run_chaos(settings: Settings, root: Path, progress: bool = True) -> dict[str, Any]:
+    """Everything: model, reference, cluster, proxy, load, settling; every process is stopped on
+    the way out, whatever happens. Returns the report (see :meth:`Chaos.report`)."""
+    check(settings)
     root.mkdir(parents=True, exist_ok=True)
     model = vp.make_tiny_llama(root / "model", with_tokenizer=True, max_positions=1024)
     prompts = prompt_pool(settings.prompts, settings.seed)
@@ -841,7 +889,12 @@ def run_chaos(settings: Settings, root: Path, progress: bool = True) -> dict[str
     cluster = chaos_cluster(model, root / "logs", settings)
     front: ThreadedProxy | None = None
     try:
-        logger.info("starting 2 prefill and 2 decode instances (logs in %s)", root / "logs")
+        logger.info(
+            "starting %d prefill and %d decode instances (logs in %s)",
+            settings.prefills,
+            settings.decodes,
+            root / "logs",
+        )
         cluster.start()
         # The proxy's own read bound is above the clients' so that a hang shows as one, not as a 504.
         front = ThreadedProxy(
@@ -868,7 +921,7 @@ def run_chaos(settings: Settings, root: Path, progress: bool = True) -> dict[str
             cluster.instances,
             chaos.usage_at_start,
             settings.entry_timeout + 30,
-            most_connections(settings.prefill_tp, settings.decode_tp),
+            {i.name: most_connections(settings, role_of(i)) for i in cluster.instances},
         )
         chaos.read_final_counters()
         return chaos.report(load_seconds, settled)
@@ -975,7 +1028,11 @@ def format_report(report: dict[str, Any]) -> str:
     rows = [
         (
             name,
-            *(f"{settled['gauges'][name].get(g, 0):g}" for g in GAUGES),
+            *(
+                f"{settled['gauges'][name].get(g, 0):g}"
+                + (f" (<= {settled['most_connections'][name]})" if g == "connections" else "")
+                for g in GAUGES
+            ),
             f"{settled['gauges'][name].get(USAGE, 0):g} ({settled['usage_at_start'].get(name, 0):g})",
             settled["idle_after_s"].get(name) if settled["idle_after_s"].get(name) is not None else "never",
             "yes" if name in settled["nudged"] else "no",
@@ -984,8 +1041,8 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     lines += [
         "",
-        f"Gauges after the load (idle: 0, connections <= {settled['most_connections']}, vLLM's KV cache usage "
-        "as at the start of the instance's life):",
+        "Gauges after the load (idle: 0, connections at most one per pair of ranks sharing KV heads, vLLM's KV "
+        "cache usage as at the start of the instance's life):",
         format_table(["instance", *GAUGES, "KV cache usage (start)", "idle after (s)", "nudged"], rows),
     ]
     if settled["nudged"]:
@@ -998,7 +1055,8 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    """The settings of the command line (checked by :func:`check`) and its other arguments."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = Settings()
     parser.add_argument("--duration", type=float, default=defaults.duration, help="seconds of load")
@@ -1045,6 +1103,8 @@ def main(argv: list[str] | None = None) -> int:
         "restart (0: a kill every --kill-every seconds until near the end)",
     )
     parser.add_argument("--after-restart", type=float, default=defaults.after_restart)
+    parser.add_argument("--prefills", type=int, default=defaults.prefills, help="how many prefill instances")
+    parser.add_argument("--decodes", type=int, default=defaults.decodes, help="how many decode instances")
     parser.add_argument("--prefill-tp", type=int, default=defaults.prefill_tp, help="TP size of the prefill instances")
     parser.add_argument("--decode-tp", type=int, default=defaults.decode_tp, help="TP size of the decode instances")
     parser.add_argument(
@@ -1068,8 +1128,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write every figure there as JSON")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request otherwise
     settings = Settings(
         duration=args.duration,
         kill_every=args.kill_every,
@@ -1088,7 +1146,20 @@ def main(argv: list[str] | None = None) -> int:
         decode_tp=args.decode_tp,
         ready_timeout=args.ready_timeout,
         kv_timeout=args.kv_timeout,
+        prefills=args.prefills,
+        decodes=args.decodes,
     )
+    try:
+        check(settings)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return settings, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, args = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request otherwise
     root = args.logs or Path(tempfile.mkdtemp(prefix="bench_chaos-"))
     report = run_chaos(settings, root, progress=not args.no_progress)
     if args.out is not None:

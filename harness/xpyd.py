@@ -139,10 +139,11 @@ def tp_placement(
     }
 
 
-class TwoByTwo:
-    """Two prefill and two decode instances, each pinned to one of the two cores. Requests always
-    name their producer; the decode instances' configured one (the first prefill instance) only
-    serves requests naming none."""
+class Fleet:
+    """``prefills`` prefill and ``decodes`` decode instances (two of each by default), prefill i pinned
+    to core ``i % 2`` and decode j to core ``(1 + j) % 2``, so that a prefill and a decode instance
+    share no core while there are two cores for two of them. Requests always name their producer;
+    the decode instances' configured one (the first prefill instance) only serves requests naming none."""
 
     def __init__(
         self,
@@ -154,22 +155,26 @@ class TwoByTwo:
         prefill_tp: int = 1,
         decode_tp: int = 1,
         ready_timeout: float = READY_TIMEOUT,
+        prefills: int = 2,
+        decodes: int = 2,
     ) -> None:
+        if prefills < 1 or decodes < 1:
+            raise ValueError(f"a fleet needs a prefill and a decode instance at least, not {prefills} and {decodes}")
         logs.mkdir(parents=True, exist_ok=True)
-        kv_ports = [free_port(max(4, prefill_tp)), free_port(max(4, prefill_tp))]
+        kv_ports = [free_port(max(4, prefill_tp)) for _ in range(prefills)]
         self.prefills = [
             instance(
                 model,
                 f"prefill{i}",
                 "kv_producer",
                 kv_ports[i],
-                i,
+                i % 2,
                 logs,
                 serve_args=prefill_args,
                 kv_extra=kv_extra,
                 tp=prefill_tp,
             )
-            for i in range(2)
+            for i in range(prefills)
         ]
         decode_extra = {**(kv_extra or {}), "kv_producer_tp_size": prefill_tp} if prefill_tp != decode_tp else kv_extra
         self.decodes = [
@@ -178,13 +183,13 @@ class TwoByTwo:
                 f"decode{j}",
                 "kv_consumer",
                 kv_ports[0],
-                1 - j,
+                (1 + j) % 2,
                 logs,
                 serve_args=decode_args,
                 kv_extra=decode_extra,
                 tp=decode_tp,
             )
-            for j in range(2)
+            for j in range(decodes)
         ]
 
         for one in self.instances:

@@ -76,8 +76,8 @@ def reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> dict[tupl
 
 
 @pytest.fixture(scope="module")
-def cluster(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[xp.TwoByTwo]:
-    cluster = xp.TwoByTwo(model, tmp_path_factory.mktemp("xpyd"))
+def cluster(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[xp.Fleet]:
+    cluster = xp.Fleet(model, tmp_path_factory.mktemp("xpyd"))
     try:
         cluster.start()
         yield cluster
@@ -85,7 +85,7 @@ def cluster(model: str, reference: dict, tmp_path_factory: pytest.TempPathFactor
         cluster.stop()
 
 
-def _assert_loaded_by_hand(cluster: xp.TwoByTwo, p: int, d: int, prompts: list[list[int]], reference: dict) -> None:
+def _assert_loaded_by_hand(cluster: xp.Fleet, p: int, d: int, prompts: list[list[int]], reference: dict) -> None:
     """The P/D flow by hand from prefill ``p`` to decode ``d``: tokens of the reference, every
     transfer prefix loaded (cached tokens, and the decode's external prefix-cache hits), the
     prefill's params naming its own kvbridge address."""
@@ -106,7 +106,7 @@ def _assert_loaded_by_hand(cluster: xp.TwoByTwo, p: int, d: int, prompts: list[l
 
 
 @pytest.mark.timeout(600)
-def test_every_pairing_loads_the_prefix_its_prefill_announces(cluster: xp.TwoByTwo, reference: dict) -> None:
+def test_every_pairing_loads_the_prefix_its_prefill_announces(cluster: xp.Fleet, reference: dict) -> None:
     for p, d in PAIRINGS:
         _assert_loaded_by_hand(cluster, p, d, PAIR_PROMPTS[(p, d)], reference)
     engine_ids = {
@@ -118,7 +118,7 @@ def test_every_pairing_loads_the_prefix_its_prefill_announces(cluster: xp.TwoByT
 # ---------------------------------------------------------------------- fronts: kvbridge's proxy, vllm-router
 
 
-def xpyd_proxy(cluster: xp.TwoByTwo, decode_policy: str = "least_outstanding") -> ThreadedProxy:
+def xpyd_proxy(cluster: xp.Fleet, decode_policy: str = "least_outstanding") -> ThreadedProxy:
     """kvbridge's proxy over every instance of ``cluster``, round robin over the prefill instances."""
     return ThreadedProxy(
         [i.url for i in cluster.prefills],
@@ -142,7 +142,7 @@ def _assert_all_loaded(answers: list[xp.Answer], prompts: list[list[int]], refer
 
 
 @pytest.mark.timeout(300)
-def test_proxy_over_two_prefills_and_two_decodes(cluster: xp.TwoByTwo, reference: dict) -> None:
+def test_proxy_over_two_prefills_and_two_decodes(cluster: xp.Fleet, reference: dict) -> None:
     hits_before = sum(xp.metric(d.url, xp.HIT_METRIC) for d in cluster.decodes)
     front = xpyd_proxy(cluster)
     try:
@@ -155,7 +155,7 @@ def test_proxy_over_two_prefills_and_two_decodes(cluster: xp.TwoByTwo, reference
 
 
 @pytest.fixture()
-def router(cluster: xp.TwoByTwo, tmp_path: Path) -> Iterator[str]:
+def router(cluster: xp.Fleet, tmp_path: Path) -> Iterator[str]:
     # The test extra installs it: missing is a failure, not a skip.
     assert shutil.which("vllm-router") or (Path(sys.executable).parent / "vllm-router").exists(), (
         "vllm-router is not installed (pip install -e '.[test]')"
@@ -175,7 +175,7 @@ def router(cluster: xp.TwoByTwo, tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.mark.timeout(400)
-def test_vllm_router_over_two_prefills_and_two_decodes(cluster: xp.TwoByTwo, router: str, reference: dict) -> None:
+def test_vllm_router_over_two_prefills_and_two_decodes(cluster: xp.Fleet, router: str, reference: dict) -> None:
     hits_before = sum(xp.metric(d.url, xp.HIT_METRIC) for d in cluster.decodes)
     answers = _ask_concurrently(router, ROUTER_PROMPTS)
     assert [a.tokens for a in answers] == [reference[tuple(p)] for p in ROUTER_PROMPTS]
@@ -197,7 +197,7 @@ Send = Callable[[list[int], bool], xp.Answer]
 
 
 @contextlib.contextmanager
-def _front(cluster: xp.TwoByTwo) -> Iterator[Send]:
+def _front(cluster: xp.Fleet) -> Iterator[Send]:
     """Requests through kvbridge's proxy over all instances."""
     front = xpyd_proxy(cluster, decode_policy="round_robin")
     try:
@@ -247,7 +247,7 @@ def _assert_flow(outcomes: dict[int, Any], prompts: list[list[int]], reference: 
 
 @pytest.mark.timeout(600)
 def test_a_killed_prefill_instance_is_routed_around_and_serves_again_after_a_restart(
-    cluster: xp.TwoByTwo, reference: dict
+    cluster: xp.Fleet, reference: dict
 ) -> None:
     victim = cluster.prefills[1]
     with _front(cluster) as send:
@@ -263,7 +263,7 @@ def test_a_killed_prefill_instance_is_routed_around_and_serves_again_after_a_res
 
 @pytest.mark.timeout(600)
 def test_a_killed_decode_instance_is_routed_around_and_loads_again_after_a_restart(
-    cluster: xp.TwoByTwo, reference: dict
+    cluster: xp.Fleet, reference: dict
 ) -> None:
     victim = cluster.decodes[1]
     with _front(cluster) as send:

@@ -1,15 +1,22 @@
 """The benchmarks' own bookkeeping, without any server: the split measurement's order and figures
 (``benchmarks/bench_e2e.py``), and the chaos soak's verdicts on gauges and on errors after a TP
-rank was killed (``benchmarks/bench_chaos.py``)."""
+rank was killed, its command line, and the fleets it can start (``benchmarks/bench_chaos.py``,
+``harness/xpyd.py``; nothing is started)."""
 
 from __future__ import annotations
 
+import json
+import random
+import threading
+import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from benchmarks import bench_chaos as chaos
 from benchmarks import bench_e2e as e2e
+from harness import xpyd as xp
 
 VARIANTS = ["plain", "noop", "threads", "decode"]
 
@@ -118,13 +125,122 @@ def test_a_whole_instance_kill_explains_only_requests_in_flight_at_that_moment()
     assert _judged(outcomes, [kill]) == [True, False, False, True, False]
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "most"), [(1, 1, 2), (2, 2, 4), (1, 2, 4), (2, 1, 4)])
+@pytest.mark.parametrize(
+    ("prefills", "decodes", "prefill_tp", "decode_tp", "most_prefill", "most_decode"),
+    [
+        (2, 2, 1, 1, 2, 2),
+        (2, 2, 2, 2, 4, 4),
+        (2, 2, 1, 2, 4, 4),
+        (2, 2, 2, 1, 4, 4),
+        (1, 1, 2, 1, 2, 2),  # the fleet that fits two cores: one pair of instances, two pairs of ranks
+        (1, 1, 1, 2, 2, 2),
+        (1, 1, 1, 1, 1, 1),
+        (1, 3, 2, 1, 6, 2),  # a prefill instance serves three decode instances, each two of its ranks
+        (3, 1, 1, 1, 1, 3),
+    ],
+)
 def test_an_idle_instance_keeps_one_connection_per_pair_of_ranks_sharing_heads(
-    prefill_tp: int, decode_tp: int, most: int
+    prefills: int, decodes: int, prefill_tp: int, decode_tp: int, most_prefill: int, most_decode: int
 ) -> None:
-    assert chaos.most_connections(prefill_tp, decode_tp) == most
-    assert chaos.gauges_idle(IDLE | {"connections": float(most)}, 0.0, most)
-    assert not chaos.gauges_idle(IDLE | {"connections": float(most + 1)}, 0.0, most)
+    settings = chaos.Settings(prefills=prefills, decodes=decodes, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    for role, most in (("prefill", most_prefill), ("decode", most_decode)):
+        assert chaos.most_connections(settings, role) == most
+        assert chaos.gauges_idle(IDLE | {"connections": float(most)}, 0.0, most)
+        assert not chaos.gauges_idle(IDLE | {"connections": float(most + 1)}, 0.0, most)
+
+
+def test_the_command_line_keeps_two_of_each_by_default_and_takes_a_smaller_fleet() -> None:
+    settings, _ = chaos.parse([])
+    assert (settings.prefills, settings.decodes, settings.prefill_tp, settings.decode_tp) == (2, 2, 1, 1)
+    assert settings == chaos.Settings()
+    settings, args = chaos.parse(
+        "--prefills 1 --decodes 1 --prefill-tp 2 --kill-roles prefill-rank --max-kills 1 --clients 2 "
+        "--bound 240 --kv-timeout 30 --ready-timeout 600 --out x.json".split()
+    )
+    assert (settings.prefills, settings.decodes, settings.prefill_tp, settings.decode_tp) == (1, 1, 2, 1)
+    assert settings.kill_roles == ("prefill-rank",)
+    assert (settings.max_kills, settings.clients, settings.bound, settings.kv_timeout) == (1, 2, 240.0, 30.0)
+    assert settings.ready_timeout == 600.0 and str(args.out) == "x.json"
+    settings, _ = chaos.parse("--prefills 3 --decodes 1 --decode-tp 2 --kill-roles decode-rank,prefill".split())
+    assert (settings.prefills, settings.decodes, settings.kill_roles) == (3, 1, ("decode-rank", "prefill"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--prefills 0",
+        "--decodes 0",
+        "--decodes -1",
+        "--prefill-tp 0",
+        "--kill-roles decode-rank",  # decode TP 1: no rank to kill but the instance's only one
+        "--prefill-tp 2 --kill-roles decode-rank",
+        "--prefills 1 --kill-roles prefill,somebody",
+    ],
+)
+def test_the_command_line_refuses_a_fleet_the_soak_cannot_run(argv: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        chaos.parse(argv.split())
+    assert exited.value.code == 2
+    assert "error:" in capsys.readouterr().err
+    with pytest.raises(ValueError):  # run_chaos refuses the same settings before starting anything
+        chaos.check(chaos.Settings(**_fields(argv)))
+
+
+def _fields(argv: str) -> dict:
+    settings, names = {}, argv.split()[::2]
+    for name, value in zip(names, argv.split()[1::2], strict=True):
+        key = name.removeprefix("--").replace("-", "_")
+        settings[key] = tuple(value.split(",")) if key == "kill_roles" else int(value)
+    return settings
+
+
+class _Named:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Fleet:
+    def __init__(self, prefills: int, decodes: int) -> None:
+        self.prefills = [_Named(f"prefill{i}") for i in range(prefills)]
+        self.decodes = [_Named(f"decode{j}") for j in range(decodes)]
+
+
+def _run_over(prefills: int, decodes: int, down: set[str]) -> chaos.Chaos:
+    run = object.__new__(chaos.Chaos)  # begin reads only the fleet, the instances down and the clock
+    run.cluster, run.down, run.in_flight, run._serial = _Fleet(prefills, decodes), down, {}, 0
+    run._lock, run._t0 = threading.Lock(), time.monotonic()
+    return run
+
+
+def test_with_one_decode_instance_nothing_is_sent_while_it_is_down() -> None:
+    run = _run_over(1, 1, {"decode0"})
+    rng = random.Random(0)
+    assert run.begin("proxy", rng) is None
+    assert run.begin("long", rng) is None
+    assert run.in_flight == {}
+    run.down.clear()
+    assert run.begin("proxy", rng) == (1, None, None)
+    serial, prefill, decode = run.begin("long", rng)
+    assert (serial, prefill.name, decode.name) == (2, "prefill0", "decode0")
+    assert [flow for flow, _ in run.in_flight.values()] == ["proxy", "long"]
+
+
+def test_with_the_only_prefill_instance_down_the_proxy_still_gets_requests_the_flow_by_hand_none() -> None:
+    # The proxy sends a request whose prefill failed everywhere to a decode instance, told that
+    # nothing was saved; the P/D flow by hand has no prefill instance to send to.
+    run = _run_over(1, 1, {"prefill0"})
+    rng = random.Random(0)
+    assert run.begin("long", rng) is None
+    assert run.begin("proxy", rng) == (1, None, None)
+
+
+def test_with_two_of_each_requests_go_only_to_instances_up() -> None:
+    run = _run_over(2, 2, {"prefill1", "decode0"})
+    rng = random.Random(0)
+    chosen = {(p.name, d.name) for _, p, d in (run.begin("long", rng) for _ in range(40))}
+    assert chosen == {("prefill0", "decode1")}
+    assert run.begin("proxy", rng)[1:] == (None, None)
+    assert len(run.in_flight) == 41
 
 
 def test_a_failed_load_is_explained_by_the_entry_timeout_only_when_its_request_outlasted_it() -> None:
@@ -167,3 +283,38 @@ def test_the_report_counts_the_errors_the_entry_timeout_explains() -> None:
 class _NoInstances:
     prefills: list = []
     decodes: list = []
+
+
+@pytest.mark.parametrize(
+    ("prefills", "decodes", "prefill_tp", "decode_tp", "binds"),
+    [
+        # name: VLLM_CPU_OMP_THREADS_BIND (rank r of an instance on core (its core + r) % 2)
+        (2, 2, 1, 1, {"prefill0": "0", "prefill1": "1", "decode0": "1", "decode1": "0"}),
+        (2, 2, 2, 2, {"prefill0": "0|1", "prefill1": "1|0", "decode0": "1|0", "decode1": "0|1"}),
+        (1, 1, 2, 1, {"prefill0": "0|1", "decode0": "1"}),
+        (1, 1, 1, 2, {"prefill0": "0", "decode0": "1|0"}),
+        (3, 1, 1, 1, {"prefill0": "0", "prefill1": "1", "prefill2": "0", "decode0": "1"}),
+    ],
+)
+def test_a_fleet_of_any_size_pins_prefill_and_decode_instances_apart(
+    tmp_path: Path, prefills: int, decodes: int, prefill_tp: int, decode_tp: int, binds: dict[str, str]
+) -> None:
+    fleet = xp.Fleet("model", tmp_path, prefill_tp=prefill_tp, decode_tp=decode_tp, prefills=prefills, decodes=decodes)
+    assert [i.name for i in fleet.instances] == list(binds)
+    assert {i.name: i.env["VLLM_CPU_OMP_THREADS_BIND"] for i in fleet.instances} == binds
+    assert {i.role for i in fleet.prefills} == {"kv_producer"} and {i.role for i in fleet.decodes} == {"kv_consumer"}
+    assert len({i.kv_port for i in fleet.prefills}) == prefills  # each prefill instance listens on its own
+    assert {i.kv_port for i in fleet.decodes} == {fleet.prefills[0].kv_port}
+    assert all(i.server is None for i in fleet.instances)  # nothing started
+    for one in fleet.instances:
+        tp = prefill_tp if one in fleet.prefills else decode_tp
+        assert ("--tensor-parallel-size" in one.command) is (tp > 1)
+    producer_tp = [json.loads(i.command[i.command.index("--kv-transfer-config") + 1]) for i in fleet.decodes]
+    expected = prefill_tp if prefill_tp != decode_tp else None
+    assert {c["kv_connector_extra_config"].get("kv_producer_tp_size") for c in producer_tp} == {expected}
+
+
+@pytest.mark.parametrize(("prefills", "decodes"), [(0, 1), (1, 0)])
+def test_a_fleet_needs_an_instance_of_each_role(tmp_path: Path, prefills: int, decodes: int) -> None:
+    with pytest.raises(ValueError, match="at least"):
+        xp.Fleet("model", tmp_path, prefills=prefills, decodes=decodes)

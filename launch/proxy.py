@@ -86,6 +86,11 @@ class Timeouts:
 
     connect: float = 10.0
     read: float = 600.0
+    #: How long an idle upstream connection stays pooled. vLLM's API server closes connections idle
+    #: for ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` seconds (5 by default); a request sent on one just as the
+    #: server closes it fails before the server reads it ("Can not write request body"), so the pool
+    #: lets them go well before.
+    keepalive: float = 2.0
 
     def client_timeout(self) -> aiohttp.ClientTimeout:
         """aiohttp's form: no bound on a whole request, only on connecting and on silence."""
@@ -209,7 +214,8 @@ class Proxy:
     async def _start(self, app: web.Application) -> None:
         # No pool limit: every client request gets its upstream connection; vLLM queues requests itself.
         self._session = aiohttp.ClientSession(
-            timeout=self.timeouts.client_timeout(), connector=aiohttp.TCPConnector(limit=0)
+            timeout=self.timeouts.client_timeout(),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.timeouts.keepalive),
         )
         self._health_task = asyncio.create_task(self._check_health_forever())
 

@@ -563,3 +563,23 @@ def full_listener() -> Any:
         finally:
             for filler in fillers:
                 filler.close()
+
+
+def test_pooled_connections_leave_before_vllm_closes_idle_ones() -> None:
+    """A pooled connection that vLLM's API server closes while the proxy sends on it is a 502: the
+    pool must let idle connections go before the server's keep-alive ends."""
+    import vllm.envs
+
+    async def scenario() -> None:
+        instance = proxy.Proxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], health_interval=3600)
+        server = TestServer(instance.app())
+        await server.start_server()
+        try:
+            connector = instance._client().connector
+            assert connector is not None
+            assert connector._keepalive_timeout == instance.timeouts.keepalive
+        finally:
+            await server.close()
+
+    assert proxy.Timeouts().keepalive < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    run(scenario())

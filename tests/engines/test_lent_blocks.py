@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from connector.vllm_pd_store import KVBridgePDStoreConnector, PDStoreMetadata
 from connector.vllm_producer_worker import DualWorker, ProducerWorker
 from connector.vllm_scheduler import KVBridgeMetadata, KVBridgeWorkerMetadata, SchedulerSide
 from connector.vllm_settings import ConnectorSettings
+from connector.vllm_store import StoreMetadata
 from connector.vllm_v1 import KVBridgeConnector
 from connector.vllm_worker import WorkerSide, find_layout
 from harness import vllm_procs as vp
@@ -265,15 +267,23 @@ def test_entries_are_taken_back_in_handle_preemptions_before_vllm_writes_any_blo
 
 @pytest.mark.parametrize("reason", ["take_back", "withdraw"])
 def test_the_pd_store_connector_takes_entries_back_in_handle_preemptions_too(reason: str) -> None:
-    # P/D with the store forwards the pipe's part of the metadata to the same producer worker.
+    # P/D with the store forwards the pipe's part of the metadata to the same producer worker, and the
+    # store's (its preempted gathers) to its store worker.
     workers, lending = _tp_ranks()
     connector = object.__new__(KVBridgePDStoreConnector)
     connector._worker, connector._scheduler, connector._connector_metadata = workers[0], None, None
+    store_preemptions: list[list[str]] = []
+    connector._store_worker = SimpleNamespace(preempt=lambda req_ids: store_preemptions.append(list(req_ids)))
     try:
         workers[0].save([SAVES[1]])
-        connector.handle_preemptions(PDStoreMetadata(pipe=KVBridgeMetadata(**{reason: [SAVES[1].req_id]})))
+        connector.handle_preemptions(
+            PDStoreMetadata(
+                pipe=KVBridgeMetadata(**{reason: [SAVES[1].req_id]}), store=StoreMetadata(preempted=[SAVES[1].req_id])
+            )
+        )
         assert lending.loans[0].outcome == TAKEN_BACK
         assert workers[0].total_stats().data["taken_back"] == 1
+        assert store_preemptions == [[SAVES[1].req_id]]
     finally:
         for worker in workers:
             worker.close()

@@ -554,6 +554,24 @@ def fake_worker(
     return worker
 
 
+def store_identity(num_layers: int, block_size: int, model: str = "fake") -> Any:
+    """The compatibility identity of a one-rank ``kv_both`` store worker over fp32 fake caches."""
+    from connector import compat
+
+    return compat.KVLayoutInfo(
+        version=compat.VERSION,
+        role="kv_both",
+        model=model,
+        dtype="float32",
+        block_size=block_size,
+        num_layers=num_layers,
+        block_shape=(),
+        layout="x",
+        tp_size=1,
+        tp_rank=0,
+    )
+
+
 def load_and_wait(worker: Any, specs: list[Any], timeout: float) -> set[int]:
     """Start ``specs`` and poll the worker as vLLM does, each step, until every load (drains
     excepted) was reported finished; return the failed blocks, checking that each load's failed

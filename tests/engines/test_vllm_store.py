@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from connector import compat
 from connector.transfer_plan import transfer_prefix_len
 from connector.vllm_store import (
     StagingPool,
@@ -88,20 +87,7 @@ def test_store_settings_take_no_transfer_options() -> None:
 # ---------------------------------------------------------------------- scheduler side
 
 B = vp.BLOCK_SIZE
-SPACE = identity_namespace(
-    compat.KVLayoutInfo(
-        version=compat.VERSION,
-        role="kv_both",
-        model="m",
-        dtype="float32",
-        block_size=B,
-        num_layers=2,
-        block_shape=(),
-        layout="x",
-        tp_size=1,
-        tp_rank=0,
-    )
-)
+SPACE = identity_namespace(vp.store_identity(2, B, model="m"))
 
 
 def _scheduler(tmp_path: Path) -> StoreScheduler:
@@ -201,18 +187,7 @@ def _worker(
 ) -> StoreWorker:
     tiers = path if isinstance(path, str) else f"memory,disk:{path}"
     settings = StoreSettings.from_extra({"kv_store": {"tiers": tiers, "chunk_size": FAKE_CHUNK}}, environ=environ or {})
-    identity = compat.KVLayoutInfo(
-        version=compat.VERSION,
-        role="kv_both",
-        model="fake",
-        dtype="float32",
-        block_size=FB,
-        num_layers=len(caches),
-        block_shape=(),
-        layout="x",
-        tp_size=1,
-        tp_rank=0,
-    )
+    identity = vp.store_identity(len(caches), FB)
     worker = StoreWorker(settings, identity)
     worker.register(caches, find_layout(caches[0], vp.FAKE_BLOCKS, FB, layout_name), layout_name)
     return worker
@@ -501,18 +476,7 @@ def test_a_full_memory_tier_reports_its_evictions(tmp_path: Path) -> None:
         },
         environ={},
     )
-    identity = compat.KVLayoutInfo(
-        version=compat.VERSION,
-        role="kv_both",
-        model="fake",
-        dtype="float32",
-        block_size=FB,
-        num_layers=len(source),
-        block_shape=(),
-        layout="x",
-        tp_size=1,
-        tp_rank=0,
-    )
+    identity = vp.store_identity(len(source), FB)
     worker = StoreWorker(settings, identity)
     worker.register(source, find_layout(source[0], vp.FAKE_BLOCKS, FB, "CPU_ATTN/vec"), "CPU_ATTN/vec")
     worker.save([StoreSave("s", tokens, [3, 7, 1, 5, 0, 8], first_chunk=0)])

@@ -21,7 +21,6 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 import connector.vllm_store as vllm_store
-from connector import compat
 from connector.paged import gather_blocks
 from connector.vllm_store import SAVE_QUEUE_DEPTH, StoreSave, StoreScheduler, StoreSettings, StoreWorker
 from connector.vllm_store_connector import KVBridgeStoreConnector
@@ -57,24 +56,9 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     held.opened.set()  # a failed test leaves no gather waiting
 
 
-def _identity(caches: list[torch.Tensor], block_size: int) -> compat.KVLayoutInfo:
-    return compat.KVLayoutInfo(
-        version=compat.VERSION,
-        role="kv_both",
-        model="fake",
-        dtype="float32",
-        block_size=block_size,
-        num_layers=len(caches),
-        block_shape=(),
-        layout="x",
-        tp_size=1,
-        tp_rank=0,
-    )
-
-
 def _worker(path: Path, caches: list[torch.Tensor]) -> StoreWorker:
     settings = StoreSettings.from_extra({"kv_store": {"tiers": f"disk:{path}", "chunk_size": CHUNK}}, environ={})
-    worker = StoreWorker(settings, _identity(caches, FB))
+    worker = StoreWorker(settings, vp.store_identity(len(caches), FB))
     worker.register(caches, find_layout(caches[0], vp.FAKE_BLOCKS, FB, "CPU_ATTN/vec"), "CPU_ATTN/vec")
     return worker
 
@@ -293,7 +277,7 @@ def test_vllm_frees_a_saved_requests_blocks_only_once_the_worker_reports_its_gat
     connector = scheduler.connector
     assert isinstance(connector, KVBridgeStoreConnector)
     caches = vp.fake_caches(11, block_size=vp.BLOCK_SIZE)
-    worker = StoreWorker(connector._store_scheduler.settings, _identity(caches, vp.BLOCK_SIZE))
+    worker = StoreWorker(connector._store_scheduler.settings, vp.store_identity(len(caches), vp.BLOCK_SIZE))
     worker.register(caches, find_layout(caches[0], vp.FAKE_BLOCKS, vp.BLOCK_SIZE, "CPU_ATTN/vec"), "CPU_ATTN/vec")
     connector.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.handshake()})
     free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks

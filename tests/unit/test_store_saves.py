@@ -14,44 +14,28 @@ import torch
 from vllm import SamplingParams
 from vllm.config import ModelConfig
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
-import connector.vllm_store as vllm_store
 from connector.paged import gather_blocks
 from connector.vllm_store import SAVE_QUEUE_DEPTH, StoreSave, StoreScheduler, StoreSettings, StoreWorker
 from connector.vllm_store_connector import KVBridgeStoreConnector
 from connector.vllm_worker import find_layout
 from harness import vllm_procs as vp
+from harness.store_gathers import WAIT, GatherGate, hold_gathers, stored_chunks
 from harness.vllm_fakes import make_request, new_req_data, scheduler_output
-from harness.vllm_scheduler import make_scheduler
-from kv_store import chunk_keys, decode_chunk
+from harness.vllm_scheduler import make_scheduler, tiny_model_config
 
 FB = vp.FAKE_BLOCK_SIZE
 CHUNK = 2 * FB
-WAIT = 30.0  # seconds any wait of these tests may take before the test fails
-
-
-class Gate:
-    """Holds every gather at its start until opened; ``started`` names the requests' blocks seen."""
-
-    def __init__(self) -> None:
-        self.opened = threading.Event()
-        self.started = threading.Event()
-
-    def gather(self, *args: object, **kwargs: object) -> torch.Tensor:
-        self.started.set()
-        assert self.opened.wait(WAIT), "the gate was never opened"
-        return gather_blocks(*args, **kwargs)
 
 
 @pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
-    held = Gate()
-    monkeypatch.setattr(vllm_store, "gather_blocks", held.gather)
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatherGate]:
+    held = hold_gathers(monkeypatch)
     yield held
     held.opened.set()  # a failed test leaves no gather waiting
 
@@ -74,13 +58,7 @@ def _overwrite(caches: list[torch.Tensor], block_ids: list[int]) -> None:
 
 
 def _stored_chunks(worker: StoreWorker, tokens: list[int]) -> list[torch.Tensor | None]:
-    """Each chunk's blocks as the store holds them, None where it holds none."""
-    keys = chunk_keys(worker.namespace, tokens, CHUNK)
-    blobs = worker.store.get_many([key.key for key in keys])
-    return [
-        None if blob is None else decode_chunk(blob, key.key, tokens[key.start : key.stop], worker.mac_key)[0]
-        for key, blob in zip(keys, blobs, strict=True)
-    ]
+    return stored_chunks(worker, tokens, CHUNK)
 
 
 def _assert_stored(worker: StoreWorker, tokens: list[int], original: list[torch.Tensor], block_ids: list[int]) -> None:
@@ -93,7 +71,7 @@ def _assert_stored(worker: StoreWorker, tokens: list[int], original: list[torch.
 
 
 def test_a_request_that_finishes_before_its_gather_is_reported_once_the_gather_is_done(
-    tmp_path: Path, gate: Gate
+    tmp_path: Path, gate: GatherGate
 ) -> None:
     caches = vp.fake_caches(1)
     original = [cache.clone() for cache in caches]
@@ -117,7 +95,7 @@ def test_a_request_that_finishes_before_its_gather_is_reported_once_the_gather_i
 
 
 def test_a_request_preempted_before_its_gather_started_stores_nothing_and_is_held_until_it_finishes(
-    tmp_path: Path, gate: Gate
+    tmp_path: Path, gate: GatherGate
 ) -> None:
     caches = vp.fake_caches(2)
     original = [cache.clone() for cache in caches]
@@ -138,7 +116,7 @@ def test_a_request_preempted_before_its_gather_started_stores_nothing_and_is_hel
     worker.close()
 
 
-def test_a_request_preempted_during_its_gather_is_waited_for_and_stored_whole(tmp_path: Path, gate: Gate) -> None:
+def test_a_request_preempted_during_its_gather_is_waited_for_and_stored_whole(tmp_path: Path, gate: GatherGate) -> None:
     caches = vp.fake_caches(3)
     original = [cache.clone() for cache in caches]
     worker = _worker(tmp_path, caches)
@@ -163,7 +141,7 @@ def test_a_request_preempted_during_its_gather_is_waited_for_and_stored_whole(tm
     worker.close()
 
 
-def test_a_preempted_gather_not_done_within_the_wait_is_dropped(tmp_path: Path, gate: Gate) -> None:
+def test_a_preempted_gather_not_done_within_the_wait_is_dropped(tmp_path: Path, gate: GatherGate) -> None:
     caches = vp.fake_caches(4)
     worker = _worker(tmp_path, caches)
     tokens, blocks = _tokens(70), [2, 5, 8, 1]
@@ -179,7 +157,7 @@ def test_a_preempted_gather_not_done_within_the_wait_is_dropped(tmp_path: Path, 
     worker.close()
 
 
-def test_an_aborted_request_keeps_its_blocks_until_its_gather_is_done(tmp_path: Path, gate: Gate) -> None:
+def test_an_aborted_request_keeps_its_blocks_until_its_gather_is_done(tmp_path: Path, gate: GatherGate) -> None:
     scheduler_settings = StoreSettings.from_extra(
         {"kv_store": {"tiers": f"disk:{tmp_path}", "chunk_size": CHUNK}}, environ={}
     )
@@ -226,7 +204,7 @@ def test_the_scheduler_tells_the_workers_only_the_preempted_requests_with_a_save
     scheduler.store.close()
 
 
-def test_a_full_save_queue_drops_the_save_and_still_reports_the_request(tmp_path: Path, gate: Gate) -> None:
+def test_a_full_save_queue_drops_the_save_and_still_reports_the_request(tmp_path: Path, gate: GatherGate) -> None:
     caches = vp.fake_caches(6)
     worker = _worker(tmp_path, caches)
     specs = [
@@ -245,7 +223,7 @@ def test_a_full_save_queue_drops_the_save_and_still_reports_the_request(tmp_path
     worker.close()
 
 
-def test_closing_finishes_the_gathers_pending(tmp_path: Path, gate: Gate) -> None:
+def test_closing_finishes_the_gathers_pending(tmp_path: Path, gate: GatherGate) -> None:
     caches = vp.fake_caches(7)
     original = [cache.clone() for cache in caches]
     worker = _worker(tmp_path, caches)
@@ -261,13 +239,11 @@ def test_closing_finishes_the_gathers_pending(tmp_path: Path, gate: Gate) -> Non
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
-    init_none_hash(sha256)  # what EngineCore does before it hashes any block
-    path = vp.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-store-saves"))
-    return ModelConfig(model=path, dtype="float32", seed=0, max_model_len=512, skip_tokenizer_init=True)
+    return tiny_model_config(tmp_path_factory.mktemp("tiny-llama-store-saves"))
 
 
 def test_vllm_frees_a_saved_requests_blocks_only_once_the_worker_reports_its_gather_done(
-    model_config: ModelConfig, tmp_path: Path, gate: Gate
+    model_config: ModelConfig, tmp_path: Path, gate: GatherGate
 ) -> None:
     """vLLM's own scheduler with the store connector, and a worker whose gather is held: the finished
     request's blocks stay allocated until the worker reports it finished sending."""

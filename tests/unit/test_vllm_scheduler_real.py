@@ -24,7 +24,7 @@ import torch
 from vllm import SamplingParams
 from vllm.config import ModelConfig
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -63,9 +63,7 @@ HOOKS = (
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
-    init_none_hash(sha256)  # what EngineCore does before it hashes any block
-    path = vp.make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-sched"))
-    return ModelConfig(model=path, dtype="float32", seed=0, max_model_len=512, skip_tokenizer_init=True)
+    return vllm_scheduler.tiny_model_config(tmp_path_factory.mktemp("tiny-llama-sched"))
 
 
 def make_scheduler(

@@ -1,0 +1,207 @@
+"""Held blocks under vLLM's asynchronous scheduling: vLLM's real AsyncScheduler schedules step N+1
+before it takes in step N's output (:class:`harness.vllm_scheduler.AsyncSteps`), so a request
+finishes, is preempted or is aborted while a later step is already on its way to the worker.
+
+A request whose blocks a save reads (the store's gather) or lends (the P/D producer) keeps them
+until the worker has seen the save and is done with it: vLLM frees them once, then, and the
+forward pass of a later step writes other KV into them; what was stored or lent still holds the
+request's bits. Every table is empty at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.config import ModelConfig
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from connector.paged import gather_blocks
+from connector.vllm_store import StoreWorker
+from connector.vllm_store_connector import KVBridgeStoreConnector
+from connector.vllm_worker import find_layout
+from harness import vllm_procs as vp
+from harness.store_gathers import WAIT, GatherGate, hold_gathers, stored_chunks
+from harness.vllm_scheduler import AsyncSteps, make_scheduler, tiny_model_config
+
+B = vp.BLOCK_SIZE
+BLOCKS = vp.FAKE_BLOCKS  # vLLM's block 0 is its null block: 8 blocks for requests
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
+    return tiny_model_config(tmp_path_factory.mktemp("tiny-llama-async"))
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[GatherGate]:
+    held = hold_gathers(monkeypatch)
+    yield held
+    held.opened.set()  # a failed test leaves no gather waiting
+
+
+def _request(req_id: str, start: int, length: int, max_tokens: int) -> Request:
+    return Request(
+        req_id,
+        list(range(start, start + length)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        None,
+        block_hasher=get_request_block_hasher(B, sha256),
+    )
+
+
+class Store:
+    """An instance storing its prompts (chunks of one block) under vLLM's AsyncScheduler, its worker
+    a real store connector over fake caches of :data:`BLOCKS` blocks."""
+
+    def __init__(self, model_config: ModelConfig, tmp_path: Path, seed: int) -> None:
+        extra = {"kv_store": {"tiers": f"disk:{tmp_path}", "chunk_size": B}}
+        self.scheduler: Scheduler = make_scheduler(
+            model_config, "kv_both", num_blocks=BLOCKS, extra=extra, async_scheduling=True
+        )
+        connector = self.scheduler.connector
+        assert isinstance(connector, KVBridgeStoreConnector)
+        self.store_scheduler = connector._store_scheduler
+        self.caches = vp.fake_caches(seed, block_size=B)
+        self.layout = find_layout(self.caches[0], BLOCKS, B, "CPU_ATTN/vec")
+        self.worker = StoreWorker(self.store_scheduler.settings, vp.store_identity(len(self.caches), B))
+        self.worker.register(self.caches, self.layout, "CPU_ATTN/vec")
+        connector.set_xfer_handshake_metadata_pp_aware({(0, 0): self.worker.handshake()})
+        worker_connector = object.__new__(KVBridgeStoreConnector)
+        worker_connector._store_worker, worker_connector._store_scheduler = self.worker, None
+        worker_connector._connector_metadata = None
+        self.connector = worker_connector
+        self.free = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks
+        self.free_at_start = self.free()
+        self.loop = AsyncSteps(self.scheduler, worker_connector, self.caches, on_free=self._on_free, seed=seed)
+        #: The bits of each saved request's blocks when the worker was handed its save.
+        self.saved_bits: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+        self._save = self.worker.save
+        self.worker.save = self._record_save  # type: ignore[method-assign]
+
+    def _record_save(self, saves: Any) -> None:
+        for spec in saves:
+            self.saved_bits[spec.req_id] = (
+                spec.token_ids,
+                [gather_blocks(self.caches, self.layout, torch.tensor([block])) for block in spec.block_ids],
+            )
+        self._save(saves)
+
+    def _on_free(self, request: Request) -> None:
+        # vLLM frees a request's blocks: no gather of this worker may still read them.
+        assert not self.worker.holds(request.request_id), f"{request.request_id} freed while its save reads it"
+
+    def blocks(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def assert_stored(self, req_id: str) -> None:
+        """Every chunk of ``req_id``'s save is stored with the bits its blocks held at the save."""
+        tokens, bits = self.saved_bits[req_id]
+        chunks = stored_chunks(self.worker, tokens, B)
+        assert len(chunks) == len(bits)
+        for index, (chunk, expected) in enumerate(zip(chunks, bits, strict=True)):
+            assert chunk is not None and torch.equal(chunk, expected), f"chunk {index} of {req_id}"
+
+    def assert_idle(self, finished: list[str]) -> None:
+        """Each request freed once, nothing held anywhere, every block free again."""
+        assert sorted(self.loop.freed) == sorted(finished)
+        assert self.loop.idle() and self.free() == self.free_at_start
+        assert self.worker.held_requests() == 0 and not self.worker._finished
+        assert not self.store_scheduler._saving and not self.store_scheduler._prompts
+
+    def close(self) -> None:
+        self.worker.close()
+        self.scheduler.connector.shutdown()
+
+
+@pytest.fixture
+def store(model_config: ModelConfig, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Store]:
+    instance = Store(model_config, tmp_path, seed=len(request.node.name))
+    yield instance
+    instance.close()
+
+
+def test_a_request_finishing_with_the_next_step_scheduled_keeps_its_blocks_until_its_gather_is_done(
+    store: Store, gate: GatherGate
+) -> None:
+    loop = store.loop
+    store.scheduler.add_request(_request("r", 1000, 3 * B + 5, max_tokens=1))
+    loop.step()  # step 1 scheduled and run: the worker is handed r's save, its gather is held
+    assert gate.started.wait(WAIT) and list(store.worker._gathers) == ["r"]
+    r_blocks = store.blocks("r")
+    loop.step()  # step 2 is scheduled before step 1's output finishes r
+    assert store.scheduler.requests["r"].is_finished() and "r" in store.scheduler.requests
+    # A request that needs more blocks than are left besides r's: vLLM can give it r's once freed.
+    store.scheduler.add_request(_request("w", 5000, 6 * B + 1, max_tokens=2))
+    loop.run(lambda: len(loop.steps) >= 8)
+    assert loop.freed == [] and "w" not in store.scheduler.running  # r's blocks are all still kept
+    gate.opened.set()
+    store.worker.flush()
+    loop.run(loop.idle)
+    assert loop.freed == ["r", "w"]
+    w_steps = [step for step in loop.steps if any(new.req_id == "w" for new in step.scheduled_new_reqs)]
+    (w_new,) = [new for new in w_steps[0].scheduled_new_reqs if new.req_id == "w"]
+    assert set(w_new.block_ids[0]) & set(r_blocks)  # written by w's forward pass after r was freed
+    store.assert_stored("r")
+    store.assert_idle(["r", "w"])
+
+
+def test_a_request_preempted_in_async_mode_during_its_gather_is_stored_whole_and_freed_once(
+    store: Store, gate: GatherGate
+) -> None:
+    loop = store.loop
+    preempting: list[list[str]] = []
+    handle_preemptions = store.connector.handle_preemptions
+
+    def opening(meta: Any) -> None:
+        # The step that preempts b reaches the worker while b's gather is under way (held).
+        if meta.preempted:
+            assert gate.started.is_set()
+            preempting.append(list(meta.preempted))
+            gate.opened.set()
+        handle_preemptions(meta)
+
+    store.connector.handle_preemptions = opening  # type: ignore[method-assign]
+    # a (one block, no full chunk: nothing to save) and b (7 blocks) take all 8; the first of them
+    # to need another block has b preempted.
+    store.scheduler.add_request(_request("a", 100, B - 1, max_tokens=3 * B))
+    store.scheduler.add_request(_request("b", 2000, 7 * B - 1, max_tokens=4))
+    loop.step()
+    assert gate.started.wait(WAIT)
+    b_blocks = store.blocks("b")
+    loop.run(lambda: bool(preempting))
+    assert preempting == [["b"]] and store.scheduler.requests["b"].num_preemptions == 1
+    assert set(store.blocks("a")) & set(b_blocks)  # a's forward pass writes a block b had
+    loop.run(loop.idle)
+    assert store.worker.stats().saves_dropped == 0
+    store.assert_stored("b")
+    assert len(store.saved_bits) == 1  # resumed, b finds its prompt stored: no second save
+    store.assert_idle(["a", "b"])
+
+
+def test_an_aborted_request_with_a_step_in_flight_keeps_its_blocks_until_its_gather_is_done(
+    store: Store, gate: GatherGate
+) -> None:
+    loop = store.loop
+    store.scheduler.add_request(_request("x", 3000, 4 * B + 3, max_tokens=50))
+    store.scheduler.add_request(_request("y", 4000, 2 * B, max_tokens=50))
+    loop.step()
+    assert gate.started.wait(WAIT)
+    loop.step()  # step 2 in flight with x's and y's next tokens; step 1's output taken in
+    loop.step()
+    store.scheduler.finish_requests(["x", "y"], RequestStatus.FINISHED_ABORTED)
+    assert loop.freed == []  # neither: x and y both have a save under way (y's waits behind x's)
+    loop.run(lambda: len(loop.steps) >= 10)
+    assert loop.freed == []
+    gate.opened.set()
+    store.worker.flush()
+    loop.run(loop.idle)
+    store.assert_stored("x")
+    store.assert_stored("y")
+    store.assert_idle(["x", "y"])

@@ -14,6 +14,7 @@ from vllm.v1.request import Request
 
 from connector.vllm_v1 import KVBridgeConnector
 from harness import vllm_procs as vp
+from lookup_buffer.loans import Loan
 
 B = vp.BLOCK_SIZE
 
@@ -89,6 +90,19 @@ class FailingInserts:
 
     def close(self) -> None:
         self.inserted.clear()
+
+
+class LendingInserts(FailingInserts):
+    """A producer's lookup buffer that lends what it is given: each insert returns the entry's loan."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.loans: list[Loan] = []
+
+    def insert(self, *args: Any, **kwargs: Any) -> Loan:
+        super().insert(*args, **kwargs)
+        self.loans.append(Loan())
+        return self.loans[-1]
 
 
 def random_blocks(seed: int, count: int) -> torch.Tensor:

@@ -38,6 +38,7 @@ from harness.vllm_fakes import (
     FAKE_TOKENS,
     B,
     FailingInserts,
+    LendingInserts,
     bare_connector,
     cached_data,
     make_request,
@@ -46,7 +47,7 @@ from harness.vllm_fakes import (
 )
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVBufferFullError, KVConfigError
-from lookup_buffer.loans import EVICTED, EXPIRED, RETURNED, TAKEN_BACK, Loan
+from lookup_buffer.loans import EVICTED, EXPIRED, RETURNED, TAKEN_BACK
 
 # ====================================================================== scheduler side
 
@@ -186,23 +187,10 @@ def test_a_request_saved_by_a_copy_then_preempted_and_aborted_leaves_nothing_beh
         worker.close()
 
 
-class _LendingInserts(FailingInserts):
-    """A producer's lookup buffer that lends what it is given: each insert returns the entry's loan."""
-
-    def __init__(self) -> None:
-        super().__init__({})
-        self.loans: list[Loan] = []
-
-    def insert(self, *args: Any, **kwargs: Any) -> Loan:
-        super().insert(*args, **kwargs)
-        self.loans.append(Loan())
-        return self.loans[-1]
-
-
-def _tp_ranks() -> tuple[list[Any], _LendingInserts]:
+def _tp_ranks() -> tuple[list[Any], LendingInserts]:
     """Three TP ranks of one producer: rank 0 lends its saves, rank 1 copies them, rank 2 finds its
     buffer full for SAVES[1]."""
-    lending = _LendingInserts()
+    lending = LendingInserts()
     buffers = [lending, FailingInserts({}), FailingInserts({SAVES[1].token_ids[0]: KVBufferFullError("full")})]
     workers = [
         vp.fake_worker(
@@ -592,7 +580,7 @@ def test_a_worker_of_both_roles_loads_bit_exact_what_it_saved_over_its_own_liste
 def test_a_loan_that_ends_before_its_request_finishes_is_reported_gone_once() -> None:
     # A prefill request that keeps generating may outlive its entry (kv_entry_timeout counts from the
     # save): announced, it would send its decode request after an entry that is gone.
-    lending = _LendingInserts()
+    lending = LendingInserts()
     worker = vp.fake_worker(
         "kv_producer",
         1,

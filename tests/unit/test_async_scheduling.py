@@ -28,7 +28,9 @@ from connector.vllm_store_connector import KVBridgeStoreConnector
 from connector.vllm_worker import find_layout
 from harness import vllm_procs as vp
 from harness.store_gathers import WAIT, GatherGate, hold_gathers, stored_chunks
+from harness.vllm_fakes import LendingInserts, bare_connector
 from harness.vllm_scheduler import AsyncSteps, make_scheduler, tiny_model_config
+from lookup_buffer.loans import RETURNED, TAKEN_BACK, Loan
 
 B = vp.BLOCK_SIZE
 BLOCKS = vp.FAKE_BLOCKS  # vLLM's block 0 is its null block: 8 blocks for requests
@@ -205,3 +207,152 @@ def test_an_aborted_request_with_a_step_in_flight_keeps_its_blocks_until_its_gat
     store.assert_stored("x")
     store.assert_stored("y")
     store.assert_idle(["x", "y"])
+
+
+# ====================================================================== the P/D producer's lent blocks
+
+
+class Producer:
+    """A prefill instance (``kv_producer``) under vLLM's AsyncScheduler whose worker lends every
+    save: each one's loan lasts until the test ends it, as a decode instance that took the KV would."""
+
+    def __init__(self, model_config: ModelConfig, seed: int) -> None:
+        self.scheduler: Scheduler = make_scheduler(
+            model_config, "kv_producer", num_blocks=BLOCKS, async_scheduling=True
+        )
+        self.side = self.scheduler.connector._require_scheduler()
+        self.caches = vp.fake_caches(seed, block_size=B)
+        self.buffer = LendingInserts()
+        self.worker = vp.fake_worker(
+            "kv_producer",
+            1,
+            B,
+            self.caches,
+            {"kv_lend_blocks": False},
+            listener_factory=lambda settings, offset, on_connect: self.buffer,
+        )
+        self.connector = bare_connector(self.worker)
+        self.free = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks
+        self.free_at_start = self.free()
+        self.loop = AsyncSteps(self.scheduler, self.connector, self.caches, on_free=self._on_free, seed=seed)
+        #: Each save's loan, and the bits of its blocks when the worker was handed it, per request.
+        self.lent: dict[str, list[tuple[Loan, list[int], torch.Tensor]]] = {}
+        self._save = self.worker.save
+        self.worker.save = self._record_save  # type: ignore[method-assign]
+
+    def _record_save(self, saves: Any) -> None:
+        bits = {spec.req_id: torch.stack([cache[spec.block_ids].clone() for cache in self.caches]) for spec in saves}
+        loans = len(self.buffer.loans)
+        self._save(saves)
+        for spec, loan in zip(saves, self.buffer.loans[loans:], strict=True):
+            self.lent.setdefault(spec.req_id, []).append((loan, list(spec.block_ids), bits[spec.req_id]))
+
+    def _on_free(self, request: Request) -> None:
+        # vLLM frees a request's blocks: none of them may still be lent.
+        assert all(loan.outcome is not None for loan, _, _ in self.lent.get(request.request_id, ()))
+
+    def blocks(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def assert_lent_bits(self, req_id: str, index: int = -1) -> None:
+        """The blocks of ``req_id``'s save ``index`` still hold what they held when it was lent."""
+        _, block_ids, bits = self.lent[req_id][index]
+        assert torch.equal(torch.stack([cache[block_ids] for cache in self.caches]), bits), f"{req_id}'s lent blocks"
+
+    def end_loan(self, req_id: str) -> None:
+        """A decode instance copied ``req_id``'s entry (its blocks checked bit-exact first) and returned it."""
+        self.assert_lent_bits(req_id)
+        loan = self.lent[req_id][-1][0]
+        assert loan.outcome is None
+        loan.end(RETURNED)
+
+    def drain(self) -> None:
+        """Step until idle, each finished request's loan ended once vLLM holds it."""
+
+        def idle() -> bool:
+            for req_id in list(self.worker._held):
+                if self.lent[req_id][-1][0].outcome is None:
+                    self.end_loan(req_id)
+            return self.loop.idle()
+
+        self.loop.run(idle)
+
+    def assert_idle(self, finished: list[str]) -> None:
+        assert sorted(self.loop.freed) == sorted(finished)
+        assert self.loop.idle() and self.free() == self.free_at_start
+        worker, side = self.worker, self.side
+        assert not (worker._kept or worker._held or worker._lent_blocks or worker._gone)
+        assert not (side._saving or side._saved or side._pending or side._held or side._prefixes or side._unsaved)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+@pytest.fixture
+def producer(model_config: ModelConfig, request: pytest.FixtureRequest) -> Iterator[Producer]:
+    instance = Producer(model_config, seed=len(request.node.name))
+    yield instance
+    instance.close()
+
+
+def test_lent_blocks_of_a_request_finishing_with_the_next_step_scheduled_stay_until_the_loan_ends(
+    producer: Producer,
+) -> None:
+    loop, scheduler = producer.loop, producer.scheduler
+    scheduler.add_request(_request("r", 1000, 3 * B + 5, max_tokens=1))
+    loop.step()  # step 1: r's prefix is saved, lent
+    (loan, r_blocks, _) = producer.lent["r"][0]
+    loop.step()  # step 2 scheduled, then step 1's output finishes r
+    assert scheduler.requests["r"].is_finished()
+    scheduler.add_request(_request("w", 5000, 6 * B + 1, max_tokens=2))
+    loop.run(lambda: "r" in producer.worker._held)  # the worker saw r's save, then its hold
+    loop.run(lambda: len(loop.steps) >= 10)
+    assert loop.freed == [] and loan.outcome is None and "w" not in scheduler.running
+    producer.end_loan("r")
+    producer.drain()
+    assert loop.freed == ["r", "w"]
+    (w_new,) = [new for step in loop.steps for new in step.scheduled_new_reqs if new.req_id == "w"]
+    assert set(w_new.block_ids[0]) & set(r_blocks)
+    producer.assert_idle(["r", "w"])
+
+
+def test_a_preempted_request_is_taken_back_before_the_step_writes_its_blocks_and_lent_again_once_recomputed(
+    producer: Producer,
+) -> None:
+    loop, scheduler = producer.loop, producer.scheduler
+    taken_back: list[list[str]] = []
+    handle_preemptions = producer.connector.handle_preemptions
+
+    def checked(meta: Any) -> None:
+        handle_preemptions(meta)
+        if meta.take_back:
+            # Before this step's forward pass writes the blocks vLLM freed: ended, and still intact.
+            taken_back.append(list(meta.take_back))
+            assert producer.lent["b"][0][0].outcome == TAKEN_BACK
+            producer.assert_lent_bits("b", 0)
+
+    producer.connector.handle_preemptions = checked  # type: ignore[method-assign]
+    scheduler.add_request(_request("a", 100, B - 1, max_tokens=3 * B))  # no whole block before its last token
+    scheduler.add_request(_request("b", 2000, 7 * B - 1, max_tokens=4))
+    loop.run(lambda: bool(taken_back))
+    assert taken_back == [["b"]] and scheduler.requests["b"].num_preemptions == 1
+    loop.run(lambda: "b" in producer.worker._held)  # resumed, saved again from its new blocks, finished
+    assert len(producer.lent["b"]) == 2 and loop.freed == ["a"]
+    producer.drain()
+    producer.assert_idle(["a", "b"])
+
+
+def test_an_aborted_request_with_a_step_in_flight_keeps_its_lent_blocks_until_the_loan_ends(
+    producer: Producer,
+) -> None:
+    loop, scheduler = producer.loop, producer.scheduler
+    scheduler.add_request(_request("x", 3000, 4 * B + 3, max_tokens=50))
+    loop.step()
+    loop.step()
+    loop.step()  # x decodes, a step in flight
+    scheduler.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+    loop.run(lambda: "x" in producer.worker._held)
+    loop.run(lambda: len(loop.steps) >= 10)
+    assert loop.freed == []
+    producer.drain()
+    producer.assert_idle(["x"])

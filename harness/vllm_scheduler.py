@@ -144,8 +144,10 @@ class AsyncSteps:
     in the order of vLLM's model runner: ``handle_preemptions``, the forward pass (fresh random KV
     written into the slots of every token the step computes, as a model would, into blocks that may
     have been another request's a step ago), ``bind_connector_metadata``, ``start_load_kv``,
-    ``wait_for_save``, ``get_transfer_results``, ``build_connector_worker_meta``. A request whose
-    prompt is computed samples one token per step.
+    ``wait_for_save``, ``get_transfer_results``, ``build_connector_worker_meta``; with
+    ``defer_finalize``, ``wait_for_save`` comes after those two, as vLLM's model runner calls it with
+    speculative decoding (after the draft model's forward pass). A request whose prompt is computed
+    samples one token per step.
 
     ``freed`` lists, in order, each request whose blocks vLLM freed, and ``on_free`` (if given) is
     called with it just before: a test checks there that nothing still reads them."""
@@ -157,8 +159,10 @@ class AsyncSteps:
         caches: list[torch.Tensor],
         on_free: Callable[[Request], None] | None = None,
         seed: int = 0,
+        defer_finalize: bool = False,
     ) -> None:
         self.scheduler, self.connector, self.caches = scheduler, connector, caches
+        self.defer_finalize = defer_finalize
         self.freed: list[str] = []
         self.steps: list[SchedulerOutput] = []
         self._queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
@@ -214,9 +218,12 @@ class AsyncSteps:
             sampled.append([] if request.is_prefill_chunk else [7])
         connector.bind_connector_metadata(output.kv_connector_metadata)
         connector.start_load_kv(None)
-        connector.wait_for_save()
+        if not self.defer_finalize:
+            connector.wait_for_save()
         results = connector.get_transfer_results(output.finished_req_ids)
         worker_meta = connector.build_connector_worker_meta()
+        if self.defer_finalize:
+            connector.wait_for_save()
         connector.clear_connector_metadata()
         return ModelRunnerOutput(
             req_ids=ids,

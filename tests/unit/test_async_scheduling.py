@@ -62,7 +62,7 @@ class Store:
     """An instance storing its prompts (chunks of one block) under vLLM's AsyncScheduler, its worker
     a real store connector over fake caches of :data:`BLOCKS` blocks."""
 
-    def __init__(self, model_config: ModelConfig, tmp_path: Path, seed: int) -> None:
+    def __init__(self, model_config: ModelConfig, tmp_path: Path, seed: int, defer_finalize: bool) -> None:
         extra = {"kv_store": {"tiers": f"disk:{tmp_path}", "chunk_size": B}}
         self.scheduler: Scheduler = make_scheduler(
             model_config, "kv_both", num_blocks=BLOCKS, extra=extra, async_scheduling=True
@@ -81,7 +81,9 @@ class Store:
         self.connector = worker_connector
         self.free = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks
         self.free_at_start = self.free()
-        self.loop = AsyncSteps(self.scheduler, worker_connector, self.caches, on_free=self._on_free, seed=seed)
+        self.loop = AsyncSteps(
+            self.scheduler, worker_connector, self.caches, self._on_free, seed=seed, defer_finalize=defer_finalize
+        )
         #: The bits of each saved request's blocks when the worker was handed its save.
         self.saved_bits: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         self._save = self.worker.save
@@ -122,22 +124,38 @@ class Store:
         self.scheduler.connector.shutdown()
 
 
+def _defers_finalize(request: pytest.FixtureRequest) -> bool:
+    """Whether the test runs its worker's ``wait_for_save`` after ``get_finished``, as vLLM's model
+    runner does with speculative decoding (the test's ``defer_finalize`` parameter; False if none)."""
+    callspec = getattr(request.node, "callspec", None)
+    return bool(callspec.params.get("defer_finalize", False)) if callspec is not None else False
+
+
+DEFER_FINALIZE = pytest.mark.parametrize("defer_finalize", [False, True], ids=["in_step", "deferred_save"])
+
+
 @pytest.fixture
 def store(model_config: ModelConfig, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Store]:
-    instance = Store(model_config, tmp_path, seed=len(request.node.name))
+    instance = Store(model_config, tmp_path, len(request.node.name), _defers_finalize(request))
     yield instance
     instance.close()
 
 
+@DEFER_FINALIZE
 def test_a_request_finishing_with_the_next_step_scheduled_keeps_its_blocks_until_its_gather_is_done(
-    store: Store, gate: GatherGate
+    store: Store, gate: GatherGate, defer_finalize: bool
 ) -> None:
+    _finish_with_the_next_step_scheduled(store, gate)
+
+
+def _finish_with_the_next_step_scheduled(store: Store, gate: GatherGate) -> None:
     loop = store.loop
     store.scheduler.add_request(_request("r", 1000, 3 * B + 5, max_tokens=1))
     loop.step()  # step 1 scheduled and run: the worker is handed r's save, its gather is held
     assert gate.started.wait(WAIT) and list(store.worker._gathers) == ["r"]
     r_blocks = store.blocks("r")
-    loop.step()  # step 2 is scheduled before step 1's output finishes r
+    loop.step()  # step 2 is scheduled (nothing finished yet), then step 1's output finishes r
+    assert len(loop.steps) == 2 and not loop.steps[1].finished_req_ids
     assert store.scheduler.requests["r"].is_finished() and "r" in store.scheduler.requests
     # A request that needs more blocks than are left besides r's: vLLM can give it r's once freed.
     store.scheduler.add_request(_request("w", 5000, 6 * B + 1, max_tokens=2))
@@ -216,7 +234,7 @@ class Producer:
     """A prefill instance (``kv_producer``) under vLLM's AsyncScheduler whose worker lends every
     save: each one's loan lasts until the test ends it, as a decode instance that took the KV would."""
 
-    def __init__(self, model_config: ModelConfig, seed: int) -> None:
+    def __init__(self, model_config: ModelConfig, seed: int, defer_finalize: bool) -> None:
         self.scheduler: Scheduler = make_scheduler(
             model_config, "kv_producer", num_blocks=BLOCKS, async_scheduling=True
         )
@@ -234,7 +252,9 @@ class Producer:
         self.connector = bare_connector(self.worker)
         self.free = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks
         self.free_at_start = self.free()
-        self.loop = AsyncSteps(self.scheduler, self.connector, self.caches, on_free=self._on_free, seed=seed)
+        self.loop = AsyncSteps(
+            self.scheduler, self.connector, self.caches, on_free=self._on_free, seed=seed, defer_finalize=defer_finalize
+        )
         #: Each save's loan, and the bits of its blocks when the worker was handed it, per request.
         self.lent: dict[str, list[tuple[Loan, list[int], torch.Tensor]]] = {}
         self._save = self.worker.save
@@ -249,7 +269,8 @@ class Producer:
 
     def _on_free(self, request: Request) -> None:
         # vLLM frees a request's blocks: none of them may still be lent.
-        assert all(loan.outcome is not None for loan, _, _ in self.lent.get(request.request_id, ()))
+        lent = self.lent.get(request.request_id, ())
+        assert all(loan.outcome is not None for loan, _, _ in lent), f"{request.request_id} freed still lent"
 
     def blocks(self, req_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
@@ -290,19 +311,25 @@ class Producer:
 
 @pytest.fixture
 def producer(model_config: ModelConfig, request: pytest.FixtureRequest) -> Iterator[Producer]:
-    instance = Producer(model_config, seed=len(request.node.name))
+    instance = Producer(model_config, len(request.node.name), _defers_finalize(request))
     yield instance
     instance.close()
 
 
+@DEFER_FINALIZE
 def test_lent_blocks_of_a_request_finishing_with_the_next_step_scheduled_stay_until_the_loan_ends(
-    producer: Producer,
+    producer: Producer, defer_finalize: bool
 ) -> None:
+    _lend_and_finish_with_the_next_step_scheduled(producer)
+
+
+def _lend_and_finish_with_the_next_step_scheduled(producer: Producer) -> None:
     loop, scheduler = producer.loop, producer.scheduler
     scheduler.add_request(_request("r", 1000, 3 * B + 5, max_tokens=1))
     loop.step()  # step 1: r's prefix is saved, lent
     (loan, r_blocks, _) = producer.lent["r"][0]
-    loop.step()  # step 2 scheduled, then step 1's output finishes r
+    loop.step()  # step 2 is scheduled (nothing finished yet), then step 1's output finishes r
+    assert len(loop.steps) == 2 and not loop.steps[1].finished_req_ids
     assert scheduler.requests["r"].is_finished()
     scheduler.add_request(_request("w", 5000, 6 * B + 1, max_tokens=2))
     loop.run(lambda: "r" in producer.worker._held)  # the worker saw r's save, then its hold
@@ -356,3 +383,30 @@ def test_an_aborted_request_with_a_step_in_flight_keeps_its_lent_blocks_until_th
     assert loop.freed == []
     producer.drain()
     producer.assert_idle(["x"])
+
+
+# ====================================================================== the checks themselves
+
+
+def test_the_checks_catch_a_store_worker_reporting_a_request_before_its_gather_is_done(
+    store: Store, gate: GatherGate
+) -> None:
+    # Broken on purpose: finished sending as soon as vLLM finished the request.
+    worker = store.worker
+    worker.take_finished_sending = lambda req_ids: set(req_ids) & set(worker._gathers)  # type: ignore[method-assign]
+    with pytest.raises(AssertionError, match="freed while its save reads it"):
+        _finish_with_the_next_step_scheduled(store, gate)
+
+
+def test_the_checks_catch_a_producer_worker_returning_blocks_still_lent(producer: Producer) -> None:
+    # Broken on purpose: every held request reported finished sending at once, its loan not ended.
+    worker = producer.worker
+
+    def returning_at_once() -> set[str]:
+        held = set(worker._held)
+        worker._held.clear()
+        return held
+
+    worker.take_finished_sending = returning_at_once  # type: ignore[method-assign]
+    with pytest.raises(AssertionError, match="still lent"):
+        _lend_and_finish_with_the_next_step_scheduled(producer)

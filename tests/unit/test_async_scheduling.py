@@ -9,6 +9,7 @@ request's bits. Every table is empty at the end."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from vllm import SamplingParams
-from vllm.config import ModelConfig
+from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -410,3 +411,28 @@ def test_the_checks_catch_a_producer_worker_returning_blocks_still_lent(producer
     worker.take_finished_sending = returning_at_once  # type: ignore[method-assign]
     with pytest.raises(AssertionError, match="still lent"):
         _lend_and_finish_with_the_next_step_scheduled(producer)
+
+
+# ====================================================================== vLLM's choice
+
+
+@pytest.mark.parametrize("asked", [True, None])
+def test_vllm_on_cpu_runs_kvbridge_with_synchronous_scheduling_even_when_asynchronous_is_asked(
+    model_config: ModelConfig, tmp_path: Path, asked: bool | None
+) -> None:
+    # vLLM 0.32's CPU platform turns it off in check_and_update_config, without a word; on a GPU the
+    # same configuration runs the AsyncScheduler (asked, or by default), which the tests above drive.
+    config = VllmConfig(
+        model_config=copy.deepcopy(model_config),
+        scheduler_config=SchedulerConfig(max_model_len=512, is_encoder_decoder=False, async_scheduling=asked),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_connector_module_path="connector.vllm_v1",
+            kv_role="kv_both",
+            kv_connector_extra_config={"kv_store": {"tiers": f"disk:{tmp_path}"}},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    assert config.scheduler_config.async_scheduling is False
+    assert config.scheduler_config.get_scheduler_cls() is Scheduler
+    assert config.max_concurrent_batches == 1

@@ -113,6 +113,16 @@ class Store:
         for index, (chunk, expected) in enumerate(zip(chunks, bits, strict=True)):
             assert chunk is not None and torch.equal(chunk, expected), f"chunk {index} of {req_id}"
 
+    def drain(self) -> None:
+        """Step until idle, every save handed over put before each look (the gathers run in a
+        thread: stepping alone does not wait for them)."""
+
+        def idle() -> bool:
+            self.worker.flush()
+            return self.loop.idle()
+
+        self.loop.run(idle)
+
     def assert_idle(self, finished: list[str]) -> None:
         """Each request freed once, nothing held anywhere, every block free again."""
         assert sorted(self.loop.freed) == sorted(finished)
@@ -163,8 +173,7 @@ def _finish_with_the_next_step_scheduled(store: Store, gate: GatherGate) -> None
     loop.run(lambda: len(loop.steps) >= 8)
     assert loop.freed == [] and "w" not in store.scheduler.running  # r's blocks are all still kept
     gate.opened.set()
-    store.worker.flush()
-    loop.run(loop.idle)
+    store.drain()
     assert loop.freed == ["r", "w"]
     w_steps = [step for step in loop.steps if any(new.req_id == "w" for new in step.scheduled_new_reqs)]
     (w_new,) = [new for new in w_steps[0].scheduled_new_reqs if new.req_id == "w"]
@@ -199,7 +208,7 @@ def test_a_request_preempted_in_async_mode_during_its_gather_is_stored_whole_and
     loop.run(lambda: bool(preempting))
     assert preempting == [["b"]] and store.scheduler.requests["b"].num_preemptions == 1
     assert set(store.blocks("a")) & set(b_blocks)  # a's forward pass writes a block b had
-    loop.run(loop.idle)
+    store.drain()
     assert store.worker.stats().saves_dropped == 0
     store.assert_stored("b")
     assert len(store.saved_bits) == 1  # resumed, b finds its prompt stored: no second save
@@ -221,8 +230,7 @@ def test_an_aborted_request_with_a_step_in_flight_keeps_its_blocks_until_its_gat
     loop.run(lambda: len(loop.steps) >= 10)
     assert loop.freed == []
     gate.opened.set()
-    store.worker.flush()
-    loop.run(loop.idle)
+    store.drain()
     store.assert_stored("x")
     store.assert_stored("y")
     store.assert_idle(["x", "y"])

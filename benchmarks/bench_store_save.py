@@ -14,9 +14,11 @@ The floor, per request: one copy of the blocks into memory already touched and i
 unavoidable write of the object: memory keeps it (nothing), disk one ``os.write``, Redis one
 ``sendall`` of a ``SET`` on a raw socket plus redis-server's CPU to receive and store it.
 
-The stages, each as the store runs it: the gather of a request's chunks out of the paged caches
-(:func:`connector.paged.gather_blocks`) into new and into kept memory, :func:`kv_store.encode_chunk`
-of gathered chunks, each tier's ``put`` of the objects. Then whole saves
+The stages: the gather of a request's chunks out of the paged caches
+(:func:`connector.paged.gather_blocks`) into new memory (``torch.empty``), into kept memory, and
+straight into the objects (:class:`kv_store.ChunkBuilder`, as the store's gather thread does), the
+objects' seal (the BLAKE3 pass), :func:`kv_store.encode_chunk` of gathered chunks (a copy and the
+seal), each tier's ``put`` of the objects. Then whole saves
 (:meth:`StoreWorker.save` until every tier holds the objects), per tier spec: the process's CPU and
 redis-server's. Ratios are to the floor of the same tiers (medians of ``--repeat`` runs).
 
@@ -36,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy
 import torch
@@ -46,7 +49,7 @@ from connector.paged import gather_blocks
 from connector.vllm_store import StoreSave
 from connector.vllm_worker import find_layout
 from harness import redis_servers
-from kv_store import chunk_keys, encode_chunk
+from kv_store import ChunkBuilder, chunk_keys, encode_chunk
 from kv_store.disk import DiskTier
 from kv_store.memory import MemoryTier
 from kv_store.redis_tier import RedisTier
@@ -164,11 +167,28 @@ def stage_rows(
         encode_chunk(key, tokens[c * CHUNK_SIZE : (c + 1) * CHUNK_SIZE], [kept[c], tag], None)
         for c, key in enumerate(keys)
     ]
+    specs = [(kept[0].dtype, tuple(kept[0].shape)), (tag.dtype, tuple(tag.shape))]
+    builders: list[ChunkBuilder] = []
+
+    def new_builders() -> None:
+        builders[:] = [
+            ChunkBuilder(key, tokens[c * CHUNK_SIZE : (c + 1) * CHUNK_SIZE], specs, None) for c, key in enumerate(keys)
+        ]
+
+    def gather_into_objects() -> None:
+        for builder, chunk in zip(builders, ids, strict=True):
+            blocks = cast(list[torch.Tensor], builder.tensors)[0]
+            gather_blocks(source, layout, chunk, lambda *_, blocks=blocks: blocks)
+
     rows = {
-        "gather into new memory": thread_ms(lambda: [gather_blocks(source, layout, chunk) for chunk in ids], repeat),
+        "gather into new memory (torch.empty)": thread_ms(
+            lambda: [gather_blocks(source, layout, chunk) for chunk in ids], repeat
+        ),
         "gather into kept memory": thread_ms(
             lambda: [gather_blocks(source, layout, chunk, into_kept) for chunk in ids], repeat
         ),
+        "gather into the objects (ChunkBuilder)": thread_ms(gather_into_objects, repeat, new_builders),
+        "seal (blake3)": thread_ms(lambda: [builder.seal() for builder in builders], 1),
         "encode_chunk": thread_ms(
             lambda: [
                 encode_chunk(key, tokens[c * CHUNK_SIZE : (c + 1) * CHUNK_SIZE], [kept[c], tag], None)
@@ -242,6 +262,7 @@ def whole_save_rows(
 
 
 def run(chunks: int, repeat: int) -> str:
+    torch.set_num_threads(1)  # every copy on the thread that is timed, as in the store's threads
     generator = torch.Generator().manual_seed(0)
     shape = (chunks * PER_CHUNK, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
     source = [torch.randn(shape, generator=generator) for _ in range(LAYERS)]

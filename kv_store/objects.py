@@ -83,13 +83,6 @@ _PAYLOAD_ALIGN = 64
 TensorSpec: TypeAlias = tuple[torch.dtype, Sequence[int]] | None
 
 
-def _check_storable(dtype: torch.dtype, ndim: int) -> None:
-    if dtype not in DTYPE_TO_CODE:
-        raise KVStoreError(f"a {dtype} tensor cannot be stored")
-    if ndim > MAX_NDIM:
-        raise KVStoreError(f"a stored tensor has at most {MAX_NDIM} dimensions, got {ndim}")
-
-
 class ChunkBuilder:
     """An object under construction, in the one buffer it is stored from: the header is written,
     :attr:`tensors` are writable views of the object's memory where each tensor's bytes go (``None``
@@ -109,14 +102,16 @@ class ChunkBuilder:
                 parts.append(_TENSOR.pack(0, 0))
                 continue
             dtype, shape = spec
-            _check_storable(dtype, len(shape))
+            if dtype not in DTYPE_TO_CODE:
+                raise KVStoreError(f"a {dtype} tensor cannot be stored")
+            if len(shape) > MAX_NDIM:
+                raise KVStoreError(f"a stored tensor has at most {MAX_NDIM} dimensions, got {len(shape)}")
             if any(size < 0 for size in shape):
                 raise KVStoreError(f"negative size in shape {tuple(shape)}")
             parts.append(_TENSOR.pack(DTYPE_TO_CODE[dtype], len(shape)))
             parts.extend(_DIM.pack(size) for size in shape)
             sizes.append(math.prod(shape) * dtype.itemsize)
         header = b"".join(parts)
-        self._flags = _AUTHENTICATED if mac_key is not None else 0
         self._mac_key = mac_key
         self._body_start = _PREAMBLE.size + (2 if mac_key is not None else 1) * _DIGEST_BYTES
         payload_start = self._body_start + len(header)
@@ -125,7 +120,8 @@ class ChunkBuilder:
         memory = numpy.empty(total + _PAYLOAD_ALIGN, dtype=numpy.uint8)
         first = -(memory.ctypes.data + payload_start) % _PAYLOAD_ALIGN
         self._memory = memory[first : first + total]
-        self._preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, self._flags, total - self._body_start)
+        flags = _AUTHENTICATED if mac_key is not None else 0
+        self._preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, total - self._body_start)
         self._memory[: _PREAMBLE.size] = numpy.frombuffer(self._preamble, dtype=numpy.uint8)
         self._memory[self._body_start : payload_start] = numpy.frombuffer(header, dtype=numpy.uint8)
         self.tensors: list[torch.Tensor | None] = []

@@ -1,6 +1,6 @@
 """The storage tier against recomputing: does loading a document's stored KV beat prefilling it again?
 
-A document-QA workload on in-process vLLM CPU engines (``vllm.LLM``, single-process mode, one core),
+A document-QA workload on in-process vLLM CPU engines (``vllm.LLM``, single-process mode, both cores),
 greedy, with a model whose KV is heavy and whose body is light (``make_heavy_kv_llama``: 128 KiB of
 KV per token in fp32): ``--documents`` documents of ``--doc-tokens`` random token ids (seeded), each
 asked ``--rounds`` times, every round with another short question appended. vLLM's own KV cache

@@ -30,11 +30,11 @@ And per save: ``save (engine thread)`` (``wait_for_save``: the save handed to th
 ``save (blocks kept for the gather thread)`` (until :meth:`StoreWorker.take_finished_sending` reports
 the request, finished at once: vLLM keeps its blocks that long), ``save (to the fastest tier)``
 (until :meth:`StoreWorker.flush`). Beside them, what the gather costs where it runs on the engine
-thread instead: into kept buffers (:class:`connector.vllm_store.StagingPool`), and into new memory
-each time, as a gather straight into each object's memory would (the store keeps every object, so
-that memory is always new). The baseline, measured in the same run, is one copy of the same bytes
-between two warm tensors: the least a load that writes every byte once can cost. Ratios are to it
-(medians of ``--repeat`` runs).
+thread instead: into kept buffers, into new memory each time (``torch.empty``: 4 KiB pages), and
+straight into new objects (:class:`kv_store.ChunkBuilder`, NumPy memory with huge pages), as the
+store's gather thread does (the store keeps every object, so that memory is always new). The
+baseline, measured in the same run, is one copy of the same bytes between two warm tensors: the
+least a load that writes every byte once can cost. Ratios are to it (medians of ``--repeat`` runs).
 
     python -m benchmarks.bench_store_path [--chunks 4] [--repeat 5] [--tiers memory,disk,redis,redis-unix]
 """
@@ -50,15 +50,16 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from connector import compat
 from connector.paged import gather_blocks, scatter_blocks
-from connector.vllm_store import StagingPool, StoreLoad, StoreSave, StoreSettings, StoreWorker
+from connector.vllm_store import StoreLoad, StoreSave, StoreSettings, StoreWorker
 from connector.vllm_worker import find_layout
 from harness import redis_servers
-from kv_store import Blob, KVStoreError, chunk_keys, decode_chunk
+from kv_store import Blob, ChunkBuilder, KVStoreError, chunk_keys, decode_chunk
 from kv_store.redis_tier import KEY_PREFIX, SOCKET_READ_BYTES
 
 LAYERS, HEADS, BLOCK_SIZE, HEAD_SIZE = 8, 16, 32, 128
@@ -248,24 +249,36 @@ def save_rows(
 
 
 def gather_rows(source: list[torch.Tensor], chunks: int, repeat: int) -> list[tuple[str, str, float]]:
-    """The gather of ``chunks`` chunks on the engine thread, into kept buffers (:class:`StagingPool`)
-    and into new ones, as a gather straight into each object's own memory would be."""
+    """The gather of ``chunks`` chunks on the engine thread, into kept buffers, into new ones
+    (``torch.empty``), and into new objects (:class:`kv_store.ChunkBuilder`: huge pages), as the
+    store's gather thread does."""
     layout = find_layout(source[0], source[0].shape[0], BLOCK_SIZE, LAYOUT_NAME)
     ids = [torch.arange(c * PER_CHUNK, (c + 1) * PER_CHUNK) for c in range(chunks)]
-    pool = StagingPool(chunks)
+    kept = [gather_blocks(source, layout, chunk) for chunk in ids]  # the buffers exist from then on
 
-    def kept() -> None:
-        for part in [gather_blocks(source, layout, chunk, pool.empty) for chunk in ids]:
-            pool.give_back(part)
+    def into_objects() -> None:
+        for chunk in ids:
+            shape = (LAYERS, *layout.block_shape(source[0], PER_CHUNK))
+            blocks = cast(list[torch.Tensor], ChunkBuilder(b"k", [], [(source[0].dtype, shape)], None).tensors)[0]
+            gather_blocks(source, layout, chunk, lambda *_, blocks=blocks: blocks)
 
-    kept()  # the buffers exist from then on
     return [
-        ("gather in the step instead, into kept buffers", "-", median_ms(kept, repeat)),
+        (
+            "gather in the step instead, into kept buffers",
+            "-",
+            median_ms(
+                lambda: [
+                    gather_blocks(source, layout, chunk, lambda *_, c=c: c) for chunk, c in zip(ids, kept, strict=True)
+                ],
+                repeat,
+            ),
+        ),
         (
             "gather in the step instead, into new buffers",
             "-",
             median_ms(lambda: [gather_blocks(source, layout, chunk) for chunk in ids], repeat),
         ),
+        ("gather in the step instead, into new objects", "-", median_ms(into_objects, repeat)),
     ]
 
 
@@ -294,9 +307,9 @@ def run(chunks: int, repeat: int, tiers: list[str]) -> str:
                     ",".join(["memory", shared["disk"]] + ([shared["redis"]] if redis else [])), source, secret
                 )
                 tokens = [5 + (index * 7919 + len(label)) % 30000 for index in range(chunks * CHUNK_SIZE)]
-                rows += save_rows(saver, tokens, chunks, "first", label)  # new staging buffers
+                rows += save_rows(saver, tokens, chunks, "first", label)  # a new worker's first save
                 later = [5 + (index * 104729 + len(label)) % 30000 for index in range(chunks * CHUNK_SIZE)]
-                rows += save_rows(saver, later, chunks, "later", label)  # kept staging buffers
+                rows += save_rows(saver, later, chunks, "later", label)
                 saver.close()  # writes what its slower tiers have queued: no writes run while loads are timed
                 shared["memory"] = f"memory,{shared['disk']}"
                 if redis is not None and secret is None:

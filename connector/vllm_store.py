@@ -27,8 +27,8 @@ with a secret; then dtype, shape and the worker's layout) and its blocks are cop
 object's bytes straight into the blocks vLLM allocated. A chunk that is missing
 or fails a check has its blocks reported as load errors: vLLM recomputes them or fails the request
 (``kv_load_failure_policy``); wrong KV is never written. A save is handed over in ``wait_for_save``
-and copied out of vLLM's blocks by a gather thread (one gather per chunk, into host buffers kept for
-the next saves: :class:`StagingPool`), then encoded and put by a put thread (bounded: a save that
+and copied out of vLLM's blocks by a gather thread (one gather per chunk, straight into the memory of
+the object that stores it: :class:`kv_store.ChunkBuilder`), then hashed and put by a put thread (bounded: a save that
 finds the queue full is dropped and counted); the engine thread copies nothing. vLLM keeps the
 blocks meanwhile: the scheduler delays the free of every request with a save, and each worker
 reports it finished sending once its gather is done (:meth:`StoreWorker.take_finished_sending`); a
@@ -75,6 +75,8 @@ from connector.vllm_stats import STORE_LOAD_ERRORS, STORE_TIER_UP, KVBridgeStats
 from kv_pipe.errors import KVConfigError
 from kv_store import (
     Blob,
+    ChunkBuilder,
+    ChunkKey,
     KVStoreError,
     KVStoreObjectError,
     PutResult,
@@ -83,7 +85,6 @@ from kv_store import (
     TierStats,
     chunk_keys,
     decode_chunk,
-    encode_chunk,
     mac_key_from_secret,
     namespace,
     open_store,
@@ -101,8 +102,6 @@ PASSWORD_FILE_ENV = "KVBRIDGE_STORE_PASSWORD_FILE"
 SAVE_QUEUE_DEPTH = 16
 #: Seconds ``handle_preemptions`` waits for a preempted request's gather under way (then its save is dropped).
 PREEMPT_WAIT_SECONDS = 10.0
-#: Host buffers of one chunk's blocks kept for later saves (see :class:`StagingPool`).
-STAGING_CHUNKS = 4
 #: How often a load waiting for its store read looks whether the reading thread still runs.
 READ_POLL_SECONDS = 1.0
 #: Version of the chunk contents (one tensor of all layers' blocks, then the layout digest).
@@ -544,30 +543,13 @@ class StoreStats:
     chunks_queued: int = 0  # the fastest tier was full: only the slower tiers' queues have them
 
 
-class StagingPool:
-    """Host buffers that saves gather chunks into, kept for the next saves: the first touch of a new
-    buffer (the kernel mapping its pages) costs several times the copy into it, and that copy runs
-    on vLLM's engine thread. At most ``keep`` idle buffers are kept; more saves at once allocate."""
+@dataclasses.dataclass(frozen=True)
+class _SavedChunk:
+    """One chunk of a save: its blocks in the object that stores them, to seal and put."""
 
-    def __init__(self, keep: int) -> None:
-        self._keep = keep
-        self._idle: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of ``shape`` and ``dtype``: an idle one if one fits, else a new one."""
-        shape = tuple(shape)
-        with self._lock:
-            for index, buffer in enumerate(self._idle):
-                if buffer.shape == shape and buffer.dtype == dtype:
-                    return self._idle.pop(index)
-        return torch.empty(shape, dtype=dtype)
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        """``buffer`` (from :meth:`empty`) is read no more: a later save may reuse it."""
-        with self._lock:
-            if len(self._idle) < self._keep:
-                self._idle.append(buffer)
+    key: bytes
+    builder: ChunkBuilder
+    nbytes: int  # the blocks' bytes
 
 
 @dataclasses.dataclass(eq=False)
@@ -604,7 +586,6 @@ class StoreWorker:
         self._gathers: dict[str, _Gather] = {}
         self._finished: set[str] = set()
         self._saves_pending = threading.BoundedSemaphore(SAVE_QUEUE_DEPTH)
-        self._staging = StagingPool(STAGING_CHUNKS)
         self._lock = threading.Lock()  # guards _stats and the interval's numbers below
         self._stats = StoreStats()
         self._load_seconds: list[float] = []
@@ -840,8 +821,9 @@ class StoreWorker:
         job.done.set()
 
     def _gather(self, job: _Gather) -> None:
-        """Copy the chunks of ``job`` out of vLLM's blocks (one gather per chunk, into a kept buffer:
-        each chunk is one tensor, encoded as it is), then hand them to the saver thread."""
+        """Copy the chunks of ``job`` out of vLLM's blocks, each straight into the memory of the
+        object that stores it (:class:`kv_store.ChunkBuilder`: one gather per chunk is the one copy
+        of its blocks), then hand them to the saver thread, which hashes and stores them."""
         with self._gather_lock:
             if job.dropped:  # cancelled by a preemption, which freed the slot
                 return
@@ -852,22 +834,16 @@ class StoreWorker:
             caches = self._require_caches()
             per_chunk = self.settings.chunk_size // caches.block_size
             ids = spec.block_ids[spec.first_chunk * per_chunk :]
+            keys = chunk_keys(self.namespace, spec.token_ids, self.settings.chunk_size)[spec.first_chunk :]
             chunks = [
-                gather_blocks(
-                    caches.caches,
-                    caches.layout,
-                    torch.tensor(ids[start : start + per_chunk], dtype=torch.int64),
-                    self._staging.empty,
-                )
-                for start in range(0, len(ids) - per_chunk + 1, per_chunk)
+                self._gather_chunk(caches, key, spec.token_ids, ids[start : start + per_chunk])
+                for key, start in zip(keys, range(0, len(ids) - per_chunk + 1, per_chunk), strict=True)
             ]
             with self._gather_lock:
                 dropped = job.dropped
                 job.done.set()
             if dropped:  # preempted, and not waited for long enough: the blocks may be another request's
                 self._add(saves_dropped=len(chunks))
-                for part in chunks:
-                    self._staging.give_back(part)
                 return
             self._saver.submit(self._put, spec, chunks)
             handed_over = True
@@ -878,17 +854,31 @@ class StoreWorker:
             if not handed_over:
                 self._saves_pending.release()
 
-    def _put(self, spec: StoreSave, chunks: list[torch.Tensor]) -> None:
+    def _gather_chunk(
+        self, caches: PagedKVCaches, key: ChunkKey, token_ids: list[int], block_ids: list[int]
+    ) -> _SavedChunk:
+        """One chunk's object with its blocks gathered into it (not sealed yet)."""
+        first = caches.caches[0]
+        shape = (len(caches.caches), *caches.layout.block_shape(first, len(block_ids)))
+        builder = ChunkBuilder(
+            key.key,
+            token_ids[key.start : key.stop],
+            [(first.dtype, shape), (self._layout_tag.dtype, tuple(self._layout_tag.shape))],
+            self.mac_key,
+        )
+        blocks, tag = cast(list[torch.Tensor], builder.tensors)  # both specs are tensors
+        # gather_blocks asks for the shape computed above: the blocks land in the object itself.
+        gather_blocks(caches.caches, caches.layout, torch.tensor(block_ids, dtype=torch.int64), lambda *_: blocks)
+        tag.copy_(self._layout_tag)
+        return _SavedChunk(key.key, builder, blocks.numel() * blocks.element_size())
+
+    def _put(self, spec: StoreSave, chunks: list[_SavedChunk]) -> None:
         try:
-            keys = chunk_keys(self.namespace, spec.token_ids, self.settings.chunk_size)
-            for key, part in zip(keys[spec.first_chunk :], chunks, strict=True):
+            for chunk in chunks:
                 start = time.perf_counter()
-                blob = encode_chunk(
-                    key.key, spec.token_ids[key.start : key.stop], [part, self._layout_tag], self.mac_key
-                )
-                self._staging.give_back(part)  # the blob holds a copy
+                blob = chunk.builder.seal()  # the one pass over it: checksum (and tag)
                 try:
-                    stored = self.store.put(key.key, blob)
+                    stored = self.store.put(chunk.key, blob)
                 except KVStoreError as exc:
                     logger.warning("kvbridge store: put of request %s failed: %s", spec.req_id, exc)
                     self._add(saves_dropped=1)
@@ -897,7 +887,7 @@ class StoreWorker:
                     with self._lock:
                         self._save_seconds.append(time.perf_counter() - start)
                 if stored is PutResult.STORED:
-                    self._add(chunks_saved=1, bytes_saved=part.numel() * part.element_size())
+                    self._add(chunks_saved=1, bytes_saved=chunk.nbytes)
                 elif stored is PutResult.QUEUED:
                     self._add(chunks_queued=1)
                 elif stored is PutResult.PRESENT:

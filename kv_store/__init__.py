@@ -16,12 +16,13 @@ from kv_store.base import (
 from kv_store.disk import DiskTier
 from kv_store.keys import ChunkKey, chunk_keys, namespace
 from kv_store.memory import MemoryTier
-from kv_store.objects import decode_chunk, encode_chunk, mac_key_from_secret
+from kv_store.objects import ChunkBuilder, decode_chunk, encode_chunk, mac_key_from_secret
 from kv_store.redis_tier import RedisTier
 from kv_store.tiered import PutResult, StoreStats, TieredStore, open_store
 
 __all__ = [
     "Blob",
+    "ChunkBuilder",
     "ChunkKey",
     "DiskTier",
     "KVStoreConfigError",

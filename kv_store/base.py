@@ -26,8 +26,9 @@ from typing import TypeAlias
 
 from kv_pipe.errors import KVConfigError, KVTransferError
 
-#: A stored object's bytes as a tier returns them: ``bytes``, or a read-only ``memoryview`` of the
-#: memory a tier received the object into (the Redis tier), which spares a copy of tens of MiB.
+#: A stored object's bytes: ``bytes``, or a read-only ``memoryview`` of memory that nobody writes
+#: any more (an object :func:`kv_store.encode_chunk` made, one the Redis tier received), which spares
+#: a copy of tens of MiB. Tiers keep such a view as it is; a writable one they copy.
 Blob: TypeAlias = bytes | memoryview
 
 
@@ -90,7 +91,8 @@ class StoreTier(abc.ABC):
     @abc.abstractmethod
     def put(self, key: bytes, blob: Blob) -> bool:
         """Store ``blob`` under ``key`` once, atomically (readers see all of it or nothing).
-        ``False`` if the key was already there or the tier could not store it (counted)."""
+        ``False`` if the key was already there or the tier could not store it (counted). A read-only
+        ``memoryview`` is taken as immutable (see :data:`Blob`): the tier may keep it without a copy."""
 
     @abc.abstractmethod
     def stats(self) -> TierStats: ...

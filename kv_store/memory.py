@@ -11,7 +11,9 @@ from kv_store.base import Blob, KVStoreConfigError, StoreTier, TierStats
 
 class MemoryTier(StoreTier):
     """Blobs in a dict, least recently read or written evicted first once ``capacity_bytes``
-    (the blobs' sizes) would be exceeded. Thread-safe; never raises on put."""
+    (the blobs' sizes) would be exceeded. ``bytes`` and read-only views are kept as they are (the
+    store's objects are immutable: see :data:`kv_store.base.Blob`), writable views copied.
+    Thread-safe; never raises on put."""
 
     name = "memory"
 
@@ -19,7 +21,7 @@ class MemoryTier(StoreTier):
         if capacity_bytes < 1:
             raise KVStoreConfigError(f"memory tier capacity_bytes must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self._blobs: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._blobs: collections.OrderedDict[bytes, Blob] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._bytes = self._hits = self._misses = self._evictions = self._failed_writes = 0
 
@@ -41,7 +43,8 @@ class MemoryTier(StoreTier):
             return [key in self._blobs for key in keys]
 
     def put(self, key: bytes, blob: Blob) -> bool:
-        blob = bytes(blob)  # its own copy: a memoryview given here may view memory the caller reuses
+        if isinstance(blob, memoryview) and not blob.readonly:
+            blob = bytes(blob)  # writable memory the caller may reuse: a copy of its own
         with self._lock:
             if key in self._blobs:
                 return False

@@ -32,7 +32,9 @@ import math
 import struct
 import warnings
 from collections.abc import Sequence
+from typing import TypeAlias
 
+import numpy
 import torch
 from blake3 import blake3
 
@@ -74,36 +76,109 @@ def _tag(mac_key: bytes, preamble: bytes, checksum: bytes) -> bytes:
     return blake3(preamble + checksum, key=mac_key).digest(_DIGEST_BYTES)
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    if tensor.layout is not torch.strided or tensor.is_quantized or tensor.dtype not in DTYPE_TO_CODE:
-        raise KVStoreError(f"a {tensor.dtype} tensor with layout {tensor.layout} cannot be stored")
-    if tensor.dim() > MAX_NDIM:
-        raise KVStoreError(f"a stored tensor has at most {MAX_NDIM} dimensions, got {tensor.dim()}")
-    flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+#: The payload starts at a multiple of this many bytes in memory: the copies into it stay aligned.
+_PAYLOAD_ALIGN = 64
+
+#: What a stored tensor will be (dtype and shape), or ``None`` for a ``None`` entry.
+TensorSpec: TypeAlias = tuple[torch.dtype, Sequence[int]] | None
+
+
+class ChunkBuilder:
+    """An object under construction, in the one buffer it is stored from: the header is written,
+    :attr:`tensors` are writable views of the object's memory where each tensor's bytes go (``None``
+    for a ``None`` entry), and :meth:`seal` hashes the object and hands it over. Writing the tensors
+    in place (a gather straight into them) makes the object with one copy of the payload; the
+    memory is new (and, being large, asks for huge pages: far fewer page faults than 4 KiB pages)
+    because every tier may keep the object as it is."""
+
+    def __init__(
+        self, key: bytes, token_ids: Sequence[int], specs: Sequence[TensorSpec], mac_key: bytes | None
+    ) -> None:
+        tokens = token_bytes(token_ids)
+        parts: list[bytes] = [_COUNTS.pack(len(key), len(token_ids), len(specs)), key, tokens]
+        sizes: list[int] = []
+        for spec in specs:
+            if spec is None:
+                parts.append(_TENSOR.pack(0, 0))
+                continue
+            dtype, shape = spec
+            if dtype not in DTYPE_TO_CODE:
+                raise KVStoreError(f"a {dtype} tensor cannot be stored")
+            if len(shape) > MAX_NDIM:
+                raise KVStoreError(f"a stored tensor has at most {MAX_NDIM} dimensions, got {len(shape)}")
+            if any(size < 0 for size in shape):
+                raise KVStoreError(f"negative size in shape {tuple(shape)}")
+            parts.append(_TENSOR.pack(DTYPE_TO_CODE[dtype], len(shape)))
+            parts.extend(_DIM.pack(size) for size in shape)
+            sizes.append(math.prod(shape) * dtype.itemsize)
+        header = b"".join(parts)
+        self._mac_key = mac_key
+        self._body_start = _PREAMBLE.size + (2 if mac_key is not None else 1) * _DIGEST_BYTES
+        payload_start = self._body_start + len(header)
+        total = payload_start + sum(sizes)
+        # Not zeroed (every byte is written before the seal); placed so that the payload is aligned.
+        memory = numpy.empty(total + _PAYLOAD_ALIGN, dtype=numpy.uint8)
+        first = -(memory.ctypes.data + payload_start) % _PAYLOAD_ALIGN
+        self._memory = memory[first : first + total]
+        flags = _AUTHENTICATED if mac_key is not None else 0
+        self._preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, total - self._body_start)
+        self._memory[: _PREAMBLE.size] = numpy.frombuffer(self._preamble, dtype=numpy.uint8)
+        self._memory[self._body_start : payload_start] = numpy.frombuffer(header, dtype=numpy.uint8)
+        self.tensors: list[torch.Tensor | None] = []
+        offset = payload_start
+        sized = iter(sizes)
+        for spec in specs:
+            if spec is None:
+                self.tensors.append(None)
+                continue
+            dtype, shape = spec
+            size = next(sized)
+            if not size:  # no bytes to write; torch views no empty buffer
+                self.tensors.append(torch.empty(tuple(shape), dtype=dtype))
+                continue
+            part = memoryview(self._memory[offset : offset + size])
+            self.tensors.append(torch.frombuffer(part, dtype=dtype).reshape(tuple(shape)))
+            offset += size
+
+    def seal(self) -> memoryview:
+        """The object, read-only, once every tensor is written: checksum (and tag) computed over
+        it as it is now. Its memory is the object's alone from here on: the views of
+        :attr:`tensors` are dropped, and whoever wrote through others must not write again."""
+        if self.tensors is None:
+            raise KVStoreError("this object is sealed already")
+        self.tensors = None
+        view = memoryview(self._memory)
+        digests = [_checksum(self._preamble, [view[self._body_start :]])]
+        if self._mac_key is not None:
+            digests.append(_tag(self._mac_key, self._preamble, digests[0]))
+        self._memory[_PREAMBLE.size : self._body_start] = numpy.frombuffer(b"".join(digests), dtype=numpy.uint8)
+        self._memory.flags.writeable = False
+        return view.toreadonly()
 
 
 def encode_chunk(
     key: bytes, token_ids: Sequence[int], tensors: Sequence[torch.Tensor | None], mac_key: bytes | None
-) -> bytes:
-    """The object holding ``tensors`` for the chunk ``key`` of ``token_ids``."""
-    tokens = token_bytes(token_ids)
-    parts: list[bytes | memoryview] = [_COUNTS.pack(len(key), len(token_ids), len(tensors)), key, tokens]
-    payloads: list[memoryview] = []
+) -> memoryview:
+    """The object holding ``tensors`` for the chunk ``key`` of ``token_ids``: a read-only view of
+    memory of its own (:class:`ChunkBuilder`, with the tensors copied in once)."""
+    specs: list[TensorSpec] = []
     for tensor in tensors:
         if tensor is None:
-            parts.append(_TENSOR.pack(0, 0))
+            specs.append(None)
             continue
-        payloads.append(_tensor_bytes(tensor))
-        parts.append(_TENSOR.pack(DTYPE_TO_CODE[tensor.dtype], tensor.dim()))
-        parts.extend(_DIM.pack(size) for size in tensor.shape)
-    body = parts + payloads  # hashed piece by piece and joined once: the tensors are copied once
-    flags = _AUTHENTICATED if mac_key is not None else 0
-    preamble = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, flags, sum(len(part) for part in body))
-    digests = [_checksum(preamble, body)]
-    if mac_key is not None:
-        digests.append(_tag(mac_key, preamble, digests[0]))
-    return b"".join([preamble, *digests, *body])
+        if tensor.layout is not torch.strided or tensor.is_quantized:
+            raise KVStoreError(f"a {tensor.dtype} tensor with layout {tensor.layout} cannot be stored")
+        specs.append((tensor.dtype, tuple(tensor.shape)))
+    builder = ChunkBuilder(key, token_ids, specs, mac_key)
+    for target, tensor in zip(builder.tensors, tensors, strict=True):
+        if target is None or tensor is None or not target.numel():
+            continue
+        source = tensor.detach().resolve_conj().resolve_neg()
+        if source.is_contiguous():  # as bytes: every dtype copies so, even those torch computes nothing with
+            target.reshape(-1).view(torch.uint8).copy_(source.reshape(-1).view(torch.uint8))
+        else:
+            target.copy_(source)
+    return builder.seal()
 
 
 def decode_chunk(

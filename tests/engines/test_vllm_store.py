@@ -15,7 +15,6 @@ import torch
 
 from connector.transfer_plan import transfer_prefix_len
 from connector.vllm_store import (
-    StagingPool,
     StoreLoad,
     StoreSave,
     StoreScheduler,
@@ -224,34 +223,29 @@ def test_worker_round_trip_is_bit_exact_and_writes_only_the_claimed_blocks(tmp_p
     loader.close()
 
 
-def test_staging_buffers_are_reused_only_for_their_shape_and_dtype_and_kept_up_to_a_bound() -> None:
-    pool = StagingPool(keep=2)
-    first, second, third = (pool.empty((2, 3), torch.float32) for _ in range(3))
-    assert len({first.data_ptr(), second.data_ptr(), third.data_ptr()}) == 3  # none idle: all new
-    for buffer in (first, second, third):
-        pool.give_back(buffer)  # the third is not kept
-    assert pool.empty((3, 2), torch.float32).data_ptr() not in (first.data_ptr(), second.data_ptr())
-    assert pool.empty((2, 3), torch.float64).data_ptr() not in (first.data_ptr(), second.data_ptr())
-    taken = [pool.empty([2, 3], torch.float32) for _ in range(2)]
-    assert {buffer.data_ptr() for buffer in taken} == {first.data_ptr(), second.data_ptr()}  # each handed out once
-    assert pool.empty((2, 3), torch.float32).data_ptr() not in {buffer.data_ptr() for buffer in taken}
-
-
-def test_saves_through_reused_staging_buffers_store_each_chunks_own_blocks(tmp_path: Path) -> None:
+def test_each_saved_object_keeps_its_own_blocks_when_vllm_writes_them_again(tmp_path: Path) -> None:
+    """The blocks are gathered straight into each object: an object stored in the memory tier must
+    not change when vLLM reuses the blocks for the next request, nor when the next save runs."""
     source = vp.fake_caches(1)
     saver = _worker(tmp_path, source)
     prompts = [list(range(start, start + 2 * FAKE_CHUNK)) for start in (10, 500, 900)]
-    for tokens, blocks in zip(prompts, ([3, 7, 1, 5], [8, 0, 2, 6], [4, 4, 7, 3]), strict=True):
+    blocks = [3, 7, 1, 5]
+    saved = []
+    for seed, tokens in enumerate(prompts):
+        saved.append([cache.clone() for cache in source])
         saver.save([StoreSave(f"s{tokens[0]}", tokens, blocks, first_chunk=0)])
-        saver.flush()  # the next save reuses this one's buffers
+        saver.flush()
+        generator = torch.Generator().manual_seed(100 + seed)
+        for cache in source:  # the next request computes into the same blocks
+            cache.copy_(torch.randn(cache.shape, generator=generator, dtype=cache.dtype))
+    assert saver.stats().chunks_saved == 2 * len(prompts)
+    for tokens, before in zip(prompts, saved, strict=True):  # from the saver's own memory tier
+        assert _load(saver, StoreLoad(f"l{tokens[0]}", tokens, [2, 4, 6, 8], skip_blocks=0, stop_blocks=4)) == set()
+        for layer, cache in enumerate(saver._require_caches().caches):
+            for src, dst in zip(blocks, [2, 4, 6, 8], strict=True):
+                assert torch.equal(cache[dst], before[layer][src])
+    assert saver.store.stats().tiers["memory"].hits == 2 * len(prompts)
     saver.close()
-    loader = _worker(tmp_path, vp.fake_caches(2))
-    for tokens, blocks in zip(prompts, ([3, 7, 1, 5], [8, 0, 2, 6], [4, 4, 7, 3]), strict=True):
-        assert _load(loader, StoreLoad(f"l{tokens[0]}", tokens, [1, 2, 5, 6], skip_blocks=0, stop_blocks=4)) == set()
-        for layer, cache in enumerate(loader._require_caches().caches):
-            for src, dst in zip(blocks, [1, 2, 5, 6], strict=True):
-                assert torch.equal(cache[dst], source[layer][src])
-    loader.close()
 
 
 def _stored(path: Path, tokens: list[int], block_ids: list[int]) -> list[torch.Tensor]:

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import struct
 
+import numpy
 import pytest
 import torch
+from blake3 import blake3
 
 from harness.tensors import random_tensor, same_bits
 from kv_pipe.protocol import DTYPE_TO_CODE
-from kv_store import KVStoreObjectError, chunk_keys, decode_chunk, encode_chunk, mac_key_from_secret, namespace
+from kv_store import (
+    KVStoreError,
+    KVStoreObjectError,
+    chunk_keys,
+    decode_chunk,
+    encode_chunk,
+    mac_key_from_secret,
+    namespace,
+)
 from kv_store import objects as objects_module
+from kv_store.objects import ChunkBuilder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,7 +112,7 @@ def test_another_format_version_is_refused():
 def test_something_else_is_malformed():
     assert refused(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") == "malformed"
     blob = encode_chunk(KEY, TOKENS, chunk_tensors(7), None)
-    assert refused(blob + b"\0") == "malformed"
+    assert refused(bytes(blob) + b"\0") == "malformed"
 
 
 def test_an_object_written_without_the_secret_is_refused():
@@ -140,9 +151,9 @@ def test_an_authenticated_object_with_a_new_body_and_its_checksum_is_refused():
     body_start = preamble_end + 2 * 32
     body = bytearray(blob[body_start:])
     body[-1] ^= 1  # another value, same length
-    preamble = blob[:preamble_end]
+    preamble = bytes(blob[:preamble_end])
     checksum = objects_module._checksum(preamble, [bytes(body)])
-    forged = preamble + checksum + blob[preamble_end + 32 : body_start] + bytes(body)
+    forged = preamble + checksum + bytes(blob[preamble_end + 32 : body_start]) + bytes(body)
     assert refused(forged, mac_key=MAC) == "not authenticated"
     assert decode_chunk(forged, KEY, TOKENS, None)[0][-1] == 5 ^ (1 << 24)  # the checksum alone passes it
 
@@ -152,7 +163,8 @@ def test_without_copies_the_tensors_view_the_blob_bit_exact_and_keep_it_alive():
     blob = encode_chunk(KEY, TOKENS, tensors, MAC)
     views = decode_chunk(blob, KEY, TOKENS, MAC, copy=False)
     assert all(same_bits(a, b) for a, b in zip(views, tensors, strict=True))
-    start, end = id(blob), id(blob) + len(blob) + 64  # a bytes object's data lies inside the object
+    start = numpy.frombuffer(blob, dtype=numpy.uint8).ctypes.data
+    end = start + len(blob)
     payloads = [view for view in views if view is not None and view.numel()]
     assert payloads and all(start <= view.data_ptr() < end for view in payloads)
     del blob
@@ -163,3 +175,68 @@ def test_without_copies_the_tensors_view_the_blob_bit_exact_and_keep_it_alive():
         for copy, view in zip(copies, views, strict=True)
         if view is not None and view.numel()
     )
+
+
+@pytest.mark.parametrize("mac_key", [None, MAC], ids=["checksum", "hmac"])
+def test_the_object_is_laid_out_byte_for_byte_as_documented(mac_key):
+    generator = torch.Generator().manual_seed(10)
+    floats, halves = random_tensor(generator, torch.float32, (3, 5)), random_tensor(generator, torch.float16, (7,))
+    body = b"".join(
+        [
+            struct.pack("<HII", len(KEY), len(TOKENS), 3),
+            KEY,
+            struct.pack(f"<{len(TOKENS)}q", *TOKENS),
+            struct.pack("<BBqq", DTYPE_TO_CODE[torch.float32], 2, 3, 5),
+            struct.pack("<BB", 0, 0),
+            struct.pack("<BBq", DTYPE_TO_CODE[torch.float16], 1, 7),
+            floats.numpy().tobytes(),
+            halves.numpy().tobytes(),
+        ]
+    )
+    preamble = struct.pack("<4sHHQ", b"KVBS", objects_module.FORMAT_VERSION, 0 if mac_key is None else 1, len(body))
+    digests = blake3(preamble + body).digest()
+    if mac_key is not None:
+        digests += blake3(preamble + digests, key=mac_key).digest()
+    assert bytes(encode_chunk(KEY, TOKENS, [floats, None, halves], mac_key)) == preamble + digests + body
+
+
+def test_an_object_is_read_only_memory_of_its_own_that_later_writes_to_its_sources_leave_alone():
+    generator = torch.Generator().manual_seed(11)
+    staging = random_tensor(generator, torch.float32, (4, 33, 9))
+    before = staging.clone()
+    strided = random_tensor(generator, torch.int64, (6, 10))[:, ::3]  # not contiguous
+    blob = encode_chunk(KEY, TOKENS, [staging, strided], MAC)
+    assert blob.readonly
+    with pytest.raises(TypeError):
+        blob[0] = 0
+    staging.copy_(random_tensor(generator, torch.float32, (4, 33, 9)))  # the buffer reused for the next object
+    got = decode_chunk(blob, KEY, TOKENS, MAC, copy=False)
+    assert same_bits(got[0], before) and not same_bits(got[0], staging)
+    assert same_bits(got[1], strided.contiguous())
+    assert not numpy.frombuffer(blob, dtype=numpy.uint8).flags.writeable
+
+
+def test_a_builder_written_in_place_makes_the_same_object_and_is_sealed_once():
+    generator = torch.Generator().manual_seed(12)
+    tensors = [random_tensor(generator, torch.float32, (5, 3, 7)), None, random_tensor(generator, torch.uint8, (32,))]
+    specs = [None if tensor is None else (tensor.dtype, tuple(tensor.shape)) for tensor in tensors]
+    builder = ChunkBuilder(KEY, TOKENS, specs, MAC)
+    assert builder.tensors is not None and builder.tensors[1] is None
+    assert builder.tensors[0] is not None and builder.tensors[0].data_ptr() % 64 == 0  # the payload is aligned
+    for target, tensor in zip(builder.tensors, tensors, strict=True):
+        if target is not None:
+            target.copy_(tensor)
+    blob = builder.seal()
+    assert bytes(blob) == bytes(encode_chunk(KEY, TOKENS, tensors, MAC))
+    assert builder.tensors is None
+    with pytest.raises(KVStoreError, match="sealed already"):
+        builder.seal()
+
+
+def test_a_tensor_that_cannot_be_stored_is_refused_before_any_memory_is_taken():
+    with pytest.raises(KVStoreError, match="cannot be stored"):
+        ChunkBuilder(KEY, TOKENS, [(torch.qint8, (3,))], None)
+    with pytest.raises(KVStoreError, match="at most"):
+        ChunkBuilder(KEY, TOKENS, [(torch.float32, (1,) * (objects_module.MAX_NDIM + 1))], None)
+    with pytest.raises(KVStoreError, match="negative"):
+        ChunkBuilder(KEY, TOKENS, [(torch.float32, (2, -1))], None)

@@ -8,6 +8,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 from kv_store import (
     DiskTier,
@@ -16,6 +17,7 @@ from kv_store import (
     MemoryTier,
     PutResult,
     TieredStore,
+    encode_chunk,
     open_store,
 )
 
@@ -51,6 +53,20 @@ def test_memory_tier_writes_once_and_refuses_what_cannot_fit():
     assert (stats.hits, stats.misses, stats.failed_writes, stats.evictions) == (2, 1, 1, 0)
     with pytest.raises(KVStoreConfigError, match="capacity_bytes"):
         MemoryTier(0)
+
+
+def test_memory_tier_keeps_a_read_only_object_as_it_is_and_copies_writable_memory():
+    tier = MemoryTier(capacity_bytes=1 << 20)
+    staging = bytearray(blob(500))
+    first = bytes(staging)
+    assert tier.put(b"w" * 32, memoryview(staging))
+    staging[:] = blob(500)  # the caller reuses its buffer for the next object
+    assert tier.get_many([b"w" * 32]) == [first]
+    frozen = encode_chunk(b"r" * 32, [1, 2, 3], [torch.arange(40, dtype=torch.float32)], None)
+    assert tier.put(b"r" * 32, frozen)
+    kept = tier.get_many([b"r" * 32])[0]
+    assert kept is frozen and bytes(kept) == bytes(frozen)  # no copy of an object nobody writes
+    assert tier.stats().bytes_stored == 500 + len(frozen)
 
 
 class SlowTier(MemoryTier):

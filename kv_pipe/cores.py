@@ -221,6 +221,16 @@ def configure(setting: Setting) -> None:
             PROCESS = ThreadCores(setting)
 
 
+def _forget_choice() -> None:
+    """In a forked child, a choice being made in another thread (its lock held) would never finish:
+    the child makes its own."""
+    global PROCESS
+    PROCESS = ThreadCores(PROCESS.setting)
+
+
+os.register_at_fork(after_in_child=_forget_choice)
+
+
 def enter() -> None:
     """Move the calling thread onto this process's kvbridge cores (the start of every kvbridge thread)."""
     PROCESS.enter()

@@ -158,6 +158,17 @@ def test_the_choice_is_made_once_per_process(process_cores: Callable[..., cores.
     assert on_pinned_thread(FIRST, affinity_of_kvbridge_thread) == {FIRST}
 
 
+def test_a_forked_child_makes_its_own_choice(process_cores: Callable[..., cores.ThreadCores]) -> None:
+    chosen = process_cores(cores.INHERIT)
+    chosen.enter()  # the choice is made in the parent
+    pid = os.fork()
+    if pid == 0:  # the child: a fresh choice with the parent's setting
+        os._exit(0 if cores.PROCESS is not chosen and cores.PROCESS.setting == cores.INHERIT else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert cores.PROCESS is chosen
+
+
 def test_choose() -> None:
     four = frozenset(range(4))
     assert cores.choose(cores.AUTO, four, frozenset({0})) == {1, 2, 3}

@@ -29,6 +29,7 @@ import torch
 
 from connector.tp_layout import Source
 from connector.vllm_loads import PRODUCER_LOAD_SHARE
+from kv_pipe import cores
 from kv_pipe.errors import KVConfigError, KVTransferError
 from lookup_buffer.base import BufferStats, KVLookupBufferBase, SelectResult
 from lookup_buffer.connections import Address, ProducerConnections, Ready
@@ -399,7 +400,7 @@ def _aside(select: Callable[[int], SelectResult], index: int) -> concurrent.futu
             future.set_exception(exc)
 
     try:
-        threading.Thread(target=run, name="kvbridge-gather", daemon=True).start()
+        cores.thread(run, "kvbridge-gather").start()
     except RuntimeError:
         logger.warning("kvbridge: no thread for the select from a prefill TP rank; it runs after the others")
         return None

@@ -23,7 +23,8 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+
+from kv_pipe import cores
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,8 @@ class LoadTracker:
     """
 
     def __init__(self, threads: int = LOAD_THREADS) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvbridge-load")
-        self._unreported = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-drain")
+        self._executor = cores.executor(threads, "kvbridge-load")
+        self._unreported = cores.executor(1, "kvbridge-drain")
         self._lock = threading.Lock()  # guards the three fields below
         self._in_flight: dict[str, LoadTicket] = {}
         self._done: dict[str, set[int]] = {}  # req_id -> failed block ids, not reported yet

@@ -39,6 +39,10 @@ Connector options (extra config keys that are neither :class:`kv_pipe.KVTransfer
     ``kv_ip:kv_port``; announcements name the prefill instance's TP size themselves). A decode
     instance may have another TP size than its prefill instances where one divides the other
     (:mod:`connector.tp_layout`).
+``kv_thread_cores`` (``"auto"``, ``"inherit"`` or a core list such as ``"1,3"``, default ``"auto"``)
+    The cores kvbridge's own threads (saves, loads, pipes, tier writers) run on: by default the
+    process's cores minus those vLLM binds its compute threads to (``VLLM_CPU_OMP_THREADS_BIND``),
+    so that they do not compete with the model's steps; see :mod:`kv_pipe.cores`.
 ``kv_secret_file`` (path, default unset)
     A file holding the shared secret (see :mod:`connector.secret`). The secret itself is never
     a key here: vLLM's command line and logs would show it. ``KVBRIDGE_KV_SECRET`` /
@@ -66,6 +70,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from connector.secret import SECRET_FILE_KEY, refuse_inline_secret, resolve_secret
+from kv_pipe import cores
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError
 from lookup_buffer.config import BufferConfig
@@ -77,6 +82,7 @@ _OPTION_DEFAULTS: dict[str, Any] = {
     "kv_lend_blocks": True,
     "kv_lend_lease": 2.0,
     "kv_producer_tp_size": None,
+    cores.SETTING_KEY: cores.AUTO,
     SECRET_FILE_KEY: None,
 }
 
@@ -94,6 +100,7 @@ class ConnectorSettings:
         producer_tp_size: see ``kv_producer_tp_size`` (None: this instance's own TP size).
         buffer: what the producer's lookup buffer does with entries nobody selects (evicting
             them when full, by default here).
+        thread_cores: see ``kv_thread_cores`` (a value of :func:`kv_pipe.cores.parse_setting`).
     """
 
     bridge: KVTransferConfig
@@ -103,6 +110,7 @@ class ConnectorSettings:
     lend_lease: float = 2.0
     producer_tp_size: int | None = None
     buffer: BufferConfig = dataclasses.field(default_factory=lambda: BufferConfig(kv_evict_unclaimed=True))
+    thread_cores: cores.Setting = cores.AUTO
 
     @classmethod
     def from_vllm(
@@ -166,6 +174,7 @@ class ConnectorSettings:
             lend_lease=float(options["kv_lend_lease"]),
             producer_tp_size=producer_tp,
             buffer=buffer,
+            thread_cores=cores.parse_setting(options[cores.SETTING_KEY]),
         )
 
 

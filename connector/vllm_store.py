@@ -59,7 +59,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import msgspec
@@ -72,6 +71,7 @@ from connector.secret import SECRET_FILE_KEY, read_secret_file, refuse_inline_se
 from connector.transfer_plan import transfer_prefix_len
 from connector.vllm_loads import LoadTicket, LoadTracker
 from connector.vllm_stats import STORE_LOAD_ERRORS, STORE_TIER_UP, KVBridgeStats
+from kv_pipe import cores
 from kv_pipe.errors import KVConfigError
 from kv_store import (
     Blob,
@@ -140,17 +140,18 @@ class StoreSettings:
     redis_timeout: float = 2.0
     redis_password: str | None = dataclasses.field(default=None, repr=False)
     secret: str | None = dataclasses.field(default=None, repr=False)
+    thread_cores: cores.Setting = cores.AUTO
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> StoreSettings:
         """Parse ``kv_connector_extra_config``; raise KVConfigError naming a bad key (never a secret)."""
         environ = os.environ if environ is None else environ
         refuse_inline_secret(extra, "kv_connector_extra_config")
-        unknown = sorted(set(extra) - {STORE_KEY, SECRET_FILE_KEY})
+        unknown = sorted(set(extra) - {STORE_KEY, SECRET_FILE_KEY, cores.SETTING_KEY})
         if unknown:
             raise KVConfigError(
-                f"kv_role 'kv_both' with kv_store takes only kv_store and {SECRET_FILE_KEY} in "
-                f"kv_connector_extra_config, got {unknown}"
+                f"kv_role 'kv_both' with kv_store takes only kv_store, {cores.SETTING_KEY} and {SECRET_FILE_KEY} "
+                f"in kv_connector_extra_config, got {unknown}"
             )
         raw = extra[STORE_KEY]
         options = dict(_STORE_DEFAULTS)
@@ -196,6 +197,7 @@ class StoreSettings:
             redis_timeout=float(timeout),
             redis_password=password,
             secret=resolve_secret(environ, extra.get(SECRET_FILE_KEY)),
+            thread_cores=cores.parse_setting(extra.get(cores.SETTING_KEY, cores.AUTO)),
         )
 
     def open(self, spec: str | None = None) -> TieredStore:
@@ -578,8 +580,8 @@ class StoreWorker:
         self._layout = ""
         self._tracker = LoadTracker()
         # Gathers run apart from the puts, so that a slow tier holds no request's blocks.
-        self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-store-gather")
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-store-save")
+        self._gatherer = cores.executor(1, "kvbridge-store-gather")
+        self._saver = cores.executor(1, "kvbridge-store-save")
         self._gather_lock = threading.Lock()  # guards each _Gather's started and dropped
         # Requests with a save whose blocks vLLM keeps until take_finished_sending reports them (engine
         # thread only), and those of them vLLM finished.
@@ -717,7 +719,7 @@ class StoreWorker:
             except BaseException as exc:  # handed to the load, which raises what is not a store error
                 arrived.put(exc)
 
-        reader = threading.Thread(target=read, name="kvbridge-store-read", daemon=True)
+        reader = cores.thread(read, "kvbridge-store-read")
         reader.start()
         given: set[int] = set()
         while True:

@@ -24,6 +24,7 @@ from connector.vllm_store import (
 )
 from connector.vllm_v1 import KVBridgeConnector
 from connector.vllm_worker import find_layout
+from kv_pipe import cores
 from kv_pipe.errors import KVConfigError
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class KVBridgeStoreConnector(StoreLayoutHandshake, KVBridgeConnector):
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise KVConfigError("kvbridge does not support pipeline parallelism (pipeline_parallel_size > 1)")
         settings = StoreSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        cores.configure(settings.thread_cores)  # before the store's tiers start their writers
         self._block_size = vllm_config.cache_config.block_size
         self._scheduler, self._worker = None, None  # the transfer sides: none here
         self._store_scheduler, self._store_worker = open_store_sides(settings, vllm_config, role, kv_cache_config)

@@ -82,6 +82,7 @@ from connector.vllm_settings import ConnectorSettings, listen_port_offset
 from connector.vllm_stats import KVBridgeStats
 from connector.vllm_store import has_store, wants_store
 from connector.vllm_worker import WorkerSide, find_layout
+from kv_pipe import cores
 from kv_pipe.errors import KVConfigError
 from lookup_buffer.base import BufferStats
 
@@ -123,6 +124,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             transfer.kv_buffer_device,
             self._pipe_extra(transfer.kv_connector_extra_config),
         )
+        cores.configure(self._settings.thread_cores)  # before any kvbridge thread starts
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise KVConfigError("kvbridge does not support pipeline parallelism (pipeline_parallel_size > 1)")
         self._block_size = vllm_config.cache_config.block_size

@@ -160,6 +160,33 @@ def tp_store_body(
         vp._shutdown(llm)
 
 
+def worker_thread_cores(worker: Any) -> dict[str, list[int]]:
+    """Run in a vLLM worker (``LLM.collective_rpc``): the cores each of its Python threads may run on,
+    by thread name (``main`` for the worker's main thread), read from the kernel by thread id."""
+    import os
+    import threading
+
+    cores = {thread.name: sorted(os.sched_getaffinity(thread.native_id)) for thread in threading.enumerate()}
+    cores["main"] = sorted(os.sched_getaffinity(threading.main_thread().native_id))
+    return cores
+
+
+def worker_process_store_body(model: str, transfer: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
+    """Serve ``prompts`` with the model in a vLLM worker process (TP 1 on vLLM's multiprocess
+    executor, which binds the worker as ``VLLM_CPU_OMP_THREADS_BIND`` says); return the outputs and,
+    once every save is in the store, the cores of the worker's threads (:func:`worker_thread_cores`)."""
+    kwargs = vp.engine_kwargs(model, transfer)
+    kwargs["distributed_executor_backend"] = "mp"
+    llm = vp._llm(kwargs)
+    try:
+        outputs = vp._generate(llm, prompts, vp.MAX_TOKENS)
+        llm.collective_rpc(worker_store_stats, timeout=60)  # every save done: its threads have run
+        (threads,) = llm.collective_rpc(worker_thread_cores, timeout=60)
+        return {"outputs": outputs, "threads": threads}
+    finally:
+        vp._shutdown(llm)
+
+
 class _Lines(logging.Handler):
     """Keeps the messages of the records it handles."""
 

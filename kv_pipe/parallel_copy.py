@@ -6,8 +6,9 @@ copy of the same-host path, so it is split into parts, one per thread, for copie
 :data:`PARALLEL_MIN_BYTES` (below that, waking a helper costs more than it saves).
 
 The helpers run ``memmove`` outside the GIL and are started once per process, one fewer than the
-cores this process may run on, at most :data:`MAX_THREADS` in all. OpenMP (torch's own copy) is
-not used: its threads keep spinning after each copy and take the core from the peer process.
+cores this process may run on (:func:`kv_pipe.cores.allowed_cores`), at most :data:`MAX_THREADS` in
+all. OpenMP (torch's own copy) is not used: its threads keep spinning after each copy and take the
+core from the peer process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+
+from kv_pipe import cores
 
 PARALLEL_MIN_BYTES = 4 << 20
 MAX_THREADS = 4
@@ -101,14 +104,12 @@ def _threads() -> int:
     if _jobs is None:
         with _start_lock:
             if _jobs is None:
-                try:
-                    cores = len(os.sched_getaffinity(0))
-                except (AttributeError, OSError):
-                    cores = os.cpu_count() or 1
+                # The process's cores, not the caller's: an engine thread pinned to one core would
+                # otherwise start no helper, and the helpers run on kvbridge's own cores.
                 jobs: queue.SimpleQueue = queue.SimpleQueue()
-                _helpers = max(0, min(cores, MAX_THREADS) - 1)
+                _helpers = max(0, min(len(cores.allowed_cores()), MAX_THREADS) - 1)
                 for index in range(_helpers):
-                    threading.Thread(target=_serve, args=(jobs,), name=f"kvbridge-copy-{index}", daemon=True).start()
+                    cores.thread(_serve, f"kvbridge-copy-{index}", (jobs,)).start()
                 _jobs = jobs
     return _helpers + 1
 

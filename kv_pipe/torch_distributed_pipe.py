@@ -51,14 +51,13 @@ from __future__ import annotations
 import logging
 import math
 import socket
-import threading
 import time
 from collections.abc import Sequence
 
 import torch
 
+from kv_pipe import cores, rendezvous, shared_memory
 from kv_pipe import device as devices
-from kv_pipe import rendezvous, shared_memory
 from kv_pipe.base import KVPipeBase
 from kv_pipe.channel import GroupChannel, SocketChannel
 from kv_pipe.config import KVTransferConfig
@@ -180,8 +179,8 @@ class TorchDistributedPipe(KVPipeBase):
         self._receiver = Receiver(self._state, self._sender, self.device)
 
         name = f"kvbridge-pipe-{self.port}-r{self.rank}"
-        self._sender_thread = threading.Thread(target=self._sender.run, name=f"{name}-send", daemon=True)
-        self._receiver_thread = threading.Thread(target=self._receiver.run, name=f"{name}-recv", daemon=True)
+        self._sender_thread = cores.thread(self._sender.run, f"{name}-send")
+        self._receiver_thread = cores.thread(self._receiver.run, f"{name}-recv")
         self._sender_thread.start()
         self._receiver_thread.start()
         logger.info(

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from kv_pipe import cores
 from kv_store.base import Blob, KVStoreConfigError, KVStoreUnavailableError, StoreTier, TierStats
 from kv_store.disk import DiskTier
 from kv_store.memory import MemoryTier
@@ -62,7 +63,7 @@ class _Writer:
         self.lock = threading.Lock()
         self.dropped = 0
         self.closing = False
-        self.thread = threading.Thread(target=self._run, name=f"kv_store-{tier.name}-writer", daemon=True)
+        self.thread = cores.thread(self._run, f"kv_store-{tier.name}-writer")
 
     def offer(self, key: bytes, blob: Blob) -> bool:
         """Queue ``blob``; ``False`` if it was dropped instead (counted)."""

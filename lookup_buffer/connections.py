@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kv_pipe import cores
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVTransferError
 from lookup_buffer.base import KVLookupBufferBase
@@ -96,9 +97,7 @@ class ProducerConnections:
                     producer.waiters.append(ready)
                     if producer.dialing is not None:
                         return
-                    producer.dialing = threading.Thread(
-                        target=self._dial, args=(address, producer), name="kvbuf-dial", daemon=True
-                    )
+                    producer.dialing = cores.thread(self._dial, "kvbuf-dial", (address, producer))
                     try:
                         producer.dialing.start()
                         return
@@ -267,7 +266,7 @@ class ProducerConnections:
         """Forget ``producer``'s connection and close it in the background (under the lock)."""
         buffer, producer.buffer = producer.buffer, None
         logger.warning("lookup buffer: the connection to the producer at %s is dropped: %s", _name(address), error)
-        threading.Thread(target=_close_quietly, args=(buffer,), name="kvbuf-close", daemon=True).start()
+        cores.thread(_close_quietly, "kvbuf-close", (buffer,)).start()
 
 
 def _name(address: Address) -> str:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import zmq
 
+from kv_pipe import cores
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError, KVPeerLostError, KVPipeClosedError, KVProtocolError, KVTransferError
@@ -111,8 +112,8 @@ class BufferConsumer:
         self._releases: collections.deque[int] = collections.deque()  # request ids, for the control thread
         self._release_lock = threading.Lock()
         self._endpoint = Endpoint(zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
-        self._control = threading.Thread(target=self._run_control, name="kvbuf-consumer-control", daemon=True)
-        self._reader = threading.Thread(target=self._read_pipe, name="kvbuf-consumer-reader", daemon=True)
+        self._control = cores.thread(self._run_control, "kvbuf-consumer-control")
+        self._reader = cores.thread(self._read_pipe, "kvbuf-consumer-reader")
         self._control.start()
         self._reader.start()
         logger.info("lookup buffer consumer selecting from %s", address)

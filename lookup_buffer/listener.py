@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 import zmq
 
-from kv_pipe import TorchDistributedPipe, rendezvous
+from kv_pipe import TorchDistributedPipe, cores, rendezvous
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.device import nccl_pipe_bytes
@@ -207,7 +207,7 @@ class BufferListener(KVLookupBufferBase):
         )
         self.address = self._endpoint.address
         self._stopping = threading.Event()
-        self._acceptor = threading.Thread(target=self._accept, name=f"kvbuf-listener-{port}", daemon=True)
+        self._acceptor = cores.thread(self._accept, f"kvbuf-listener-{port}")
         self._acceptor.start()
         logger.info(
             "lookup buffer producer listening for consumers on %s (%d bytes)", self.address, config.kv_buffer_size
@@ -352,7 +352,7 @@ class BufferListener(KVLookupBufferBase):
             self._closing[connection] = self._connections.pop(connection)
             self._to_close.append(connection)
         while self._to_close and len(self._closers) < min(MAX_CLOSING_THREADS, len(self._closing)):
-            closer = threading.Thread(target=self._close_ended, name="kvbuf-listener-close", daemon=True)
+            closer = cores.thread(self._close_ended, "kvbuf-listener-close")
             try:
                 closer.start()
             except RuntimeError as exc:  # no thread to be had now: the next hand-over tries again
@@ -459,9 +459,7 @@ class BufferListener(KVLookupBufferBase):
             return
         control_port = int(control.address.rsplit(":", 1)[1])
         reply = encode_connect_reply(self._signer, nonce, store_socket.getsockname()[1], control_port)
-        setup = threading.Thread(
-            target=self._set_up, args=(store_socket, control), name="kvbuf-listener-setup", daemon=True
-        )
+        setup = cores.thread(self._set_up, "kvbuf-listener-setup", (store_socket, control))
         try:
             self._endpoint.send([identity, reply])
             with self._lock:

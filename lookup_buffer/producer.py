@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import zmq
 
-from kv_pipe import auth
+from kv_pipe import auth, cores
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPipeClosedError, KVTransferError
@@ -186,8 +186,8 @@ class BufferProducer:
         except BaseException:
             self._endpoint.close()
             raise
-        self._server = threading.Thread(target=self._serve, name="kvbuf-producer-server", daemon=True)
-        self._watcher = threading.Thread(target=self._watch_consumer, name="kvbuf-producer-watch", daemon=True)
+        self._server = cores.thread(self._serve, "kvbuf-producer-server")
+        self._watcher = cores.thread(self._watch_consumer, "kvbuf-producer-watch")
         self._store.watch(self._on_removed)
         self._server.start()
         self._watcher.start()

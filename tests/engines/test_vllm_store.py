@@ -26,6 +26,7 @@ from connector.vllm_worker import find_layout
 from harness import store_procs as sp
 from harness import vllm_procs as vp
 from harness.vllm_fakes import make_request, new_req_data, poll_until_reported, scheduler_output
+from kv_pipe import cores
 from kv_pipe.errors import KVConfigError
 from kv_store import chunk_keys
 
@@ -678,3 +679,31 @@ def test_an_instance_outlives_its_redis_down_at_start_killed_and_restarted(tiny_
             rounds.put(False)
             server.kill()
         engines.wait(["instance"], timeout=300)
+
+
+@pytest.mark.timeout(900)
+def test_the_store_threads_of_a_worker_bound_to_core_0_run_on_the_other_cores(tiny_model: str, tmp_path: Path) -> None:
+    """vLLM binds its worker (compute threads and main thread) to core 0; the store's gather and save
+    threads, started from the worker's engine thread, run on the process's other cores."""
+    allowed = cores.allowed_cores()
+    rng = np.random.default_rng(23)
+    prompts = [rng.integers(5, vp.VOCAB, n).tolist() for n in PROMPT_LENGTHS]
+    with vp.Engines() as engines:
+        engines.start("reference", vp.reference_body, vp.engine_env(1), model=tiny_model, prompts=prompts)
+        engines.start(
+            "store",
+            sp.worker_process_store_body,
+            vp.engine_env(0),
+            model=tiny_model,
+            transfer=sp.store_transfer_config(f"disk:{tmp_path / 'store'}"),
+            prompts=prompts,
+        )
+        results = engines.wait(["reference", "store"], timeout=840)
+    assert [o["tokens"] for o in results["store"]["outputs"]] == [o["tokens"] for o in results["reference"]]
+    threads = results["store"]["threads"]
+    assert threads["main"] == [0]
+    others = sorted(allowed - {0}) or [0]  # a one-core process has nowhere else to go
+    for prefix in ("kvbridge-store-gather", "kvbridge-store-save"):
+        named = {name: cpus for name, cpus in threads.items() if name.startswith(prefix)}
+        assert named, f"no {prefix} thread in the worker: {sorted(threads)}"
+        assert all(cpus == others for cpus in named.values()), named

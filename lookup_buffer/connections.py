@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kv_pipe.affinity import unpinned
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVPeerLostError, KVPipeClosedError, KVTransferError
 from lookup_buffer.base import KVLookupBufferBase
@@ -100,7 +101,8 @@ class ProducerConnections:
                         target=self._dial, args=(address, producer), name="kvbuf-dial", daemon=True
                     )
                     try:
-                        producer.dialing.start()
+                        with unpinned():  # the attempt's threads may run on any CPU (see kv_pipe.affinity)
+                            producer.dialing.start()
                         return
                     except RuntimeError as exc:  # out of threads: no attempt, and none in flight
                         # Not the producer's fault: its circuit stays as it was, the next request tries again.

@@ -36,6 +36,7 @@ import torch
 import zmq
 
 from kv_pipe import TorchDistributedPipe, rendezvous
+from kv_pipe.affinity import unpinned
 from kv_pipe.base import KVPipeBase
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.device import nccl_pipe_bytes
@@ -202,13 +203,16 @@ class BufferListener(KVLookupBufferBase):
         self._refused = 0
         self._closed = False
         port = config.kv_port + port_offset
-        self._endpoint = Endpoint(
-            zmq.ROUTER, f"tcp://{control_host(config.kv_ip)}:{port}", MAX_REQUEST_BYTES, bind=True
-        )
-        self.address = self._endpoint.address
         self._stopping = threading.Event()
-        self._acceptor = threading.Thread(target=self._accept, name=f"kvbuf-listener-{port}", daemon=True)
-        self._acceptor.start()
+        # Its ZeroMQ I/O thread, the acceptor, and every thread the acceptor starts (set-ups,
+        # pipes, stores, closers) may run on any CPU, not only the caller's (a vLLM worker's core).
+        with unpinned():
+            self._endpoint = Endpoint(
+                zmq.ROUTER, f"tcp://{control_host(config.kv_ip)}:{port}", MAX_REQUEST_BYTES, bind=True
+            )
+            self._acceptor = threading.Thread(target=self._accept, name=f"kvbuf-listener-{port}", daemon=True)
+            self._acceptor.start()
+        self.address = self._endpoint.address
         logger.info(
             "lookup buffer producer listening for consumers on %s (%d bytes)", self.address, config.kv_buffer_size
         )

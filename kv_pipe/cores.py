@@ -9,23 +9,30 @@ starts, to the cores the process's setting chose (``kv_thread_cores``, :func:`pa
 
 ``auto`` (the default)
     The cores this process may use (its cpuset) minus the cores its first kvbridge thread inherited
-    and the cores ``VLLM_CPU_OMP_THREADS_BIND`` names (every TP rank's list); if none are left (an
-    unpinned process, one allowed core, every core bound), threads keep what they inherit.
+    and the cores ``VLLM_CPU_OMP_THREADS_BIND`` names (every TP rank's list). If none are left (an
+    unpinned process, one allowed core, every core bound), every core the process may use: a thread
+    confined to a vLLM worker's one core shares it with the worker's shared-memory queue poller,
+    which spins on ``sched_yield`` for a second after each step, and on a busy host such a thread
+    waited tens of seconds for its core (connect requests, rendezvous and TCPStore connections
+    missed ``kv_timeout``); spread over the allowed cores, the kernel balances it.
 ``inherit``
     Threads keep their creator's affinity (e.g. a process run under ``taskset`` on purpose).
 a list such as ``"1,3"`` or ``"2-5"``
     Exactly these cores; each must be one this process may use.
 
 The choice is made once per process, by the first kvbridge thread that starts after
-:func:`configure`, and logged at INFO.
+:func:`configure`, and logged at INFO. Native threads that a library starts on its own (ZeroMQ's I/O
+thread with a context's first socket, the TCPStore's and gloo's threads) inherit the thread that
+starts them: code that may run on an engine thread creates such objects inside :func:`spawning`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
@@ -131,12 +138,13 @@ def vllm_bound_cores(environ: Mapping[str, str] | None = None) -> frozenset[int]
 
 
 def choose(setting: Setting, allowed: frozenset[int], bound: frozenset[int]) -> frozenset[int] | None:
-    """The cores kvbridge's threads run on, None to keep what they inherit (see the module docstring)."""
+    """The cores kvbridge's threads run on, None (``inherit``) to keep what they inherit (see the
+    module docstring)."""
     if setting == INHERIT:
         return None
     if isinstance(setting, frozenset):
         return setting
-    return (allowed - bound) or None
+    return (allowed - bound) or allowed
 
 
 class ThreadCores:
@@ -234,6 +242,22 @@ os.register_at_fork(after_in_child=_forget_choice)
 def enter() -> None:
     """Move the calling thread onto this process's kvbridge cores (the start of every kvbridge thread)."""
     PROCESS.enter()
+
+
+@contextlib.contextmanager
+def spawning() -> Iterator[None]:
+    """Within this block the calling thread (e.g. an engine thread vLLM pinned) runs on this
+    process's kvbridge cores, so that the native threads libraries start in it inherit them; the
+    caller's own affinity is restored on exit."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    enter()
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 def _entered(target: Callable[..., Any], *args: Any) -> Any:

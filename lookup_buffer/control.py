@@ -39,8 +39,11 @@ def control_host(host: str) -> str:
     return host
 
 
-def open_socket(context: zmq.Context, kind: int, address: str, max_message_bytes: int, bind: bool) -> zmq.Socket:
+def open_socket(
+    context: zmq.Context, kind: int, address: str, max_message_bytes: int, bind: bool, monitored: bool = False
+) -> zmq.Socket:
     """A socket bound (producer) or connected (consumer) to ``address``, with memory bounds set.
+    ``monitored``: its events go to ``sock.get_monitor_socket()`` from before it binds or connects.
 
     Raises:
         KVConfigError: the address cannot be bound (not local, or in use).
@@ -51,12 +54,16 @@ def open_socket(context: zmq.Context, kind: int, address: str, max_message_bytes
     sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
     sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
     sock.setsockopt(zmq.IPV6, int(address.startswith("tcp://[")))
+    if monitored:
+        sock.get_monitor_socket()
     try:
         if bind:
             sock.bind(address)
         else:
             sock.connect(address)
     except zmq.ZMQError as exc:
+        if monitored:
+            close_monitor(sock)
         sock.close(linger=0)
         verb = "bind" if bind else "connect"
         raise KVConfigError(
@@ -64,6 +71,14 @@ def open_socket(context: zmq.Context, kind: int, address: str, max_message_bytes
             f"address of the producer's host and kv_port + port_offset + 1 must be free"
         ) from exc
     return sock
+
+
+def close_monitor(sock: zmq.Socket) -> None:
+    """Stop monitoring ``sock`` and close its monitor socket (else its context's term() would wait
+    for it forever)."""
+    monitor = sock.get_monitor_socket()
+    sock.disable_monitor()
+    monitor.close(linger=0)
 
 
 class Doorbell:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import logging
+import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kv_pipe import TorchDistributedPipe, auth
 from kv_pipe.config import KVTransferConfig
 from kv_pipe.errors import KVConfigError, KVPeerLostError, KVProtocolError, KVTransferError
-from lookup_buffer.control import control_host, open_socket
+from lookup_buffer.control import close_monitor, control_host, open_socket
 from lookup_buffer.listener import OnConnect, PipeFactory
 from lookup_buffer.protocol import (
     MAX_REFUSAL_BYTES,
@@ -71,16 +74,19 @@ def _ask_for_connection(config: KVTransferConfig, host: str, port: int, timeout:
     address = f"tcp://{control_host(host)}:{port}"
     context = zmq.Context(io_threads=1)
     try:
-        sock = open_socket(context, zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False)
+        sock = open_socket(context, zmq.DEALER, address, MAX_REFUSAL_BYTES, bind=False, monitored=True)
+        started = time.monotonic()
         try:
             sock.send(encode_connect_request(signer, nonce, config.kv_buffer_size), zmq.NOBLOCK)
-            if not sock.poll(max(1, round(timeout * 1000))):
+            events = _Events(sock.get_monitor_socket(), started)
+            if not events.wait_for_answer(sock, timeout):
                 raise KVPeerLostError(
                     f"lookup buffer: no producer answered at {address} within {timeout:g} s "
-                    f"(not started, restarting, or not listening there)"
+                    f"(not started, restarting, or not listening there); this side's connection: {events}"
                 )
             answer = decode_connect_answer(signer, sock.recv(zmq.NOBLOCK))
         finally:
+            close_monitor(sock)
             sock.close(linger=0)
     finally:
         context.term()
@@ -93,3 +99,58 @@ def _ask_for_connection(config: KVTransferConfig, host: str, port: int, timeout:
     if answer.nonce != nonce:
         raise KVProtocolError(f"lookup buffer: the producer at {address} answered another connect request")
     return answer
+
+
+#: The socket events a failed dial reports (a diagnostic of "no producer answered").
+_EVENTS = {
+    zmq.EVENT_CONNECTED: "connected",
+    zmq.EVENT_CONNECT_DELAYED: "connect in progress",
+    zmq.EVENT_CONNECT_RETRIED: "connect retried",
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: "handshake done",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (protocol)",
+    zmq.EVENT_DISCONNECTED: "disconnected",
+    zmq.EVENT_CLOSED: "closed",
+}
+
+
+class _Events:
+    """A failed dial's diagnostic: what its TCP connection did (its socket monitor's events), each
+    event's count and when it first came after the request was queued."""
+
+    def __init__(self, monitor: zmq.Socket, started: float) -> None:
+        self._monitor = monitor
+        self._started = started
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._first: dict[str, float] = {}
+
+    def wait_for_answer(self, sock: zmq.Socket, timeout: float) -> bool:
+        """Wait at most ``timeout`` for ``sock`` to have an answer, noting the events meanwhile."""
+        deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            ready = dict(poller.poll(max(0, round(left * 1000))))
+            if self._monitor in ready:
+                self._take()
+            if sock in ready:
+                return True
+            if left <= 0:
+                self._take()
+                return False
+
+    def _take(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            name = _EVENTS.get(event["event"], f"event {event['event']}")
+            self._counts[name] += 1
+            self._first.setdefault(name, time.monotonic() - self._started)
+
+    def __str__(self) -> str:
+        if not self._counts:
+            return "no socket event at all (its I/O thread never started a connect)"
+        return ", ".join(
+            f"{name} {count}x (first at +{self._first[name]:.3f} s)" for name, count in self._counts.items()
+        )

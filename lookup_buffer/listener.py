@@ -202,11 +202,14 @@ class BufferListener(KVLookupBufferBase):
         self._refused = 0
         self._closed = False
         port = config.kv_port + port_offset
-        self._endpoint = Endpoint(
-            zmq.ROUTER, f"tcp://{control_host(config.kv_ip)}:{port}", MAX_REQUEST_BYTES, bind=True
-        )
-        self.address = self._endpoint.address
         self._stopping = threading.Event()
+        # The socket's ZeroMQ I/O thread starts here, on the caller's thread (a vLLM worker's pinned
+        # one): it runs on kvbridge's cores like the acceptor and every thread the acceptor starts.
+        with cores.spawning():
+            self._endpoint = Endpoint(
+                zmq.ROUTER, f"tcp://{control_host(config.kv_ip)}:{port}", MAX_REQUEST_BYTES, bind=True
+            )
+        self.address = self._endpoint.address
         self._acceptor = cores.thread(self._accept, f"kvbuf-listener-{port}")
         self._acceptor.start()
         logger.info(

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -403,6 +404,29 @@ def test_nothing_listening_is_a_bounded_lost_peer_error() -> None:
     with pytest.raises(KVPeerLostError, match="no producer answered"):
         dial(consumer_config(kv_timeout=0.5), HOST, procs.free_port())
     assert time.monotonic() - start < 30  # a hang guard, not a timing claim
+
+
+def test_an_unanswered_connect_request_says_how_far_its_connection_got() -> None:
+    """The error tells nothing listening (connect retried), a listener whose owner never accepts
+    (TCP connected, no ZeroMQ handshake) and a ZeroMQ peer that never answers (handshake done)."""
+    config = consumer_config(kv_timeout=0.5)
+    with pytest.raises(KVPeerLostError, match="no producer answered") as nobody:
+        dial(config, HOST, procs.free_port(1))
+    assert "connect retried" in str(nobody.value) and "connected" not in str(nobody.value)
+    with socket.create_server((HOST, 0)) as never_accepts:
+        with pytest.raises(KVPeerLostError, match="no producer answered") as silent_tcp:
+            dial(config, HOST, never_accepts.getsockname()[1])
+    assert "connected 1x" in str(silent_tcp.value) and "handshake done" not in str(silent_tcp.value)
+    context = zmq.Context()
+    never_reads = context.socket(zmq.ROUTER)
+    try:
+        port = never_reads.bind_to_random_port(f"tcp://{HOST}")
+        with pytest.raises(KVPeerLostError, match="no producer answered") as silent_router:
+            dial(config, HOST, port)
+        assert "connected 1x" in str(silent_router.value) and "handshake done 1x" in str(silent_router.value)
+    finally:
+        never_reads.close(linger=0)
+        context.term()
 
 
 # ---------------------------------------------------------------------------------------------- close

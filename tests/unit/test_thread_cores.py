@@ -1,7 +1,9 @@
 """The cores kvbridge's threads run on (kv_pipe.cores): a thread started from a thread pinned to one
 core (as vLLM pins its engine thread) moves to the process's other cores, ``inherit`` keeps the
 creator's core, an explicit list is honoured, a list outside the allowed cores is refused when the
-settings are read, and a process with nothing left to move to keeps what it has.
+settings are read, and with every core bound a thread may use all of them rather than stay beside
+its pinned creator. A producer's listener, its ZeroMQ I/O thread and a connect attempt started from
+a pinned thread run on the same cores.
 
 Each test reads the affinity inside the started thread (``os.sched_getaffinity(0)``)."""
 
@@ -10,15 +12,20 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from connector.vllm_settings import ConnectorSettings
 from connector.vllm_store import StoreSettings
+from harness.procs import free_port
 from kv_pipe import cores
-from kv_pipe.errors import KVConfigError
+from kv_pipe.config import KVTransferConfig
+from kv_pipe.errors import KVConfigError, KVPeerLostError
 from kv_store import MemoryTier, PutResult, TieredStore
+from lookup_buffer.connections import ProducerConnections
+from lookup_buffer.listener import BufferListener
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -139,11 +146,14 @@ def test_a_process_with_one_allowed_core_keeps_it(process_cores: Callable[..., c
     assert on_pinned_thread(FIRST, affinity_of_kvbridge_thread) == {FIRST}
 
 
-def test_cores_vllm_binds_for_any_rank_are_left_out(process_cores: Callable[..., cores.ThreadCores]) -> None:
-    # Rank 0 pinned to FIRST, rank 1 to every other core: nothing is left, the thread keeps its core.
+def test_with_every_core_bound_a_thread_may_use_every_allowed_core(
+    process_cores: Callable[..., cores.ThreadCores],
+) -> None:
+    # Rank 0 pinned to FIRST, rank 1 to every other core: no spare core, so the thread is not left
+    # confined to its creator's core (beside a spinning poller) but may run on any allowed core.
     others = ",".join(map(str, sorted(ALLOWED - {FIRST}))) or str(FIRST)
     process_cores(cores.AUTO, VLLM_CPU_OMP_THREADS_BIND=f"{FIRST}|{others}")
-    assert on_pinned_thread(FIRST, affinity_of_kvbridge_thread) == {FIRST}
+    assert on_pinned_thread(FIRST, affinity_of_kvbridge_thread) == ALLOWED
 
 
 def test_the_choice_is_made_once_per_process(process_cores: Callable[..., cores.ThreadCores]) -> None:
@@ -173,8 +183,8 @@ def test_choose() -> None:
     four = frozenset(range(4))
     assert cores.choose(cores.AUTO, four, frozenset({0})) == {1, 2, 3}
     assert cores.choose(cores.AUTO, four, frozenset({2, 0})) == {1, 3}
-    assert cores.choose(cores.AUTO, four, four) is None
-    assert cores.choose(cores.AUTO, frozenset({5}), frozenset({5})) is None
+    assert cores.choose(cores.AUTO, four, four) == four
+    assert cores.choose(cores.AUTO, frozenset({5}), frozenset({5})) == {5}
     assert cores.choose(cores.INHERIT, four, frozenset({0})) is None
     assert cores.choose(frozenset({0, 3}), four, frozenset({0})) == {0, 3}
 
@@ -231,3 +241,53 @@ def test_the_connector_settings_carry_the_setting() -> None:
     store = StoreSettings.from_extra({"kv_store": "disk:/x", "kv_thread_cores": "inherit"}, environ={})
     assert store.thread_cores == cores.INHERIT
     assert StoreSettings.from_extra({"kv_store": "disk:/x"}, environ={}).thread_cores == cores.AUTO
+
+
+def cores_of_task(tid: int) -> frozenset[int]:
+    """A thread's affinity as the kernel reports it (also for native threads Python does not know)."""
+    status = Path(f"/proc/self/task/{tid}/status").read_text()
+    (listed,) = [line.split(":", 1)[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list")]
+    return cores.parse_cores(listed)
+
+
+def zmq_io_threads() -> set[int]:
+    return {
+        int(task.name)
+        for task in Path("/proc/self/task").iterdir()
+        if (task / "comm").read_text().startswith("ZMQbg/IO")
+    }
+
+
+def test_a_listener_its_zmq_io_thread_and_a_connect_attempt_started_from_a_pinned_thread_move(
+    process_cores: Callable[..., cores.ThreadCores],
+) -> None:
+    process_cores(cores.AUTO)
+    port = free_port(1)
+    config = KVTransferConfig(kv_role="kv_producer", kv_ip="127.0.0.1", kv_port=port, kv_buffer_size=1 << 22)
+    dialed: list[frozenset[int]] = []
+    dial_done = threading.Event()
+
+    def dial(*_: object) -> object:
+        dialed.append(frozenset(os.sched_getaffinity(0)))
+        dial_done.set()
+        raise KVPeerLostError("this test looks only at where the attempt ran")
+
+    def start() -> tuple[BufferListener, ProducerConnections, frozenset[int]]:
+        listener = BufferListener(config)
+        connections = ProducerConnections(KVTransferConfig(kv_role="kv_consumer", kv_rank=1), connect=dial)
+        connections.when_ready(("127.0.0.1", port), lambda _: None)
+        return listener, connections, frozenset(os.sched_getaffinity(0))
+
+    before = zmq_io_threads()
+    listener, connections, creator_after = on_pinned_thread(FIRST, start)
+    try:
+        assert creator_after == {FIRST}  # the pinned creator stays where it was
+        assert dial_done.wait(30)
+        assert dialed == [OTHERS]
+        (acceptor,) = [t for t in threading.enumerate() if t.name == f"kvbuf-listener-{port}"]
+        assert acceptor.native_id is not None and cores_of_task(acceptor.native_id) == OTHERS
+        (io_thread,) = zmq_io_threads() - before  # the listener socket's, started on the pinned thread
+        assert cores_of_task(io_thread) == OTHERS
+    finally:
+        connections.close()
+        listener.close()

@@ -102,6 +102,8 @@ PASSWORD_FILE_ENV = "KVBRIDGE_STORE_PASSWORD_FILE"
 SAVE_QUEUE_DEPTH = 16
 #: Seconds ``handle_preemptions`` waits for a preempted request's gather under way (then its save is dropped).
 PREEMPT_WAIT_SECONDS = 10.0
+#: Host buffers of one chunk's blocks kept for later saves (see :class:`StagingPool`).
+STAGING_CHUNKS = 4
 #: How often a load waiting for its store read looks whether the reading thread still runs.
 READ_POLL_SECONDS = 1.0
 #: Version of the chunk contents (one tensor of all layers' blocks, then the layout digest).
@@ -545,13 +547,40 @@ class StoreStats:
     chunks_queued: int = 0  # the fastest tier was full: only the slower tiers' queues have them
 
 
+class StagingPool:
+    """Host buffers that saves gather chunks into, kept for the next saves. vLLM keeps a request's
+    blocks until its gather is done, and a new buffer's first touch (the kernel mapping, and for
+    huge pages compacting, its pages) costs several times the copy into it: into a kept buffer the
+    gather is one warm copy, and the blocks go back to vLLM at once. At most ``keep`` idle buffers
+    are kept; more saves at once allocate."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` and ``dtype``: an idle one if one fits, else a new one."""
+        shape = tuple(shape)
+        with self._lock:
+            for index, buffer in enumerate(self._idle):
+                if buffer.shape == shape and buffer.dtype == dtype:
+                    return self._idle.pop(index)
+        return torch.empty(shape, dtype=dtype)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """``buffer`` (from :meth:`empty`) is read no more: a later save may reuse it."""
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(buffer)
+
+
 @dataclasses.dataclass(frozen=True)
 class _SavedChunk:
-    """One chunk of a save: its blocks in the object that stores them, to seal and put."""
+    """One chunk of a save: its key and its blocks, gathered into a staging buffer."""
 
-    key: bytes
-    builder: ChunkBuilder
-    nbytes: int  # the blocks' bytes
+    key: ChunkKey
+    blocks: torch.Tensor
 
 
 @dataclasses.dataclass(eq=False)
@@ -588,6 +617,7 @@ class StoreWorker:
         self._gathers: dict[str, _Gather] = {}
         self._finished: set[str] = set()
         self._saves_pending = threading.BoundedSemaphore(SAVE_QUEUE_DEPTH)
+        self._staging = StagingPool(STAGING_CHUNKS)
         self._lock = threading.Lock()  # guards _stats and the interval's numbers below
         self._stats = StoreStats()
         self._load_seconds: list[float] = []
@@ -823,9 +853,8 @@ class StoreWorker:
         job.done.set()
 
     def _gather(self, job: _Gather) -> None:
-        """Copy the chunks of ``job`` out of vLLM's blocks, each straight into the memory of the
-        object that stores it (:class:`kv_store.ChunkBuilder`: one gather per chunk is the one copy
-        of its blocks), then hand them to the saver thread, which hashes and stores them."""
+        """Copy the chunks of ``job`` out of vLLM's blocks (one gather per chunk, into a kept staging
+        buffer), then hand them to the saver thread, which builds, hashes and stores their objects."""
         with self._gather_lock:
             if job.dropped:  # cancelled by a preemption, which freed the slot
                 return
@@ -838,7 +867,7 @@ class StoreWorker:
             ids = spec.block_ids[spec.first_chunk * per_chunk :]
             keys = chunk_keys(self.namespace, spec.token_ids, self.settings.chunk_size)[spec.first_chunk :]
             chunks = [
-                self._gather_chunk(caches, key, spec.token_ids, ids[start : start + per_chunk])
+                self._gather_chunk(caches, key, ids[start : start + per_chunk])
                 for key, start in zip(keys, range(0, len(ids) - per_chunk + 1, per_chunk), strict=True)
             ]
             with self._gather_lock:
@@ -846,6 +875,8 @@ class StoreWorker:
                 job.done.set()
             if dropped:  # preempted, and not waited for long enough: the blocks may be another request's
                 self._add(saves_dropped=len(chunks))
+                for chunk in chunks:
+                    self._staging.give_back(chunk.blocks)
                 return
             self._saver.submit(self._put, spec, chunks)
             handed_over = True
@@ -856,31 +887,35 @@ class StoreWorker:
             if not handed_over:
                 self._saves_pending.release()
 
-    def _gather_chunk(
-        self, caches: PagedKVCaches, key: ChunkKey, token_ids: list[int], block_ids: list[int]
-    ) -> _SavedChunk:
-        """One chunk's object with its blocks gathered into it (not sealed yet)."""
-        first = caches.caches[0]
-        shape = (len(caches.caches), *caches.layout.block_shape(first, len(block_ids)))
+    def _gather_chunk(self, caches: PagedKVCaches, key: ChunkKey, block_ids: list[int]) -> _SavedChunk:
+        blocks = gather_blocks(
+            caches.caches, caches.layout, torch.tensor(block_ids, dtype=torch.int64), self._staging.empty
+        )
+        return _SavedChunk(key, blocks)
+
+    def _build(self, token_ids: list[int], chunk: _SavedChunk) -> Blob:
+        """The sealed object of ``chunk``: its blocks copied once into the object's own memory
+        (:class:`kv_store.ChunkBuilder`), the staging buffer given back, one hash pass."""
+        key = chunk.key
         builder = ChunkBuilder(
             key.key,
             token_ids[key.start : key.stop],
-            [(first.dtype, shape), (self._layout_tag.dtype, tuple(self._layout_tag.shape))],
+            [(chunk.blocks.dtype, tuple(chunk.blocks.shape)), (self._layout_tag.dtype, tuple(self._layout_tag.shape))],
             self.mac_key,
         )
         blocks, tag = cast(list[torch.Tensor], builder.tensors)  # both specs are tensors
-        # gather_blocks asks for the shape computed above: the blocks land in the object itself.
-        gather_blocks(caches.caches, caches.layout, torch.tensor(block_ids, dtype=torch.int64), lambda *_: blocks)
+        blocks.copy_(chunk.blocks)
         tag.copy_(self._layout_tag)
-        return _SavedChunk(key.key, builder, blocks.numel() * blocks.element_size())
+        self._staging.give_back(chunk.blocks)
+        return builder.seal()
 
     def _put(self, spec: StoreSave, chunks: list[_SavedChunk]) -> None:
         try:
             for chunk in chunks:
                 start = time.perf_counter()
-                blob = chunk.builder.seal()  # the one pass over it: checksum (and tag)
+                blob = self._build(spec.token_ids, chunk)
                 try:
-                    stored = self.store.put(chunk.key, blob)
+                    stored = self.store.put(chunk.key.key, blob)
                 except KVStoreError as exc:
                     logger.warning("kvbridge store: put of request %s failed: %s", spec.req_id, exc)
                     self._add(saves_dropped=1)
@@ -889,7 +924,7 @@ class StoreWorker:
                     with self._lock:
                         self._save_seconds.append(time.perf_counter() - start)
                 if stored is PutResult.STORED:
-                    self._add(chunks_saved=1, bytes_saved=chunk.nbytes)
+                    self._add(chunks_saved=1, bytes_saved=chunk.blocks.numel() * chunk.blocks.element_size())
                 elif stored is PutResult.QUEUED:
                     self._add(chunks_queued=1)
                 elif stored is PutResult.PRESENT:

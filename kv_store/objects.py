@@ -87,9 +87,8 @@ class ChunkBuilder:
     """An object under construction, in the one buffer it is stored from: the header is written,
     :attr:`tensors` are writable views of the object's memory where each tensor's bytes go (``None``
     for a ``None`` entry), and :meth:`seal` hashes the object and hands it over. Writing the tensors
-    in place (a gather straight into them) makes the object with one copy of the payload; the
-    memory is new (and, being large, asks for huge pages: far fewer page faults than 4 KiB pages)
-    because every tier may keep the object as it is."""
+    in place makes the object with one copy of the payload; the memory is new because every tier
+    may keep the object as it is."""
 
     def __init__(
         self, key: bytes, token_ids: Sequence[int], specs: Sequence[TensorSpec], mac_key: bytes | None
@@ -117,7 +116,11 @@ class ChunkBuilder:
         payload_start = self._body_start + len(header)
         total = payload_start + sum(sizes)
         # Not zeroed (every byte is written before the seal); placed so that the payload is aligned.
-        memory = numpy.empty(total + _PAYLOAD_ALIGN, dtype=numpy.uint8)
+        # torch's memory, not NumPy's: NumPy asks for huge pages for large arrays, and an object
+        # that a tier keeps is long-lived memory; on a host whose memory is fragmented, faulting in
+        # huge pages compacts memory, migrating the engine's own pages under it (a cold round's
+        # TTFT measured 1.21x of recomputing in huge pages, 1.08x in 4 KiB pages).
+        memory = torch.empty(total + _PAYLOAD_ALIGN, dtype=torch.uint8).numpy()
         first = -(memory.ctypes.data + payload_start) % _PAYLOAD_ALIGN
         self._memory = memory[first : first + total]
         flags = _AUTHENTICATED if mac_key is not None else 0

@@ -31,8 +31,9 @@ And per save: ``save (engine thread)`` (``wait_for_save``: the save handed to th
 the request, finished at once: vLLM keeps its blocks that long), ``save (to the fastest tier)``
 (until :meth:`StoreWorker.flush`). Beside them, what the gather costs where it runs on the engine
 thread instead: into kept buffers, into new memory each time (``torch.empty``: 4 KiB pages), and
-straight into new objects (:class:`kv_store.ChunkBuilder`, NumPy memory with huge pages), as the
-store's gather thread does (the store keeps every object, so that memory is always new). The
+straight into new objects (:class:`kv_store.ChunkBuilder`), the alternative the store's gather
+thread does not take: the store keeps every object, so that memory is always new, and vLLM would
+keep the blocks for its first touch; the gather thread copies into kept buffers instead. The
 baseline, measured in the same run, is one copy of the same bytes between two warm tensors: the
 least a load that writes every byte once can cost. Ratios are to it (medians of ``--repeat`` runs).
 
@@ -250,8 +251,7 @@ def save_rows(
 
 def gather_rows(source: list[torch.Tensor], chunks: int, repeat: int) -> list[tuple[str, str, float]]:
     """The gather of ``chunks`` chunks on the engine thread, into kept buffers, into new ones
-    (``torch.empty``), and into new objects (:class:`kv_store.ChunkBuilder`: huge pages), as the
-    store's gather thread does."""
+    (``torch.empty``), and into new objects (:class:`kv_store.ChunkBuilder`)."""
     layout = find_layout(source[0], source[0].shape[0], BLOCK_SIZE, LAYOUT_NAME)
     ids = [torch.arange(c * PER_CHUNK, (c + 1) * PER_CHUNK) for c in range(chunks)]
     kept = [gather_blocks(source, layout, chunk) for chunk in ids]  # the buffers exist from then on

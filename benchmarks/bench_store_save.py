@@ -10,15 +10,16 @@ whole save, ``/proc`` for redis-server's), not wall-clock time, which other work
 stretches.
 
 The floor, per request: one copy of the blocks into memory already touched and into new memory
-(``torch.empty``: 4 KiB pages; a NumPy array: huge pages), one BLAKE3 pass, and each tier's own
+(``torch.empty``: 4 KiB pages, which objects use; a NumPy array: huge pages), one BLAKE3 pass, and each tier's own
 unavoidable write of the object: memory keeps it (nothing), disk one ``os.write``, Redis one
 ``sendall`` of a ``SET`` on a raw socket plus redis-server's CPU to receive and store it.
 
 The stages: the gather of a request's chunks out of the paged caches
 (:func:`connector.paged.gather_blocks`) into new memory (``torch.empty``), into kept memory, and
-straight into the objects (:class:`kv_store.ChunkBuilder`, as the store's gather thread does), the
-objects' seal (the BLAKE3 pass), :func:`kv_store.encode_chunk` of gathered chunks (a copy and the
-seal), each tier's ``put`` of the objects. Then whole saves
+straight into the objects (:class:`kv_store.ChunkBuilder`: the alternative, which would hold vLLM's
+blocks for the first touch of new memory), the objects' seal (the BLAKE3 pass),
+:func:`kv_store.encode_chunk` of gathered chunks (a copy and the seal: what the store's put thread
+does with the kept buffers its gather thread filled), each tier's ``put`` of the objects. Then whole saves
 (:meth:`StoreWorker.save` until every tier holds the objects), per tier spec: the process's CPU and
 redis-server's. Ratios are to the floor of the same tiers (medians of ``--repeat`` runs).
 

@@ -27,8 +27,9 @@ with a secret; then dtype, shape and the worker's layout) and its blocks are cop
 object's bytes straight into the blocks vLLM allocated. A chunk that is missing
 or fails a check has its blocks reported as load errors: vLLM recomputes them or fails the request
 (``kv_load_failure_policy``); wrong KV is never written. A save is handed over in ``wait_for_save``
-and copied out of vLLM's blocks by a gather thread (one gather per chunk, straight into the memory of
-the object that stores it: :class:`kv_store.ChunkBuilder`), then hashed and put by a put thread (bounded: a save that
+and copied out of vLLM's blocks by a gather thread (one gather per chunk, into host buffers kept for
+the next saves: :class:`StagingPool`), then built into objects (:class:`kv_store.ChunkBuilder`: one
+copy, no join), hashed and put by a put thread (bounded: a save that
 finds the queue full is dropped and counted); the engine thread copies nothing. vLLM keeps the
 blocks meanwhile: the scheduler delays the free of every request with a save, and each worker
 reports it finished sending once its gather is done (:meth:`StoreWorker.take_finished_sending`); a

@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import netns
-from harness.procs import free_port, session_processes
+from harness.procs import OWN_PROCESS_GROUP, free_port, group_processes
 from harness.vllm_procs import VOCAB, make_heavy_kv_llama
 from launch.serve import kv_transfer_config, stop, vllm_serve_command
 
@@ -166,9 +166,9 @@ class Server:
     process: subprocess.Popen
 
 
-def _session_threads(leader: int) -> Iterator[int]:
-    """Every thread of every process in the session that ``leader`` leads."""
-    for pid in session_processes(leader):
+def _group_threads(leader: int) -> Iterator[int]:
+    """Every thread of every process in the process group that ``leader`` leads."""
+    for pid in group_processes(leader):
         with contextlib.suppress(OSError):
             yield from (int(tid) for tid in os.listdir(f"/proc/{pid}/task"))
 
@@ -176,7 +176,7 @@ def _session_threads(leader: int) -> Iterator[int]:
 def pin(server: Server) -> int:
     """Pin every thread of the server's processes to its cores; how many threads."""
     count = 0
-    for tid in _session_threads(server.process.pid):
+    for tid in _group_threads(server.process.pid):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(tid, server.cores)
             count += 1
@@ -230,7 +230,7 @@ def servers(
             argv, env = spec["argv"], {**os.environ, **extra}
             if hosts is not None:
                 argv, env = ["ip", "netns", "exec", hosts.names[spec["host"]], *argv], netns.child_env(extra)
-            process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, **OWN_PROCESS_GROUP)
             server = Server(spec["name"], f"http://{spec['address']}:{spec['port']}", set(spec["cores"]), process)
             started.append(server)
             wait_up(server, hosts.names[spec["host"]] if hosts is not None else None)
@@ -241,7 +241,7 @@ def servers(
 
 
 def stop_all(processes: list[subprocess.Popen]) -> None:
-    """Stop each server (SIGTERM, 30 s grace), then SIGKILL whatever is left of its session
+    """Stop each server (SIGTERM, 30 s grace), then SIGKILL whatever is left of its process group
     (vLLM's engine core and worker processes outlive an API server that was killed)."""
     try:
         stop(processes)

@@ -34,7 +34,7 @@ from pathlib import Path
 from benchmarks.measure import label, parse_sizes
 from benchmarks.peer_transports import ANOTHER_HOST
 from harness import netns
-from harness.procs import REPO, free_port
+from harness.procs import OWN_PROCESS_GROUP, REPO, free_port
 
 NIXL, NIXL_TOLD = "NIXL (UCX)", "NIXL (UCX), told, ping-pong"
 MEMCPY, RAW = "memcpy (torch, 1 thread)", "raw gloo"
@@ -43,7 +43,7 @@ DEFAULT_PLOT = Path(tempfile.gettempdir()) / "kvbridge-peers.png"
 
 
 def start_workers(log_dir: Path, args: argparse.Namespace, hosts: netns.TwoHosts | None) -> list[netns.Child]:
-    """The two worker processes, each in its own session (in its namespace with ``hosts``)."""
+    """The two worker processes, each in its own process group (in its namespace with ``hosts``)."""
     port = free_port(span=6)
     ip = hosts.addresses[0] if hosts else "127.0.0.1"
     # The caller's PYTHONPATH stays (after the repository): it may decide which peers can be imported.
@@ -74,7 +74,7 @@ def start_workers(log_dir: Path, args: argparse.Namespace, hosts: netns.TwoHosts
             process = hosts.popen(rank, argv, env, log_dir, tag)
         else:
             with open(log_dir / f"{tag}.out", "w") as out, open(log_dir / f"{tag}.err", "w") as err:
-                process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+                process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=err, **OWN_PROCESS_GROUP)
         children.append(netns.Child(tag, process, log_dir / f"{tag}.out", log_dir / f"{tag}.err", result_file))
     return children
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import netns
-from harness.procs import free_port
+from harness.procs import OWN_PROCESS_GROUP, free_port
 from harness.vllm_procs import VOCAB, make_heavy_kv_llama
 from launch.serve import kv_transfer_config, stop, vllm_serve_command
 
@@ -172,7 +172,7 @@ def servers(
             log = open(log_dir / f"{tag}-{index}.log", "wb")  # noqa: SIM115 - closed with the process
             if popen is None:
                 process = subprocess.Popen(
-                    argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, **OWN_PROCESS_GROUP
                 )
             else:
                 process = popen(index, argv, env, log)
@@ -248,7 +248,7 @@ def measure(setup: str, model: str, log_dir: Path, arrivals: int, prompt_tokens:
                 env=netns.child_env(env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                **OWN_PROCESS_GROUP,
             )
 
         with servers(commands, log_dir, setup, popen):

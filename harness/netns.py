@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.procs import OWN_PROCESS_GROUP
+
 REPO = Path(__file__).resolve().parents[1]
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
 _PREFIX = "kvbridge-test"
@@ -65,7 +67,7 @@ class TwoHosts:
         self.ip(host, "link", "set", self.links[host], "up" if up else "down")
 
     def popen(self, host: int, argv: list[str], env: dict[str, str], log_dir: Path, tag: str) -> subprocess.Popen:
-        """Start ``argv`` inside namespace ``host`` in its own session; output goes to files in ``log_dir``."""
+        """Start ``argv`` inside namespace ``host`` in its own process group; output goes to files in ``log_dir``."""
         with open(log_dir / f"{tag}.out", "w") as out, open(log_dir / f"{tag}.err", "w") as err:
             return subprocess.Popen(
                 ["ip", "netns", "exec", self.names[host], *argv],
@@ -73,7 +75,7 @@ class TwoHosts:
                 cwd=REPO,
                 stdout=out,
                 stderr=err,
-                start_new_session=True,
+                **OWN_PROCESS_GROUP,
             )
 
     def spawn(

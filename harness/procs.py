@@ -19,6 +19,13 @@ from typing import Any
 _CTX = mp.get_context("spawn")
 REPO = Path(__file__).resolve().parents[1]
 
+#: ``subprocess.Popen`` arguments for a child reaped with everything it starts (``os.killpg``): a
+#: process group of its own, in the caller's session. Not a session of its own: with
+#: ``kernel.sched_autogroup_enabled`` (the default of most distributions) Linux gives every session a
+#: scheduling group, and on a host where vLLM's busy-polling workers outnumber the cores, a whole
+#: instance in another group went 3 to 27 s without a CPU (docs/failure-behaviour.md).
+OWN_PROCESS_GROUP: dict[str, Any] = {"process_group": 0, "stdin": subprocess.DEVNULL}
+
 
 def _ephemeral_range() -> tuple[int, int]:
     try:
@@ -130,7 +137,8 @@ class Finished:
 def run_commands(commands: list[tuple[list[str], dict[str, str]]], tmp_path: Path, timeout: float) -> list[Finished]:
     """Run the commands at once from the repository, each with the test's environment (less any
     ``KVBRIDGE_*`` variable, plus the repository on PYTHONPATH) updated by its own, and each in its
-    own session, so that the processes it starts (torchrun's workers, a benchmark's) die with it.
+    own process group (:data:`OWN_PROCESS_GROUP`), so that the processes it starts (torchrun's workers,
+    a benchmark's) die with it.
     Output goes to files, not pipes, so that no process blocks on a full pipe while another waits for it.
     Raises AssertionError with the tails of their stderr if they have not all ended within ``timeout``."""
     env_base = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
@@ -143,7 +151,7 @@ def run_commands(commands: list[tuple[list[str], dict[str, str]]], tmp_path: Pat
             with out.open("w") as stdout, err.open("w") as stderr:
                 started.append(
                     subprocess.Popen(
-                        command, cwd=REPO, env={**env_base, **env}, stdout=stdout, stderr=stderr, start_new_session=True
+                        command, cwd=REPO, env={**env_base, **env}, stdout=stdout, stderr=stderr, **OWN_PROCESS_GROUP
                     )
                 )
         deadline = time.monotonic() + timeout
@@ -166,16 +174,17 @@ def run_commands(commands: list[tuple[list[str], dict[str, str]]], tmp_path: Pat
     ]
 
 
-def session_processes(leader: int) -> list[int]:
-    """The pids of every process in the session ``leader`` leads (a server started in its own session)."""
+def group_processes(leader: int) -> list[int]:
+    """The pids of every process in the process group ``leader`` leads (a server started with
+    :data:`OWN_PROCESS_GROUP`)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            session = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[3])
+            group = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[2])
         except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
-        if session == leader:
+        if group == leader:
             pids.append(int(entry))
     return pids

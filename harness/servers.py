@@ -22,7 +22,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import vllm_procs as vp
-from harness.procs import REPO, free_port
+from harness.procs import OWN_PROCESS_GROUP, REPO, free_port
 from launch import proxy, serve
 
 NAME = "tiny"
@@ -53,7 +53,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 class Server:
-    """A server process in its own session, reaped with its whole process group."""
+    """A server process in its own process group, reaped with the whole group."""
 
     def __init__(self, command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
@@ -62,7 +62,7 @@ class Server:
             command,
             stdout=self._file,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            **OWN_PROCESS_GROUP,
             env={**os.environ, **(env or {})},
             cwd=REPO,
         )

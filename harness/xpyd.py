@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import vllm_procs as vp
-from harness.procs import free_port, session_processes
+from harness.procs import free_port, group_processes
 from harness.servers import NAME, SERVE_ARGS, Server
 from launch import proxy, serve
 
@@ -80,7 +80,7 @@ class Instance:
         rank that crashes; returns its pid. Raises LookupError when the instance has no such worker."""
         assert self.server is not None
         title = f"Worker_TP{rank}"
-        for pid in session_processes(self.server.process.pid):
+        for pid in group_processes(self.server.process.pid):
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:

@@ -82,7 +82,7 @@ def _ask_for_connection(config: KVTransferConfig, host: str, port: int, timeout:
             if not events.wait_for_answer(sock, timeout):
                 raise KVPeerLostError(
                     f"lookup buffer: no producer answered at {address} within {timeout:g} s "
-                    f"(not started, restarting, or not listening there); this side's connection: {events}"
+                    f"({events.likely_cause()}); this side's connection: {events}"
                 )
             answer = decode_connect_answer(signer, sock.recv(zmq.NOBLOCK))
         finally:
@@ -147,6 +147,20 @@ class _Events:
             name = _EVENTS.get(event["event"], f"event {event['event']}")
             self._counts[name] += 1
             self._first.setdefault(name, time.monotonic() - self._started)
+
+    def likely_cause(self) -> str:
+        """What the events say about the other side, for the error's reader."""
+        if self._counts["handshake done"]:
+            return "its listener took the connection but never answered the request: its control thread is stuck"
+        if self._counts["connected"]:
+            # A listener's greeting is sent by its process's ZeroMQ I/O thread: no greeting within the
+            # timeout means that process did not run, or the port is not a ZeroMQ listener's.
+            return (
+                "a process holds the port but never sent ZeroMQ's greeting: not a producer, or a producer "
+                "stopped or given no CPU (instances sharing cores in separate sessions or cgroups, see "
+                "docs/failure-behaviour.md)"
+            )
+        return "nothing accepted the connection: not started, restarting, or not listening there"
 
     def __str__(self) -> str:
         if not self._counts:

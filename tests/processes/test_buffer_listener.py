@@ -408,15 +408,18 @@ def test_nothing_listening_is_a_bounded_lost_peer_error() -> None:
 
 def test_an_unanswered_connect_request_says_how_far_its_connection_got() -> None:
     """The error tells nothing listening (connect retried), a listener whose owner never accepts
-    (TCP connected, no ZeroMQ handshake) and a ZeroMQ peer that never answers (handshake done)."""
+    (TCP connected, no ZeroMQ handshake) and a ZeroMQ peer that never answers (handshake done), and
+    says what each means."""
     config = consumer_config(kv_timeout=0.5)
     with pytest.raises(KVPeerLostError, match="no producer answered") as nobody:
         dial(config, HOST, procs.free_port(1))
     assert "connect retried" in str(nobody.value) and "connected" not in str(nobody.value)
+    assert "nothing accepted the connection" in str(nobody.value)
     with socket.create_server((HOST, 0)) as never_accepts:
         with pytest.raises(KVPeerLostError, match="no producer answered") as silent_tcp:
             dial(config, HOST, never_accepts.getsockname()[1])
     assert "connected 1x" in str(silent_tcp.value) and "handshake done" not in str(silent_tcp.value)
+    assert "never sent ZeroMQ's greeting" in str(silent_tcp.value)
     context = zmq.Context()
     never_reads = context.socket(zmq.ROUTER)
     try:
@@ -424,6 +427,7 @@ def test_an_unanswered_connect_request_says_how_far_its_connection_got() -> None
         with pytest.raises(KVPeerLostError, match="no producer answered") as silent_router:
             dial(config, HOST, port)
         assert "connected 1x" in str(silent_router.value) and "handshake done 1x" in str(silent_router.value)
+        assert "never answered the request" in str(silent_router.value)
     finally:
         never_reads.close(linger=0)
         context.term()

@@ -55,11 +55,11 @@ from typing import cast
 
 import torch
 
-from connector import compat
 from connector.paged import gather_blocks, scatter_blocks
 from connector.vllm_store import StoreLoad, StoreSave, StoreSettings, StoreWorker
 from connector.vllm_worker import find_layout
 from harness import redis_servers
+from harness.vllm_procs import store_identity
 from kv_store import Blob, ChunkBuilder, KVStoreError, chunk_keys, decode_chunk
 from kv_store.redis_tier import KEY_PREFIX, SOCKET_READ_BYTES
 
@@ -75,19 +75,7 @@ def worker(tiers: str, caches: list[torch.Tensor], secret: str | None) -> StoreW
         {"kv_store": {"tiers": tiers, "chunk_size": CHUNK_SIZE, "memory_bytes": 4 << 30, "disk_bytes": 16 << 30}},
         environ=environ,
     )
-    identity = compat.KVLayoutInfo(
-        version=compat.VERSION,
-        role="kv_both",
-        model="bench",
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        num_layers=LAYERS,
-        block_shape=(),
-        layout="bench",
-        tp_size=1,
-        tp_rank=0,
-    )
-    side = StoreWorker(settings, identity)
+    side = StoreWorker(settings, store_identity(LAYERS, BLOCK_SIZE, model="bench", layout="bench"))
     side.register(caches, find_layout(caches[0], caches[0].shape[0], BLOCK_SIZE, LAYOUT_NAME), LAYOUT_NAME)
     return side
 

@@ -554,8 +554,17 @@ def fake_worker(
     return worker
 
 
-def store_identity(num_layers: int, block_size: int, model: str = "fake") -> Any:
-    """The compatibility identity of a one-rank ``kv_both`` store worker over fp32 fake caches."""
+def store_identity(
+    num_layers: int,
+    block_size: int,
+    model: str = "fake",
+    layout: str = "x",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    **heads: int,
+) -> Any:
+    """The compatibility identity of a ``kv_both`` store worker over fp32 caches (one rank unless
+    told; ``heads``: ``total_kv_heads`` and ``head_size`` where the test's layout knows them)."""
     from connector import compat
 
     return compat.KVLayoutInfo(
@@ -566,9 +575,10 @@ def store_identity(num_layers: int, block_size: int, model: str = "fake") -> Any
         block_size=block_size,
         num_layers=num_layers,
         block_shape=(),
-        layout="x",
-        tp_size=1,
-        tp_rank=0,
+        layout=layout,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        **heads,
     )
 
 

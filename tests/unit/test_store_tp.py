@@ -42,20 +42,7 @@ FAKE_CHUNK = 2 * FB
 
 
 def identity(tp_rank: int, tp_size: int, model: str = "m") -> compat.KVLayoutInfo:
-    return compat.KVLayoutInfo(
-        version=compat.VERSION,
-        role="kv_both",
-        model=model,
-        dtype="float32",
-        block_size=B,
-        num_layers=2,
-        block_shape=(),
-        layout="FullAttentionSpec/LBHNC",
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        total_kv_heads=2,
-        head_size=64,
-    )
+    return vp.store_identity(2, B, model, "FullAttentionSpec/LBHNC", tp_rank, tp_size, total_kv_heads=2, head_size=64)
 
 
 SPACES = [identity_namespace(identity(rank, 2)) for rank in range(2)]

@@ -151,7 +151,10 @@ class _Events:
     def likely_cause(self) -> str:
         """What the events say about the other side, for the error's reader."""
         if self._counts["handshake done"]:
-            return "its listener took the connection but never answered the request: its control thread is stuck"
+            return (
+                "a ZeroMQ peer took the connection but never answered the request: a producer whose control "
+                "thread is stuck or overloaded, or not a producer"
+            )
         if self._counts["connected"]:
             # A listener's greeting is sent by its process's ZeroMQ I/O thread: no greeting within the
             # timeout means that process did not run, or the port is not a ZeroMQ listener's.

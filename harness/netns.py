@@ -29,9 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from harness.procs import OWN_PROCESS_GROUP
+from harness.procs import OWN_PROCESS_GROUP, REPO
 
-REPO = Path(__file__).resolve().parents[1]
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
 _PREFIX = "kvbridge-test"
 _COUNTER = itertools.count()

@@ -561,10 +561,11 @@ def store_identity(
     layout: str = "x",
     tp_rank: int = 0,
     tp_size: int = 1,
-    **heads: int,
+    total_kv_heads: int = 0,
+    head_size: int = 0,
 ) -> Any:
     """The compatibility identity of a ``kv_both`` store worker over fp32 caches (one rank unless
-    told; ``heads``: ``total_kv_heads`` and ``head_size`` where the test's layout knows them)."""
+    told; heads and head size 0: not known)."""
     from connector import compat
 
     return compat.KVLayoutInfo(
@@ -578,7 +579,8 @@ def store_identity(
         layout=layout,
         tp_size=tp_size,
         tp_rank=tp_rank,
-        **heads,
+        total_kv_heads=total_kv_heads,
+        head_size=head_size,
     )
 
 

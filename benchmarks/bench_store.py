@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import statistics
 import sys
@@ -56,6 +57,7 @@ from typing import Any
 
 from harness import redis_servers
 from harness import vllm_procs as vp
+from kv_pipe.cores import parse_cores
 
 #: make_heavy_kv_llama's KV values per token: 8 layers x 16 KV heads x 128 dims x (K, V).
 KV_VALUES_PER_TOKEN = 8 * 16 * 128 * 2
@@ -70,15 +72,35 @@ ENGINE_TIMEOUT = 1800.0
 WARM_MEMORY, WARM_SHARED, COLD = 0.25, 0.35, 1.05
 #: The store tiers a run measures with kvbridge ("redis-unix": the run's redis-server over its Unix socket).
 KVBRIDGE_TIERS = ("memory", "disk", "redis", "redis-unix")
+#: vLLM's prefix caching with a KV cache that holds every prompt of a round: its best case.
+EVERYTHING_FITS = "plain + prefix cache, everything fits"
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
+    """``qa``: ``documents`` documents of ``doc_tokens`` tokens, each asked once a round with another
+    question. ``chat``: ``documents`` conversations over one shared system prompt, one turn a round;
+    a turn's prompt is the conversation so far (the earlier turns' user messages and recorded
+    replies) and a new user message."""
+
     documents: int = 8
     doc_tokens: int = 2000
     rounds: int = 3
     answer_tokens: int = 8
     dtype: str = "float32"
+    kind: str = "qa"
+
+    @property
+    def chat_parts(self) -> tuple[int, int, int]:
+        """A chat's system prompt, each user message and each recorded reply, in tokens."""
+        return self.doc_tokens // 4, self.doc_tokens // 4, self.doc_tokens // 8
+
+    @property
+    def longest_prompt(self) -> int:
+        if self.kind == "qa":
+            return self.doc_tokens + QUESTION_TOKENS
+        system, user, reply = self.chat_parts
+        return system + self.rounds * user + (self.rounds - 1) * reply
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -86,59 +108,83 @@ class Workload:
 
     @property
     def max_model_len(self) -> int:
-        return -(-(self.doc_tokens + QUESTION_TOKENS + self.answer_tokens) // vp.BLOCK_SIZE) * vp.BLOCK_SIZE
+        return -(-(self.longest_prompt + self.answer_tokens) // vp.BLOCK_SIZE) * vp.BLOCK_SIZE
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        blocks = int(CACHED_PROMPTS * self.max_model_len) // vp.BLOCK_SIZE
+    def kv_cache_bytes(self, everything: bool = False) -> int:
+        """vLLM's KV cache: room for ``CACHED_PROMPTS`` of the longest prompts, or (``everything``)
+        for every prompt of the last round at once, so that its prefix cache keeps them all."""
+        prompts = self.documents if everything else CACHED_PROMPTS
+        blocks = int(prompts * self.max_model_len) // vp.BLOCK_SIZE
         return blocks * vp.BLOCK_SIZE * self.kv_bytes_per_token
 
     @property
     def store_bytes(self) -> int:
-        """Room for every document's chunks, twice over."""
-        return 2 * self.documents * self.doc_tokens * self.kv_bytes_per_token
+        """Room for every prompt's chunks, twice over."""
+        return 2 * self.documents * self.longest_prompt * self.kv_bytes_per_token
 
 
 QUICK = Workload(documents=3, doc_tokens=512, rounds=2, answer_tokens=4)
 
 
 def prompts(workload: Workload, seed: int = 0) -> list[list[list[int]]]:
-    """Per round, per document: the document followed by that round's question."""
+    """Per round, per document (or conversation): its prompt."""
     rng = random.Random(seed)
-    documents = [[rng.randrange(5, vp.VOCAB) for _ in range(workload.doc_tokens)] for _ in range(workload.documents)]
-    rounds = []
-    for _ in range(workload.rounds):
-        questions = [[rng.randrange(5, vp.VOCAB) for _ in range(QUESTION_TOKENS)] for _ in documents]
-        rounds.append([document + question for document, question in zip(documents, questions, strict=True)])
-    return rounds
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(5, vp.VOCAB) for _ in range(count)]
+
+    if workload.kind == "chat":
+        system_tokens, user_tokens, reply_tokens = workload.chat_parts
+        system = tokens(system_tokens)
+        histories = [list(system) for _ in range(workload.documents)]
+        rounds = []
+        for _ in range(workload.rounds):
+            batch = []
+            for history in histories:
+                history.extend(tokens(user_tokens))
+                batch.append(list(history))
+                history.extend(tokens(reply_tokens))
+            rounds.append(batch)
+        return rounds
+    documents = [tokens(workload.doc_tokens) for _ in range(workload.documents)]
+    return [[document + tokens(QUESTION_TOKENS) for document in documents] for _ in range(workload.rounds)]
 
 
 # ---------------------------------------------------------------------- engine body (a child process)
 
 
-def _ask(
-    engine: Any, request_id: str, prompt: list[int], answer_tokens: int, timeout: float = 600
-) -> tuple[float, list[int], int]:
-    """One request alone in the engine: (seconds to its first token, its tokens, the prompt tokens
-    vLLM did not compute)."""
+def _serve(
+    engine: Any, requests: list[tuple[str, list[int]]], clients: int, answer_tokens: int, timeout: float = 600
+) -> list[tuple[float, list[int], int]]:
+    """``requests`` (id, prompt) from ``clients`` closed-loop clients: each adds its next request when
+    its last one finished. Per request, in order: (seconds from adding it to the engine step that
+    returned its first token, its tokens, the prompt tokens vLLM did not compute)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=answer_tokens, ignore_eos=True, detokenize=False)
-    start = time.perf_counter()
-    engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
-    ttft, tokens, cached = None, [], 0
-    while engine.has_unfinished_requests():
-        if time.perf_counter() - start > timeout:
-            raise TimeoutError(f"request {request_id} not finished within {timeout} s")
+    waiting = list(reversed(requests))
+    order = {request_id: index for index, (request_id, _) in enumerate(requests)}
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, tuple[float, list[int], int]] = {}
+    deadline = time.perf_counter() + timeout
+    while waiting or engine.has_unfinished_requests():
+        while waiting and len(added) - len(done) < clients:
+            request_id, prompt = waiting.pop()
+            added[request_id] = time.perf_counter()
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"requests {sorted(set(added) - set(done))} not finished within {timeout} s")
         for output in engine.step():
             tokens = list(output.outputs[0].token_ids)
-            cached = output.num_cached_tokens or 0
-            if ttft is None and tokens:
-                ttft = time.perf_counter() - start
-    if ttft is None:
-        raise RuntimeError(f"request {request_id} generated no token")
-    return ttft, tokens, cached
+            if tokens and output.request_id not in first:
+                first[output.request_id] = time.perf_counter() - added[output.request_id]
+            if output.finished:
+                if output.request_id not in first:
+                    raise RuntimeError(f"request {output.request_id} generated no token")
+                done[output.request_id] = (first[output.request_id], tokens, output.num_cached_tokens or 0)
+    return [done[request_id] for request_id in sorted(done, key=order.__getitem__)]
 
 
 def _settle(connector: Any, timeout: float = 120) -> None:
@@ -163,10 +209,21 @@ def engine_body(
     tiers: str | None,
     prefix_caching: bool,
     peer: dict[str, Any] | None = None,
+    clients: int = 1,
+    engine_cores: Sequence[int] = (),
+    cache_everything: bool = False,
 ) -> list[dict[str, Any]]:
-    """Serve ``rounds`` one after the other, each prompt alone; per round its TTFTs, wall time,
-    answers and the store's counters it added (``peer``: another connector's kv_transfer_config,
-    whose loads are the tokens vLLM reports as cached)."""
+    """Serve ``rounds`` one after the other, each from ``clients`` closed-loop clients; per round its
+    TTFTs, wall time, answers and the store's counters it added (``peer``: another connector's
+    kv_transfer_config, whose loads are the tokens vLLM reports as cached). With ``engine_cores``
+    the engine computes on those cores only, one thread each, and kvbridge's threads (``auto``) run
+    on the others; ``cache_everything`` sizes vLLM's KV cache for every prompt of a round."""
+    if engine_cores:
+        import torch
+
+        # Before vLLM starts: its compute threads inherit the main thread's cores.
+        os.sched_setaffinity(0, engine_cores)
+        torch.set_num_threads(len(engine_cores))
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     transfer = peer
@@ -190,7 +247,7 @@ def engine_body(
         enable_prefix_caching=prefix_caching,
         max_model_len=workload.max_model_len,
         dtype=workload.dtype,
-        kv_cache_memory_bytes=workload.kv_cache_bytes,
+        kv_cache_memory_bytes=workload.kv_cache_bytes(cache_everything),
         max_num_batched_tokens=workload.max_model_len,
     )
     llm = vp._llm(kwargs)
@@ -198,14 +255,13 @@ def engine_body(
         engine = llm.llm_engine
         connector = get_kv_transfer_group() if tiers is not None else None
         # An untimed first request: the first forward passes of an engine are slower.
-        _ask(engine, "warmup", random.Random(-1).choices(range(5, vp.VOCAB), k=workload.doc_tokens), 2)
+        _serve(engine, [("warmup", random.Random(-1).choices(range(5, vp.VOCAB), k=workload.longest_prompt))], 1, 2)
         results = []
         for index, batch in enumerate(rounds):
             before = connector.store_stats() if connector is not None else None
             start = time.perf_counter()
-            asked = [
-                _ask(engine, f"r{index}-d{doc}", prompt, workload.answer_tokens) for doc, prompt in enumerate(batch)
-            ]
+            requests = [(f"r{index}-d{doc}", prompt) for doc, prompt in enumerate(batch)]
+            asked = _serve(engine, requests, clients, workload.answer_tokens)
             wall = time.perf_counter() - start
             loaded, tokens_loaded = 0, sum(cached for _, _, cached in asked)
             if connector is not None:
@@ -292,7 +348,7 @@ def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple
             f"{p50 * 1e3:.1f}",
             f"{percentile(ttfts, 0.99) * 1e3:.1f}",
             f"{ratio:.2f}x",
-            f"{len(ttfts) / sum(r['wall'] for r in row.rounds):.2f}",
+            f"{requests_per_second(row):.2f}",
             f"{hit:.0%}",
             rate,
             str(row_wrong),
@@ -309,6 +365,7 @@ class Instance:
     prefix_caching: bool
     rounds: list[int]
     peer: dict[str, Any] | None = None  # another connector's kv_transfer_config
+    cache_everything: bool = False  # vLLM's KV cache holds every prompt of a round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +394,8 @@ def parse_peers(configs: list[str], new_instances: list[str]) -> list[Peer]:
         name = name.strip()
         if not sep or not name:
             raise ValueError(f"--connector-config takes NAME=JSON, got {item!r}")
-        if name in {"plain", "plain + prefix cache", *KVBRIDGE_TIERS} or name in {p.name for p in peers}:
+        taken = {"plain", "plain + prefix cache", EVERYTHING_FITS, *KVBRIDGE_TIERS, *(peer.name for peer in peers)}
+        if name in taken:
             raise ValueError(f"--connector-config name {name!r} is taken")
         try:
             config = json.loads(text.replace("{redis}", "redis://127.0.0.1:0"))
@@ -364,7 +422,11 @@ def plan(
     """Instances in order: kvbridge's, then the peers'. ``redis_url`` reaches the run's redis-server
     over TCP, ``redis_socket_url`` over its Unix socket."""
     every, later = list(range(workload.rounds)), list(range(1, workload.rounds))
-    instances = [Instance("plain", None, False, every), Instance("plain + prefix cache", None, True, every)]
+    instances = [
+        Instance("plain", None, False, every),
+        Instance("plain + prefix cache", None, True, every),
+        Instance(EVERYTHING_FITS, None, True, every, cache_everything=True),
+    ]
     for tier in tiers:
         spec = {
             "memory": f"memory,disk:{directory / 'memory'}",
@@ -382,26 +444,30 @@ def plan(
     return instances
 
 
-def rows_of(name: str, served: list[int], results: list[dict[str, Any]], rounds: list[list[list[int]]]) -> list[Row]:
+def rows_of(
+    name: str, served: list[int], results: list[dict[str, Any]], rounds: list[list[list[int]]], kind: str = "qa"
+) -> list[Row]:
     """The rows one instance gives: plain rows whole, plain + prefix cache its later rounds, a store
-    instance its cold round and its warm rounds (a new instance: warm only)."""
+    instance its cold round and its warm rounds (a new instance: warm only). The targets are
+    kvbridge's, on document QA; a chat's rounds are its first and its later turns."""
     by_round = dict(zip(served, results, strict=True))
     later = [index for index in served if index > 0]
     if name == "plain":
         return [Row("plain (recompute)", results, [rounds[i] for i in served])]
-    if name == "plain + prefix cache":
-        return [Row("plain + prefix cache, later rounds", [by_round[i] for i in later], [rounds[i] for i in later])]
+    if name.startswith("plain + prefix cache"):
+        return [Row(f"{name}, later rounds", [by_round[i] for i in later], [rounds[i] for i in later])]
     out = []
-    ours = name.split(",")[0] in KVBRIDGE_TIERS  # the targets are kvbridge's
+    ours = name.split(",")[0] in KVBRIDGE_TIERS and kind == "qa"
+    first, again = ("cold", "warm") if kind == "qa" else ("first turns", "later turns")
     if 0 in served:
-        out.append(Row(f"{name}, cold", [by_round[0]], [rounds[0]], ("cold", COLD) if ours else None))
+        out.append(Row(f"{name}, {first}", [by_round[0]], [rounds[0]], ("cold", COLD) if ours else None))
     if later:
         new_instance = name.endswith("new instance")
         limit = WARM_MEMORY if name == "memory" else WARM_SHARED if new_instance or name.startswith("redis") else None
         limit = limit if ours else None
         out.append(
             Row(
-                name if new_instance else f"{name}, warm",
+                name if new_instance and kind == "qa" else f"{name}, {again}",
                 [by_round[i] for i in later],
                 [rounds[i] for i in later],
                 ("warm", limit) if limit is not None else None,
@@ -410,44 +476,109 @@ def rows_of(name: str, served: list[int], results: list[dict[str, Any]], rounds:
     return out
 
 
-def run(workload: Workload, tiers: list[str], peers: Sequence[Peer] = ()) -> tuple[str, int]:
-    """The table of every instance's rows, and the mismatches in all."""
+def requests_per_second(row: Row) -> float:
+    return len(row.ttfts) / sum(result["wall"] for result in row.rounds)
+
+
+def by_clients_table(sweeps: dict[int, list[Row]]) -> str:
+    """Requests/s (and its ratio to the plain instance's at the same clients) and TTFT p50 per row,
+    a column group per client count."""
+    counts = sorted(sweeps)
+    header = ["setup"] + [f"{cell} ({count})" for count in counts for cell in ("req/s", "x plain", "TTFT p50 ms")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for index, row in enumerate(sweeps[counts[0]]):
+        cells = [row.name]
+        for count in counts:
+            same, plain = sweeps[count][index], sweeps[count][0]
+            rate = requests_per_second(same)
+            cells += [
+                f"{rate:.2f}",
+                f"{rate / requests_per_second(plain):.2f}x",
+                f"{statistics.median(same.ttfts) * 1e3:.1f}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(
+    workload: Workload,
+    tiers: list[str],
+    peers: Sequence[Peer] = (),
+    clients: Sequence[int] = (1,),
+    engine_cores: Sequence[int] = (),
+) -> tuple[str, int]:
+    """Every instance's rows, one table per client count (the store emptied between them) and, for
+    several counts, a table of requests/s by clients; and the mismatches in all. Every answer is
+    checked against the plain instance's at the fewest clients."""
     from tqdm import tqdm
 
     rounds = prompts(workload)
+    sweeps: dict[int, list[Row]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-store-") as scratch, vp.Engines() as engines:
         directory = Path(scratch)
         model = vp.make_heavy_kv_llama(directory / "model", max_positions=max(2048, workload.max_model_len))
         wants_redis = bool({"redis", "redis-unix"} & set(tiers)) or any(peer.needs_redis for peer in peers)
         redis = redis_servers.start_server(directory / "redis", unix=True) if wants_redis else None
+        env = vp.engine_env(0)
+        if engine_cores:
+            env.update(
+                VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, engine_cores)), OMP_NUM_THREADS=str(len(engine_cores))
+            )
+            if redis is not None:  # a store beside the engine, not on its cores
+                pin_process(redis.process.pid, set(os.sched_getaffinity(0)) - set(engine_cores))
         try:
-            rows: list[Row] = []
             tcp_url = f"redis://127.0.0.1:{redis.port}" if redis else None
             # Over the socket, another database: its cold round finds nothing the TCP instances stored.
-            instances = plan(workload, tiers, directory, tcp_url, peers, f"{redis.url}?db=1" if redis else None)
-            for index, instance in enumerate(tqdm(instances, desc="instances", file=sys.stderr)):
-                engines.start(
-                    f"{index}",
-                    engine_body,
-                    vp.engine_env(0),
-                    model=model,
-                    workload=workload,
-                    rounds=[rounds[i] for i in instance.rounds],
-                    tiers=instance.tiers,
-                    prefix_caching=instance.prefix_caching,
-                    peer=instance.peer,
-                )
-                results = engines.wait([f"{index}"], ENGINE_TIMEOUT)[f"{index}"]
-                rows.extend(rows_of(instance.name, instance.rounds, results, rounds))
+            socket_url = f"{redis.url}?db=1" if redis else None
+            for count in sorted(clients):
+                if redis is not None:
+                    redis.client().flushall()
+                instances = plan(workload, tiers, directory / f"clients-{count}", tcp_url, peers, socket_url)
+                rows: list[Row] = []
+                for instance in tqdm(instances, desc=f"instances, {count} clients", file=sys.stderr):
+                    name = f"{count}-{len(rows)}-{instance.name}"
+                    engines.start(
+                        name,
+                        engine_body,
+                        env,
+                        model=model,
+                        workload=workload,
+                        rounds=[rounds[i] for i in instance.rounds],
+                        tiers=instance.tiers,
+                        prefix_caching=instance.prefix_caching,
+                        peer=instance.peer,
+                        clients=count,
+                        engine_cores=list(engine_cores),
+                        cache_everything=instance.cache_everything,
+                    )
+                    results = engines.wait([name], ENGINE_TIMEOUT)[name]
+                    for row in rows_of(instance.name, instance.rounds, results, rounds, workload.kind):
+                        # TTFT targets are for requests served alone.
+                        rows.append(row if count == 1 else dataclasses.replace(row, target=None))
+                sweeps[count] = rows
         finally:
             if redis is not None:
                 redis.kill()
+    fewest = sweeps[min(sweeps)][0]
     reference = {
         tuple(prompt): tokens
-        for batch, result in zip(rounds, rows[0].rounds, strict=True)
+        for batch, result in zip(rounds, fewest.rounds, strict=True)
         for prompt, tokens in zip(batch, result["tokens"], strict=True)
     }
-    return table(rows, reference)
+    texts, wrong = [], 0
+    for count, rows in sweeps.items():
+        text, row_wrong = table(rows, reference)
+        texts.append(f"{count} client{'s' if count > 1 else ''}:\n{text}")
+        wrong += row_wrong
+    if len(sweeps) > 1:
+        texts.append("requests/s by clients:\n" + by_clients_table(sweeps))
+    return "\n\n".join(texts), wrong
+
+
+def pin_process(pid: int, cores: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cores``."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(thread), cores)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,7 +588,22 @@ def main(argv: list[str] | None = None) -> int:
         "--documents", type=int, help=f"documents (default {Workload.documents}, quick {QUICK.documents})"
     )
     parser.add_argument("--doc-tokens", type=int, help=f"tokens per document (default {Workload.doc_tokens})")
-    parser.add_argument("--rounds", type=int, help=f"times each document is asked (default {Workload.rounds})")
+    parser.add_argument(
+        "--rounds", type=int, help=f"times each document is asked, or turns of a chat (default {Workload.rounds})"
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("qa", "chat"),
+        default="qa",
+        help="qa: documents asked again (default); chat: multi-turn chats over one shared system prompt, "
+        "its parts sized from --doc-tokens",
+    )
+    parser.add_argument("--clients", default="1", help="client counts, each a run of every instance (default 1)")
+    parser.add_argument(
+        "--engine-cores",
+        help="the engine's cores (such as 0), one compute thread each; kvbridge's threads and redis-server "
+        "run on the other cores (default: the engine on every core, nothing pinned)",
+    )
     parser.add_argument(
         "--tiers",
         default="memory,disk,redis",
@@ -489,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = dataclasses.replace(
         base,
         dtype=args.dtype,
+        kind=args.workload,
         **{
             key: value
             for key, value in (("documents", args.documents), ("doc_tokens", args.doc_tokens), ("rounds", args.rounds))
@@ -502,21 +649,49 @@ def main(argv: list[str] | None = None) -> int:
         peers = parse_peers(args.connector_config, args.new_instance)
     except ValueError as exc:
         parser.error(str(exc))
-    if workload.rounds < 2 or workload.documents * workload.doc_tokens <= CACHED_PROMPTS * workload.max_model_len:
+    first_round = sum(len(prompt) for prompt in prompts(workload)[0])
+    if workload.rounds < 2 or first_round <= CACHED_PROMPTS * workload.max_model_len:
         parser.error(
-            f"need at least 2 rounds and more documents than vLLM's KV cache holds ({CACHED_PROMPTS:g} documents)"
+            f"need at least 2 rounds and more prompt tokens in a round ({first_round}) than vLLM's KV cache "
+            f"holds ({CACHED_PROMPTS:g} of the longest prompts): more or longer documents"
         )
-    print(
-        f"{workload.documents} documents of {workload.doc_tokens} tokens, {workload.rounds} rounds, "
-        f"{QUESTION_TOKENS}-token questions, {workload.answer_tokens}-token answers; vLLM's KV cache: "
-        f"{workload.kv_cache_bytes >> 20} MiB; store chunks of {CHUNK_SIZE} tokens; {workload.dtype}."
-    )
-    text, wrong = run(workload, tiers, peers)
+    try:
+        clients = sorted({int(count) for count in args.clients.split(",")})
+        if clients[0] < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--clients takes client counts of at least 1 such as 1,4,8, got {args.clients!r}")
+    engine_cores: list[int] = []
+    if args.engine_cores:
+        usable = os.sched_getaffinity(0)
+        try:
+            engine_cores = sorted(parse_cores(args.engine_cores))
+        except ValueError as exc:
+            parser.error(f"--engine-cores takes a core list such as 0 or 0-2: {exc}")
+        if not set(engine_cores) < usable:
+            parser.error(f"--engine-cores {args.engine_cores} must leave one of the usable cores {sorted(usable)} free")
+    if workload.kind == "chat":
+        system, user, reply = workload.chat_parts
+        print(
+            f"{workload.documents} chats of {workload.rounds} turns over one {system}-token system prompt: "
+            f"{user}-token user messages, {reply}-token recorded replies, {workload.answer_tokens}-token answers; "
+            f"vLLM's KV cache: {workload.kv_cache_bytes() >> 20} MiB; store chunks of {CHUNK_SIZE} tokens; "
+            f"{workload.dtype}."
+        )
+    else:
+        print(
+            f"{workload.documents} documents of {workload.doc_tokens} tokens, {workload.rounds} rounds, "
+            f"{QUESTION_TOKENS}-token questions, {workload.answer_tokens}-token answers; vLLM's KV cache: "
+            f"{workload.kv_cache_bytes() >> 20} MiB; store chunks of {CHUNK_SIZE} tokens; {workload.dtype}."
+        )
+    if engine_cores:
+        print(f"The engine computes on cores {engine_cores}; kvbridge's threads and redis-server run on the others.")
+    text, wrong = run(workload, tiers, peers, clients, engine_cores)
     print(text)
     print(
-        "TTFT: sequential requests, from adding one to the engine step that returns its first token. "
-        "Targets: warm from memory <= 0.25x of recompute, from Redis or a new instance <= 0.35x, "
-        "cold within 5% of recompute."
+        "TTFT: from adding a request to the engine step that returns its first token; each client adds "
+        "its next request when its last one finished. Targets (document QA, one client): warm from "
+        "memory <= 0.25x of recompute, from Redis or a new instance <= 0.35x, cold within 5% of recompute."
         + (" A peer's hit rate: the prompt tokens vLLM reports as cached." if peers else "")
     )
     if wrong:

@@ -203,6 +203,7 @@ def test_bench_store_measures_every_tier_and_every_answer_matches_recompute(tmp_
     rows = (
         "plain (recompute)",
         "plain + prefix cache, later rounds",
+        "plain + prefix cache, everything fits, later rounds",
         "memory, cold",
         "memory, warm",
         "disk, cold",
@@ -217,4 +218,27 @@ def test_bench_store_measures_every_tier_and_every_answer_matches_recompute(tmp_
         assert len(cells) == 10 and all(re.fullmatch(rf"{NUMBER}x?", cell) for cell in cells[1:6]), cells
         assert cells[8] == "0", cells  # every answer equals the plain instance's
     for name in ("memory, warm", "disk, new instance", "redis, new instance"):  # served from the store
+        assert table_cells(result.stdout, name)[6] != "0%"
+
+
+@pytest.mark.timeout(600)
+def test_bench_store_serves_multi_turn_chats_from_concurrent_clients_and_every_answer_matches(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "benchmarks.bench_store", "--quick", "--workload", "chat"]
+    command += ["--clients", "2", "--tiers", "disk"]
+    [result] = procs.run_commands([(command, {})], tmp_path, timeout=540)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "3 chats of 2 turns over one 128-token system prompt" in result.stdout
+    assert "2 clients:" in result.stdout
+    rows = (
+        "plain (recompute)",
+        "plain + prefix cache, later rounds",
+        "plain + prefix cache, everything fits, later rounds",
+        "disk, first turns",
+        "disk, later turns",
+        "disk, new instance, later turns",
+    )
+    for name in rows:
+        cells = table_cells(result.stdout, name)
+        assert len(cells) == 10 and cells[8] == "0" and cells[9] == "-", cells  # no targets for chats
+    for name in ("disk, later turns", "disk, new instance, later turns"):  # the earlier turns, from the store
         assert table_cells(result.stdout, name)[6] != "0%"

@@ -1,43 +1,59 @@
-"""The storage tier against recomputing: does loading a document's stored KV beat prefilling it again?
+"""The storage tier against recomputing: does loading a prompt's stored KV beat prefilling it again?
 
-A document-QA workload on in-process vLLM CPU engines (``vllm.LLM``, single-process mode, both cores),
-greedy, with a model whose KV is heavy and whose body is light (``make_heavy_kv_llama``: 128 KiB of
-KV per token in fp32): ``--documents`` documents of ``--doc-tokens`` random token ids (seeded), each
-asked ``--rounds`` times, every round with another short question appended. vLLM's own KV cache
-holds about one and a half documents, fewer than there are, so its prefix cache alone misses when
-the documents come back.
+Two workloads on in-process vLLM CPU engines (``vllm.LLM``, single-process mode), greedy, with a
+model whose KV is heavy and whose body is light (``make_heavy_kv_llama``: 128 KiB of KV per token in
+fp32), random token ids (seeded):
+
+* ``--workload qa`` (document QA, the default): ``--documents`` documents of ``--doc-tokens``
+  tokens, each asked ``--rounds`` times, every round with another short question appended;
+* ``--workload chat`` (multi-turn chats): ``--documents`` conversations over one shared system
+  prompt, one turn a round; a turn's prompt is the conversation so far (the earlier user messages
+  and recorded replies) and a new user message. The system prompt and each user message are a
+  quarter of ``--doc-tokens``, each reply an eighth.
+
+vLLM's own KV cache holds about one and a half of the longest prompts, fewer than a round asks for,
+so its prefix cache alone misses when a prompt comes back.
 
 Instances, one after another, each in its own process:
 
 * ``plain``: no connector, prefix caching off: every prompt recomputed (the baseline of every ratio);
 * ``plain + prefix cache``: the same with vLLM's prefix caching on (its later rounds);
+* ``plain + prefix cache, everything fits``: the same with a KV cache that holds every prompt of a
+  round (its later rounds: vLLM's best case, when memory allows it);
 * for each tier of ``--tiers``, a ``kv_both`` instance with kvbridge's store: its first round with
-  the store empty (``cold``), its later rounds (``warm``); for ``disk`` and ``redis`` also a new
-  instance, which never saw the documents, on the same store (``new instance``). ``memory`` is the
-  worker's memory tier over a disk tier (the scheduler finds chunks in the shared tiers only);
-  ``redis`` is a redis-server started for the run, over TCP on loopback, and ``redis-unix`` the same
-  server over its Unix socket (as ``kvbridge serve --kv-store redis`` reaches the one it starts), in
-  a database of its own;
+  the store empty (``cold``; a chat's ``first turns``), its later rounds (``warm``; ``later
+  turns``); for ``disk`` and ``redis`` also a new instance, which never saw the prompts, on the same
+  store (``new instance``). ``memory`` is the worker's memory tier over a disk tier (the scheduler
+  finds chunks in the shared tiers only); ``redis`` is a redis-server started for the run, over TCP
+  on loopback, and ``redis-unix`` the same server over its Unix socket (as ``kvbridge serve
+  --kv-store redis`` reaches the one it starts), in a database of its own;
 * for each ``--connector-config NAME=JSON``, an instance of another connector (a peer: its
   ``kv_transfer_config`` as JSON, ``kv_role`` ``kv_both``), its cold and warm rounds, and with
   ``--new-instance NAME`` also a new instance. ``{redis}`` in the JSON stands for the URL of the
   run's redis-server, which ``--tiers`` then starts even without ``redis``. Peers read their other
   settings from the environment (LMCache: ``LMCACHE_*``): the instances inherit it.
 
-Measured per row: TTFT p50/p99 (sequential requests; the time from adding a request to the engine
-step that returns its first token), requests per second (each request generates 8 tokens, 4 with
-``--quick``), the hit rate (prompt tokens loaded from the store, from the connector's
-``store_stats()``, over the prompt tokens; for a peer, the prompt tokens vLLM reports as cached,
-``num_cached_tokens``), the load rate (bytes loaded over the row's summed
-TTFT: a lower bound, since a TTFT also computes the question), and every answer's tokens against
-the plain instance's (mismatches).
-Ratios are to the plain instance's TTFT p50; the targets column holds the product's: a warm round
-at most 0.25x from the memory tier and 0.35x from Redis or a new instance, a cold round within 5 %.
-Exits 1 when an answer differs.
+``--clients 1,4,8`` runs every instance once per count, the store emptied in between: that many
+closed-loop clients, each adding its next request when its last one finished. ``--engine-cores 0``
+computes on those cores only (one thread each; in single-process mode vLLM binds nothing itself),
+and kvbridge's threads (``kv_thread_cores=auto``) and redis-server run on the others: the layout of
+a deployment that keeps a core for what is not the model. By default nothing is pinned and the
+engine's two threads share both cores with the store's threads.
 
-    python -m benchmarks.bench_store [--quick] [--documents N] [--doc-tokens T] [--rounds R]
-        [--tiers memory,disk,redis,redis-unix] [--dtype float32|bfloat16|float16]
-        [--connector-config NAME=JSON [--new-instance NAME]]...
+Measured per row: TTFT p50/p99 (the time from adding a request to the engine step that returns its
+first token), requests per second (each request generates 8 tokens, 4 with ``--quick``), the hit
+rate (prompt tokens loaded from the store, from the connector's ``store_stats()``, over the prompt
+tokens; for a peer, the prompt tokens vLLM reports as cached, ``num_cached_tokens``), the load rate
+(bytes loaded over the row's summed TTFT: a lower bound, since a TTFT also computes the question),
+and every answer's tokens against the plain instance's at the fewest clients (mismatches). Ratios
+are to the plain instance's TTFT p50 at the same clients; the targets column holds the product's,
+for document QA with one client: a warm round at most 0.25x from the memory tier and 0.35x from
+Redis or a new instance, a cold round within 5 %. With several client counts, a last table puts
+each row's requests/s at each count beside the plain instance's. Exits 1 when an answer differs.
+
+    python -m benchmarks.bench_store [--quick] [--workload qa|chat] [--documents N] [--doc-tokens T]
+        [--rounds R] [--clients 1,4,8] [--engine-cores 0] [--tiers memory,disk,redis,redis-unix]
+        [--dtype float32|bfloat16|float16] [--connector-config NAME=JSON [--new-instance NAME]]...
 """
 
 from __future__ import annotations
@@ -289,6 +305,7 @@ def engine_body(
 @dataclasses.dataclass
 class Row:
     name: str
+    indices: list[int]  # the rounds it holds
     rounds: list[dict[str, Any]]
     prompts: list[list[list[int]]]
     target: tuple[str, float] | None = None  # ("cold" | "warm", fraction of the baseline's TTFT p50)
@@ -296,6 +313,11 @@ class Row:
     @property
     def ttfts(self) -> list[float]:
         return [ttft for result in self.rounds for ttft in result["ttft"]]
+
+    def over(self, indices: list[int]) -> Row:
+        """This row (one that served every round) over ``indices`` only: a row's baseline is the
+        plain instance on the same rounds, since a chat's turns grow from round to round."""
+        return Row(self.name, indices, [self.rounds[i] for i in indices], [self.prompts[i] for i in indices])
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -313,7 +335,6 @@ def mismatches(row: Row, reference: dict[tuple[int, ...], list[int]]) -> int:
 
 def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple[str, int]:
     """The table, and the mismatches in all."""
-    baseline = statistics.median(rows[0].ttfts)
     header = (
         "setup",
         "requests",
@@ -331,7 +352,7 @@ def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple
     for row in rows:
         ttfts = row.ttfts
         p50 = statistics.median(ttfts)
-        ratio = p50 / baseline
+        ratio = p50 / statistics.median(rows[0].over(row.indices).ttfts)
         prompt_tokens = sum(len(prompt) for batch in row.prompts for prompt in batch)
         loaded = sum(result["bytes_loaded"] for result in row.rounds)
         hit = sum(result["tokens_loaded"] for result in row.rounds) / prompt_tokens
@@ -420,7 +441,8 @@ def plan(
     redis_socket_url: str | None = None,
 ) -> list[Instance]:
     """Instances in order: kvbridge's, then the peers'. ``redis_url`` reaches the run's redis-server
-    over TCP, ``redis_socket_url`` over its Unix socket."""
+    over TCP, ``redis_socket_url`` over its Unix socket. Chats get no new instance of kvbridge's:
+    the first instance serves every turn, so a second one would ask prompts stored whole already."""
     every, later = list(range(workload.rounds)), list(range(1, workload.rounds))
     instances = [
         Instance("plain", None, False, every),
@@ -435,7 +457,7 @@ def plan(
             "redis-unix": redis_socket_url,
         }[tier]
         instances.append(Instance(tier, spec, True, every))
-        if tier != "memory":
+        if tier != "memory" and workload.kind == "qa":
             instances.append(Instance(f"{tier}, new instance", spec, True, later))
     for peer in peers:
         instances.append(Instance(peer.name, None, True, every, peer.transfer(redis_url)))
@@ -453,21 +475,22 @@ def rows_of(
     by_round = dict(zip(served, results, strict=True))
     later = [index for index in served if index > 0]
     if name == "plain":
-        return [Row("plain (recompute)", results, [rounds[i] for i in served])]
+        return [Row("plain (recompute)", served, results, [rounds[i] for i in served])]
     if name.startswith("plain + prefix cache"):
-        return [Row(f"{name}, later rounds", [by_round[i] for i in later], [rounds[i] for i in later])]
+        return [Row(f"{name}, later rounds", later, [by_round[i] for i in later], [rounds[i] for i in later])]
     out = []
     ours = name.split(",")[0] in KVBRIDGE_TIERS and kind == "qa"
     first, again = ("cold", "warm") if kind == "qa" else ("first turns", "later turns")
     if 0 in served:
-        out.append(Row(f"{name}, {first}", [by_round[0]], [rounds[0]], ("cold", COLD) if ours else None))
+        out.append(Row(f"{name}, {first}", [0], [by_round[0]], [rounds[0]], ("cold", COLD) if ours else None))
     if later:
         new_instance = name.endswith("new instance")
         limit = WARM_MEMORY if name == "memory" else WARM_SHARED if new_instance or name.startswith("redis") else None
         limit = limit if ours else None
         out.append(
             Row(
-                name if new_instance and kind == "qa" else f"{name}, {again}",
+                name if new_instance else f"{name}, {again}",
+                later,
                 [by_round[i] for i in later],
                 [rounds[i] for i in later],
                 ("warm", limit) if limit is not None else None,
@@ -489,7 +512,8 @@ def by_clients_table(sweeps: dict[int, list[Row]]) -> str:
     for index, row in enumerate(sweeps[counts[0]]):
         cells = [row.name]
         for count in counts:
-            same, plain = sweeps[count][index], sweeps[count][0]
+            same = sweeps[count][index]
+            plain = sweeps[count][0].over(same.indices)
             rate = requests_per_second(same)
             cells += [
                 f"{rate:.2f}",
@@ -518,14 +542,15 @@ def run(
         directory = Path(scratch)
         model = vp.make_heavy_kv_llama(directory / "model", max_positions=max(2048, workload.max_model_len))
         wants_redis = bool({"redis", "redis-unix"} & set(tiers)) or any(peer.needs_redis for peer in peers)
-        redis = redis_servers.start_server(directory / "redis", unix=True) if wants_redis else None
         env = vp.engine_env(0)
+        pinned: list[str] = []
         if engine_cores:
             env.update(
                 VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, engine_cores)), OMP_NUM_THREADS=str(len(engine_cores))
             )
-            if redis is not None:  # a store beside the engine, not on its cores
-                pin_process(redis.process.pid, set(os.sched_getaffinity(0)) - set(engine_cores))
+            spare = ",".join(map(str, sorted(os.sched_getaffinity(0) - set(engine_cores))))
+            pinned = ["--server_cpulist", spare, "--bio_cpulist", spare]  # the store beside the engine
+        redis = redis_servers.start_server(directory / "redis", *pinned, unix=True) if wants_redis else None
         try:
             tcp_url = f"redis://127.0.0.1:{redis.port}" if redis else None
             # Over the socket, another database: its cold round finds nothing the TCP instances stored.
@@ -573,12 +598,6 @@ def run(
     if len(sweeps) > 1:
         texts.append("requests/s by clients:\n" + by_clients_table(sweeps))
     return "\n\n".join(texts), wrong
-
-
-def pin_process(pid: int, cores: set[int]) -> None:
-    """Every thread of process ``pid`` onto ``cores``."""
-    for thread in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(thread), cores)
 
 
 def main(argv: list[str] | None = None) -> int:

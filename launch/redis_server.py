@@ -21,6 +21,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -62,10 +63,16 @@ class ManagedRedis:
     """One ``redis-server`` on a Unix socket in its own directory and on ``127.0.0.1:port``, with
     ``password``; ``start`` it, then ``stop`` it (or use it as a context manager). The directory and
     port are chosen at construction, so the instances' settings can name the server (:attr:`url`)
-    before it runs; ``stop`` removes the directory, started or not."""
+    before it runs; ``stop`` removes the directory, started or not. With ``cores``, the server's
+    main and background threads run on those cores only."""
 
     def __init__(
-        self, password: str, maxmemory: str = "1gb", port: int | None = None, executable: str = "redis-server"
+        self,
+        password: str,
+        maxmemory: str = "1gb",
+        port: int | None = None,
+        executable: str = "redis-server",
+        cores: Sequence[int] = (),
     ) -> None:
         if not password or any(c.isspace() or c in "\"'\\" for c in password):
             raise KVConfigError("the managed redis-server's password must be non-empty, without spaces or quotes")
@@ -73,6 +80,7 @@ class ManagedRedis:
         self.maxmemory = memory_size(maxmemory)
         self.port = free_loopback_port() if port is None else port
         self.executable = executable
+        self.cores = list(cores)
         self.process: subprocess.Popen | None = None
         self.directory: Path | None = Path(tempfile.mkdtemp(prefix="kvbridge-redis-"))  # mode 0700
         self.socket_path = self.directory / "redis.sock"
@@ -105,6 +113,8 @@ class ManagedRedis:
                 "maxmemory-policy allkeys-lru",
                 'save ""',
                 "appendonly no",
+                # Redis's own placement of its main and background threads (none: the OS's).
+                *(f"{key} {','.join(map(str, self.cores))}" for key in ("server_cpulist", "bio_cpulist") if self.cores),
                 "",
             ]
         )

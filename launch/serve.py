@@ -24,7 +24,9 @@ instances are told P (``kv_producer_tp_size``) for requests that name no prefill
 Placement: on a CPU host each TP rank of each instance gets its own cores through
 ``VLLM_CPU_OMP_THREADS_BIND`` (the host's cores split evenly over all ranks, ``|`` between an
 instance's ranks; with fewer cores than ranks, one core each, shared round robin), unless the
-environment binds already.
+environment binds already. ``--reserved-cores N`` keeps the last N cores off the instances: every
+instance's kvbridge threads (``kv_thread_cores``: saves, loads, the pipe's senders) and the
+redis-server serve starts run there, so that a save's copy and checksum does not slow a forward pass.
 
 Secrets: the shared ``kv_secret`` is read once, from ``KVBRIDGE_KV_SECRET``,
 ``KVBRIDGE_KV_SECRET_FILE`` or ``kv_secret_file`` in ``--kv-extra`` (:mod:`connector.secret`), and
@@ -69,10 +71,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from connector.secret import SECRET_ENV, SECRET_FILE_ENV, SECRET_FILE_KEY, refuse_inline_secret, resolve_secret
+from kv_pipe.cores import SETTING_KEY as THREAD_CORES_KEY
 from kv_pipe.errors import KVConfigError
 from launch import kv_memory, proxy, redis_server
 
@@ -315,6 +318,7 @@ def plan(
     cores: Sequence[int] | None = None,
     secret: LaunchSecret | None = None,
     managed_redis: str | None = None,
+    reserved_cores: Sequence[int] = (),
 ) -> list[Instance]:
     """The prefill and decode instances, in the order to start them: their command lines and environments.
 
@@ -326,11 +330,15 @@ def plan(
     ``cores``: the CPU cores to spread the instances over (``VLLM_CPU_OMP_THREADS_BIND``); None
     leaves placement to vLLM. ``secret``: the launch's (:func:`launch_secret` when None).
     ``managed_redis``: the URL of the redis-server serve starts for ``--kv-store redis``; its
-    password, derived from the secret, goes into every instance's environment.
+    password, derived from the secret, goes into every instance's environment. ``reserved_cores``
+    (:func:`reserve_cores`): where every instance's kvbridge threads run, unless ``--kv-extra`` sets
+    ``kv_thread_cores``.
     """
     if secret is None:
         secret = launch_secret(args.kv_extra, environ)
     extra = {key: value for key, value in args.kv_extra.items() if key != SECRET_FILE_KEY}  # read already
+    if reserved_cores:
+        extra.setdefault(THREAD_CORES_KEY, ",".join(map(str, reserved_cores)))
     tiers = store_tiers(args.kv_store) if args.kv_store is not None else []
     store = store_setting(tiers, extra.get("kv_store"), managed_redis)
     if tiers and all(tier == "memory" for tier in tiers):
@@ -444,6 +452,20 @@ def tensor_parallel_size(serve_args: Sequence[str]) -> int:
     return parsed
 
 
+def reserve_cores(cores: Sequence[int], reserved: int) -> tuple[list[int], list[int]]:
+    """``cores`` split into the instances' and the last ``reserved`` ones, kept for what is not the
+    model: on a CPU host a save's copy and checksum or a redis-server on the engine's cores slows its
+    forward passes. KVConfigError when none would be left for the instances."""
+    cores = sorted(cores)
+    if reserved >= len(cores):
+        raise KVConfigError(
+            f"--reserved-cores {reserved} leaves no core for the instances: this process may use {len(cores)} "
+            f"({','.join(map(str, cores))})"
+        )
+    split = len(cores) - reserved
+    return cores[:split], cores[split:]
+
+
 def core_binds(cores: Sequence[int] | None, tps: Sequence[int], environ: Mapping[str, str]) -> list[str | None]:
     """``VLLM_CPU_OMP_THREADS_BIND`` per instance (``tps``: each one's TP size): every TP rank of
     every instance gets a disjoint run of cores when there are enough, one core each, shared round
@@ -486,14 +508,22 @@ def _kv_budget() -> int | None:
     return available
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``least``."""
+
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return whole
+
+
+_positive, _count = _at_least(1), _at_least(0)
 
 
 def _redis_memory(text: str) -> str:
@@ -572,6 +602,14 @@ def parser() -> argparse.ArgumentParser:
         "redis://HOST:PORT, comma-separated, fastest first",
     )
     parser.add_argument(
+        "--reserved-cores",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="keep the last N of this host's cores off the instances' compute threads: kvbridge's threads "
+        "(kv_thread_cores) and the redis-server serve starts run there (default 0: the instances share every core)",
+    )
+    parser.add_argument(
         "--kv-store-redis-memory",
         type=_redis_memory,
         default="1gb",
@@ -591,16 +629,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, serve_args = parser().parse_args(argv[:split]), argv[split + 1 :]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     budget = _kv_budget()
-    cores = sorted(os.sched_getaffinity(0)) if budget is not None else None  # a CPU host: spread the instances
     managed = None
     try:
+        compute, reserved = reserve_cores(sorted(os.sched_getaffinity(0)), args.reserved_cores)
+        cores = compute if budget is not None else None  # a CPU host: spread the instances
         secret = launch_secret(args.kv_extra, os.environ)
         if args.kv_store is not None and MANAGED_REDIS in store_tiers(args.kv_store):
             managed = redis_server.ManagedRedis(
-                redis_server.password_from_secret(secret.value), args.kv_store_redis_memory
+                redis_server.password_from_secret(secret.value), args.kv_store_redis_memory, cores=reserved
             )
         instances = plan(
-            args, serve_args, os.environ, budget, cores, secret, managed.url if managed is not None else None
+            args,
+            serve_args,
+            os.environ,
+            budget,
+            cores,
+            secret,
+            managed.url if managed is not None else None,
+            reserved,
         )
     except KVConfigError as error:
         if managed is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -86,6 +87,24 @@ def test_the_server_answers_only_with_its_password_which_no_command_line_shows(d
         server.stop()
     assert_gone(server, process, directory)
     server.stop()  # twice is harmless
+
+
+def test_a_server_given_cores_runs_its_main_and_background_threads_there(directories: list[Path]) -> None:
+    core = max(os.sched_getaffinity(0))
+    server = redis_server.ManagedRedis(PASSWORD, "64mb", cores=[core]).start()
+    try:
+        tasks = Path(f"/proc/{server.process.pid}/task")
+        placed = {
+            (task / "comm").read_text().strip(): re.search(
+                r"Cpus_allowed_list:\s*(\S+)", (task / "status").read_text()
+            ).group(1)
+            for task in tasks.iterdir()
+        }
+        ours = {name: cores for name, cores in placed.items() if name == "redis-server" or name.startswith("bio_")}
+        assert ours and set(ours.values()) == {str(core)}, placed
+        assert client(server.port, PASSWORD).ping()
+    finally:
+        server.stop()
 
 
 def test_the_server_stops_and_its_directory_goes_when_its_user_raises(directories: list[Path]) -> None:

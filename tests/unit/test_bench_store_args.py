@@ -145,8 +145,9 @@ def test_chat_rows_are_first_and_later_turns_without_the_document_targets() -> N
         "redis, later turns",
         None,
     )
-    [new] = bs.rows_of("disk, new instance", [1], [result], rounds, "chat")
-    assert (new.name, new.target) == ("disk, new instance, later turns", None)
+    assert (first.indices, later.indices) == ([0], [1])
+    chat = bs.plan(bs.Workload(rounds=2, kind="chat"), ["memory", "disk", "redis"], Path("/d"), "redis://h:1")
+    assert [i.name for i in chat[3:]] == ["memory", "disk", "redis"]  # no new instance: it would replay stored prompts
     [fits] = bs.rows_of(bs.EVERYTHING_FITS, [0, 1], [result] * 2, rounds)
     assert (fits.name, fits.rounds) == (f"{bs.EVERYTHING_FITS}, later rounds", [result])
 
@@ -201,7 +202,7 @@ def test_serve_keeps_at_most_its_clients_requests_in_flight_and_answers_in_reque
 
 def test_requests_per_second_by_clients_puts_each_count_beside_its_own_plain_instance() -> None:
     def row(name: str, wall: float) -> bs.Row:
-        return bs.Row(name, [{"ttft": [0.2, 0.4], "tokens": [[1], [2]], "wall": wall}], [[[1], [2]]])
+        return bs.Row(name, [0], [{"ttft": [0.2, 0.4], "tokens": [[1], [2]], "wall": wall}], [[[1], [2]]])
 
     text = bs.by_clients_table(
         {
@@ -230,3 +231,20 @@ def test_main_refuses_bad_clients_cores_and_workloads_naming_the_option(
     with pytest.raises(SystemExit) as exit_:
         bs.main(["--quick", *argv])
     assert exit_.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_each_rows_ratios_are_to_the_plain_instance_on_the_same_rounds() -> None:
+    """A chat's turns grow: a later turn is compared with plain's later turns, not its short first ones."""
+    rounds = [[[1, 2]], [[1, 2, 3, 4]]]
+
+    def result(ttft: float, wall: float) -> dict:
+        return {"ttft": [ttft], "tokens": [[7]], "wall": wall, "bytes_loaded": 0, "tokens_loaded": 0}
+
+    [plain] = bs.rows_of("plain", [0, 1], [result(0.1, 0.1), result(1.0, 1.0)], rounds, "chat")
+    first, later = bs.rows_of("disk", [0, 1], [result(0.1, 0.1), result(0.5, 0.5)], rounds, "chat")
+    text, wrong = bs.table([plain, first, later], {(1, 2): [7], (1, 2, 3, 4): [7]})
+    assert wrong == 0
+    assert "| disk, first turns | 1 | 100.0 | 100.0 | 1.00x |" in text
+    assert "| disk, later turns | 1 | 500.0 | 500.0 | 0.50x |" in text
+    by_clients = bs.by_clients_table({1: [plain, first, later]})
+    assert "| disk, later turns | 2.00 | 2.00x | 500.0 |" in by_clients

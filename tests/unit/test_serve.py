@@ -409,3 +409,49 @@ def test_a_store_that_outlives_the_launch_with_a_generated_secret_is_warned_abou
     (warning,) = warnings_of(caplog, "--kv-store", f"memory,{tier}")
     assert tier in warning and "another launch refuses them" in warning
     assert warnings_of(caplog, "--kv-store", f"memory,{tier}", environ={"KVBRIDGE_KV_SECRET": SECRET}) == []
+
+
+def test_reserved_cores_are_kept_off_the_instances_for_kvbridges_threads() -> None:
+    compute, reserved = serve.reserve_cores([3, 0, 2, 1], 1)
+    assert (compute, reserved) == ([0, 1, 2], [3])
+    instances = serve.plan(args("--reserved-cores", "1"), SERVE_ARGS, {}, None, compute, reserved_cores=reserved)
+    assert [i.env[serve.BIND_ENV] for i in instances] == ["0", "1"]
+    for instance in instances:
+        extra = json.loads(option(instance.command, "--kv-transfer-config"))["kv_connector_extra_config"]
+        assert extra["kv_thread_cores"] == "3"
+    # A kv_thread_cores of the user's stands.
+    given = serve.plan(
+        args("--kv-extra", '{"kv_thread_cores": "inherit"}'), SERVE_ARGS, {}, None, compute, reserved_cores=reserved
+    )
+    assert {
+        json.loads(option(i.command, "--kv-transfer-config"))["kv_connector_extra_config"]["kv_thread_cores"]
+        for i in given
+    } == {"inherit"}
+    # Without reserved cores nothing is set: kvbridge's threads choose (auto).
+    plain = serve.plan(args(), SERVE_ARGS, {}, None, [0, 1, 2, 3])
+    assert all("kv_thread_cores" not in option(i.command, "--kv-transfer-config") for i in plain)
+
+
+@pytest.mark.parametrize(("cores", "reserved"), [([0, 1], 2), ([5], 1)])
+def test_reserving_every_core_is_refused_naming_the_option(cores: list[int], reserved: int) -> None:
+    with pytest.raises(KVConfigError, match=f"--reserved-cores {reserved} leaves no core for the instances"):
+        serve.reserve_cores(cores, reserved)
+    with pytest.raises(SystemExit):
+        args("--reserved-cores", "-1")
+
+
+def test_serve_refuses_to_reserve_every_core_before_starting_anything(caplog: pytest.LogCaptureFixture) -> None:
+    assert serve.main(["/models/tiny", "--reserved-cores", "4096"]) == 2
+    assert "--reserved-cores 4096 leaves no core for the instances" in caplog.text
+
+
+def test_the_managed_redis_server_runs_on_the_cores_it_is_given() -> None:
+    pinned = redis_server.ManagedRedis("p" * 16, cores=[2, 3])
+    unpinned = redis_server.ManagedRedis("p" * 16)
+    try:
+        lines = pinned.config(pinned.directory).splitlines()
+        assert "server_cpulist 2,3" in lines and "bio_cpulist 2,3" in lines
+        assert not any("cpulist" in line for line in unpinned.config(unpinned.directory).splitlines())
+    finally:
+        pinned.stop()
+        unpinned.stop()

@@ -46,9 +46,10 @@ rate (prompt tokens loaded from the store, from the connector's ``store_stats()`
 tokens; for a peer, the prompt tokens vLLM reports as cached, ``num_cached_tokens``), the load rate
 (bytes loaded over the row's summed TTFT: a lower bound, since a TTFT also computes the question),
 and every answer's tokens against the plain instance's at the fewest clients (mismatches). Ratios
-are to the plain instance's TTFT p50 at the same clients; the targets column holds the product's,
-for document QA with one client: a warm round at most 0.25x from the memory tier and 0.35x from
-Redis or a new instance, a cold round within 5 %. With several client counts, a last table puts
+(TTFT p50, requests/s) are to the plain instance's on the same rounds at the same clients (a chat's
+turns grow from round to round); the targets column holds the product's, for document QA with one
+client: a warm round at most 0.25x from the memory tier and 0.35x from Redis or a new instance, a
+cold round within 5 % in TTFT and in requests/s. With several client counts, a last table puts
 each row's requests/s at each count beside the plain instance's. Exits 1 when an answer differs.
 
     python -m benchmarks.bench_store [--quick] [--workload qa|chat] [--documents N] [--doc-tokens T]
@@ -342,6 +343,7 @@ def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple
         "TTFT p99 ms",
         "x recompute",
         "req/s",
+        "req/s x plain",
         "hit rate",
         "load GB/s",
         "mismatches",
@@ -352,7 +354,9 @@ def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple
     for row in rows:
         ttfts = row.ttfts
         p50 = statistics.median(ttfts)
-        ratio = p50 / statistics.median(rows[0].over(row.indices).ttfts)
+        baseline = rows[0].over(row.indices)
+        ratio = p50 / statistics.median(baseline.ttfts)
+        throughput = requests_per_second(row) / requests_per_second(baseline)
         prompt_tokens = sum(len(prompt) for batch in row.prompts for prompt in batch)
         loaded = sum(result["bytes_loaded"] for result in row.rounds)
         hit = sum(result["tokens_loaded"] for result in row.rounds) / prompt_tokens
@@ -360,7 +364,9 @@ def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple
         target = "-"
         if row.target is not None:
             kind, limit = row.target
-            target = f"{'<=' if kind == 'warm' else 'within'} {limit:.2f}x: {'met' if ratio <= limit else 'MISSED'}"
+            # A cold round's target holds for its requests/s too: within the same 5 % of plain's.
+            met = ratio <= limit if kind == "warm" else ratio <= limit and throughput >= 1 / limit
+            target = f"{'<=' if kind == 'warm' else 'within'} {limit:.2f}x: {'met' if met else 'MISSED'}"
         row_wrong = mismatches(row, reference)
         wrong += row_wrong
         cells = (
@@ -370,6 +376,7 @@ def table(rows: list[Row], reference: dict[tuple[int, ...], list[int]]) -> tuple
             f"{percentile(ttfts, 0.99) * 1e3:.1f}",
             f"{ratio:.2f}x",
             f"{requests_per_second(row):.2f}",
+            f"{throughput:.2f}x",
             f"{hit:.0%}",
             rate,
             str(row_wrong),

@@ -215,10 +215,10 @@ def test_bench_store_measures_every_tier_and_every_answer_matches_recompute(tmp_
     )
     for name in rows:
         cells = table_cells(result.stdout, name)
-        assert len(cells) == 10 and all(re.fullmatch(rf"{NUMBER}x?", cell) for cell in cells[1:6]), cells
-        assert cells[8] == "0", cells  # every answer equals the plain instance's
+        assert len(cells) == 11 and all(re.fullmatch(rf"{NUMBER}x?", cell) for cell in cells[1:7]), cells
+        assert cells[9] == "0", cells  # every answer equals the plain instance's
     for name in ("memory, warm", "disk, new instance", "redis, new instance"):  # served from the store
-        assert table_cells(result.stdout, name)[6] != "0%"
+        assert table_cells(result.stdout, name)[7] != "0%"
 
 
 @pytest.mark.timeout(600)
@@ -238,5 +238,5 @@ def test_bench_store_serves_multi_turn_chats_from_concurrent_clients_and_every_a
     )
     for name in rows:
         cells = table_cells(result.stdout, name)
-        assert len(cells) == 10 and cells[8] == "0" and cells[9] == "-", cells  # no targets for chats
-    assert table_cells(result.stdout, "disk, later turns")[6] != "0%"  # the earlier turns, from the store
+        assert len(cells) == 11 and cells[9] == "0" and cells[10] == "-", cells  # no targets for chats
+    assert table_cells(result.stdout, "disk, later turns")[7] != "0%"  # the earlier turns, from the store

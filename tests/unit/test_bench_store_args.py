@@ -248,3 +248,21 @@ def test_each_rows_ratios_are_to_the_plain_instance_on_the_same_rounds() -> None
     assert "| disk, later turns | 1 | 500.0 | 500.0 | 0.50x |" in text
     by_clients = bs.by_clients_table({1: [plain, first, later]})
     assert "| disk, later turns | 2.00 | 2.00x | 500.0 |" in by_clients
+
+
+@pytest.mark.parametrize(
+    ("ttft", "wall", "verdict"),
+    [(1.04, 1.04, "met"), (1.06, 1.0, "MISSED"), (1.0, 1.1, "MISSED")],  # TTFT and requests/s within 5 %
+)
+def test_a_cold_round_meets_its_target_only_within_5_percent_in_ttft_and_in_requests_per_second(
+    ttft: float, wall: float, verdict: str
+) -> None:
+    rounds = [[[1, 2]], [[1, 2]]]
+
+    def result(ttft: float, wall: float) -> dict:
+        return {"ttft": [ttft], "tokens": [[7]], "wall": wall, "bytes_loaded": 0, "tokens_loaded": 0}
+
+    [plain] = bs.rows_of("plain", [0, 1], [result(1.0, 1.0), result(1.0, 1.0)], rounds)
+    cold, _ = bs.rows_of("disk", [0, 1], [result(ttft, wall), result(0.2, 0.2)], rounds)
+    text, _ = bs.table([plain, cold], {(1, 2): [7]})
+    assert text.splitlines()[-1].endswith(f"| within 1.05x: {verdict} |")

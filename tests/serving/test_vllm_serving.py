@@ -4,10 +4,12 @@ proxy) against a single plain vLLM server, through the standard ``openai`` clien
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from harness import servers
 from harness import vllm_procs as vp
 from harness.procs import free_port
 from harness.servers import NAME, SERVE_ARGS, Server, ThreadedProxy, client
+from kv_pipe.cores import parse_cores
 from launch import proxy
 
 PROMPTS = vp.make_prompts()
@@ -131,12 +134,51 @@ def test_serving_through_a_store_equals_a_single_server(
     over the pipe. Every answer equals the plain server's, and decode instances did load KV."""
     store = tmp_path_factory.mktemp("kv-store")
     options = ("--kv-store", f"disk:{store}", "--kv-extra", json.dumps({"kv_store": {"chunk_size": vp.BLOCK_SIZE}}))
+    last = max(os.sched_getaffinity(0))
+    options += ("--reserved-cores", "1")  # the last core: kvbridge's threads, not the engines'
     with servers.serve_stack(model, tmp_path_factory.mktemp("store-stack"), kv_options=options) as urls:
         answers = ask_all(urls["proxy"])
+        # Each engine process computes on the other cores; its kvbridge threads run on the last one.
+        threads = {
+            pid: [parse_cores(cores) for cores in all_cores] for pid, all_cores in serve_descendants_threads().items()
+        }
+        engines = {pid: cores for pid, cores in threads.items() if last not in cores[0]}  # bound main thread
+        assert len(engines) >= 4, threads
+        assert all({last} in cores for cores in engines.values()), engines
     for kind in ("completions", "stream", "chat", "chat_stream"):
         assert answers[kind] == reference[kind], kind
     assert sum(answers["cached"]) > 0, "no decode request found its prefix in the store"
     assert any(store.iterdir()), "nothing was stored"
+
+
+def serve_descendants_threads() -> dict[int, list[str]]:
+    """Per process started (at any depth) by a ``launch.serve`` process: its threads' allowed cores
+    (``Cpus_allowed_list``), the main thread's first."""
+    parents, commands = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                commands[int(entry.name)] = (entry / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):
+                pass
+    roots = {pid for pid, command in commands.items() if b"launch.serve" in command}
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid in roots:
+                return True
+        return False
+
+    found = {}
+    for pid in filter(descends, parents):
+        try:
+            tids = sorted((Path(f"/proc/{pid}/task").iterdir()), key=lambda task: int(task.name) != pid)
+            found[pid] = [re.search(r"Cpus_allowed_list:\s*(\S+)", (t / "status").read_text()).group(1) for t in tids]
+        except OSError:
+            pass  # gone meanwhile
+    return found
 
 
 def test_proxy_falls_back_to_the_decode_instance_when_prefill_is_down(stack: dict, reference: dict) -> None:

@@ -181,7 +181,6 @@ def _serve(
 
     params = SamplingParams(temperature=0, max_tokens=answer_tokens, ignore_eos=True, detokenize=False)
     waiting = list(reversed(requests))
-    order = {request_id: index for index, (request_id, _) in enumerate(requests)}
     added: dict[str, float] = {}
     first: dict[str, float] = {}
     done: dict[str, tuple[float, list[int], int]] = {}
@@ -201,7 +200,7 @@ def _serve(
                 if output.request_id not in first:
                     raise RuntimeError(f"request {output.request_id} generated no token")
                 done[output.request_id] = (first[output.request_id], tokens, output.num_cached_tokens or 0)
-    return [done[request_id] for request_id in sorted(done, key=order.__getitem__)]
+    return [done[request_id] for request_id, _ in requests]
 
 
 def _settle(connector: Any, timeout: float = 120) -> None:

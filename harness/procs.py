@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kv_pipe.cores import parse_cores
+
 _CTX = mp.get_context("spawn")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -188,3 +190,19 @@ def group_processes(leader: int) -> list[int]:
         if group == leader:
             pids.append(int(entry))
     return pids
+
+
+def thread_cores(pid: int) -> dict[int, tuple[str, frozenset[int]]]:
+    """Per thread of process ``pid`` (native ones included): its name and the cores the kernel lets
+    it run on (``Cpus_allowed_list``); the threads that ended meanwhile, or all of a process that
+    did, are left out."""
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            status = (task / "status").read_text()
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue
+        (listed,) = [line.split(":", 1)[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list")]
+        threads[int(task.name)] = (name, parse_cores(listed))
+    return threads

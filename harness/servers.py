@@ -132,6 +132,7 @@ def serve_stack(
         urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
         yield {
             "log": log,
+            "group": server.process.pid,  # serve leads the process group of every instance it starts
             **urls,
             "prefills": [f"http://127.0.0.1:{ports['prefill'] + i}" for i in range(2)],
             "decodes": [f"http://127.0.0.1:{ports['decode'] + j}" for j in range(2)],

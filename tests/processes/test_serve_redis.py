@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import stat
@@ -93,15 +92,9 @@ def test_a_server_given_cores_runs_its_main_and_background_threads_there(directo
     core = max(os.sched_getaffinity(0))
     server = redis_server.ManagedRedis(PASSWORD, "64mb", cores=[core]).start()
     try:
-        tasks = Path(f"/proc/{server.process.pid}/task")
-        placed = {
-            (task / "comm").read_text().strip(): re.search(
-                r"Cpus_allowed_list:\s*(\S+)", (task / "status").read_text()
-            ).group(1)
-            for task in tasks.iterdir()
-        }
+        placed = dict(procs.thread_cores(server.process.pid).values())
         ours = {name: cores for name, cores in placed.items() if name == "redis-server" or name.startswith("bio_")}
-        assert ours and set(ours.values()) == {str(core)}, placed
+        assert ours and set(ours.values()) == {frozenset({core})}, placed
         assert client(server.port, PASSWORD).ping()
     finally:
         server.stop()

@@ -9,17 +9,15 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from openai import BadRequestError
 
-from harness import servers
+from harness import procs, servers
 from harness import vllm_procs as vp
 from harness.procs import free_port
 from harness.servers import NAME, SERVE_ARGS, Server, ThreadedProxy, client
-from kv_pipe.cores import parse_cores
 from launch import proxy
 
 PROMPTS = vp.make_prompts()
@@ -139,46 +137,14 @@ def test_serving_through_a_store_equals_a_single_server(
     with servers.serve_stack(model, tmp_path_factory.mktemp("store-stack"), kv_options=options) as urls:
         answers = ask_all(urls["proxy"])
         # Each engine process computes on the other cores; its kvbridge threads run on the last one.
-        threads = {
-            pid: [parse_cores(cores) for cores in all_cores] for pid, all_cores in serve_descendants_threads().items()
-        }
-        engines = {pid: cores for pid, cores in threads.items() if last not in cores[0]}  # bound main thread
+        threads = {pid: procs.thread_cores(pid) for pid in procs.group_processes(urls["group"])}
+        engines = {pid: t for pid, t in threads.items() if pid in t and last not in t[pid][1]}  # bound main thread
         assert len(engines) >= 4, threads
-        assert all({last} in cores for cores in engines.values()), engines
+        assert all(any(cores == {last} for _, cores in t.values()) for t in engines.values()), engines
     for kind in ("completions", "stream", "chat", "chat_stream"):
         assert answers[kind] == reference[kind], kind
     assert sum(answers["cached"]) > 0, "no decode request found its prefix in the store"
     assert any(store.iterdir()), "nothing was stored"
-
-
-def serve_descendants_threads() -> dict[int, list[str]]:
-    """Per process started (at any depth) by a ``launch.serve`` process: its threads' allowed cores
-    (``Cpus_allowed_list``), the main thread's first."""
-    parents, commands = {}, {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                commands[int(entry.name)] = (entry / "cmdline").read_bytes()
-            except (OSError, IndexError, ValueError):
-                pass
-    roots = {pid for pid, command in commands.items() if b"launch.serve" in command}
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid in roots:
-                return True
-        return False
-
-    found = {}
-    for pid in filter(descends, parents):
-        try:
-            tids = sorted((Path(f"/proc/{pid}/task").iterdir()), key=lambda task: int(task.name) != pid)
-            found[pid] = [re.search(r"Cpus_allowed_list:\s*(\S+)", (t / "status").read_text()).group(1) for t in tids]
-        except OSError:
-            pass  # gone meanwhile
-    return found
 
 
 def test_proxy_falls_back_to_the_decode_instance_when_prefill_is_down(stack: dict, reference: dict) -> None:
